@@ -1,0 +1,189 @@
+"""The ``raytrain-eks`` command: a thin layer over library functions.
+
+    raytrain-eks train                 # local fine-tune of the built-in tiny model on the shipped data
+    raytrain-eks init                  # write a commented raytrain-eks.yaml
+    raytrain-eks config show           # the resolved configuration (file + environment + flags)
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from raytrain_eks import presets
+from raytrain_eks.config import DEFAULT_CONFIG_FILE, Config, env_file_lines, load_config
+from raytrain_eks.errors import UserError
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Fine-tune LLMs with Ray Train + FSDP on EKS (or locally).")
+config_app = typer.Typer(no_args_is_help=True, help="Show the resolved configuration.")
+app.add_typer(config_app, name="config")
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help=f"YAML configuration (default: ./{DEFAULT_CONFIG_FILE} if present).")
+]
+PresetOpt = Annotated[
+    str | None,
+    typer.Option(help=f"Starting point under the file: {', '.join(presets.PRESETS)} (default: local-tiny locally, "
+    "reference with --address)."),
+]
+
+
+def _preset(name: str | None, address: str | None) -> Config:
+    if name is None:
+        return presets.local_tiny() if address is None else presets.reference()
+    if name not in presets.PRESETS:
+        raise UserError(f"--preset {name!r} is not known; choose one of: {', '.join(presets.PRESETS)}")
+    return presets.PRESETS[name]()
+
+
+@app.command()
+def train(
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    address: Annotated[
+        str | None, typer.Option(help="Join a running Ray cluster ('auto' or HOST:PORT) instead of starting one here.")
+    ] = None,
+    output_dir: Annotated[Path | None, typer.Option(help="Run folder (default: runs/<time>-<model>).")] = None,
+    model: Annotated[str | None, typer.Option(help="Hugging Face hub id, model folder, or builtin:tiny-qwen2.")] = None,
+    data: Annotated[
+        str | None, typer.Option(help="'random', builtin:sample-instructions, or JSONL/JSON/Parquet file or folder (s3:// too).")
+    ] = None,
+    data_format: Annotated[str | None, typer.Option(help="text, instruction or chat.")] = None,
+    steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per packed sample.")] = None,
+    batch_size: Annotated[int | None, typer.Option(help="Samples per worker per micro-batch.")] = None,
+    learning_rate: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
+    num_workers: Annotated[int | None, typer.Option(help="Training workers; 0 = one per GPU (2 on CPU).")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's and the workers' logs.")] = False,
+) -> None:
+    """Fine-tune a causal LM with Ray Train + FSDP2. With no arguments: a local run of the built-in tiny model."""
+    from raytrain_eks.train.launch import run_training
+
+    flags: dict[str, Any] = {
+        "model_id": model,
+        "data": data,
+        "data_format": data_format,
+        "steps": steps,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "learning_rate": learning_rate,
+        "num_workers": num_workers,
+        "output_dir": str(output_dir) if output_dir else None,
+    }
+    cfg = load_config(preset=_preset(preset, address), path=config, overrides={"training": flags})
+    with _Progress() as progress:
+        result = run_training(cfg, address=address, say=progress.say, progress=progress.update, verbose=verbose)
+    s = result.summary
+    mfu = "n/a on CPU" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"
+    out.print(
+        f"done: {s['steps']} steps, loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}, "
+        f"{s['tokens_per_s']:.0f} tokens/s, MFU {mfu}, {s['wall_s']:.0f} s"
+    )
+    out.print(f"Run folder: {result.run_dir}")
+
+
+class _Progress:
+    """A progress bar over training steps on the driver, fed by the workers' metric records."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._bar = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeRemainingColumn(),
+            console=out,
+            transient=False,
+        )
+        self._task: Any = None
+
+    def __enter__(self) -> _Progress:
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.__exit__(*exc)
+
+    def say(self, line: str) -> None:
+        self._bar.console.print(line)
+
+    def update(self, record: dict[str, Any], total: int) -> None:
+        if self._task is None:
+            self._task = self._bar.add_task("train", total=total, info="")
+        info = f"loss {record['loss']:.3f}  {record['tokens_per_s']:.0f} tok/s  lr {record['lr']:.2e}"
+        self._bar.update(self._task, completed=record["step"], info=info)
+
+
+@app.command()
+def init(
+    path: Annotated[Path, typer.Argument(help="File to write.")] = Path(DEFAULT_CONFIG_FILE),
+    preset: Annotated[str, typer.Option(help=f"One of: {', '.join(presets.PRESETS)}.")] = "reference",
+    force: Annotated[bool, typer.Option(help="Overwrite an existing file.")] = False,
+) -> None:
+    """Write a commented configuration file holding every setting of every step."""
+    from raytrain_eks.config_file import commented_yaml
+
+    if path.exists() and not force:
+        raise UserError(f"{path} already exists", hint="Pass --force to overwrite it, or give another path.")
+    cfg = _preset(preset, address=None)
+    path.write_text(commented_yaml(cfg))
+    out.print(f"wrote {path} (preset {preset}); edit it, then run `raytrain-eks config show`")
+
+
+@config_app.command("show")
+def config_show(
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    env: Annotated[bool, typer.Option("--env", help="Print as env.sh export lines instead of YAML.")] = False,
+) -> None:
+    """Print the configuration after the file, the environment and the preset are combined and validated."""
+    cfg = load_config(preset=_preset(preset, None), path=config)
+    if env:
+        out.print("\n".join(env_file_lines(cfg)), soft_wrap=True)
+    else:
+        out.print(cfg.to_yaml(), end="", soft_wrap=True)
+        d = cfg.derived
+        out.print(
+            f"# derived: world_size={d.world_size} workers_per_node={d.workers_per_node} "
+            f"cluster_gpus={d.cluster_gpus} ray_gpus_per_worker_pod={d.ray_gpus_per_worker_pod}",
+            soft_wrap=True,
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: runs the app and turns every :class:`UserError` into one message and an exit code."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        app(args=argv, standalone_mode=False)
+    except UserError as exc:
+        err.print(f"[bold red]error:[/] {exc.message}")
+        if exc.hint:
+            err.print(exc.hint)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err.print("aborted")
+        sys.exit(130)
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        sys.exit(130)
+    except Exception as exc:
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise
+
+
+if __name__ == "__main__":
+    main()

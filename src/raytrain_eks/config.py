@@ -1,0 +1,385 @@
+"""One typed configuration for every step: cluster, add-ons, Ray, network environment and training.
+
+Layers, lowest first: a named preset (:mod:`raytrain_eks.presets`), the YAML file, environment variables with
+the reference's names (``STEPS=20``), then command-line flags. The merged result is validated once; every
+problem is reported together as a :class:`~raytrain_eks.errors.ConfigError` naming the field, the bad value,
+where it came from and what is allowed. Example::
+
+    cfg = load_config(preset=presets.local_tiny(), path=None, environ={"STEPS": "20"})
+    cfg.training.steps  # 20
+    cfg.derived.world_size
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from raytrain_eks.errors import ConfigError
+
+DEFAULT_CONFIG_FILE = "raytrain-eks.yaml"
+
+BUILTIN_MODEL = "builtin:tiny-qwen2"
+BUILTIN_DATA = "builtin:sample-instructions"
+RANDOM_DATA = "random"
+
+_REGION = re.compile(r"^[a-z]{2}(-gov|-iso[a-z]?)?-[a-z]+-\d$")
+_INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9-]+$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_EKS_NAME = re.compile(r"^[0-9A-Za-z][A-Za-z0-9_-]*$")
+_IMAGE = re.compile(r"^[a-z0-9.-]+(:\d+)?(/[a-z0-9._-]+)+(:[A-Za-z0-9_.-]{1,128}|@sha256:[0-9a-f]{64})$")
+_VERSION = re.compile(r"^v?\d+\.\d+\.\d+([-+][0-9A-Za-z.-]+)?$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=True)
+
+
+def _check(pattern: re.Pattern[str], value: str, allowed: str) -> str:
+    if not pattern.match(value):
+        raise ValueError(f"allowed: {allowed}")
+    return value
+
+
+class ClusterConfig(_Section):
+    """The EKS cluster and its node groups (reference: two g6.12xlarge GPU nodes, one m7i.xlarge system node)."""
+
+    name: str = Field("ray-train-eks", max_length=100)
+    region: str = "us-east-1"
+    k8s_version: str = "1.33"
+    system_node_type: str = "m7i.xlarge"
+    system_node_count: int = Field(1, ge=1, le=100)
+    gpu_node_type: str = "g6.12xlarge"
+    gpu_node_count: int = Field(2, ge=1, le=1000)
+    gpus_per_node: int = Field(4, ge=1, le=16)
+    gpu_nodegroup_name: str = "gpu-efa"
+    gpu_az: str | None = None
+
+    @field_validator("name", "gpu_nodegroup_name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _check(_EKS_NAME, v, "letters, digits, '-' and '_', starting with a letter or digit")
+
+    @field_validator("region")
+    @classmethod
+    def _region(cls, v: str) -> str:
+        return _check(_REGION, v, "an AWS region such as us-east-1")
+
+    @field_validator("k8s_version")
+    @classmethod
+    def _k8s(cls, v: str) -> str:
+        return _check(re.compile(r"^1\.\d{2}$"), v, "a Kubernetes minor version such as 1.33")
+
+    @field_validator("system_node_type", "gpu_node_type")
+    @classmethod
+    def _itype(cls, v: str) -> str:
+        return _check(_INSTANCE_TYPE, v, "an EC2 instance type such as g6.12xlarge")
+
+    @field_validator("gpu_az")
+    @classmethod
+    def _az(cls, v: str | None) -> str | None:
+        if v in (None, ""):
+            return None
+        return _check(re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d[a-z]$"), v, "an availability zone such as us-east-1a")
+
+    @model_validator(mode="after")
+    def _az_in_region(self) -> ClusterConfig:
+        if self.gpu_az and not self.gpu_az.startswith(self.region):
+            raise ValueError(
+                f"gpu_az {self.gpu_az!r} is not in region {self.region!r}; pick a zone of that region"
+            )
+        return self
+
+
+class AddonsConfig(_Section):
+    """Pinned versions of the cluster add-ons (Helm chart versions)."""
+
+    kuberay_version: str = "1.7.0"
+    nvidia_device_plugin_version: str = "0.20.0"
+    efa_device_plugin_version: str = "v0.5.30"
+
+    @field_validator("*")
+    @classmethod
+    def _ver(cls, v: str) -> str:
+        return _check(_VERSION, v, "a release version such as 1.7.0 or v0.5.30")
+
+
+class RayConfig(_Section):
+    """The RayCluster: image (unchanged for head and workers), Ray version, namespace and worker pod size."""
+
+    image: str = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
+    version: str = "2.58.0"
+    namespace: str = "default"
+    cluster_name: str = "ray-train"
+    worker_cpu: int = Field(40, ge=1)
+    worker_memory_gib: int = Field(160, ge=1)
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        return _check(_IMAGE, v, "REGISTRY/REPOSITORY:TAG or REGISTRY/REPOSITORY@sha256:DIGEST")
+
+    @field_validator("version")
+    @classmethod
+    def _ver(cls, v: str) -> str:
+        return _check(_VERSION, v, "a Ray release such as 2.58.0")
+
+    @field_validator("namespace", "cluster_name")
+    @classmethod
+    def _dns(cls, v: str) -> str:
+        if len(v) > 63:
+            raise ValueError("at most 63 characters")
+        return _check(_DNS_LABEL, v, "lower-case letters, digits and '-', starting and ending with a letter or digit")
+
+
+def _reference_network_env() -> dict[str, str]:
+    return {"FI_PROVIDER": "efa", "NCCL_NET_PLUGIN": "ofi", "NCCL_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "INFO"}
+
+
+class NetworkConfig(_Section):
+    """Environment of the Ray workers that steers NCCL onto EFA."""
+
+    env: dict[str, str] = Field(default_factory=_reference_network_env)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in v if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", k)]
+        if bad:
+            raise ValueError(f"not environment variable names: {', '.join(bad)}")
+        return v
+
+
+class TrainingConfig(_Section):
+    """The fine-tuning job run by every Ray Train worker."""
+
+    model_id: str = "Qwen/Qwen2.5-1.5B"
+    data: str = RANDOM_DATA
+    data_format: Literal["text", "instruction", "chat"] = "instruction"
+    text_field: str = "text"
+    steps: int = Field(100, ge=1)
+    seq_len: int = Field(1024, ge=8, le=131072)
+    batch_size: int = Field(2, ge=1, le=4096)
+    grad_accum_steps: int = Field(1, ge=1, le=1024)
+    learning_rate: float = Field(2e-5, gt=0, le=1)
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    warmup_steps: int = Field(10, ge=0)
+    weight_decay: float = Field(0.01, ge=0, le=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+    num_workers: int = Field(0, ge=0, le=4096)
+    precision: Literal["bf16", "fp32"] = "bf16"
+    activation_checkpointing: bool = False
+    seed: int = Field(0, ge=0)
+    log_every: int = Field(10, ge=1)
+    output_dir: str | None = None
+
+    @field_validator("model_id", "data", "text_field")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _warmup(self) -> TrainingConfig:
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must not exceed steps ({self.steps})")
+        return self
+
+    @property
+    def uses_random_data(self) -> bool:
+        return self.data == RANDOM_DATA
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Values computed from the settings, in one place, so none is ever typed twice.
+
+    ``cluster_gpus``: GPUs in the GPU node group. ``ray_gpus_per_worker_pod``: both Ray's ``num-gpus`` and the pod's
+    ``nvidia.com/gpu`` request. ``world_size``: training workers on the cluster (``num_workers`` or, when 0, one
+    per GPU). ``workers_per_node``: ranks on each GPU node.
+    """
+
+    cluster_gpus: int
+    ray_gpus_per_worker_pod: int
+    world_size: int
+    workers_per_node: int
+
+
+class Config(_Section):
+    """Every setting of every step. Build it with :func:`load_config`; derived values are on :attr:`derived`."""
+
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    addons: AddonsConfig = Field(default_factory=AddonsConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+    network: NetworkConfig = Field(default_factory=NetworkConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+
+    @property
+    def derived(self) -> Derived:
+        gpus = self.cluster.gpu_node_count * self.cluster.gpus_per_node
+        world = self.training.num_workers or gpus
+        per_node = -(-world // self.cluster.gpu_node_count)
+        return Derived(
+            cluster_gpus=gpus,
+            ray_gpus_per_worker_pod=self.cluster.gpus_per_node,
+            world_size=world,
+            workers_per_node=per_node,
+        )
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# Environment variables of the reference's scripts/env.sh and the setting each one overrides.
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "CLUSTER_NAME": ("cluster", "name"),
+    "REGION": ("cluster", "region"),
+    "K8S_VERSION": ("cluster", "k8s_version"),
+    "SYSTEM_NODE_TYPE": ("cluster", "system_node_type"),
+    "SYSTEM_NODE_COUNT": ("cluster", "system_node_count"),
+    "GPU_NODE_TYPE": ("cluster", "gpu_node_type"),
+    "GPU_NODE_COUNT": ("cluster", "gpu_node_count"),
+    "GPUS_PER_NODE": ("cluster", "gpus_per_node"),
+    "GPU_NODEGROUP_NAME": ("cluster", "gpu_nodegroup_name"),
+    "GPU_AZ": ("cluster", "gpu_az"),
+    "DLC_IMAGE": ("ray", "image"),
+    "KUBERAY_VERSION": ("addons", "kuberay_version"),
+    "RAY_VERSION": ("ray", "version"),
+    "NVIDIA_DEVICE_PLUGIN_VERSION": ("addons", "nvidia_device_plugin_version"),
+    "EFA_DEVICE_PLUGIN_VERSION": ("addons", "efa_device_plugin_version"),
+    "NAMESPACE": ("ray", "namespace"),
+    "RAY_CLUSTER_NAME": ("ray", "cluster_name"),
+    "MODEL_ID": ("training", "model_id"),
+    "STEPS": ("training", "steps"),
+    "SEQ_LEN": ("training", "seq_len"),
+    "BATCH_SIZE": ("training", "batch_size"),
+    "LEARNING_RATE": ("training", "learning_rate"),
+    "NUM_WORKERS": ("training", "num_workers"),
+}
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([f"cannot read the file: {exc.strerror}"], source=str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError([f"not valid YAML{where}: {getattr(exc, 'problem', exc)}"], source=str(path)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            [f"the top level must be a mapping of sections ({', '.join(Config.model_fields)}), got {type(data).__name__}"],
+            source=str(path),
+        )
+    return data
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Return a new dict: ``over`` laid on ``base``, section by section. Neither input is changed."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict) and key != "env":
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _set(tree: dict[str, Any], section: str, field: str, value: Any) -> None:
+    tree.setdefault(section, {})[field] = value
+
+
+def _format_error(err: dict[str, Any], sources: dict[tuple[str, ...], str], tree: dict[str, Any]) -> str:
+    loc = tuple(str(p) for p in err["loc"])
+    path = ".".join(loc) if loc else "(top level)"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        parent: type[BaseModel] = Config
+        for part in loc[:-1]:
+            field = parent.model_fields.get(part)
+            annotation = field.annotation if field else None
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                parent = annotation
+        msg = f"unknown setting; allowed here: {', '.join(parent.model_fields)}"
+    src = sources.get(loc) or ""
+    if len(loc) == 1:  # a check across fields of one section: name where the fields it mentions came from
+        src = ", ".join(sorted({v for k, v in sources.items() if len(k) == 2 and k[0] == loc[0] and k[1] in msg}))
+    origin = f" (from {src})" if src else ""
+    if len(loc) >= 2 and err["type"] != "extra_forbidden":
+        value: Any = tree
+        for part in loc:
+            value = value.get(part) if isinstance(value, dict) else None
+        return f"{path} = {value!r}{origin}: {msg}"
+    return f"{path}{origin}: {msg}"
+
+
+def load_config(
+    *,
+    preset: Config | None = None,
+    path: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Config:
+    """Build and validate the configuration from its layers; raise :class:`ConfigError` listing every problem.
+
+    ``path=None`` reads ``raytrain-eks.yaml`` from the current folder when it exists; an explicit path must exist.
+    ``environ`` defaults to ``os.environ``; only the names in :data:`ENV_VARS` are read. ``overrides`` are flag
+    values, ``{"training": {"steps": 5}}``; ``None`` values are ignored.
+    """
+    tree = (preset or Config()).model_dump(mode="python")
+    sources: dict[tuple[str, ...], str] = {}
+
+    file = Path(path) if path is not None else Path(DEFAULT_CONFIG_FILE)
+    if path is not None and not file.exists():
+        raise ConfigError(
+            [f"config file {str(file)!r} does not exist; create one with `raytrain-eks init {file}`"],
+        )
+    if file.exists():
+        data = _read_yaml(file)
+        tree = _merge(tree, data)
+        for section, values in data.items():
+            if isinstance(values, dict):
+                for field in values:
+                    sources[(section, str(field))] = str(file)
+            sources[(section,)] = str(file)
+
+    env = os.environ if environ is None else environ
+    for name, (section, field) in ENV_VARS.items():
+        if name in env:
+            _set(tree, section, field, env[name])
+            sources[(section, field)] = f"environment variable {name}"
+
+    for section, values in (overrides or {}).items():
+        for field, value in values.items():
+            if value is not None:
+                _set(tree, section, field, value)
+                sources[(section, field)] = f"flag --{field.replace('_', '-')}"
+
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        problems = [_format_error(e, sources, tree) for e in exc.errors()]
+        raise ConfigError(problems) from None
+
+
+def env_file_lines(cfg: Config) -> list[str]:
+    """The configuration as ``export NAME=value`` lines of the reference's env.sh names."""
+    lines = []
+    for name, (section, field) in ENV_VARS.items():
+        value = getattr(getattr(cfg, section), field)
+        lines.append(f"export {name}={'' if value is None else value}")
+    return lines

@@ -1,0 +1,45 @@
+"""Named starting points for the configuration; each returns a fresh :class:`~raytrain_eks.config.Config`.
+
+``reference()`` is AWS's reference deployment (2 x g6.12xlarge, Qwen2.5-1.5B, random token ids).
+``local_tiny()`` changes only the training section so the same job runs on a laptop's CPUs in minutes.
+Example::
+
+    cfg = load_config(preset=local_tiny())
+"""
+
+from __future__ import annotations
+
+from raytrain_eks.config import BUILTIN_DATA, BUILTIN_MODEL, Config
+
+
+def reference() -> Config:
+    """The reference deployment's settings."""
+    return Config()
+
+
+def local_tiny() -> Config:
+    """A tiny Qwen2 model and the shipped instruction data: the default main job, no cloud, no network."""
+    base = reference()
+    training = base.training.model_copy(
+        update={
+            "model_id": BUILTIN_MODEL,
+            "data": BUILTIN_DATA,
+            "data_format": "instruction",
+            "steps": 150,
+            "seq_len": 128,
+            "batch_size": 8,
+            "learning_rate": 3e-3,
+            "warmup_steps": 10,
+            "weight_decay": 0.0,
+            "log_every": 10,
+        }
+    )
+    return base.model_copy(update={"training": training})
+
+
+def eks_2x_g6_12xlarge() -> Config:
+    """The reference cluster by name (same as :func:`reference`)."""
+    return reference()
+
+
+PRESETS = {"reference": reference, "local-tiny": local_tiny, "eks-2x-g6-12xlarge": eks_2x_g6_12xlarge}

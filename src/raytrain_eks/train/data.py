@@ -1,0 +1,395 @@
+"""Training data: formats, tokenization with prompt masking, packing, and the Ray Data pipeline.
+
+Pure pieces (tested on hand-made rows) come first:
+
+- :func:`encode_row` turns one row of a format (``text``, ``instruction``, ``chat``) into ``input_ids`` and
+  ``labels``, where prompt tokens carry :data:`IGNORE_INDEX` so no loss is taken on them;
+- :func:`pack` joins encoded rows into fixed ``seq_len`` blocks (the last one padded and masked);
+- :func:`random_batch` makes the reference's synthetic token ids for one rank and step.
+
+Then :func:`prepare_dataset` builds the Ray Data pipeline the driver runs before any worker starts: read
+(JSONL / JSON / Parquet, local or ``s3://``), tokenize, count malformed rows, shuffle, pack, materialize.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from raytrain_eks.errors import DataError
+
+IGNORE_INDEX = -100
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+ROLES = ("system", "user", "assistant")
+
+
+class MalformedRow(ValueError):
+    """A row that cannot be used; the message says why (it is counted, not raised to the user)."""
+
+
+# --------------------------------------------------------------------------------------------- encoding
+
+
+def _text(row: dict[str, Any], key: str, *, required: bool) -> str:
+    value = row.get(key)
+    if value is None or value == "":
+        if required:
+            raise MalformedRow(f"missing field '{key}'")
+        return ""
+    if not isinstance(value, str):
+        raise MalformedRow(f"field '{key}' is not a string")
+    return value
+
+
+def instruction_messages(row: dict[str, Any]) -> list[dict[str, str]]:
+    """An alpaca-style row (instruction, optional input, output) as a user/assistant conversation."""
+    instruction = _text(row, "instruction", required=True)
+    extra = _text(row, "input", required=False)
+    output = _text(row, "output", required=True)
+    prompt = f"{instruction}\n\n{extra}" if extra else instruction
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+
+
+def chat_messages(row: dict[str, Any]) -> list[dict[str, str]]:
+    """The ``messages`` of a chat row, checked: roles system/user/assistant, string contents, an assistant turn."""
+    messages = row.get("messages")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise MalformedRow("missing field 'messages' (a list of {role, content})")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise MalformedRow("a message is not {role: system|user|assistant, content: string}")
+        out.append({"role": m["role"], "content": m["content"]})
+    if not any(m["role"] == "assistant" for m in out):
+        raise MalformedRow("no assistant message to learn from")
+    return out
+
+
+def _segments(messages: list[dict[str, str]], tokenizer: Any) -> list[tuple[str, bool]]:
+    """Split a conversation into (text, trained) pieces; only assistant answers are trained.
+
+    With a chat template, each piece is the difference between renderings of growing prefixes of the
+    conversation, so the pieces add up to exactly the template's rendering. Without one, a plain
+    ``role: content`` layout is used and the answer ends with the EOS token.
+    """
+    if getattr(tokenizer, "chat_template", None):
+
+        def render(msgs: list[dict[str, str]], gen: bool = False) -> str:
+            if not msgs:
+                return ""
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+
+        pieces: list[tuple[str, bool]] = []
+        done = ""
+        for i, msg in enumerate(messages):
+            if msg["role"] == "assistant":
+                prompt = render(messages[:i], gen=True)
+                full = render(messages[: i + 1])
+                if not prompt.startswith(done) or not full.startswith(prompt):
+                    raise MalformedRow("the tokenizer's chat template does not render conversations incrementally")
+                pieces += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
+            else:
+                full = render(messages[: i + 1])
+                if not full.startswith(done):
+                    raise MalformedRow("the tokenizer's chat template does not render conversations incrementally")
+                pieces.append((full[len(done) :], False))
+            done = full
+        return pieces
+    eos = tokenizer.eos_token or ""
+    pieces = []
+    for msg in messages:
+        if msg["role"] == "assistant":
+            pieces += [("assistant: ", False), (msg["content"] + eos + "\n", True)]
+        else:
+            pieces.append((f"{msg['role']}: {msg['content']}\n", False))
+    return pieces
+
+
+def encode_row(row: dict[str, Any], data_format: str, tokenizer: Any, text_field: str = "text") -> tuple[list[int], list[int]]:
+    """Token ids and labels of one row; labels are :data:`IGNORE_INDEX` on prompt tokens.
+
+    >>> ids, labels = encode_row({"instruction": "Add 1 and 2.", "output": "3"}, "instruction", tok)
+    Raises :class:`MalformedRow` when the row does not fit the format.
+    """
+    if not isinstance(row, dict):
+        raise MalformedRow("the row is not a JSON object")
+    if data_format == "text":
+        text = _text(row, text_field, required=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            ids = ids + [tokenizer.eos_token_id]
+        return ids, list(ids)
+    if data_format == "instruction":
+        messages = instruction_messages(row)
+    elif data_format == "chat":
+        messages = chat_messages(row)
+    else:
+        raise ValueError(f"unknown data format {data_format!r}")
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, trained in _segments(messages, tokenizer):
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += piece if trained else [IGNORE_INDEX] * len(piece)
+    if not ids:
+        raise MalformedRow("the row has no tokens")
+    return ids, labels
+
+
+def pack(
+    rows: Iterable[tuple[Sequence[int], Sequence[int]]], seq_len: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate encoded rows and cut them into ``seq_len`` blocks; the tail block is padded and masked.
+
+    Returns ``(input_ids, labels)``, both ``int64`` arrays of shape ``[blocks, seq_len]``.
+    """
+    ids: list[int] = []
+    labels: list[int] = []
+    for row_ids, row_labels in rows:
+        if len(row_ids) != len(row_labels):
+            raise ValueError("input_ids and labels of a row differ in length")
+        ids.extend(row_ids)
+        labels.extend(row_labels)
+    n_blocks = -(-len(ids) // seq_len)
+    out_ids = np.full((n_blocks, seq_len), pad_id, dtype=np.int64)
+    out_labels = np.full((n_blocks, seq_len), IGNORE_INDEX, dtype=np.int64)
+    flat_ids = out_ids.reshape(-1)
+    flat_labels = out_labels.reshape(-1)
+    flat_ids[: len(ids)] = ids
+    flat_labels[: len(labels)] = labels
+    return out_ids, out_labels
+
+
+def random_batch(
+    *, seed: int, step: int, micro: int, rank: int, world_size: int, batch_size: int, seq_len: int, vocab_size: int
+) -> dict[str, Any]:
+    """The reference's synthetic data: uniform random token ids, the same global batch whatever the world size.
+
+    The global batch of (step, micro) is drawn from one generator and each rank takes its slice, so a run with
+    2 workers x batch 4 sees exactly the tokens of a run with 1 worker x batch 8.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step * 1_009 + micro)
+    full = torch.randint(0, vocab_size, (world_size * batch_size, seq_len), generator=gen)
+    mine = full[rank * batch_size : (rank + 1) * batch_size]
+    return {"input_ids": mine, "labels": mine.clone()}
+
+
+# --------------------------------------------------------------------------------------------- Ray Data
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a model (hub id or folder), loaded once per process."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _list_files(data: str) -> tuple[list[str], str]:
+    """The files to read and their reader ('json' or 'parquet'); :class:`DataError` when there are none.
+
+    ``data`` is a file or a folder, local or ``s3://`` (listed through pyarrow's file systems).
+    """
+    from pyarrow import fs as pafs
+
+    remote = "://" in data
+    try:
+        if remote:
+            filesystem, root = pafs.FileSystem.from_uri(data)
+        else:
+            filesystem, root = pafs.LocalFileSystem(), str(Path(data).expanduser().resolve())
+        info = filesystem.get_file_info(root)
+        if info.type == pafs.FileType.NotFound:
+            raise DataError(f"--data {data!r}: no such file or folder", hint="Give a JSONL, JSON or Parquet file or folder.")
+        if info.type == pafs.FileType.File:
+            found = [info]
+        else:
+            found = [i for i in filesystem.get_file_info(pafs.FileSelector(root, recursive=True)) if i.is_file]
+    except DataError:
+        raise
+    except Exception as exc:  # credentials, permissions, bad bucket names: say which and stop
+        raise DataError(f"--data {data!r}: cannot be listed: {_root_cause(exc)}") from None
+    prefix = data.split("://", 1)[0] + "://" if remote else ""
+    if len(found) == 1 and info.type == pafs.FileType.File:
+        suffix = Path(found[0].path).suffix
+        if suffix not in DATA_SUFFIXES:
+            raise DataError(f"--data {data!r}: unsupported file type {suffix or '(none)'!r}; use .jsonl, .json or .parquet")
+        return [prefix + found[0].path], DATA_SUFFIXES[suffix]
+    files = sorted(prefix + i.path for i in found if Path(i.path).suffix in DATA_SUFFIXES)
+    if not files:
+        raise DataError(f"--data {data!r}: the folder has no .jsonl, .json or .parquet file")
+    kinds = {DATA_SUFFIXES[Path(f).suffix] for f in files}
+    if len(kinds) > 1:
+        raise DataError(f"--data {data!r}: the folder mixes JSON and Parquet files; keep one kind per folder")
+    return files, kinds.pop()
+
+
+def _json_records(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows of one JSON or JSONL file, each kept as a JSON string (so rows of any shape fit one column)."""
+    text = bytes(row["bytes"]).decode("utf-8", errors="replace")
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        try:
+            items = json.loads(stripped)
+        except json.JSONDecodeError as exc:
+            return [{"json": "", "error": f"the file is not valid JSON ({exc.msg})"}]
+        return [{"json": json.dumps(item), "error": ""} for item in items]
+    out = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            out.append({"json": "", "error": "the line is not valid JSON"})
+            continue
+        out.append({"json": line, "error": ""})
+    return out
+
+
+def _encode_batch(batch: Any, *, tokenizer_path: str, data_format: str, text_field: str) -> dict[str, Any]:
+    """Ray Data ``map_batches`` step: encode a batch of rows, marking malformed ones instead of failing."""
+    tokenizer = load_tokenizer(tokenizer_path)
+    rows = batch.to_pylist()
+    ids_out, labels_out, reasons = [], [], []
+    for row in rows:
+        try:
+            if "json" in row:
+                if row.get("error"):
+                    raise MalformedRow(row["error"])
+                row = json.loads(row["json"])
+            ids, labels = encode_row(row, data_format, tokenizer, text_field)
+            reasons.append("")
+        except MalformedRow as exc:
+            ids, labels = [], []
+            reasons.append(str(exc))
+        ids_out.append(ids)
+        labels_out.append(labels)
+    return {
+        "input_ids": ids_out,
+        "labels": labels_out,
+        "reason": reasons,
+        "tokens": [len(i) for i in ids_out],
+        "trained": [sum(t != IGNORE_INDEX for t in lab) for lab in labels_out],
+    }
+
+
+def _pack_batch(batch: dict[str, Any], *, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    ids, labels = pack(zip(batch["input_ids"], batch["labels"], strict=True), seq_len, pad_id)
+    return {"input_ids": ids, "labels": labels}
+
+
+@dataclass
+class PreparedData:
+    """The packed, materialized training set and what was learned while making it."""
+
+    dataset: Any
+    rows: int
+    usable_rows: int
+    malformed: dict[str, int] = field(default_factory=dict)
+    blocks: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+
+    def describe(self, data: str, seq_len: int) -> str:
+        line = (
+            f"data: {data}: {self.usable_rows}/{self.rows} rows usable, {self.tokens} tokens "
+            f"({self.trained_tokens} trained), {self.blocks} blocks of {seq_len}"
+        )
+        if self.malformed:
+            reasons = "; ".join(f"{n} x {why}" for why, n in sorted(self.malformed.items(), key=lambda kv: -kv[1]))
+            line += f"\n  skipped {sum(self.malformed.values())} malformed rows: {reasons}"
+        return line
+
+
+def prepare_dataset(
+    *,
+    data: str,
+    data_format: str,
+    text_field: str,
+    tokenizer_path: str,
+    seq_len: int,
+    seed: int,
+    min_blocks: int,
+) -> PreparedData:
+    """Read, tokenize, shuffle and pack the data with Ray Data; raise :class:`DataError` when it is unusable.
+
+    Runs on the driver (Ray must be initialised) before any training worker starts. ``min_blocks`` is the number
+    of packed blocks one optimizer step consumes across all workers.
+    """
+    import ray.data
+    from ray.data.expressions import col
+
+    files, kind = _list_files(data)
+    try:
+        if kind == "parquet":
+            raw = ray.data.read_parquet(files)
+        else:
+            raw = ray.data.read_binary_files(files).flat_map(_json_records)
+        encoded = raw.map_batches(
+            _encode_batch,
+            batch_format="pyarrow",
+            fn_kwargs={"tokenizer_path": tokenizer_path, "data_format": data_format, "text_field": text_field},
+        ).materialize()
+    except DataError:
+        raise
+    except Exception as exc:  # Ray wraps reader errors; show the root cause, not Ray's traceback.
+        raise DataError(f"--data {data!r}: cannot be read: {_root_cause(exc)}") from None
+
+    reasons: Counter[str] = Counter()
+    tokens = trained = 0
+    for r in encoded.select_columns(["reason", "tokens", "trained"]).iter_rows():
+        reasons[r["reason"]] += 1
+        tokens += r["tokens"]
+        trained += r["trained"]
+    total = sum(reasons.values())
+    malformed = {why: n for why, n in reasons.items() if why}
+    usable = reasons.get("", 0)
+    if usable == 0:
+        detail = "; ".join(f"{n} x {why}" for why, n in malformed.items()) or "the data set is empty"
+        raise DataError(
+            f"--data {data!r}: no usable row for format '{data_format}' ({total} rows read: {detail})",
+            hint="Check --data-format (text, instruction or chat) and the field names of your rows.",
+        )
+    pad_id = load_tokenizer(tokenizer_path).pad_token_id
+    if pad_id is None:
+        pad_id = load_tokenizer(tokenizer_path).eos_token_id or 0
+    packed = (
+        encoded.filter(expr=col("reason") == "")
+        .drop_columns(["reason", "tokens", "trained"])
+        .random_shuffle(seed=seed)
+        .map_batches(_pack_batch, batch_size=1024, fn_kwargs={"seq_len": seq_len, "pad_id": pad_id})
+        .materialize()
+    )
+    blocks = packed.count()
+    if blocks < min_blocks:
+        raise DataError(
+            f"--data {data!r}: {usable} usable rows pack into {blocks} blocks of {seq_len} tokens, but one step needs "
+            f"{min_blocks} (workers x batch size x accumulation steps)",
+            hint="Use more data, a smaller --seq-len or batch size, or fewer workers.",
+        )
+    return PreparedData(
+        dataset=packed,
+        rows=total,
+        usable_rows=usable,
+        malformed=malformed,
+        blocks=blocks,
+        tokens=tokens,
+        trained_tokens=trained,
+    )
+
+
+def _root_cause(exc: BaseException) -> str:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = str(exc).strip().splitlines()
+    return text[-1] if text else type(exc).__name__

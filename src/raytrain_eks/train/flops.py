@@ -1,0 +1,66 @@
+"""FLOP accounting and model FLOPs utilisation (MFU), from a written formula and a table of GPU peaks.
+
+Training FLOPs per token = 6 * N + 12 * L * H * T, where N counts the parameters that take part in matrix
+multiplications (every decoder weight plus the output projection; the input embedding is a lookup), L is the
+number of layers, H the hidden size and T the sequence length. The second term is the attention score and
+value products (forward and backward), which 6 * N leaves out. Example::
+
+    fpt = flops_per_token(model.config, seq_len=2048)
+    mfu(tokens_per_s=5_000, flops_per_token=fpt, peak_flops=peak_flops_for("NVIDIA L4"), devices=8)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Dense bf16 tensor-core peaks per GPU in TFLOPS (no sparsity). Matched against torch.cuda.get_device_name().
+# A10G: AWS's variant of the A10, 70 TFLOPS dense bf16 as published for g5 instances.
+PEAK_BF16_TFLOPS: dict[str, float] = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 70.0,
+    "L4": 121.0,
+}
+
+
+def peak_flops_for(device_name: str | None) -> float | None:
+    """Peak dense bf16 FLOP/s of one device, or ``None`` on CPU or for a GPU the table does not know.
+
+    Names are matched whole-word ("NVIDIA L4" is an L4, "NVIDIA L40S" is not), so no card silently gets another
+    card's peak.
+    """
+    if not device_name:
+        return None
+    words = device_name.upper().replace("-", " ").split()
+    for key, tflops in PEAK_BF16_TFLOPS.items():
+        if key in words:
+            return tflops * 1e12
+    return None
+
+
+def matmul_params(config: Any) -> int:
+    """Parameters in matrix multiplications of a Llama/Qwen2-style decoder, from its Hugging Face config."""
+    h = config.hidden_size
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    inter = config.intermediate_size
+    attention = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
+    mlp = 3 * h * inter  # gate, up and down projections
+    lm_head = config.vocab_size * h
+    return layers * (attention + mlp) + lm_head
+
+
+def flops_per_token(config: Any, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * N + 12 * L * H * T (see the module docstring)."""
+    return 6.0 * matmul_params(config) + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+def mfu(*, tokens_per_s: float, flops_per_token: float, peak_flops: float | None, devices: int) -> float | None:
+    """Achieved FLOP/s over the peak of all devices; ``None`` when the peak is unknown (CPU)."""
+    if peak_flops is None or devices <= 0:
+        return None
+    return tokens_per_s * flops_per_token / (peak_flops * devices)

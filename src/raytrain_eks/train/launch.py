@@ -1,0 +1,204 @@
+"""The driver side of a training run: run folder, Ray, data preparation, ``TorchTrainer``, live metrics.
+
+Without an address it starts an embedded Ray on this machine; with ``address="auto"`` or ``HOST:PORT`` it joins
+a running cluster (how it runs inside the head pod on EKS). Example::
+
+    result = run_training(load_config(preset=local_tiny()), address=None)
+    result.run_dir / "summary.json"
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from raytrain_eks.config import BUILTIN_DATA, Config
+from raytrain_eks.errors import TrainingError, UserError
+
+LOCAL_CPU_WORKERS = 2
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    summary: dict[str, Any]
+    records: list[dict[str, Any]]
+
+
+def new_run_dir(cfg: Config, root: Path = Path("runs")) -> Path:
+    """``runs/<UTC time>-<model name>``, created now; an explicit ``training.output_dir`` is used as given."""
+    if cfg.training.output_dir:
+        path = Path(cfg.training.output_dir).expanduser()
+        if path.exists() and any(path.iterdir()):
+            raise UserError(
+                f"--output-dir {str(path)!r} already exists and is not empty",
+                hint="Pick a new folder (or leave --output-dir out for a fresh one under runs/).",
+            )
+    else:
+        slug = re.sub(r"[^A-Za-z0-9.-]+", "-", cfg.training.model_id.split("/")[-1].split(":")[-1]).strip("-")
+        path = root / f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{slug}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path.resolve()
+
+
+def resolve_num_workers(requested: int, cluster_gpus: int) -> tuple[int, bool]:
+    """(workers, use_gpu): ``requested`` when set, else one per GPU in the Ray cluster, else 2 CPU workers."""
+    use_gpu = cluster_gpus > 0
+    if requested:
+        return requested, use_gpu
+    return (cluster_gpus, True) if use_gpu else (LOCAL_CPU_WORKERS, False)
+
+
+def _init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
+    import ray
+
+    if not verbose:  # Ray Data logs every operator's progress; the driver shows its own one-line summary
+        for name in ("ray", "ray.data", "ray.train"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {"log_to_driver": verbose, "configure_logging": verbose}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        # Logical CPUs: one per training worker plus room for Ray Data's tasks, even on a 2-core machine.
+        cpus = max(os.cpu_count() or 1, num_workers + 2)
+        ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
+
+
+def _data_source(cfg: Config) -> str:
+    if cfg.training.data == BUILTIN_DATA:
+        from raytrain_eks.train.builtin import sample_data_path
+
+        return str(sample_data_path())
+    return cfg.training.data
+
+
+def run_training(
+    cfg: Config,
+    *,
+    address: str | None = None,
+    runs_root: Path = Path("runs"),
+    say: Callable[[str], None] = print,
+    progress: Any | None = None,
+    verbose: bool = False,
+) -> RunResult:
+    """Train with Ray Train as configured and write the run folder; raise a :class:`UserError` on failure.
+
+    ``say`` prints one-line status messages; ``progress`` (optional) is called as ``progress(record, total_steps)``
+    for every metric record as it arrives.
+    """
+    import ray
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.util.queue import Queue
+
+    from raytrain_eks.train.data import prepare_dataset
+    from raytrain_eks.train.loop import ray_worker_entry
+    from raytrain_eks.train.model import check_model, resolve_model_path
+
+    t_start = time.perf_counter()
+    training = cfg.training
+    run_dir = new_run_dir(cfg, runs_root)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    say(f"run folder: {run_dir}")
+
+    model_path = resolve_model_path(training.model_id)
+    check_model(model_path)
+
+    _init_ray(address, training.num_workers or LOCAL_CPU_WORKERS, verbose)
+    num_workers, use_gpu = resolve_num_workers(training.num_workers, int(ray.cluster_resources().get("GPU", 0)))
+    say(f"ray: {num_workers} {'GPU' if use_gpu else 'CPU'} workers, model {training.model_id}")
+
+    datasets = {}
+    if not training.uses_random_data:
+        prepared = prepare_dataset(
+            data=_data_source(cfg),
+            data_format=training.data_format,
+            text_field=training.text_field,
+            tokenizer_path=model_path,
+            seq_len=training.seq_len,
+            seed=training.seed,
+            min_blocks=num_workers * training.batch_size * training.grad_accum_steps,
+        )
+        say(prepared.describe(training.data, training.seq_len))
+        datasets["train"] = prepared.dataset
+    else:
+        say(f"data: random token ids, {training.seq_len} tokens per sample")
+
+    queue = Queue()
+    trainer = TorchTrainer(
+        ray_worker_entry,
+        train_loop_config={"training": training.model_dump(mode="json"), "model_path": model_path, "metrics_queue": queue},
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
+        run_config=ray.train.RunConfig(name="ray", storage_path=str(run_dir)),
+        datasets=datasets,
+    )
+
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # handed to the main thread below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread.start()
+    records: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    with (run_dir / "metrics.jsonl").open("w") as metrics_file:
+
+        def drain(timeout: float) -> None:
+            try:
+                record = queue.get(timeout=timeout)
+            except Exception:  # queue.Empty
+                return
+            if "summary" in record:
+                summary.update(record["summary"])
+                return
+            records.append(record)
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            if progress is not None:
+                progress(record, training.steps)
+
+        while thread.is_alive():
+            drain(0.5)
+        while not queue.empty():
+            drain(0.1)
+    thread.join()
+    ray.kill(queue.actor)
+
+    if "error" in outcome:
+        raise TrainingError(f"training failed: {_worker_error(outcome['error'])}", hint=f"Run folder: {run_dir}")
+    if not summary:
+        raise TrainingError("training finished without a summary from rank 0", hint=f"Run folder: {run_dir}")
+    summary["wall_s"] = time.perf_counter() - t_start
+    summary["model_id"] = training.model_id
+    summary["data"] = training.data
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return RunResult(run_dir=run_dir, summary=summary, records=records)
+
+
+def _worker_error(exc: BaseException) -> str:
+    failures = getattr(exc, "worker_failures", None)
+    if failures:
+        rank, err = sorted(failures.items())[0]
+        cause: BaseException = err
+        while getattr(cause, "cause", None) is not None:
+            cause = cause.cause
+        lines = [ln for ln in str(cause).strip().splitlines() if ln.strip()]
+        return f"rank {rank}: {lines[-1] if lines else type(cause).__name__}"
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__

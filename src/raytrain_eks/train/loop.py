@@ -1,0 +1,181 @@
+"""The training loop every worker runs, whoever launched it (Ray Train, torchrun, a test).
+
+Per step: take ``grad_accum_steps`` micro-batches, count the trained tokens across all ranks, run forward and
+backward with the loss normalised by that global count (so any world size computes the same gradient as one
+process with the whole batch), clip, step AdamW and the warm-up + cosine schedule. Every ``log_every`` steps
+(and on the first and last) the global loss and throughput go to the driver as one record.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from raytrain_eks.config import TrainingConfig
+from raytrain_eks.train.context import WorkerContext
+from raytrain_eks.train.data import IGNORE_INDEX, random_batch
+from raytrain_eks.train.flops import flops_per_token, mfu, peak_flops_for
+from raytrain_eks.train.model import load_model
+from raytrain_eks.train.sharding import apply_fsdp
+
+
+def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Learning-rate multiplier after ``step`` optimizer steps: linear warm-up, then cosine down to ``min_ratio``."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _batches(cfg: TrainingConfig, ctx: WorkerContext, vocab_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    if cfg.uses_random_data:
+        step = 0
+        while True:
+            for micro in range(cfg.grad_accum_steps):
+                yield random_batch(
+                    seed=cfg.seed,
+                    step=step,
+                    micro=micro,
+                    rank=ctx.rank,
+                    world_size=ctx.world_size,
+                    batch_size=cfg.batch_size,
+                    seq_len=cfg.seq_len,
+                    vocab_size=vocab_size,
+                )
+            step += 1
+    else:
+        yield from ctx.data_batches(cfg.batch_size)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> dict[str, Any]:
+    """Run ``cfg.steps`` optimizer steps on this worker and return the summary (also handed to ``ctx.finish``)."""
+    torch.manual_seed(cfg.seed)
+    device = ctx.device
+    model = load_model(model_path, activation_checkpointing=cfg.activation_checkpointing)
+    n_params = sum(p.numel() for p in model.parameters())
+    model.to(device)
+    apply_fsdp(model, precision=cfg.precision)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, eps=1e-8
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: warmup_cosine(s, warmup=cfg.warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio),
+    )
+
+    fpt = flops_per_token(model.config, cfg.seq_len)
+    peak = peak_flops_for(device_name(device)) if device.type == "cuda" else None
+    tokens_per_step = ctx.world_size * cfg.batch_size * cfg.grad_accum_steps * cfg.seq_len
+    batches = _batches(cfg, ctx, model.config.vocab_size)
+
+    step_times: list[float] = []
+    losses: dict[int, float] = {}
+    window_start, window_tokens = time.perf_counter(), 0
+    loop_start = time.perf_counter()
+    model.train()
+    for step in range(1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
+        counts = torch.tensor(
+            [float((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro], dtype=torch.float64, device=device
+        )
+        global_count = counts.sum().clone()
+        dist.all_reduce(global_count)
+        scale = ctx.world_size / max(1.0, float(global_count))
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for i, mb in enumerate(micro):
+            model.set_requires_gradient_sync(i == len(micro) - 1)
+            input_ids = mb["input_ids"].to(device, non_blocking=True)
+            labels = mb["labels"].to(device, non_blocking=True)
+            logits = model(input_ids=input_ids).logits
+            token_loss = F.cross_entropy(
+                logits[:, :-1].float().reshape(-1, logits.size(-1)),
+                labels[:, 1:].reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+            (token_loss * scale).backward()
+            loss_sum += token_loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        step_time = time.perf_counter() - t0
+        step_times.append(step_time)
+        window_tokens += tokens_per_step
+
+        if step == 1 or step % cfg.log_every == 0 or step == cfg.steps:
+            dist.all_reduce(loss_sum)
+            loss = float(loss_sum) / max(1.0, float(global_count))
+            losses[step] = loss
+            now = time.perf_counter()
+            tps = window_tokens / (now - window_start)
+            ctx.emit(
+                {
+                    "step": step,
+                    "loss": loss,
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    "tokens": step * tokens_per_step,
+                    "tokens_per_s": tps,
+                    "step_time_s": step_time,
+                    "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
+                }
+            )
+            window_start, window_tokens = time.perf_counter(), 0
+
+    train_s = time.perf_counter() - loop_start
+    steady = step_times[min(len(step_times) - 1, max(2, len(step_times) // 10)) :]
+    tokens = cfg.steps * tokens_per_step
+    tps = tokens / train_s
+    summary = {
+        "steps": cfg.steps,
+        "first_loss": losses[1],
+        "final_loss": losses[cfg.steps],
+        "tokens": tokens,
+        "train_s": train_s,
+        "tokens_per_s": tps,
+        "step_time_s": statistics.median(steady),
+        "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
+        "flops_per_token": fpt,
+        "parameters": n_params,
+        "world_size": ctx.world_size,
+        "device": device_name(device),
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+    }
+    ctx.finish(summary)
+    return summary
+
+
+def ray_worker_entry(job: dict[str, Any]) -> None:
+    """The ``train_loop_per_worker`` given to Ray Train's ``TorchTrainer``."""
+    from raytrain_eks.train.context import RayContext
+
+    _quiet_libraries()
+    cfg = TrainingConfig.model_validate(job["training"])
+    train(cfg, job["model_path"], RayContext(job.get("metrics_queue")))
+
+
+def _quiet_libraries() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
