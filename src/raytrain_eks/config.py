@@ -171,7 +171,7 @@ class TrainingConfig(_Section):
     grad_accum_steps: int = Field(1, ge=1, le=1024)
     learning_rate: float = Field(2e-5, gt=0, le=1)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: int = Field(10, ge=0)
+    warmup_steps: int | None = Field(None, ge=0)
     weight_decay: float = Field(0.01, ge=0, le=1)
     max_grad_norm: float = Field(1.0, gt=0)
     num_workers: int = Field(0, ge=0, le=4096)
@@ -190,9 +190,14 @@ class TrainingConfig(_Section):
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainingConfig:
-        if self.warmup_steps > self.steps:
+        if self.warmup_steps is not None and self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must not exceed steps ({self.steps})")
         return self
+
+    @property
+    def effective_warmup_steps(self) -> int:
+        """``warmup_steps`` when set, else 5% of the steps (rounded up)."""
+        return self.warmup_steps if self.warmup_steps is not None else -(-self.steps // 20)
 
     @property
     def uses_random_data(self) -> bool:

@@ -27,6 +27,7 @@ FIELD_HELP = {
     ("training", "batch_size"): "packed samples per worker per micro-batch",
     ("training", "num_workers"): "training workers; 0 = one per GPU in the cluster (2 CPU workers locally)",
     ("training", "precision"): "bf16 (bf16 compute, fp32 gradient reduction) or fp32",
+    ("training", "warmup_steps"): "linear warm-up before the cosine decay; empty = 5% of the steps",
     ("training", "log_every"): "steps between metric records sent to the driver",
     ("training", "output_dir"): "run folder; empty = runs/<time>-<model>",
 }

@@ -29,7 +29,6 @@ def local_tiny() -> Config:
             "seq_len": 128,
             "batch_size": 8,
             "learning_rate": 3e-3,
-            "warmup_steps": 10,
             "weight_decay": 0.0,
             "log_every": 10,
         }

@@ -194,7 +194,7 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def _list_files(data: str) -> tuple[list[str], str]:
+def list_data_files(data: str) -> tuple[list[str], str]:
     """The files to read and their reader ('json' or 'parquet'); :class:`DataError` when there are none.
 
     ``data`` is a file or a folder, local or ``s3://`` (listed through pyarrow's file systems).
@@ -320,16 +320,18 @@ def prepare_dataset(
     seq_len: int,
     seed: int,
     min_blocks: int,
+    listed: tuple[list[str], str] | None = None,
 ) -> PreparedData:
     """Read, tokenize, shuffle and pack the data with Ray Data; raise :class:`DataError` when it is unusable.
 
     Runs on the driver (Ray must be initialised) before any training worker starts. ``min_blocks`` is the number
-    of packed blocks one optimizer step consumes across all workers.
+    of packed blocks one optimizer step consumes across all workers. ``listed`` is :func:`list_data_files`'s answer
+    when the caller already has it.
     """
     import ray.data
     from ray.data.expressions import col
 
-    files, kind = _list_files(data)
+    files, kind = listed or list_data_files(data)
     try:
         if kind == "parquet":
             raw = ray.data.read_parquet(files)

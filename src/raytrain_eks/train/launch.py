@@ -102,18 +102,20 @@ def run_training(
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
 
-    from raytrain_eks.train.data import prepare_dataset
+    from raytrain_eks.train.data import list_data_files, prepare_dataset
     from raytrain_eks.train.loop import ray_worker_entry
     from raytrain_eks.train.model import check_model, resolve_model_path
 
     t_start = time.perf_counter()
     training = cfg.training
+    # Everything that can be checked before anything is created or started is checked first.
+    model_path = resolve_model_path(training.model_id)
+    check_model(model_path)
+    data_files = None if training.uses_random_data else list_data_files(_data_source(cfg))
+
     run_dir = new_run_dir(cfg, runs_root)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     say(f"run folder: {run_dir}")
-
-    model_path = resolve_model_path(training.model_id)
-    check_model(model_path)
 
     _init_ray(address, training.num_workers or LOCAL_CPU_WORKERS, verbose)
     num_workers, use_gpu = resolve_num_workers(training.num_workers, int(ray.cluster_resources().get("GPU", 0)))
@@ -123,6 +125,7 @@ def run_training(
     if not training.uses_random_data:
         prepared = prepare_dataset(
             data=_data_source(cfg),
+            listed=data_files,
             data_format=training.data_format,
             text_field=training.text_field,
             tokenizer_path=model_path,

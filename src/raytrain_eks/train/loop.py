@@ -76,7 +76,7 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> dict[str,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda s: warmup_cosine(s, warmup=cfg.warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio),
+        lambda s: warmup_cosine(s, warmup=cfg.effective_warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio),
     )
 
     fpt = flops_per_token(model.config, cfg.seq_len)

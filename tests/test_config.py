@@ -1,0 +1,165 @@
+"""Configuration: presets, the YAML file, env.sh variables and flags in order; every problem reported at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raytrain_eks import presets
+from raytrain_eks.cli import main
+from raytrain_eks.config import ENV_VARS, Config, load_config
+from raytrain_eks.errors import ConfigError
+
+
+def test_reference_defaults_match_the_reference_deployment(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(environ={})
+    assert cfg.cluster.gpu_node_type == "g6.12xlarge"
+    assert cfg.cluster.gpu_node_count == 2 and cfg.cluster.gpus_per_node == 4
+    assert cfg.cluster.system_node_type == "m7i.xlarge"
+    assert cfg.ray.image == "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
+    assert cfg.network.env == {
+        "FI_PROVIDER": "efa",
+        "NCCL_NET_PLUGIN": "ofi",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "NCCL_DEBUG": "INFO",
+    }
+    assert cfg.training.model_id == "Qwen/Qwen2.5-1.5B"
+    assert cfg.training.precision == "bf16"
+    d = cfg.derived
+    assert (d.cluster_gpus, d.world_size, d.workers_per_node, d.ray_gpus_per_worker_pod) == (8, 8, 4, 4)
+
+
+def test_derived_values_follow_one_setting(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(environ={"GPUS_PER_NODE": "8", "GPU_NODE_COUNT": "3"})
+    assert cfg.derived.ray_gpus_per_worker_pod == 8
+    assert cfg.derived.world_size == 24
+    cfg = load_config(environ={"NUM_WORKERS": "6"})
+    assert cfg.derived.world_size == 6 and cfg.derived.workers_per_node == 3
+
+
+def test_layers_apply_in_order_file_then_env_then_flags(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "raytrain-eks.yaml").write_text(
+        yaml.safe_dump({"training": {"steps": 11, "seq_len": 64, "batch_size": 3}, "cluster": {"region": "us-west-2"}})
+    )
+    cfg = load_config(preset=presets.local_tiny(), environ={"SEQ_LEN": "96", "BATCH_SIZE": "5"}, overrides={"training": {"batch_size": 7, "steps": None}})
+    assert cfg.training.steps == 11  # file (flag was None: not given)
+    assert cfg.training.seq_len == 96  # env over file
+    assert cfg.training.batch_size == 7  # flag over env
+    assert cfg.cluster.region == "us-west-2"
+    assert cfg.training.model_id == "builtin:tiny-qwen2"  # preset, untouched by the file
+
+
+def test_every_env_var_of_the_reference_is_read(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    values = {
+        "CLUSTER_NAME": "c1", "REGION": "eu-west-1", "K8S_VERSION": "1.32", "SYSTEM_NODE_TYPE": "m7i.2xlarge",
+        "SYSTEM_NODE_COUNT": "2", "GPU_NODE_TYPE": "p5.48xlarge", "GPU_NODE_COUNT": "4", "GPUS_PER_NODE": "8",
+        "GPU_NODEGROUP_NAME": "gpus", "GPU_AZ": "eu-west-1b", "DLC_IMAGE": "example.com/ray/train:v2",
+        "KUBERAY_VERSION": "1.6.0", "RAY_VERSION": "2.59.0", "NVIDIA_DEVICE_PLUGIN_VERSION": "0.19.0",
+        "EFA_DEVICE_PLUGIN_VERSION": "v0.5.20", "NAMESPACE": "train", "RAY_CLUSTER_NAME": "rc",
+        "MODEL_ID": "Qwen/Qwen2.5-0.5B", "STEPS": "9", "SEQ_LEN": "512", "BATCH_SIZE": "4",
+        "LEARNING_RATE": "0.0001", "NUM_WORKERS": "16",
+    }
+    assert set(values) == set(ENV_VARS)
+    cfg = load_config(environ=values)
+    for name, (section, field) in ENV_VARS.items():
+        got = getattr(getattr(cfg, section), field)
+        assert str(got) == values[name] or got == type(got)(values[name]), name
+
+
+def test_all_problems_reported_at_once_with_field_value_and_source(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "raytrain-eks.yaml").write_text("training:\n  batch_size: 0\n  optimiser: adam\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={"STEPS": "-3", "SEQ_LEN": "abc", "REGION": "mars-1", "DLC_IMAGE": "not an image"})
+    problems = info.value.problems
+    text = "\n".join(problems)
+    assert len(problems) == 6, text
+    assert "training.steps = '-3' (from environment variable STEPS)" in text
+    assert "training.seq_len = 'abc' (from environment variable SEQ_LEN)" in text
+    assert "cluster.region = 'mars-1' (from environment variable REGION): allowed: an AWS region" in text
+    assert "ray.image = 'not an image'" in text
+    assert "training.batch_size = 0 (from raytrain-eks.yaml)" in text
+    assert "training.optimiser" in text and "unknown setting; allowed here: model_id" in text
+
+
+def test_cross_field_checks(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={"GPU_AZ": "us-west-2a", "STEPS": "5"}, overrides={"training": {"warmup_steps": 9}})
+    text = str(info.value)
+    assert "gpu_az 'us-west-2a' is not in region 'us-east-1'" in text
+    assert "(from environment variable GPU_AZ)" in text
+    assert "warmup_steps (9) must not exceed steps (5)" in text
+
+
+def test_missing_explicit_file_and_bad_yaml(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="does not exist; create one with `raytrain-eks init"):
+        load_config(path=tmp_path / "nope.yaml", environ={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training:\n  steps: [1\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        load_config(path=bad, environ={})
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(path=bad, environ={})
+
+
+def test_cli_bad_config_exits_2_with_message_and_no_traceback(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STEPS", "zero")
+    monkeypatch.setenv("NUM_WORKERS", "-1")
+    with pytest.raises(SystemExit) as info:
+        main(["train"])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert "Invalid configuration: 2 problems" in captured.err
+    assert "training.steps = 'zero' (from environment variable STEPS)" in captured.err
+    assert "Traceback" not in captured.err + captured.out
+    assert not (tmp_path / "runs").exists(), "nothing may be created for a bad configuration"
+
+
+def test_cli_bad_flag_value_names_the_flag(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--data-format", "xml", "--steps", "0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "training.data_format = 'xml' (from flag --data-format)" in err
+    assert "training.steps = 0 (from flag --steps)" in err
+
+
+def test_init_writes_a_commented_file_that_loads_back(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    main(["init"])
+    text = (tmp_path / "raytrain-eks.yaml").read_text()
+    assert "# env GPU_NODE_TYPE" in text and "# env STEPS" in text
+    assert load_config(environ={}) == Config()
+    with pytest.raises(SystemExit) as info:
+        main(["init"])
+    assert info.value.code == 1
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_config_show_prints_resolved_yaml_and_env(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GPU_NODE_COUNT", "3")
+    main(["config", "show", "--preset", "reference"])
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["cluster"]["gpu_node_count"] == 3
+    assert "world_size=12" in out
+    main(["config", "show", "--env"])
+    assert "export GPU_NODE_COUNT=3" in capsys.readouterr().out
+
+
+def test_config_objects_are_immutable():
+    cfg = Config()
+    with pytest.raises(Exception):
+        cfg.training.steps = 5  # type: ignore[misc]
+    assert isinstance(Path(), Path)

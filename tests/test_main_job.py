@@ -1,0 +1,46 @@
+"""The main job exactly as a user runs it: `raytrain-eks train` with no arguments, in a fresh folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.integration
+
+
+def test_default_run_end_to_end(tmp_path, builtin_cache):
+    exe = shutil.which("raytrain-eks", path=str(Path(sys.executable).parent)) or shutil.which("raytrain-eks")
+    assert exe, "the console script must be installed"
+    env = {k: v for k, v in os.environ.items() if k not in {"STEPS", "MODEL_ID", "NUM_WORKERS", "SEQ_LEN", "BATCH_SIZE"}}
+    proc = subprocess.run([exe, "train"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("Run folder: ")
+    run_dir = Path(last.removeprefix("Run folder: "))
+    assert run_dir.parent == (tmp_path / "runs").resolve()
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["training"]["model_id"] == "builtin:tiny-qwen2"
+    assert cfg["training"]["data"] == "builtin:sample-instructions"
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = cfg["training"]["steps"]
+    assert records[0]["step"] == 1 and records[-1]["step"] == steps
+    for r in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu"} <= set(r)
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and r["mfu"] is None  # no MFU on CPU
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert {"steps", "first_loss", "final_loss", "tokens", "wall_s", "tokens_per_s", "mfu"} <= set(summary)
+    assert summary["steps"] == steps and summary["world_size"] == 2
+    assert summary["first_loss"] == records[0]["loss"] and summary["final_loss"] == records[-1]["loss"]
+    assert summary["final_loss"] < 0.5 * summary["first_loss"], summary
+    assert summary["tokens"] == steps * 2 * cfg["training"]["batch_size"] * cfg["training"]["seq_len"]

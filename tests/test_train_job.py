@@ -1,0 +1,81 @@
+"""The training job end to end on real Ray: FSDP equals one process, real data trains, bad data starts nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raytrain_eks import presets
+from raytrain_eks.config import load_config
+from raytrain_eks.errors import DataError, UserError
+from raytrain_eks.train.launch import run_training
+
+pytestmark = pytest.mark.integration
+
+
+def config(tmp_path, monkeypatch, **training):
+    monkeypatch.chdir(tmp_path)
+    return load_config(preset=presets.local_tiny(), environ={}, overrides={"training": training})
+
+
+def losses(result) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in result.records}
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("fp32", 1e-5), ("bf16", 2e-3)])
+def test_two_fsdp_workers_match_one_process(tmp_path, monkeypatch, ray_local, precision, tolerance):
+    common = {"data": "random", "steps": 6, "seq_len": 32, "log_every": 1, "learning_rate": 1e-2, "precision": precision}
+    sharded = run_training(
+        config(tmp_path, monkeypatch, num_workers=2, batch_size=4, **common), runs_root=tmp_path, say=lambda _: None
+    )
+    single = run_training(
+        config(tmp_path, monkeypatch, num_workers=1, batch_size=8, **common), runs_root=tmp_path, say=lambda _: None
+    )
+    a, b = losses(sharded), losses(single)
+    assert sorted(a) == list(range(1, 7)) == sorted(b)
+    assert sharded.summary["world_size"] == 2 and single.summary["world_size"] == 1
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=tolerance), (step, a, b)
+    # The check is not vacuous: training moved the loss.
+    assert abs(a[6] - a[1]) > 5 * tolerance * a[1]
+
+
+def test_chat_data_trains_and_writes_the_run_folder(tmp_path, monkeypatch, ray_local):
+    rows = [
+        {"messages": [{"role": "user", "content": f"Count to {n}."}, {"role": "assistant", "content": " ".join(map(str, range(1, n + 1)))}]}
+        for n in range(2, 12)
+    ] * 8
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = config(tmp_path, monkeypatch, data=str(data), data_format="chat", steps=30, seq_len=64, batch_size=4, log_every=10,
+                 output_dir=str(tmp_path / "run"))
+    lines: list[str] = []
+    result = run_training(cfg, runs_root=tmp_path, say=lines.append)
+    assert result.run_dir == (tmp_path / "run").resolve()
+    assert any("80/80 rows usable" in line for line in lines)
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["world_size"] == 2
+    assert summary["final_loss"] < 0.7 * summary["first_loss"]
+    steps = [json.loads(line)["step"] for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 10, 20, 30]
+
+
+def test_unusable_data_starts_no_worker(tmp_path, monkeypatch, ray_local):
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"prompt": "Q", "completion": "A"}) + "\n")
+    cfg = config(tmp_path, monkeypatch, data=str(data), data_format="instruction", output_dir=str(tmp_path / "run"))
+    with pytest.raises(DataError, match="no usable row for format 'instruction'"):
+        run_training(cfg, runs_root=tmp_path, say=lambda _: None)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert not (tmp_path / "run" / "ray").exists()
+
+
+def test_missing_data_or_model_fails_before_anything_is_created(tmp_path, monkeypatch):
+    cfg = config(tmp_path, monkeypatch, data=str(tmp_path / "nope.jsonl"), output_dir=str(tmp_path / "run"))
+    with pytest.raises(DataError, match="no such file or folder"):
+        run_training(cfg, runs_root=tmp_path, say=lambda _: None)
+    cfg = config(tmp_path, monkeypatch, model_id=str(tmp_path), output_dir=str(tmp_path / "run"))
+    with pytest.raises(UserError, match="not a Hugging Face model folder"):
+        run_training(cfg, runs_root=tmp_path, say=lambda _: None)
+    assert not (tmp_path / "run").exists()
