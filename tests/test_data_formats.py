@@ -33,7 +33,9 @@ def test_instruction_format_masks_the_prompt(tokenizer):
         "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n2 plus 3 is 5.<|im_end|>\n"
     )
     assert trained_text(tokenizer, ids, labels) == "2 plus 3 is 5.<|im_end|>\n"
-    assert masked_text(tokenizer, ids, labels) == "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        masked_text(tokenizer, ids, labels) == "<|im_start|>user\nWhat is 2 plus 3?<|im_end|>\n<|im_start|>assistant\n"
+    )
     first_trained = next(i for i, lab in enumerate(labels) if lab != IGNORE_INDEX)
     assert all(lab == IGNORE_INDEX for lab in labels[:first_trained])
     assert labels[first_trained:] == ids[first_trained:]

@@ -17,8 +17,13 @@ pytestmark = pytest.mark.integration
 
 def prep(path, builtin_model, fmt="instruction", seq_len=32, min_blocks=1, **kw):
     return prepare_dataset(
-        data=str(path), data_format=fmt, text_field=kw.get("text_field", "text"), tokenizer_path=builtin_model,
-        seq_len=seq_len, seed=0, min_blocks=min_blocks,
+        data=str(path),
+        data_format=fmt,
+        text_field=kw.get("text_field", "text"),
+        tokenizer_path=builtin_model,
+        seq_len=seq_len,
+        seed=0,
+        min_blocks=min_blocks,
     )
 
 

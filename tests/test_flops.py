@@ -19,8 +19,12 @@ def test_matmul_params_match_the_built_model(builtin_model):
 def test_qwen2_5_1_5b_figures():
     # Qwen2.5-1.5B's published architecture: 28 layers, hidden 1536, 12 heads (2 KV), MLP 8960, vocab 151936.
     config = Qwen2Config(
-        hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-        intermediate_size=8960, vocab_size=151936,
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
     )
     n = matmul_params(config)
     assert 1.52e9 < n < 1.56e9  # 1.31 B in the decoder + 0.23 B output projection
@@ -29,8 +33,14 @@ def test_qwen2_5_1_5b_figures():
 
 @pytest.mark.parametrize(
     ("name", "tflops"),
-    [("NVIDIA L4", 121), ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H200", 989),
-     ("NVIDIA A10G", 70), ("NVIDIA L40S", 362)],
+    [
+        ("NVIDIA L4", 121),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H200", 989),
+        ("NVIDIA A10G", 70),
+        ("NVIDIA L40S", 362),
+    ],
 )
 def test_peak_table_knows_the_gpus(name, tflops):
     assert peak_flops_for(name) == tflops * 1e12

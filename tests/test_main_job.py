@@ -18,7 +18,9 @@ pytestmark = pytest.mark.integration
 def test_default_run_end_to_end(tmp_path, builtin_cache):
     exe = shutil.which("raytrain-eks", path=str(Path(sys.executable).parent)) or shutil.which("raytrain-eks")
     assert exe, "the console script must be installed"
-    env = {k: v for k, v in os.environ.items() if k not in {"STEPS", "MODEL_ID", "NUM_WORKERS", "SEQ_LEN", "BATCH_SIZE"}}
+    env = {
+        k: v for k, v in os.environ.items() if k not in {"STEPS", "MODEL_ID", "NUM_WORKERS", "SEQ_LEN", "BATCH_SIZE"}
+    }
     proc = subprocess.run([exe, "train"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]

@@ -25,7 +25,14 @@ def losses(result) -> dict[int, float]:
 
 @pytest.mark.parametrize(("precision", "tolerance"), [("fp32", 1e-5), ("bf16", 2e-3)])
 def test_two_fsdp_workers_match_one_process(tmp_path, monkeypatch, ray_local, precision, tolerance):
-    common = {"data": "random", "steps": 6, "seq_len": 32, "log_every": 1, "learning_rate": 1e-2, "precision": precision}
+    common = {
+        "data": "random",
+        "steps": 6,
+        "seq_len": 32,
+        "log_every": 1,
+        "learning_rate": 1e-2,
+        "precision": precision,
+    }
     sharded = run_training(
         config(tmp_path, monkeypatch, num_workers=2, batch_size=4, **common), runs_root=tmp_path, say=lambda _: None
     )
@@ -43,13 +50,27 @@ def test_two_fsdp_workers_match_one_process(tmp_path, monkeypatch, ray_local, pr
 
 def test_chat_data_trains_and_writes_the_run_folder(tmp_path, monkeypatch, ray_local):
     rows = [
-        {"messages": [{"role": "user", "content": f"Count to {n}."}, {"role": "assistant", "content": " ".join(map(str, range(1, n + 1)))}]}
+        {
+            "messages": [
+                {"role": "user", "content": f"Count to {n}."},
+                {"role": "assistant", "content": " ".join(map(str, range(1, n + 1)))},
+            ]
+        }
         for n in range(2, 12)
     ] * 8
     data = tmp_path / "chat.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    cfg = config(tmp_path, monkeypatch, data=str(data), data_format="chat", steps=30, seq_len=64, batch_size=4, log_every=10,
-                 output_dir=str(tmp_path / "run"))
+    cfg = config(
+        tmp_path,
+        monkeypatch,
+        data=str(data),
+        data_format="chat",
+        steps=30,
+        seq_len=64,
+        batch_size=4,
+        log_every=10,
+        output_dir=str(tmp_path / "run"),
+    )
     lines: list[str] = []
     result = run_training(cfg, runs_root=tmp_path, say=lines.append)
     assert result.run_dir == (tmp_path / "run").resolve()

@@ -1,8 +1,8 @@
 """The ``raytrain-eks`` command: a thin layer over library functions.
 
-    raytrain-eks train                 # local fine-tune of the built-in tiny model on the shipped data
-    raytrain-eks init                  # write a commented raytrain-eks.yaml
-    raytrain-eks config show           # the resolved configuration (file + environment + flags)
+raytrain-eks train                 # local fine-tune of the built-in tiny model on the shipped data
+raytrain-eks init                  # write a commented raytrain-eks.yaml
+raytrain-eks config show           # the resolved configuration (file + environment + flags)
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from raytrain_eks import presets
 from raytrain_eks.config import DEFAULT_CONFIG_FILE, Config, env_file_lines, load_config
 from raytrain_eks.errors import UserError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Fine-tune LLMs with Ray Train + FSDP on EKS (or locally).")
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="Fine-tune LLMs with Ray Train + FSDP on EKS (or locally)."
+)
 config_app = typer.Typer(no_args_is_help=True, help="Show the resolved configuration.")
 app.add_typer(config_app, name="config")
 
@@ -27,12 +29,15 @@ out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", "-c", help=f"YAML configuration (default: ./{DEFAULT_CONFIG_FILE} if present).")
+    Path | None,
+    typer.Option("--config", "-c", help=f"YAML configuration (default: ./{DEFAULT_CONFIG_FILE} if present)."),
 ]
 PresetOpt = Annotated[
     str | None,
-    typer.Option(help=f"Starting point under the file: {', '.join(presets.PRESETS)} (default: local-tiny locally, "
-    "reference with --address)."),
+    typer.Option(
+        help=f"Starting point under the file: {', '.join(presets.PRESETS)} (default: local-tiny locally, "
+        "reference with --address)."
+    ),
 ]
 
 
@@ -54,7 +59,8 @@ def train(
     output_dir: Annotated[Path | None, typer.Option(help="Run folder (default: runs/<time>-<model>).")] = None,
     model: Annotated[str | None, typer.Option(help="Hugging Face hub id, model folder, or builtin:tiny-qwen2.")] = None,
     data: Annotated[
-        str | None, typer.Option(help="'random', builtin:sample-instructions, or JSONL/JSON/Parquet file or folder (s3:// too).")
+        str | None,
+        typer.Option(help="'random', builtin:sample-instructions, or JSONL/JSON/Parquet file or folder (s3:// too)."),
     ] = None,
     data_format: Annotated[str | None, typer.Option(help="text, instruction or chat.")] = None,
     steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,

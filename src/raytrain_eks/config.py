@@ -93,9 +93,7 @@ class ClusterConfig(_Section):
     @model_validator(mode="after")
     def _az_in_region(self) -> ClusterConfig:
         if self.gpu_az and not self.gpu_az.startswith(self.region):
-            raise ValueError(
-                f"gpu_az {self.gpu_az!r} is not in region {self.region!r}; pick a zone of that region"
-            )
+            raise ValueError(f"gpu_az {self.gpu_az!r} is not in region {self.region!r}; pick a zone of that region")
         return self
 
 
@@ -287,7 +285,10 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(
-            [f"the top level must be a mapping of sections ({', '.join(Config.model_fields)}), got {type(data).__name__}"],
+            [
+                f"the top level must be a mapping of sections ({', '.join(Config.model_fields)}), "
+                f"got {type(data).__name__}"
+            ],
             source=str(path),
         )
     return data

@@ -21,7 +21,10 @@ FIELD_HELP = {
     ("ray", "worker_cpu"): "CPU request = limit of each GPU worker pod (Guaranteed QoS)",
     ("ray", "worker_memory_gib"): "memory request = limit of each GPU worker pod, GiB",
     ("training", "model_id"): "Hugging Face hub id, a save_pretrained folder, or builtin:tiny-qwen2",
-    ("training", "data"): "'random' (synthetic ids), builtin:sample-instructions, or JSONL/JSON/Parquet path or s3:// URI",
+    (
+        "training",
+        "data",
+    ): "'random' (synthetic ids), builtin:sample-instructions, or JSONL/JSON/Parquet path or s3:// URI",
     ("training", "data_format"): "text | instruction (instruction/input/output) | chat (messages with role/content)",
     ("training", "text_field"): "the field read by the text format",
     ("training", "batch_size"): "packed samples per worker per micro-batch",

@@ -60,7 +60,9 @@ class RayContext:
         shard = ray.train.get_dataset_shard("train")
         while True:  # one pass per epoch; the shards are equal, so every rank gets the same number of batches
             yielded = False
-            for batch in shard.iter_torch_batches(batch_size=batch_size, drop_last=True, dtypes=torch.long, device="cpu"):
+            for batch in shard.iter_torch_batches(
+                batch_size=batch_size, drop_last=True, dtypes=torch.long, device="cpu"
+            ):
                 yielded = True
                 yield batch
             if not yielded:

@@ -112,7 +112,9 @@ def _segments(messages: list[dict[str, str]], tokenizer: Any) -> list[tuple[str,
     return pieces
 
 
-def encode_row(row: dict[str, Any], data_format: str, tokenizer: Any, text_field: str = "text") -> tuple[list[int], list[int]]:
+def encode_row(
+    row: dict[str, Any], data_format: str, tokenizer: Any, text_field: str = "text"
+) -> tuple[list[int], list[int]]:
     """Token ids and labels of one row; labels are :data:`IGNORE_INDEX` on prompt tokens.
 
     >>> ids, labels = encode_row({"instruction": "Add 1 and 2.", "output": "3"}, "instruction", tok)
@@ -209,7 +211,9 @@ def list_data_files(data: str) -> tuple[list[str], str]:
             filesystem, root = pafs.LocalFileSystem(), str(Path(data).expanduser().resolve())
         info = filesystem.get_file_info(root)
         if info.type == pafs.FileType.NotFound:
-            raise DataError(f"--data {data!r}: no such file or folder", hint="Give a JSONL, JSON or Parquet file or folder.")
+            raise DataError(
+                f"--data {data!r}: no such file or folder", hint="Give a JSONL, JSON or Parquet file or folder."
+            )
         if info.type == pafs.FileType.File:
             found = [info]
         else:
@@ -222,7 +226,9 @@ def list_data_files(data: str) -> tuple[list[str], str]:
     if len(found) == 1 and info.type == pafs.FileType.File:
         suffix = Path(found[0].path).suffix
         if suffix not in DATA_SUFFIXES:
-            raise DataError(f"--data {data!r}: unsupported file type {suffix or '(none)'!r}; use .jsonl, .json or .parquet")
+            raise DataError(
+                f"--data {data!r}: unsupported file type {suffix or '(none)'!r}; use .jsonl, .json or .parquet"
+            )
         return [prefix + found[0].path], DATA_SUFFIXES[suffix]
     files = sorted(prefix + i.path for i in found if Path(i.path).suffix in DATA_SUFFIXES)
     if not files:

@@ -141,7 +141,11 @@ def run_training(
     queue = Queue()
     trainer = TorchTrainer(
         ray_worker_entry,
-        train_loop_config={"training": training.model_dump(mode="json"), "model_path": model_path, "metrics_queue": queue},
+        train_loop_config={
+            "training": training.model_dump(mode="json"),
+            "model_path": model_path,
+            "metrics_queue": queue,
+        },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
         run_config=ray.train.RunConfig(name="ray", storage_path=str(run_dir)),

@@ -27,7 +27,8 @@ def resolve_model_path(model_id: str) -> str:
         if not (local / "config.json").exists():
             raise UserError(
                 f"--model {model_id!r}: not a Hugging Face model folder (no config.json in it)",
-                hint="Give a folder written by save_pretrained, a hub id such as Qwen/Qwen2.5-1.5B, or builtin:tiny-qwen2.",
+                hint="Give a folder written by save_pretrained, a hub id such as Qwen/Qwen2.5-1.5B, "
+                "or builtin:tiny-qwen2.",
             )
         return str(local.resolve())
     return model_id
