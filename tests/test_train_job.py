@@ -23,8 +23,18 @@ def losses(result) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in result.records}
 
 
-@pytest.mark.parametrize(("precision", "tolerance"), [("fp32", 1e-5), ("bf16", 2e-3)])
-def test_two_fsdp_workers_match_one_process(tmp_path, monkeypatch, ray_local, precision, tolerance):
+@pytest.mark.parametrize(
+    ("precision", "tolerance", "sharded_extra"),
+    [
+        ("fp32", 1e-5, {}),
+        ("bf16", 2e-3, {}),
+        # Gradient accumulation (no gradient sync on early micro-batches) and activation checkpointing on the
+        # sharded side only: neither may change the result.
+        ("fp32", 1e-5, {"grad_accum_steps": 2, "batch_size": 2, "activation_checkpointing": True}),
+    ],
+    ids=["fp32", "bf16", "fp32-accumulation-checkpointing"],
+)
+def test_two_fsdp_workers_match_one_process(tmp_path, monkeypatch, ray_local, precision, tolerance, sharded_extra):
     common = {
         "data": "random",
         "steps": 6,
@@ -33,15 +43,21 @@ def test_two_fsdp_workers_match_one_process(tmp_path, monkeypatch, ray_local, pr
         "learning_rate": 1e-2,
         "precision": precision,
     }
+    accum = sharded_extra.get("grad_accum_steps", 1)
     sharded = run_training(
-        config(tmp_path, monkeypatch, num_workers=2, batch_size=4, **common), runs_root=tmp_path, say=lambda _: None
+        config(tmp_path, monkeypatch, **{**common, "num_workers": 2, "batch_size": 4, **sharded_extra}),
+        runs_root=tmp_path,
+        say=lambda _: None,
     )
     single = run_training(
-        config(tmp_path, monkeypatch, num_workers=1, batch_size=8, **common), runs_root=tmp_path, say=lambda _: None
+        config(tmp_path, monkeypatch, **common, num_workers=1, batch_size=4 * 2 // accum, grad_accum_steps=accum),
+        runs_root=tmp_path,
+        say=lambda _: None,
     )
     a, b = losses(sharded), losses(single)
     assert sorted(a) == list(range(1, 7)) == sorted(b)
     assert sharded.summary["world_size"] == 2 and single.summary["world_size"] == 1
+    assert sharded.summary["tokens"] == single.summary["tokens"]
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=tolerance), (step, a, b)
     # The check is not vacuous: training moved the loss.

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -68,11 +69,32 @@ def _init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
         return
     kwargs: dict[str, Any] = {"log_to_driver": verbose, "configure_logging": verbose}
     if address:
-        ray.init(address=address, **kwargs)
+        _check_reachable(address)
+        try:
+            ray.init(address=address, **kwargs)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise UserError(
+                f"cannot connect to the Ray cluster at {address}: {str(exc).strip().splitlines()[0]}",
+                hint="Is the cluster up? Check with `ray status`, or leave --address out to train on this machine.",
+            ) from None
     else:
         # Logical CPUs: one per training worker plus room for Ray Data's tasks, even on a 2-core machine.
         cpus = max(os.cpu_count() or 1, num_workers + 2)
         ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast on a HOST:PORT nobody listens on (ray.init would retry for minutes)."""
+    host, sep, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as exc:
+        raise UserError(
+            f"cannot connect to the Ray cluster at {address}: {exc.strerror or exc}",
+            hint="Is the cluster up? Check with `ray status`, or leave --address out to train on this machine.",
+        ) from None
 
 
 def _data_source(cfg: Config) -> str:
