@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from raytrain_eks import presets
+from raytrain_eks import deploy_commands, presets
 from raytrain_eks.config import DEFAULT_CONFIG_FILE, Config, env_file_lines, load_config
 from raytrain_eks.errors import UserError
 
@@ -24,6 +24,7 @@ app = typer.Typer(
 )
 config_app = typer.Typer(no_args_is_help=True, help="Show the resolved configuration.")
 app.add_typer(config_app, name="config")
+deploy_commands.register(app)
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -68,6 +69,10 @@ def train(
     batch_size: Annotated[int | None, typer.Option(help="Samples per worker per micro-batch.")] = None,
     learning_rate: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
     num_workers: Annotated[int | None, typer.Option(help="Training workers; 0 = one per GPU (2 on CPU).")] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(help="Continue this run folder from its newest complete checkpoint, with its config.yaml."),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's and the workers' logs.")] = False,
 ) -> None:
     """Fine-tune a causal LM with Ray Train + FSDP2. With no arguments: a local run of the built-in tiny model."""
@@ -84,9 +89,21 @@ def train(
         "num_workers": num_workers,
         "output_dir": str(output_dir) if output_dir else None,
     }
+    if resume is not None:
+        if output_dir is not None:
+            raise UserError("--resume continues the run in its own folder; leave out --output-dir")
+        if config is None:
+            config = resume / "config.yaml"
+            if not config.is_file():
+                raise UserError(
+                    f"--resume {str(resume)!r}: no config.yaml there, so it is not a run folder of raytrain-eks",
+                    hint="Give the folder printed as 'Run folder:' by the run you want to continue.",
+                )
     cfg = load_config(preset=_preset(preset, address), path=config, overrides={"training": flags})
     with _Progress() as progress:
-        result = run_training(cfg, address=address, say=progress.say, progress=progress.update, verbose=verbose)
+        result = run_training(
+            cfg, address=address, say=progress.say, progress=progress.update, verbose=verbose, resume=resume
+        )
     s = result.summary
     mfu = "n/a on CPU" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"
     out.print(
@@ -128,6 +145,21 @@ class _Progress:
             self._task = self._bar.add_task("train", total=total, info="")
         info = f"loss {record['loss']:.3f}  {record['tokens_per_s']:.0f} tok/s  lr {record['lr']:.2e}"
         self._bar.update(self._task, completed=record["step"], info=info)
+
+
+@app.command()
+def export(
+    checkpoint: Annotated[Path, typer.Argument(help="A checkpoint_* folder, or a run folder (its newest checkpoint).")],
+    out_dir: Annotated[Path, typer.Argument(help="Folder to write the Hugging Face model into.")],
+    dtype: Annotated[str, typer.Option(help="float32 (exactly the trained weights) or bfloat16.")] = "float32",
+) -> None:
+    """Gather a sharded checkpoint into a Hugging Face model folder (safetensors, config, tokenizer)."""
+    from raytrain_eks.train.checkpoint import export_hf
+
+    if dtype not in ("float32", "bfloat16"):
+        raise UserError(f"--dtype {dtype!r} is not supported; use float32 or bfloat16")
+    path = export_hf(checkpoint, out_dir, dtype=dtype)
+    out.print(f"model: {path.resolve()}")
 
 
 @app.command()

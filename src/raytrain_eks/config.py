@@ -62,6 +62,10 @@ class ClusterConfig(_Section):
     gpus_per_node: int = Field(4, ge=1, le=16)
     gpu_nodegroup_name: str = "gpu-efa"
     gpu_az: str | None = None
+    # Deploy-only settings (eksctl ClusterConfig).
+    availability_zones: list[str] = Field(default_factory=list)
+    ami_family: Literal["AmazonLinux2023"] = "AmazonLinux2023"
+    gpu_volume_gib: int = Field(200, ge=20, le=16384)
 
     @field_validator("name", "gpu_nodegroup_name")
     @classmethod
@@ -90,10 +94,24 @@ class ClusterConfig(_Section):
             return None
         return _check(re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d[a-z]$"), v, "an availability zone such as us-east-1a")
 
+    @field_validator("availability_zones")
+    @classmethod
+    def _azs(cls, v: list[str]) -> list[str]:
+        for az in v:
+            _check(re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d[a-z]$"), az, "availability zones such as us-east-1a")
+        if v and len(set(v)) < 2:
+            raise ValueError("give at least 2 different zones (eksctl needs 2 for the cluster), or leave it empty")
+        return v
+
     @model_validator(mode="after")
     def _az_in_region(self) -> ClusterConfig:
         if self.gpu_az and not self.gpu_az.startswith(self.region):
             raise ValueError(f"gpu_az {self.gpu_az!r} is not in region {self.region!r}; pick a zone of that region")
+        other = [az for az in self.availability_zones if not az.startswith(self.region)]
+        if other:
+            raise ValueError(f"availability_zones {other} are not in region {self.region!r}")
+        if self.gpu_az and self.availability_zones and self.gpu_az not in self.availability_zones:
+            raise ValueError(f"gpu_az {self.gpu_az!r} must be one of availability_zones {self.availability_zones}")
         return self
 
 
@@ -117,8 +135,11 @@ class RayConfig(_Section):
     version: str = "2.58.0"
     namespace: str = "default"
     cluster_name: str = "ray-train"
-    worker_cpu: int = Field(40, ge=1)
-    worker_memory_gib: int = Field(160, ge=1)
+    worker_cpu: int | None = Field(None, ge=1)
+    worker_memory_gib: int | None = Field(None, ge=1)
+    hf_token_secret: str = "hf-token"
+    job_deadline_s: int = Field(4 * 3600, ge=60)
+    job_start_deadline_s: int = Field(1800, ge=60)
 
     @field_validator("image")
     @classmethod
@@ -130,7 +151,7 @@ class RayConfig(_Section):
     def _ver(cls, v: str) -> str:
         return _check(_VERSION, v, "a Ray release such as 2.58.0")
 
-    @field_validator("namespace", "cluster_name")
+    @field_validator("namespace", "cluster_name", "hf_token_secret")
     @classmethod
     def _dns(cls, v: str) -> str:
         if len(v) > 63:
@@ -177,6 +198,10 @@ class TrainingConfig(_Section):
     activation_checkpointing: bool = False
     seed: int = Field(0, ge=0)
     log_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(50, ge=0)
+    keep_checkpoints: int = Field(2, ge=2)
+    max_failures: int = Field(3, ge=0)
+    export: bool = True
     output_dir: str | None = None
 
     @field_validator("model_id", "data", "text_field")

@@ -18,8 +18,14 @@ FIELD_HELP = {
     ("cluster", "gpu_az"): "one availability zone for every GPU node (EFA cannot cross zones); empty = pick at deploy",
     ("cluster", "gpus_per_node"): "also Ray's num-gpus and the pod's nvidia.com/gpu request (never typed twice)",
     ("ray", "image"): "pin a tag or a digest (@sha256:...), or follow a moving tag",
-    ("ray", "worker_cpu"): "CPU request = limit of each GPU worker pod (Guaranteed QoS)",
-    ("ray", "worker_memory_gib"): "memory request = limit of each GPU worker pod, GiB",
+    ("cluster", "availability_zones"): "the cluster's subnet zones (2 or more, gpu_az among them); empty = at deploy",
+    ("cluster", "ami_family"): "node image; AmazonLinux2023 carries the NVIDIA and EFA drivers on GPU instances",
+    ("cluster", "gpu_volume_gib"): "root volume of each GPU node, GiB (the image alone is tens of GB)",
+    ("ray", "worker_cpu"): "CPU request = limit of each GPU worker pod (Guaranteed QoS); empty = 5/6 of the instance",
+    ("ray", "worker_memory_gib"): "memory request = limit of each GPU worker pod, GiB; empty = 5/6 of the instance",
+    ("ray", "hf_token_secret"): "Kubernetes Secret that holds HF_TOKEN (created from your environment, never written)",
+    ("ray", "job_deadline_s"): "--mode rayjob: the job is stopped and its GPU pods removed after this many seconds",
+    ("ray", "job_start_deadline_s"): "--mode rayjob: give up if the job is not running after this many seconds",
     ("training", "model_id"): "Hugging Face hub id, a save_pretrained folder, or builtin:tiny-qwen2",
     (
         "training",
@@ -32,6 +38,16 @@ FIELD_HELP = {
     ("training", "precision"): "bf16 (bf16 compute, fp32 gradient reduction) or fp32",
     ("training", "warmup_steps"): "linear warm-up before the cosine decay; empty = 5% of the steps",
     ("training", "log_every"): "steps between metric records sent to the driver",
+    (
+        "training",
+        "checkpoint_every",
+    ): "steps between sharded checkpoints (one is always written at the end); 0 = end only",
+    (
+        "training",
+        "keep_checkpoints",
+    ): "newest checkpoints kept (at least 2: one is always complete while the next is written)",
+    ("training", "max_failures"): "worker-group restarts (from the last checkpoint) before the run fails",
+    ("training", "export"): "write the trained model in Hugging Face format to RUN_DIR/model at the end",
     ("training", "output_dir"): "run folder; empty = runs/<time>-<model>",
 }
 

@@ -1,19 +1,27 @@
 """What the training loop needs from whoever launched it, and nothing more.
 
 The loop sees a :class:`WorkerContext`: its rank and world size, its device, its share of the data, a way to
-send metric records to the driver and a way to hand in the final summary. :class:`RayContext` implements it
-inside a Ray Train worker; :class:`ProcessContext` inside a plain ``torchrun`` (or single) process.
+send metric records to the driver, a checkpoint to resume from, a way to save one, and a way to hand in the
+final summary. :class:`RayContext` implements it inside a Ray Train worker; :class:`ProcessContext` inside a
+plain ``torchrun`` (or single) process.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
+
+from raytrain_eks.train.checkpoint import checkpoint_name, is_complete, latest_complete, mark_complete
+
+Batch = dict[str, torch.Tensor]
 
 
 class WorkerContext(Protocol):
@@ -21,17 +29,66 @@ class WorkerContext(Protocol):
     world_size: int
     device: torch.device
 
-    def data_batches(self, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
-        """This worker's shard of the packed data set, epoch after epoch, ``batch_size`` blocks at a time."""
+    def data_batches(self, batch_size: int, position: dict[str, int] | None) -> DataCursor:
+        """This worker's shard of the packed data set, epoch after epoch, from ``position`` on."""
         ...
 
     def emit(self, record: dict[str, Any]) -> None:
         """Send one metric record (called on every rank; only rank 0's is kept)."""
         ...
 
+    def resume_checkpoint(self) -> Path | None:
+        """The complete checkpoint to continue from, or ``None`` for a fresh start."""
+        ...
+
+    def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any]) -> None:
+        """Save the checkpoint of ``step``: ``write(folder)`` writes this rank's files (a collective)."""
+        ...
+
     def finish(self, summary: dict[str, Any]) -> None:
         """Hand in the end-of-run summary (called on every rank)."""
         ...
+
+
+class DataCursor:
+    """Batches of one worker's shard, epoch after epoch, remembering where it is (epoch, batch in epoch).
+
+    Every epoch walks the shard in the same order (the data set is shuffled once, with the run's seed, before it
+    is split), so a resume continues exactly by skipping ``batch`` batches of the epoch it stopped in.
+    """
+
+    def __init__(self, epoch_iter: Callable[[], Iterator[Batch]], position: dict[str, int] | None = None) -> None:
+        self._epoch_iter = epoch_iter
+        pos = position or {}
+        self.epoch = int(pos.get("epoch", 0))
+        self.batch = int(pos.get("batch", 0))
+        self._it = self._walk()
+
+    @property
+    def position(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def _walk(self) -> Iterator[Batch]:
+        skip = self.batch
+        while True:
+            seen = 0
+            for item in self._epoch_iter():
+                seen += 1
+                if seen <= skip:
+                    continue
+                self.batch = seen
+                yield item
+            if seen == 0:
+                raise RuntimeError("this worker's data shard yields no full batch")
+            skip = 0
+            self.epoch += 1
+            self.batch = 0
+
+    def __iter__(self) -> DataCursor:
+        return self
+
+    def __next__(self) -> Batch:
+        return next(self._it)
 
 
 def _device(local_rank: int) -> torch.device:
@@ -42,9 +99,13 @@ def _device(local_rank: int) -> torch.device:
 
 
 class RayContext:
-    """Inside a Ray Train worker: data from ``get_dataset_shard``, records to a Ray queue, summary via report."""
+    """Inside a Ray Train worker: data from ``get_dataset_shard``, records to a Ray queue, checkpoints via report.
 
-    def __init__(self, metrics_queue: Any | None) -> None:
+    ``checkpoint_root`` is the run's Ray storage folder on a file system every worker can reach (the run folder
+    locally); the completion marker of each checkpoint is written there once every rank has reported it.
+    """
+
+    def __init__(self, metrics_queue: Any | None, checkpoint_root: str, resume_from: str | None = None) -> None:
         import ray.train
         import ray.train.torch
 
@@ -53,46 +114,78 @@ class RayContext:
         self.world_size = ctx.get_world_size()
         self.device = ray.train.torch.get_device()
         self._queue = metrics_queue
+        self._root = Path(checkpoint_root)
+        self._resume_from = resume_from
+        self._downloaded: Path | None = None
 
-    def data_batches(self, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    def data_batches(self, batch_size: int, position: dict[str, int] | None) -> DataCursor:
         import ray.train
 
         shard = ray.train.get_dataset_shard("train")
-        while True:  # one pass per epoch; the shards are equal, so every rank gets the same number of batches
-            yielded = False
-            for batch in shard.iter_torch_batches(
-                batch_size=batch_size, drop_last=True, dtypes=torch.long, device="cpu"
-            ):
-                yielded = True
-                yield batch
-            if not yielded:
-                raise RuntimeError(f"rank {self.rank} received no full batch of {batch_size} blocks")
+        return DataCursor(
+            lambda: iter(
+                shard.iter_torch_batches(batch_size=batch_size, drop_last=True, dtypes=torch.long, device="cpu")
+            ),
+            position,
+        )
 
     def emit(self, record: dict[str, Any]) -> None:
         if self.rank == 0 and self._queue is not None:
             self._queue.put(record)
 
-    def finish(self, summary: dict[str, Any]) -> None:
+    def resume_checkpoint(self) -> Path | None:
         import ray.train
 
+        # After a worker-group restart: the newest checkpoint in this run's storage that is complete (marked).
+        # Ray's own latest checkpoint is every rank's report, but it may lack the marker if rank 0 died right
+        # after reporting; the scan then takes the one before, which Ray still keeps (keep_checkpoints >= 2).
+        latest = latest_complete(self._root)
+        if latest is not None:
+            return latest
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is not None and not Path(checkpoint.path).is_dir():  # remote storage: fetch it
+            self._downloaded = Path(checkpoint.to_directory())
+            if is_complete(self._downloaded):
+                return self._downloaded
+        return Path(self._resume_from) if self._resume_from else None
+
+    def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any]) -> None:
+        import ray.train
+
+        staging = Path(tempfile.mkdtemp(prefix=f"raytrain-eks-ckpt-{step}-r{self.rank}-"))
+        try:
+            write(staging)
+            name = checkpoint_name(step)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(staging), checkpoint_dir_name=name)
+            dist.barrier()  # every rank's report (and upload) has returned
+            if self.rank == 0 and (self._root / name).is_dir():
+                mark_complete(self._root / name, step=step, world_size=self.world_size)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def finish(self, summary: dict[str, Any]) -> None:
         if self.rank == 0 and self._queue is not None:
             self._queue.put({"summary": summary})
-        # One report at the end: report() is a barrier across workers that costs about a second here.
-        ray.train.report(summary)
+        if self._downloaded is not None:
+            shutil.rmtree(self._downloaded, ignore_errors=True)
 
 
 class ProcessContext:
-    """Inside a ``torchrun`` process (or a lone process): random data only; rank 0 writes records as JSON lines."""
+    """Inside a ``torchrun`` process (or a lone process): random data only; rank 0 writes records as JSON lines.
 
-    def __init__(self, out_dir: Path | None = None) -> None:
+    Checkpoints go to ``out_dir/checkpoints`` (a folder all ranks share), in the same format as under Ray.
+    """
+
+    def __init__(self, out_dir: Path | None = None, resume_from: Path | None = None) -> None:
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.device = _device(int(os.environ.get("LOCAL_RANK", 0)))
         self._out = out_dir
+        self._resume_from = resume_from
         self.records: list[dict[str, Any]] = []
         self.summary: dict[str, Any] | None = None
 
-    def data_batches(self, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    def data_batches(self, batch_size: int, position: dict[str, int] | None) -> DataCursor:
         raise NotImplementedError("plain processes run the random-data mode only; real data goes through Ray Data")
 
     def emit(self, record: dict[str, Any]) -> None:
@@ -101,6 +194,18 @@ class ProcessContext:
             if self._out is not None:
                 with (self._out / "metrics.jsonl").open("a") as f:
                     f.write(json.dumps(record) + "\n")
+
+    def resume_checkpoint(self) -> Path | None:
+        return self._resume_from
+
+    def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any]) -> None:
+        if self._out is None:
+            return
+        folder = self._out / "checkpoints" / checkpoint_name(step)
+        write(folder)
+        dist.barrier()
+        if self.rank == 0:
+            mark_complete(folder, step=step, world_size=self.world_size)
 
     def finish(self, summary: dict[str, Any]) -> None:
         if self.rank == 0:

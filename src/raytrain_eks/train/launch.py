@@ -24,8 +24,10 @@ from typing import Any
 
 from raytrain_eks.config import BUILTIN_DATA, Config
 from raytrain_eks.errors import TrainingError, UserError
+from raytrain_eks.train.faults import ENV as FAULT_ENV
 
 LOCAL_CPU_WORKERS = 2
+RAY_DIR = "ray"  # Ray Train's storage inside the run folder; the checkpoints live there
 
 
 @dataclass
@@ -113,17 +115,27 @@ def run_training(
     say: Callable[[str], None] = print,
     progress: Any | None = None,
     verbose: bool = False,
+    resume: Path | None = None,
 ) -> RunResult:
     """Train with Ray Train as configured and write the run folder; raise a :class:`UserError` on failure.
 
     ``say`` prints one-line status messages; ``progress`` (optional) is called as ``progress(record, total_steps)``
-    for every metric record as it arrives.
+    for every metric record as it arrives. ``resume`` is an earlier run folder to continue, from its newest
+    complete checkpoint, to ``cfg.training.steps``.
     """
     import ray
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
+    from transformers import AutoConfig
 
+    from raytrain_eks.train.checkpoint import (
+        check_compatible,
+        export_hf,
+        latest_complete,
+        list_checkpoints,
+        resolve_checkpoint,
+    )
     from raytrain_eks.train.data import list_data_files, prepare_dataset
     from raytrain_eks.train.loop import ray_worker_entry
     from raytrain_eks.train.model import check_model, resolve_model_path
@@ -134,10 +146,16 @@ def run_training(
     model_path = resolve_model_path(training.model_id)
     check_model(model_path)
     data_files = None if training.uses_random_data else list_data_files(_data_source(cfg))
-
-    run_dir = new_run_dir(cfg, runs_root)
+    resume_from = None
+    if resume is not None:
+        resume_from = resolve_checkpoint(resume)
+        check_compatible(resume_from, AutoConfig.from_pretrained(model_path))
+        run_dir = resume.expanduser().resolve()
+        say(f"resuming {run_dir} from {resume_from.name}")
+    else:
+        run_dir = new_run_dir(cfg, runs_root)
+        say(f"run folder: {run_dir}")
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    say(f"run folder: {run_dir}")
 
     _init_ray(address, training.num_workers or LOCAL_CPU_WORKERS, verbose)
     num_workers, use_gpu = resolve_num_workers(training.num_workers, int(ray.cluster_resources().get("GPU", 0)))
@@ -167,10 +185,19 @@ def run_training(
             "training": training.model_dump(mode="json"),
             "model_path": model_path,
             "metrics_queue": queue,
+            "checkpoint_root": str(run_dir / RAY_DIR),
+            "resume_from": str(resume_from) if resume_from else None,
+            # Workers inherit the raylet's environment, not the driver's: carry the test fault point over.
+            "fault": os.environ.get(FAULT_ENV),
         },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
-        run_config=ray.train.RunConfig(name="ray", storage_path=str(run_dir)),
+        run_config=ray.train.RunConfig(
+            name=RAY_DIR,
+            storage_path=str(run_dir),
+            failure_config=ray.train.FailureConfig(max_failures=training.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=training.keep_checkpoints),
+        ),
         datasets=datasets,
     )
 
@@ -186,7 +213,8 @@ def run_training(
     thread.start()
     records: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
-    with (run_dir / "metrics.jsonl").open("w") as metrics_file:
+    # Appended, never truncated: a resumed run keeps the steps of every attempt.
+    with (run_dir / "metrics.jsonl").open("a") as metrics_file:
 
         def drain(timeout: float) -> None:
             try:
@@ -213,6 +241,19 @@ def run_training(
         raise TrainingError(f"training failed: {_worker_error(outcome['error'])}", hint=f"Run folder: {run_dir}")
     if not summary:
         raise TrainingError("training finished without a summary from rank 0", hint=f"Run folder: {run_dir}")
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summary["first_loss"] = history[0]["loss"] if history else summary.get("first_loss")
+    if resume_from is not None and summary.get("resumed_from_step") is None:
+        summary["resumed_from_step"] = int(resume_from.name.split("_")[-1])
+    summary["checkpoints"] = [str(p) for _, p, ok in list_checkpoints(run_dir / RAY_DIR) if ok]
+    if training.export:
+        final = latest_complete(run_dir / RAY_DIR)
+        if final is None:
+            raise TrainingError(
+                "training finished but left no complete checkpoint to export", hint=f"Run folder: {run_dir}"
+            )
+        summary["model_dir"] = str(export_hf(final, run_dir / "model"))
+        say(f"model: {summary['model_dir']} (Hugging Face format)")
     summary["wall_s"] = time.perf_counter() - t_start
     summary["model_id"] = training.model_id
     summary["data"] = training.data

@@ -9,9 +9,9 @@ process with the whole batch), clip, step AdamW and the warm-up + cosine schedul
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,8 +19,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from raytrain_eks.config import TrainingConfig
+from raytrain_eks.train.checkpoint import load_sharded, save_sharded
 from raytrain_eks.train.context import WorkerContext
 from raytrain_eks.train.data import IGNORE_INDEX, random_batch
+from raytrain_eks.train.faults import ENV as FAULT_ENV
+from raytrain_eks.train.faults import maybe_die
 from raytrain_eks.train.flops import flops_per_token, mfu, peak_flops_for
 from raytrain_eks.train.model import load_model
 from raytrain_eks.train.sharding import apply_fsdp
@@ -34,24 +37,37 @@ def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> fl
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def _batches(cfg: TrainingConfig, ctx: WorkerContext, vocab_size: int) -> Iterator[dict[str, torch.Tensor]]:
-    if cfg.uses_random_data:
-        step = 0
-        while True:
-            for micro in range(cfg.grad_accum_steps):
-                yield random_batch(
-                    seed=cfg.seed,
-                    step=step,
-                    micro=micro,
-                    rank=ctx.rank,
-                    world_size=ctx.world_size,
-                    batch_size=cfg.batch_size,
-                    seq_len=cfg.seq_len,
-                    vocab_size=vocab_size,
-                )
-            step += 1
-    else:
-        yield from ctx.data_batches(cfg.batch_size)
+class _RandomCursor:
+    """The reference's random token ids as a resumable stream: the position is the step count."""
+
+    def __init__(self, cfg: TrainingConfig, ctx: WorkerContext, vocab_size: int, position: dict[str, int] | None):
+        self._cfg, self._ctx, self._vocab = cfg, ctx, vocab_size
+        self.step = int((position or {}).get("step", 0))
+        self._micro = 0
+
+    @property
+    def position(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def __iter__(self) -> _RandomCursor:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        cfg = self._cfg
+        batch = random_batch(
+            seed=cfg.seed,
+            step=self.step,
+            micro=self._micro,
+            rank=self._ctx.rank,
+            world_size=self._ctx.world_size,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            vocab_size=self._vocab,
+        )
+        self._micro += 1
+        if self._micro == cfg.grad_accum_steps:
+            self._micro, self.step = 0, self.step + 1
+        return batch
 
 
 def _sync(device: torch.device) -> None:
@@ -63,8 +79,14 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> dict[str, Any]:
-    """Run ``cfg.steps`` optimizer steps on this worker and return the summary (also handed to ``ctx.finish``)."""
+def train(
+    cfg: TrainingConfig, model_path: str, ctx: WorkerContext, tokenizer_path: str | None = None
+) -> dict[str, Any]:
+    """Run the optimizer steps of ``cfg`` on this worker and return the summary (also handed to ``ctx.finish``).
+
+    Continues from ``ctx.resume_checkpoint()`` when there is one: weights, optimizer moments, schedule, step and
+    data position are restored, so the steps that follow are those of an uninterrupted run.
+    """
     torch.manual_seed(cfg.seed)
     device = ctx.device
     model = load_model(model_path, activation_checkpointing=cfg.activation_checkpointing)
@@ -79,17 +101,54 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> dict[str,
         lambda s: warmup_cosine(s, warmup=cfg.effective_warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio),
     )
 
+    start_step, resumed_from, position = 0, None, None
+    resume = ctx.resume_checkpoint()
+    if resume is not None:
+        state = load_sharded(resume, model=model, optimizer=optimizer, scheduler=scheduler, rank=ctx.rank)
+        start_step = resumed_from = state.step
+        position = state.data
+    batches = (
+        _RandomCursor(cfg, ctx, model.config.vocab_size, position)
+        if cfg.uses_random_data
+        else ctx.data_batches(cfg.batch_size, position)
+    )
+
     fpt = flops_per_token(model.config, cfg.seq_len)
     peak = peak_flops_for(device_name(device)) if device.type == "cuda" else None
     tokens_per_step = ctx.world_size * cfg.batch_size * cfg.grad_accum_steps * cfg.seq_len
-    batches = _batches(cfg, ctx, model.config.vocab_size)
+    checkpoints: list[int] = []
+    checkpoint_s = 0.0
+
+    def save(step: int, metrics: dict[str, Any]) -> None:
+        nonlocal checkpoint_s
+        t = time.perf_counter()
+        ctx.save_checkpoint(
+            step,
+            lambda folder: (
+                save_sharded(
+                    folder,
+                    model=model,
+                    optimizer=optimizer,
+                    scheduler=scheduler,
+                    step=step,
+                    data_position=batches.position,
+                    rank=ctx.rank,
+                    tokenizer_path=tokenizer_path,
+                ),
+                maybe_die("checkpoint", step=step, rank=ctx.rank),
+            ),
+            metrics,
+        )
+        checkpoints.append(step)
+        checkpoint_s += time.perf_counter() - t
 
     step_times: list[float] = []
     losses: dict[int, float] = {}
     window_start, window_tokens = time.perf_counter(), 0
     loop_start = time.perf_counter()
     model.train()
-    for step in range(1, cfg.steps + 1):
+    for step in range(start_step + 1, cfg.steps + 1):
+        maybe_die("step", step=step, rank=ctx.rank)
         t0 = time.perf_counter()
         micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
         counts = torch.tensor(
@@ -122,44 +181,52 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> dict[str,
         step_times.append(step_time)
         window_tokens += tokens_per_step
 
-        if step == 1 or step % cfg.log_every == 0 or step == cfg.steps:
+        record = None
+        if step == start_step + 1 or step % cfg.log_every == 0 or step == cfg.steps:
             dist.all_reduce(loss_sum)
             loss = float(loss_sum) / max(1.0, float(global_count))
             losses[step] = loss
             now = time.perf_counter()
             tps = window_tokens / (now - window_start)
-            ctx.emit(
-                {
-                    "step": step,
-                    "loss": loss,
-                    "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": float(grad_norm),
-                    "tokens": step * tokens_per_step,
-                    "tokens_per_s": tps,
-                    "step_time_s": step_time,
-                    "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
-                }
-            )
+            record = {
+                "step": step,
+                "loss": loss,
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": float(grad_norm),
+                "tokens": step * tokens_per_step,
+                "tokens_per_s": tps,
+                "step_time_s": step_time,
+                "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
+                "resumed_from_step": resumed_from,
+            }
+            ctx.emit(record)
+        if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+            save(step, record or {"step": step})
+        if record is not None:
             window_start, window_tokens = time.perf_counter(), 0
 
     train_s = time.perf_counter() - loop_start
-    steady = step_times[min(len(step_times) - 1, max(2, len(step_times) // 10)) :]
-    tokens = cfg.steps * tokens_per_step
-    tps = tokens / train_s
+    done = len(step_times)
+    steady = step_times[min(done - 1, max(2, done // 10)) :] if done else []
+    tokens = done * tokens_per_step
+    tps = tokens / train_s if done else 0.0
     summary = {
         "steps": cfg.steps,
-        "first_loss": losses[1],
-        "final_loss": losses[cfg.steps],
-        "tokens": tokens,
+        "first_loss": losses.get(start_step + 1),
+        "final_loss": losses.get(cfg.steps),
+        "tokens": cfg.steps * tokens_per_step,
         "train_s": train_s,
         "tokens_per_s": tps,
-        "step_time_s": statistics.median(steady),
+        "step_time_s": statistics.median(steady) if steady else None,
         "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
         "flops_per_token": fpt,
         "parameters": n_params,
         "world_size": ctx.world_size,
         "device": device_name(device),
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "resumed_from_step": resumed_from,
+        "checkpoints": checkpoints,
+        "checkpoint_s": checkpoint_s,
     }
     ctx.finish(summary)
     return summary
@@ -170,8 +237,11 @@ def ray_worker_entry(job: dict[str, Any]) -> None:
     from raytrain_eks.train.context import RayContext
 
     _quiet_libraries()
+    if job.get("fault"):
+        os.environ[FAULT_ENV] = job["fault"]
     cfg = TrainingConfig.model_validate(job["training"])
-    train(cfg, job["model_path"], RayContext(job.get("metrics_queue")))
+    ctx = RayContext(job.get("metrics_queue"), job["checkpoint_root"], job.get("resume_from"))
+    train(cfg, job["model_path"], ctx, tokenizer_path=job["model_path"])
 
 
 def _quiet_libraries() -> None:

@@ -1,0 +1,190 @@
+"""Checkpoints, recovery and export, with real processes killed by SIGKILL (no mocks).
+
+A reference run trains without interruption; the other runs are killed (from outside, or by the fault point at
+a chosen place) and must end with exactly the reference's weights, resuming from the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raytrain_eks import presets
+from raytrain_eks.cli import main
+from raytrain_eks.config import load_config
+from raytrain_eks.errors import TrainingError, UserError
+from raytrain_eks.train.checkpoint import MARKER, list_checkpoints
+from raytrain_eks.train.faults import ENV as FAULT_ENV
+from raytrain_eks.train.launch import run_training
+
+pytestmark = pytest.mark.integration
+
+RANDOM = {"data": "random", "steps": 30, "seq_len": 64, "batch_size": 4, "log_every": 1, "checkpoint_every": 10}
+REAL = {"steps": 16, "seq_len": 64, "batch_size": 4, "log_every": 1, "checkpoint_every": 8}
+
+
+def make_config(tmp_path: Path, **training):
+    return load_config(preset=presets.local_tiny(), path=None, environ={}, overrides={"training": training})
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "model" / "model.safetensors")
+
+
+def history(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def quiet(_: str) -> None:
+    pass
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, ray_local):
+    root = tmp_path_factory.mktemp("reference")
+    return run_training(make_config(root, **RANDOM, output_dir=str(root / "run")), runs_root=root, say=quiet)
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_reference_run_writes_checkpoints_and_exports(reference_run):
+    run = reference_run.run_dir
+    found = list_checkpoints(run / "ray")
+    assert [step for step, _, ok in found if ok] == [20, 30]  # keep_checkpoints=2: step 10 was removed
+    assert reference_run.summary["resumed_from_step"] is None
+    assert len(reference_run.summary["checkpoints"]) == 2
+    assert (run / "model" / "model.safetensors").exists()
+
+
+def test_sigkilled_worker_resumes_and_ends_with_identical_weights(tmp_path, reference_run):
+    killed: list[int] = []
+
+    def kill_a_worker(record: dict, total: int) -> None:
+        if record["step"] >= 14 and not killed:
+            pids = subprocess.run(
+                ["pgrep", "-f", "^ray::RayTrainWorker"], capture_output=True, text=True
+            ).stdout.split()
+            assert pids, "no Ray Train worker process found to kill"
+            os.kill(int(pids[-1]), signal.SIGKILL)
+            killed.append(int(pids[-1]))
+
+    cfg = make_config(tmp_path, **RANDOM, output_dir=str(tmp_path / "run"))
+    result = run_training(cfg, runs_root=tmp_path, say=quiet, progress=kill_a_worker)
+    assert killed
+    assert result.summary["steps"] == 30
+    resumed = result.summary["resumed_from_step"]
+    assert resumed in (10, 20), result.summary
+    steps = [r["step"] for r in history(result.run_dir)]
+    assert steps.count(resumed + 1) == 2, "metrics.jsonl keeps the steps of both attempts"
+    after = {r["step"]: r["loss"] for r in history(result.run_dir) if r["resumed_from_step"] == resumed}
+    before = {r["step"]: r["loss"] for r in reference_run.records}
+    assert after == {s: before[s] for s in after}
+    assert_same_weights(weights(result.run_dir), weights(reference_run.run_dir))
+
+
+def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path, monkeypatch, reference_run):
+    monkeypatch.setenv(FAULT_ENV, f"checkpoint:20:1:{tmp_path / 'fired'}")
+    cfg = make_config(tmp_path, **RANDOM, output_dir=str(tmp_path / "run"))
+    result = run_training(cfg, runs_root=tmp_path, say=quiet)
+    assert (tmp_path / "fired").exists(), "the fault point must have fired"
+    assert result.summary["resumed_from_step"] == 10
+    assert_same_weights(weights(result.run_dir), weights(reference_run.run_dir))
+
+
+def test_resume_run_dir_continues_real_data_exactly(tmp_path, monkeypatch, ray_local):
+    whole = run_training(
+        make_config(tmp_path, **REAL, output_dir=str(tmp_path / "whole")), runs_root=tmp_path, say=quiet
+    )
+    monkeypatch.setenv(FAULT_ENV, f"step:12:0:{tmp_path / 'fired'}")
+    cfg = make_config(tmp_path, **REAL, max_failures=0, output_dir=str(tmp_path / "cut"))
+    with pytest.raises(TrainingError, match="training failed"):
+        run_training(cfg, runs_root=tmp_path, say=quiet)
+    monkeypatch.delenv(FAULT_ENV)
+    cut = tmp_path / "cut"
+    assert not (cut / "summary.json").exists()
+    # The CLI path a user takes: the run folder's own config.yaml, no other flag.
+    monkeypatch.chdir(tmp_path)
+    main(["train", "--resume", str(cut)])
+    summary = json.loads((cut / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 8 and summary["steps"] == 16
+    expected = {r["step"]: r["loss"] for r in whole.records}
+    resumed = {r["step"]: r["loss"] for r in history(cut) if r["resumed_from_step"] == 8}
+    assert sorted(resumed) == list(range(9, 17))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(expected[step], rel=1e-6), step
+    assert_same_weights(weights(cut), weights(whole.run_dir))
+
+
+def test_export_command_writes_a_loadable_model_with_the_trained_weights(tmp_path, reference_run, capsys):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "exported"
+    main(["export", str(reference_run.run_dir), str(out)])
+    assert f"model: {out.resolve()}" in capsys.readouterr().out
+    model = AutoModelForCausalLM.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    ids = tok("What is 2 plus 3?", return_tensors="pt")["input_ids"]
+    generated = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert generated.shape[1] == ids.shape[1] + 5
+    # Independent gathering of the same checkpoint with PyTorch's own converter.
+    newest = list_checkpoints(reference_run.run_dir / "ray")[-1][1]
+    dcp_to_torch_save(str(newest), str(tmp_path / "plain.pt"))
+    plain = torch.load(tmp_path / "plain.pt", weights_only=True)["model"]
+    exported = load_file(out / "model.safetensors")
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, plain[name]), name
+
+
+def test_bad_resume_inputs_are_one_clear_message(tmp_path, monkeypatch, capsys, reference_run):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--resume", str(tmp_path / "missing-run")])
+    assert info.value.code == 1
+    assert "no config.yaml there" in capsys.readouterr().err
+
+    other = tmp_path / "other-model"
+    Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=1024,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).save_pretrained(other)
+    reference_run.run_dir.joinpath("..").resolve()
+    tok_src = reference_run.run_dir / "model"
+    for f in tok_src.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            (other / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--resume", str(reference_run.run_dir), "--model", str(other)])
+    err = capsys.readouterr().err
+    assert info.value.code == 1
+    assert "is of a different model (hidden_size: checkpoint 128, model 64" in err
+    assert "Traceback" not in err
+
+    incomplete = tmp_path / "run-with-cut-checkpoint"
+    (incomplete / "ray" / "checkpoint_00000005").mkdir(parents=True)
+    (incomplete / "config.yaml").write_text((reference_run.run_dir / "config.yaml").read_text())
+    with pytest.raises(UserError, match="none is complete"):
+        from raytrain_eks.train.checkpoint import resolve_checkpoint
+
+        resolve_checkpoint(incomplete)
+    partial = list_checkpoints(reference_run.run_dir / "ray")[-1][1]
+    assert (partial / MARKER).exists()
