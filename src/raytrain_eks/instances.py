@@ -1,0 +1,187 @@
+"""Facts about EC2 instance types and AWS regions that the plan needs, offline.
+
+The figures come from ``shared/reference/infra-facts.md`` (§4, §5 and §7: the EC2 API as published by Karpenter, and
+us-east-1 Linux on-demand prices); rows marked ``verified=False`` are common types that file does not tabulate,
+filled in from AWS's public instance pages. At deploy time the live EC2 API is the authority (preflight); this
+table lets ``plan`` size pods and price the cluster with no credentials. Example::
+
+    it = instance_type("g6.12xlarge")
+    it.gpus, it.efa_interfaces, it.usd_per_hour  # (4, 1, 4.6016)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raytrain_eks.errors import UserError
+
+PRICE_REGION = "us-east-1"
+"""The region of every price in the table; other regions cost somewhat more or less."""
+
+
+@dataclass(frozen=True)
+class InstanceType:
+    """One EC2 instance type. ``gpu_mib`` is per GPU; ``efa_interfaces`` is ``MaximumEfaInterfaces`` (0: no EFA),
+    which is also the node's ``vpc.amazonaws.com/efa`` capacity; ``usd_per_hour`` is us-east-1 on-demand Linux,
+    ``None`` where no price is known."""
+
+    name: str
+    gpus: int
+    gpu_model: str | None
+    gpu_mib: int
+    vcpu: int
+    memory_gib: int
+    network_gbps: float
+    efa_interfaces: int
+    usd_per_hour: float | None
+    verified: bool = True
+
+    @property
+    def efa_supported(self) -> bool:
+        return self.efa_interfaces > 0
+
+    @property
+    def quota_family(self) -> str:
+        """The on-demand vCPU quota family: ``G`` (G and VT), ``P``, or ``standard`` (A, C, D, H, I, M, R, T, Z)."""
+        prefix = self.name[0].upper()
+        return prefix if prefix in ("G", "P") else "standard"
+
+
+def _gpu(
+    name: str, gpus: int, model: str, mib: int, vcpu: int, gib: int, gbps: float, efa: int, usd: float | None
+) -> InstanceType:
+    return InstanceType(name, gpus, model, mib, vcpu, gib, gbps, efa, usd)
+
+
+def _cpu(name: str, vcpu: int, gib: int, gbps: float, usd: float, *, verified: bool = False) -> InstanceType:
+    return InstanceType(name, 0, None, 0, vcpu, gib, gbps, 0, usd, verified)
+
+
+_TABLE: tuple[InstanceType, ...] = (
+    # EFA-capable NVIDIA types: infra-facts.md §4-§5 (EC2 API via Karpenter) and §7 (prices).
+    _gpu("g6.12xlarge", 4, "L4", 22888, 48, 192, 40, 1, 4.6016),
+    _gpu("g5.12xlarge", 4, "A10G", 22888, 48, 192, 40, 1, 5.672),
+    _gpu("g5.48xlarge", 8, "A10G", 22888, 192, 768, 100, 1, 16.288),
+    _gpu("g6.48xlarge", 8, "L4", 22888, 192, 768, 100, 1, 13.3504),
+    _gpu("g6e.8xlarge", 1, "L40S", 45776, 32, 256, 25, 1, 4.52856),
+    _gpu("g6e.12xlarge", 4, "L40S", 45776, 48, 384, 100, 1, 10.49264),
+    _gpu("g6e.16xlarge", 1, "L40S", 45776, 64, 512, 35, 1, 7.57719),
+    _gpu("g6e.24xlarge", 4, "L40S", 45776, 96, 768, 200, 2, 15.06559),
+    _gpu("g6e.48xlarge", 8, "L40S", 45776, 192, 1536, 400, 4, 30.13118),
+    _gpu("p4d.24xlarge", 8, "A100", 40960, 96, 1152, 400, 4, 21.957642),
+    _gpu("p4de.24xlarge", 8, "A100", 81920, 96, 1152, 400, 4, 27.44705),
+    _gpu("p5.4xlarge", 1, "H100", 81920, 16, 256, 100, 1, 6.88),
+    _gpu("p5.48xlarge", 8, "H100", 81920, 192, 2048, 3200, 32, 55.04),
+    _gpu("p5e.48xlarge", 8, "H200", 144384, 192, 2048, 3200, 32, None),
+    _gpu("p5en.48xlarge", 8, "H200", 144384, 192, 2048, 3200, 16, 63.296),
+    _gpu("p6-b200.48xlarge", 8, "B200", 183359, 192, 2048, 3200, 8, 113.9328),
+    _gpu("p6-b300.48xlarge", 8, "B300", 275040, 192, 4096, 6400, 16, 142.416),
+    # GPU types without EFA (infra-facts §5: sizes xlarge to 4xlarge); known so the error can say why, not "unknown".
+    InstanceType("g5.xlarge", 1, "A10G", 22888, 4, 16, 10, 0, 1.006, False),
+    InstanceType("g5.2xlarge", 1, "A10G", 22888, 8, 32, 10, 0, 1.212, False),
+    InstanceType("g5.4xlarge", 1, "A10G", 22888, 16, 64, 25, 0, 1.624, False),
+    InstanceType("g6.xlarge", 1, "L4", 22888, 4, 16, 10, 0, 0.8048, False),
+    InstanceType("g6.2xlarge", 1, "L4", 22888, 8, 32, 10, 0, 0.9776, False),
+    InstanceType("g6.4xlarge", 1, "L4", 22888, 16, 64, 25, 0, 1.3232, False),
+    InstanceType("g6e.xlarge", 1, "L40S", 45776, 4, 32, 20, 0, 1.861, False),
+    InstanceType("g6e.2xlarge", 1, "L40S", 45776, 8, 64, 20, 0, 2.24208, False),
+    InstanceType("g6e.4xlarge", 1, "L40S", 45776, 16, 128, 20, 0, 3.00424, False),
+    # System-node types. m7i.xlarge is the reference (price verified, §7); the others are common alternatives.
+    _cpu("m7i.xlarge", 4, 16, 12.5, 0.2016, verified=True),
+    _cpu("m7i.large", 2, 8, 12.5, 0.1008),
+    _cpu("m7i.2xlarge", 8, 32, 12.5, 0.4032),
+    _cpu("m6i.xlarge", 4, 16, 12.5, 0.192),
+    _cpu("m6i.2xlarge", 8, 32, 12.5, 0.384),
+    _cpu("m5.large", 2, 8, 10, 0.096),
+    _cpu("m5.xlarge", 4, 16, 10, 0.192),
+    _cpu("m5.2xlarge", 8, 32, 10, 0.384),
+)
+
+INSTANCE_TYPES: dict[str, InstanceType] = {it.name: it for it in _TABLE}
+
+EFA_GPU_TYPES: tuple[str, ...] = tuple(it.name for it in _TABLE if it.gpus and it.efa_supported)
+
+# Regions where EKS runs (commercial, plus GovCloud). Offline, a region outside this list is refused; whether a
+# region offers the GPU type with EFA is checked against the EC2 API at deploy time.
+KNOWN_REGIONS: tuple[str, ...] = (
+    "us-east-1",
+    "us-east-2",
+    "us-west-1",
+    "us-west-2",
+    "ca-central-1",
+    "ca-west-1",
+    "mx-central-1",
+    "sa-east-1",
+    "eu-central-1",
+    "eu-central-2",
+    "eu-north-1",
+    "eu-south-1",
+    "eu-south-2",
+    "eu-west-1",
+    "eu-west-2",
+    "eu-west-3",
+    "il-central-1",
+    "me-central-1",
+    "me-south-1",
+    "af-south-1",
+    "ap-east-1",
+    "ap-east-2",
+    "ap-south-1",
+    "ap-south-2",
+    "ap-northeast-1",
+    "ap-northeast-2",
+    "ap-northeast-3",
+    "ap-southeast-1",
+    "ap-southeast-2",
+    "ap-southeast-3",
+    "ap-southeast-4",
+    "ap-southeast-5",
+    "ap-southeast-7",
+    "us-gov-east-1",
+    "us-gov-west-1",
+)
+
+# EKS control plane, NAT gateway (infra-facts §7). Extended-support Kubernetes versions cost $0.60 per cluster-hour.
+EKS_CONTROL_PLANE_USD_PER_HOUR = 0.10
+EKS_EXTENDED_SUPPORT_USD_PER_HOUR = 0.60
+NAT_GATEWAY_USD_PER_HOUR = 0.045
+
+
+class UnknownInstanceTypeError(UserError):
+    """The instance type is not in the offline table, so the plan cannot size pods or price it."""
+
+    exit_code = 2
+
+
+def instance_type(name: str) -> InstanceType:
+    """The facts for ``name``; raises :class:`UnknownInstanceTypeError` naming the known types.
+
+    Example: ``instance_type("p5.48xlarge").efa_interfaces == 32``.
+    """
+    try:
+        return INSTANCE_TYPES[name]
+    except KeyError:
+        raise UnknownInstanceTypeError(
+            f"instance type {name!r} is not in raytrain-eks's table of instance facts",
+            hint=f"EFA GPU types it knows: {', '.join(EFA_GPU_TYPES)}. System-node types: "
+            f"{', '.join(it.name for it in _TABLE if not it.gpus)}.",
+        ) from None
+
+
+def default_worker_pod_size(it: InstanceType) -> tuple[int, int]:
+    """CPU and memory (GiB) for one Ray worker pod filling a node of type ``it``: 5/6 of each.
+
+    The sixth left over is room for the kubelet's reservation, the system DaemonSets and the OS; it is the
+    reference's own ratio (40 of 48 vCPU and 160 of 192 GiB on g6.12xlarge). Example:
+    ``default_worker_pod_size(instance_type("p4d.24xlarge")) == (80, 960)``.
+    """
+    return it.vcpu * 5 // 6, it.memory_gib * 5 // 6
+
+
+def head_pod_size(it: InstanceType) -> tuple[int, int]:
+    """CPU and memory (GiB) for the Ray head on a system node of type ``it``: half of each.
+
+    The other half is for the KubeRay operator, CoreDNS and a RayJob's submitter pod on the same node.
+    Example: ``head_pod_size(instance_type("m7i.xlarge")) == (2, 8)``.
+    """
+    return max(1, it.vcpu // 2), max(1, it.memory_gib // 2)

@@ -1,0 +1,262 @@
+"""RayCluster, RayJob and the core objects beside them, as plain dicts built by pure functions of the config.
+
+Nothing here talks to a cluster or writes a file; YAML is dumped at the edge (:mod:`raytrain_eks.plan`). Every
+number that appears twice comes from one place: Ray's ``num-gpus`` and the pod's ``nvidia.com/gpu`` from
+``cfg.derived.ray_gpus_per_worker_pod``, the EFA count from the instance table, CPU and memory from the instance
+size unless set. The Hugging Face token is only ever *referenced* (a Secret key); :func:`hf_token_secret` builds
+the Secret for the API and its result must never be dumped. Example::
+
+    doc = raycluster(cfg, hf_token=True)
+    doc["spec"]["workerGroupSpecs"][0]["replicas"]  # 2 on the reference
+"""
+
+from __future__ import annotations
+
+import copy
+import shlex
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from raytrain_eks.config import Config
+from raytrain_eks.instances import default_worker_pod_size, head_pod_size, instance_type
+
+# Labels and taint of the node groups (set in the eksctl ClusterConfig); pods select and tolerate them.
+SYSTEM_NODE_LABELS: dict[str, str] = {"role": "system"}
+# nvidia.com/gpu.present is what the NVIDIA device-plugin chart's affinity looks for; nothing on EKS sets it.
+GPU_NODE_LABELS: dict[str, str] = {"role": "gpu-worker", "nvidia.com/gpu.present": "true"}
+GPU_TAINT: dict[str, str] = {"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}
+GPU_TOLERATION: dict[str, str] = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+WORKER_GROUP = "gpu-workers"
+HF_TOKEN_ENV = "HF_TOKEN"
+HF_TOKEN_KEY = "token"
+CONFIG_DIR = "/etc/raytrain-eks"
+CONFIG_FILE = "raytrain-eks.yaml"
+RAY_LOG_DIR = "/tmp/ray"
+HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
+RAYJOB_TTL_S = 60
+
+
+def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """A new dict: ``over`` laid on ``base``, mappings merged key by key, anything else replaced. No input changes.
+
+    Example: ``merge({"a": {"x": 1}}, {"a": {"y": 2}}) == {"a": {"x": 1, "y": 2}}``.
+    """
+    out = copy.deepcopy(dict(base))
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def labels(cfg: Config) -> dict[str, str]:
+    """Labels on every object raytrain-eks creates, so status and teardown can find them."""
+    return {"app.kubernetes.io/managed-by": "raytrain-eks", "app.kubernetes.io/instance": cfg.ray.cluster_name}
+
+
+def _meta(cfg: Config, name: str) -> dict[str, Any]:
+    return {"name": name, "namespace": cfg.ray.namespace, "labels": labels(cfg)}
+
+
+def namespace(cfg: Config) -> dict[str, Any]:
+    """The namespace of the Ray objects."""
+    return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": cfg.ray.namespace, "labels": labels(cfg)}}
+
+
+def config_map_name(cfg: Config) -> str:
+    return f"{cfg.ray.cluster_name}-config"
+
+
+def job_config_map(cfg: Config) -> dict[str, Any]:
+    """The resolved configuration as a ConfigMap, mounted into the head pod for the job's driver.
+
+    The driver then reads exactly the settings the plan was made from (``train --config``), instead of a
+    second copy typed into flags. It holds no secret: the Hugging Face token is not a setting.
+    """
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(cfg, config_map_name(cfg)),
+        "data": {CONFIG_FILE: cfg.to_yaml()},
+    }
+
+
+def hf_token_env(cfg: Config) -> dict[str, Any]:
+    """The container environment entry that reads the token from the Secret (the value never enters a manifest)."""
+    ref = {"name": cfg.ray.hf_token_secret, "key": HF_TOKEN_KEY}
+    return {"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}}
+
+
+def hf_token_secret(cfg: Config, token: str) -> dict[str, Any]:
+    """The Secret holding the token, for the Kubernetes API only: never dump, print or log the result."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(cfg, cfg.ray.hf_token_secret),
+        "type": "Opaque",
+        "stringData": {HF_TOKEN_KEY: token},
+    }
+
+
+def train_argv() -> list[str]:
+    """The job's command inside the cluster: join the running Ray cluster and train with the mounted config.
+
+    Every setting travels in the mounted ConfigMap (:func:`job_config_map`), none as a flag, so nothing typed by
+    a user is ever spliced into a command line. Example:
+    ``["raytrain-eks", "train", "--address", "auto", "--config", "/etc/raytrain-eks/raytrain-eks.yaml"]``.
+    """
+    return ["raytrain-eks", "train", "--address", "auto", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+
+
+def worker_pod_size(cfg: Config) -> tuple[int, int]:
+    """CPU and memory (GiB) of each GPU worker pod: the configured values, else 5/6 of the instance."""
+    cpu, mem = default_worker_pod_size(instance_type(cfg.cluster.gpu_node_type))
+    return cfg.ray.worker_cpu or cpu, cfg.ray.worker_memory_gib or mem
+
+
+def _guaranteed(resources: dict[str, str]) -> dict[str, dict[str, str]]:
+    # requests == limits for every resource gives the pod Guaranteed QoS (never evicted for another pod's sake).
+    return {"requests": dict(resources), "limits": dict(resources)}
+
+
+def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
+    cpu, mem = head_pod_size(instance_type(cfg.cluster.system_node_type))
+    # "void" keeps the NVIDIA container runtime from exposing any GPU to the head, whatever node it lands on.
+    env: list[dict[str, Any]] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
+    if hf_token:
+        env.append(hf_token_env(cfg))
+    container = {
+        "name": "ray-head",
+        "image": cfg.ray.image,
+        "imagePullPolicy": "IfNotPresent",
+        "ports": [{"name": name, "containerPort": port} for name, port in HEAD_PORTS.items()],
+        "env": env,
+        "resources": _guaranteed({"cpu": str(cpu), "memory": f"{mem}Gi"}),
+        # A clean `ray stop` lets the GCS and the running job's driver shut down before the pod is killed.
+        "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
+        "volumeMounts": [
+            {"name": "ray-logs", "mountPath": RAY_LOG_DIR},
+            {"name": "job-config", "mountPath": CONFIG_DIR, "readOnly": True},
+        ],
+    }
+    return {
+        "metadata": {"labels": labels(cfg)},
+        "spec": {
+            "nodeSelector": dict(SYSTEM_NODE_LABELS),
+            "containers": [container],
+            "volumes": [
+                {"name": "ray-logs", "emptyDir": {}},
+                {"name": "job-config", "configMap": {"name": config_map_name(cfg)}},
+            ],
+        },
+    }
+
+
+def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
+    it = instance_type(cfg.cluster.gpu_node_type)
+    cpu, mem = worker_pod_size(cfg)
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in cfg.network.env.items()]
+    if hf_token:
+        env.append(hf_token_env(cfg))
+    resources = {
+        "cpu": str(cpu),
+        "memory": f"{mem}Gi",
+        GPU_RESOURCE: str(cfg.derived.ray_gpus_per_worker_pod),
+        # Without the EFA request the device plugin mounts no EFA device and NCCL silently falls back to sockets.
+        EFA_RESOURCE: str(it.efa_interfaces),
+    }
+    container = {
+        "name": "ray-worker",
+        "image": cfg.ray.image,
+        "imagePullPolicy": "IfNotPresent",
+        "env": env,
+        "resources": _guaranteed(resources),
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "ray-logs", "mountPath": RAY_LOG_DIR},
+        ],
+    }
+    return {
+        "metadata": {"labels": labels(cfg)},
+        "spec": {
+            "nodeSelector": dict(GPU_NODE_LABELS),
+            "tolerations": [dict(GPU_TOLERATION)],
+            "containers": [container],
+            "volumes": [
+                # NCCL's intra-node transport uses /dev/shm; the container default of 64 MiB is far too small.
+                # tmpfs pages count against the pod's memory limit, so a quarter of it is the cap.
+                {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{max(1, mem // 4)}Gi"}},
+                {"name": "ray-logs", "emptyDir": {}},
+            ],
+        },
+    }
+
+
+def ray_cluster_spec(cfg: Config, *, hf_token: bool = False) -> dict[str, Any]:
+    """The ``spec`` of a RayCluster (also a RayJob's ``rayClusterSpec``): a GPU-less head on the system node and
+    one worker pod per GPU node, the group fixed at ``gpu_node_count`` pods."""
+    pods = cfg.cluster.gpu_node_count
+    return {
+        "rayVersion": cfg.ray.version,
+        "enableInTreeAutoscaling": False,
+        "headGroupSpec": {
+            # ClusterIP only: the dashboard (8265) is reachable inside the cluster, never from outside it.
+            "serviceType": "ClusterIP",
+            "rayStartParams": {"num-gpus": "0", "dashboard-host": "0.0.0.0"},
+            "template": _head_template(cfg, hf_token=hf_token),
+        },
+        "workerGroupSpecs": [
+            {
+                "groupName": WORKER_GROUP,
+                "replicas": pods,
+                "minReplicas": pods,
+                "maxReplicas": pods,
+                "rayStartParams": {"num-gpus": str(cfg.derived.ray_gpus_per_worker_pod)},
+                "template": _worker_template(cfg, hf_token=hf_token),
+            }
+        ],
+    }
+
+
+def raycluster(cfg: Config, *, hf_token: bool = False) -> dict[str, Any]:
+    """The ``ray.io/v1`` RayCluster that ``train --address auto`` later runs on (submitted in the head pod)."""
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": _meta(cfg, cfg.ray.cluster_name),
+        "spec": ray_cluster_spec(cfg, hf_token=hf_token),
+    }
+
+
+def rayjob(cfg: Config, *, hf_token: bool = False, runtime_env: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """A ``ray.io/v1`` RayJob: its own RayCluster, the training entrypoint, and a cluster deleted when it ends.
+
+    ``activeDeadlineSeconds`` bounds the whole run and ``preRunningDeadlineSeconds`` the wait for pods, so a job
+    that hangs or never gets its GPUs stops costing. ``runtime_env`` (packages the image lacks) is optional.
+    """
+    spec: dict[str, Any] = {
+        # shlex.join: the entrypoint is a shell string to Ray; quoting each argv item keeps it one argv again.
+        "entrypoint": shlex.join(train_argv()),
+        "submissionMode": "K8sJobMode",
+        "shutdownAfterJobFinishes": True,
+        "ttlSecondsAfterFinished": RAYJOB_TTL_S,
+        "activeDeadlineSeconds": cfg.ray.job_deadline_s,
+        "preRunningDeadlineSeconds": cfg.ray.job_start_deadline_s,
+        "backoffLimit": 0,
+        "rayClusterSpec": ray_cluster_spec(cfg, hf_token=hf_token),
+    }
+    if runtime_env:
+        spec["runtimeEnvYAML"] = yaml.safe_dump(dict(runtime_env), sort_keys=False)
+    return {"apiVersion": "ray.io/v1", "kind": "RayJob", "metadata": _meta(cfg, cfg.ray.cluster_name), "spec": spec}
+
+
+def pod_templates(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The pod templates in a RayCluster or RayJob (head first), e.g. to validate them as core ``Pod`` objects."""
+    spec = doc["spec"].get("rayClusterSpec", doc["spec"])
+    return [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]

@@ -1,0 +1,283 @@
+"""Kubernetes manifests: the RayCluster and RayJob against the KubeRay v1 schema, their pod templates and the core
+objects with kubernetes-validate (strict), and every property of the issue asserted one by one, for the reference
+and for other instance types. Fast and hermetic: no cluster, no network."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from raytrain_eks.config import Config, load_config
+from raytrain_eks.k8s import manifests as m
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+K8S_VERSION = "1.33"
+
+# (instance type, GPUs, EFA interfaces, pod CPU, pod memory GiB): GPU and EFA follow the instance; CPU and memory
+# are 5/6 of it (the reference's 40 of 48 vCPU, 160 of 192 GiB).
+INSTANCES = [
+    ("g6.12xlarge", 4, 1, 40, 160),
+    ("g5.48xlarge", 8, 1, 160, 640),
+    ("p4d.24xlarge", 8, 4, 80, 960),
+    ("p5.48xlarge", 8, 32, 160, 1706),
+]
+
+
+def _schema(name: str) -> jsonschema.Draft7Validator:
+    path = SHARED / "schemas" / "kuberay" / name
+    assert path.exists(), f"{path} is missing: the shared folder must sit beside the repository"
+    return jsonschema.Draft7Validator(json.loads(path.read_text()))
+
+
+@pytest.fixture(scope="module")
+def raycluster_schema() -> jsonschema.Draft7Validator:
+    return _schema("raycluster.v1.schema.json")
+
+
+@pytest.fixture(scope="module")
+def rayjob_schema() -> jsonschema.Draft7Validator:
+    return _schema("rayjob.v1.schema.json")
+
+
+@pytest.fixture
+def cfg_for(tmp_path, monkeypatch):
+    """Build a config from env.sh-style variables only (no file from the current folder, no real environment)."""
+    monkeypatch.chdir(tmp_path)
+
+    def build(**environ: str) -> Config:
+        return load_config(environ=environ)
+
+    return build
+
+
+def _errors(validator: jsonschema.Draft7Validator, doc: dict[str, Any]) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def _as_pod(template: dict[str, Any], name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, **template["metadata"]},
+        "spec": template["spec"],
+    }
+
+
+def _strict(doc: dict[str, Any]) -> None:
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def _head(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["spec"]["headGroupSpec"]
+
+
+def _workers(doc: dict[str, Any]) -> dict[str, Any]:
+    groups = doc["spec"]["workerGroupSpecs"]
+    assert len(groups) == 1
+    return groups[0]
+
+
+# --- merge ---------------------------------------------------------------------------------------------------------
+
+
+def test_merge_is_deep_and_never_mutates_its_inputs():
+    base = {"a": {"x": 1, "l": [1]}, "b": 1}
+    over = {"a": {"y": 2}, "b": {"c": 3}}
+    before = copy.deepcopy((base, over))
+    out = m.merge(base, over)
+    assert out == {"a": {"x": 1, "y": 2, "l": [1]}, "b": {"c": 3}}
+    assert (base, over) == before
+    out["a"]["l"].append(2)
+    assert base["a"]["l"] == [1], "the result shares nothing with the inputs"
+
+
+def test_renderers_are_pure(cfg_for):
+    cfg = cfg_for()
+    dumped = cfg.model_dump()
+    first = m.raycluster(cfg, hf_token=True)
+    first["spec"]["workerGroupSpecs"][0]["replicas"] = 99
+    assert m.raycluster(cfg, hf_token=True)["spec"]["workerGroupSpecs"][0]["replicas"] == 2
+    assert m.rayjob(cfg) == m.rayjob(cfg)
+    assert cfg.model_dump() == dumped
+
+
+# --- schemas ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("itype,gpus,efa,cpu,mem", INSTANCES)
+def test_raycluster_and_rayjob_validate_against_kuberay_v1(
+    cfg_for, raycluster_schema, rayjob_schema, itype, gpus, efa, cpu, mem
+):
+    cfg = cfg_for(GPU_NODE_TYPE=itype, GPUS_PER_NODE=str(gpus), NAMESPACE="train")
+    for hf_token in (False, True):
+        rc = m.raycluster(cfg, hf_token=hf_token)
+        assert _errors(raycluster_schema, rc) == []
+        assert (rc["apiVersion"], rc["kind"], rc["metadata"]["name"]) == ("ray.io/v1", "RayCluster", "ray-train")
+        job = m.rayjob(cfg, hf_token=hf_token, runtime_env={"pip": ["example==1.0"]})
+        assert _errors(rayjob_schema, job) == []
+        assert (job["apiVersion"], job["kind"], job["metadata"]["name"]) == ("ray.io/v1", "RayJob", "ray-train")
+        for i, template in enumerate(m.pod_templates(rc) + m.pod_templates(job)):
+            _strict(_as_pod(template, f"pod-{i}"))
+
+
+def test_core_objects_validate_strictly(cfg_for):
+    cfg = cfg_for(NAMESPACE="train")
+    for doc in (m.namespace(cfg), m.job_config_map(cfg), m.hf_token_secret(cfg, "hf_dummy")):
+        _strict(doc)
+        assert doc["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "raytrain-eks"
+    assert m.job_config_map(cfg)["metadata"]["namespace"] == "train"
+
+
+def test_the_validators_do_reject_bad_documents(cfg_for, raycluster_schema):
+    """The checks above would catch a mistake: a worker group without minReplicas, a misspelled pod field."""
+    rc = m.raycluster(cfg_for())
+    del rc["spec"]["workerGroupSpecs"][0]["minReplicas"]
+    assert any("minReplicas" in e for e in _errors(raycluster_schema, rc))
+    pod = _as_pod(m.pod_templates(m.raycluster(cfg_for()))[1], "w")
+    pod["spec"]["nodeSelectors"] = pod["spec"].pop("nodeSelector")
+    with pytest.raises(kubernetes_validate.ValidationError, match="nodeSelectors"):
+        _strict(pod)
+
+
+# --- the RayCluster, property by property ----------------------------------------------------------------------------
+
+
+def test_head_reserves_no_gpu_and_runs_on_the_system_node(cfg_for):
+    group = _head(m.raycluster(cfg_for()))
+    assert group["rayStartParams"]["num-gpus"] == "0"
+    assert group["serviceType"] == "ClusterIP", "the dashboard port must not leave the cluster"
+    spec = group["template"]["spec"]
+    assert spec["nodeSelector"] == {"role": "system"}
+    assert "tolerations" not in spec, "the head must not tolerate the GPU taint"
+    (container,) = spec["containers"]
+    assert _env(container)["NVIDIA_VISIBLE_DEVICES"] == "void"
+    res = container["resources"]
+    assert res["requests"] == res["limits"] == {"cpu": "2", "memory": "8Gi"}  # half of m7i.xlarge
+    assert not any("gpu" in k or "efa" in k for k in res["limits"])
+    assert container["lifecycle"]["preStop"]["exec"]["command"][-1] == "ray stop"
+    mounts = {v["name"]: v["mountPath"] for v in container["volumeMounts"]}
+    assert mounts["ray-logs"] == "/tmp/ray"
+    assert mounts["job-config"] == m.CONFIG_DIR
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["ray-logs"] == {"name": "ray-logs", "emptyDir": {}}
+    assert volumes["job-config"]["configMap"]["name"] == m.job_config_map(cfg_for())["metadata"]["name"]
+
+
+@pytest.mark.parametrize("itype,gpus,efa,cpu,mem", INSTANCES)
+def test_workers_follow_the_instance_type(cfg_for, itype, gpus, efa, cpu, mem):
+    cfg = cfg_for(GPU_NODE_TYPE=itype, GPUS_PER_NODE=str(gpus), GPU_NODE_COUNT="3")
+    group = _workers(m.raycluster(cfg))
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 3, "one pod per GPU node"
+    (container,) = group["template"]["spec"]["containers"]
+    res = container["resources"]
+    assert res["requests"] == res["limits"], "requests == limits: Guaranteed QoS"
+    # Ray's num-gpus and the pod's GPU request come from the same setting.
+    assert (
+        group["rayStartParams"]["num-gpus"]
+        == res["limits"]["nvidia.com/gpu"]
+        == str(cfg.derived.ray_gpus_per_worker_pod)
+    )
+    assert res["limits"] == {
+        "cpu": str(cpu),
+        "memory": f"{mem}Gi",
+        "nvidia.com/gpu": str(gpus),
+        "vpc.amazonaws.com/efa": str(efa),
+    }
+
+
+def test_worker_pod_environment_volumes_and_placement(cfg_for):
+    cfg = cfg_for()
+    spec = _workers(m.raycluster(cfg))["template"]["spec"]
+    (container,) = spec["containers"]
+    env = _env(container)
+    assert {k: env[k] for k in ("FI_PROVIDER", "NCCL_NET_PLUGIN", "NCCL_SOCKET_IFNAME", "NCCL_DEBUG")} == {
+        "FI_PROVIDER": "efa",
+        "NCCL_NET_PLUGIN": "ofi",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "NCCL_DEBUG": "INFO",
+    }
+    assert "HF_TOKEN" not in env
+    shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert spec["nodeSelector"]["role"] == "gpu-worker"
+    assert spec["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert container["image"] == _head(m.raycluster(cfg))["template"]["spec"]["containers"][0]["image"] == cfg.ray.image
+
+
+def test_explicit_worker_size_wins_over_the_instance_share(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(environ={}, overrides={"ray": {"worker_cpu": 44, "worker_memory_gib": 170}})
+    limits = _workers(m.raycluster(cfg))["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert (limits["cpu"], limits["memory"]) == ("44", "170Gi")
+
+
+def test_network_env_comes_from_the_config(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    env = {"FI_PROVIDER": "efa", "NCCL_NET_PLUGIN": "ofi", "NCCL_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "WARN"}
+    (tmp_path / "raytrain-eks.yaml").write_text(yaml.safe_dump({"network": {"env": env}}))
+    container = _workers(m.raycluster(load_config(environ={})))["template"]["spec"]["containers"][0]
+    assert _env(container) == env
+
+
+def test_hf_token_comes_from_a_secret_and_never_appears_in_a_manifest(cfg_for):
+    cfg = cfg_for(NAMESPACE="train")
+    token = "hf_thisMustNeverBeWritten123"
+    ref = {"secretKeyRef": {"name": "hf-token", "key": m.HF_TOKEN_KEY}}
+    for doc in (m.raycluster(cfg, hf_token=True), m.rayjob(cfg, hf_token=True)):
+        for template in m.pod_templates(doc):
+            (container,) = template["spec"]["containers"]
+            assert _env(container)["HF_TOKEN"] == ref
+        assert token not in yaml.safe_dump(doc)
+    secret = m.hf_token_secret(cfg, token)
+    assert secret["metadata"] == {"name": "hf-token", "namespace": "train", "labels": m.labels(cfg)}
+    assert secret["stringData"] == {m.HF_TOKEN_KEY: token}
+
+
+def test_the_job_config_map_holds_the_resolved_configuration(cfg_for):
+    cfg = cfg_for(STEPS="7", MODEL_ID="Qwen/Qwen2.5-0.5B")
+    data = m.job_config_map(cfg)["data"][m.CONFIG_FILE]
+    assert Config.model_validate(yaml.safe_load(data)) == cfg
+    assert "HF_TOKEN" not in data
+
+
+# --- the RayJob ------------------------------------------------------------------------------------------------------
+
+
+def test_rayjob_stops_costing_when_the_job_ends(cfg_for):
+    cfg = cfg_for()
+    job = m.rayjob(cfg)
+    spec = job["spec"]
+    assert spec["shutdownAfterJobFinishes"] is True
+    assert spec["ttlSecondsAfterFinished"] == m.RAYJOB_TTL_S
+    assert spec["activeDeadlineSeconds"] == cfg.ray.job_deadline_s
+    assert spec["preRunningDeadlineSeconds"] == cfg.ray.job_start_deadline_s
+    assert spec["backoffLimit"] == 0
+    assert spec["rayClusterSpec"] == m.raycluster(cfg)["spec"], "the same cluster as --mode raycluster"
+    assert "runtimeEnvYAML" not in spec
+
+
+def test_rayjob_entrypoint_is_a_quoted_argv(cfg_for):
+    spec = m.rayjob(cfg_for())["spec"]
+    assert spec["entrypoint"] == shlex.join(m.train_argv())
+    assert shlex.split(spec["entrypoint"]) == m.train_argv()
+    assert m.train_argv()[:4] == ["raytrain-eks", "train", "--address", "auto"]
+    assert m.train_argv()[-1] == f"{m.CONFIG_DIR}/{m.CONFIG_FILE}"
+
+
+def test_rayjob_runtime_env_is_yaml(cfg_for):
+    spec = m.rayjob(cfg_for(), runtime_env={"pip": ["a==1"], "env_vars": {"X": "1"}})["spec"]
+    assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"pip": ["a==1"], "env_vars": {"X": "1"}}

@@ -1,0 +1,386 @@
+"""``plan``: the eksctl ClusterConfig (against eksctl's schema and its EFA rules), the pinned Helm releases, the
+ordered steps, the hourly cost, every file ``plan --output-dir`` writes (each validated), and bad input refused
+with one clear message before anything is written. Runs with no AWS credentials and no eksctl, helm or kubectl."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from raytrain_eks.aws import eksctl
+from raytrain_eks.config import Config, load_config
+from raytrain_eks.deploy_commands import register
+from raytrain_eks.errors import ConfigError
+from raytrain_eks.instances import instance_type
+from raytrain_eks.k8s import manifests as m
+from raytrain_eks.plan import build_plan, cost_per_hour, helm_releases, write_plan
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+INSTANCES = [("g6.12xlarge", 4, 1), ("g5.48xlarge", 8, 1), ("p4d.24xlarge", 8, 4), ("p5.48xlarge", 8, 32)]
+RAYCLUSTER_STEPS = [
+    "preflight",
+    "create-cluster",
+    "remove-eksctl-device-plugins",
+    "helm-nvidia-device-plugin",
+    "helm-aws-efa-k8s-device-plugin",
+    "helm-kuberay-operator",
+    "check-gpu-nodes",
+    "job-config",
+    "apply-raycluster",
+    "wait-raycluster",
+    "submit",
+    "check-nccl-transport",
+]
+
+
+def _validator(*parts: str) -> jsonschema.Draft7Validator:
+    path = SHARED.joinpath("schemas", *parts)
+    assert path.exists(), f"{path} is missing: the shared folder must sit beside the repository"
+    return jsonschema.Draft7Validator(json.loads(path.read_text()))
+
+
+@pytest.fixture(scope="module")
+def schemas() -> dict[str, jsonschema.Draft7Validator]:
+    return {
+        "eksctl": _validator("eksctl", "clusterconfig.v1alpha5.schema.json"),
+        "RayCluster": _validator("kuberay", "raycluster.v1.schema.json"),
+        "RayJob": _validator("kuberay", "rayjob.v1.schema.json"),
+    }
+
+
+@pytest.fixture
+def cfg_for(tmp_path, monkeypatch):
+    """A config from env.sh-style variables only (no file from the current folder, no real environment)."""
+    monkeypatch.chdir(tmp_path)
+
+    def build(**environ: str) -> Config:
+        return load_config(environ=environ)
+
+    return build
+
+
+def _errors(validator: jsonschema.Draft7Validator, doc: dict[str, Any]) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+
+    @app.callback()
+    def root() -> None:  # keeps `plan` a subcommand, as in the real CLI
+        pass
+
+    register(app)
+    return app
+
+
+def _nodegroups(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {ng["name"]: ng for ng in doc["managedNodeGroups"]}
+
+
+# --- eksctl ClusterConfig ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("itype,gpus,efa", INSTANCES)
+def test_cluster_config_validates_and_keeps_eksctls_efa_rules(cfg_for, schemas, itype, gpus, efa):
+    cfg = cfg_for(GPU_NODE_TYPE=itype, GPUS_PER_NODE=str(gpus), GPU_AZ="us-east-1c")
+    doc = eksctl.cluster_config(cfg, eksctl.planned_zones(cfg))
+    assert _errors(schemas["eksctl"], doc) == []
+    assert doc["metadata"] == {
+        "name": "ray-train-eks",
+        "region": "us-east-1",
+        "version": "1.33",
+        "tags": {"created-by": "raytrain-eks", "raytrain-eks/cluster": "ray-train-eks"},
+    }
+    assert doc["iam"]["withOIDC"] is True
+    assert doc["vpc"]["nat"]["gateway"] == "Single"
+    assert len(set(doc["availabilityZones"])) >= 2 and "us-east-1c" in doc["availabilityZones"]
+    groups = _nodegroups(doc)
+    assert set(groups) == {"system", "gpu-efa"}
+    gpu = groups["gpu-efa"]
+    assert gpu["instanceType"] == itype
+    assert gpu["efaEnabled"] is True
+    assert gpu["availabilityZones"] == ["us-east-1c"] and "subnets" not in gpu, "exactly one AZ for an EFA group"
+    assert "placement" not in gpu, "eksctl adds the cluster placement group itself"
+    assert gpu["privateNetworking"] is True
+    assert gpu["amiFamily"] == "AmazonLinux2023"
+    assert gpu["volumeSize"] == 200
+    assert gpu["labels"] == {"role": "gpu-worker", "nvidia.com/gpu.present": "true"}
+    assert gpu["taints"] == [{"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}]
+    assert gpu["desiredCapacity"] == gpu["minSize"] == gpu["maxSize"] == 2
+    system = groups["system"]
+    assert (system["instanceType"], system["desiredCapacity"], system["privateNetworking"]) == ("m7i.xlarge", 1, True)
+    assert system["labels"] == {"role": "system"} and "taints" not in system and "efaEnabled" not in system
+
+
+def test_the_eksctl_validator_does_reject_unknown_keys(cfg_for, schemas):
+    cfg = cfg_for()
+    doc = eksctl.cluster_config(cfg, eksctl.planned_zones(cfg))
+    doc["managedNodeGroups"][1]["efaEnable"] = True
+    assert any("efaEnable" in e for e in _errors(schemas["eksctl"], doc))
+
+
+def test_zones_come_from_the_config_or_are_a_stated_assumption(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    zones = eksctl.planned_zones(load_config(environ={}))
+    assert (zones.gpu_az, zones.cluster_azs, zones.assumed) == ("us-east-1a", ("us-east-1a", "us-east-1b"), True)
+    zones = eksctl.planned_zones(load_config(environ={"GPU_AZ": "us-east-1a"}))
+    assert (zones.gpu_az, zones.cluster_azs, zones.assumed) == ("us-east-1a", ("us-east-1a", "us-east-1b"), False)
+    azs = {"cluster": {"availability_zones": ["us-east-1b", "us-east-1d", "us-east-1f"]}}
+    zones = eksctl.planned_zones(load_config(environ={"GPU_AZ": "us-east-1d"}, overrides=azs))
+    assert zones.cluster_azs == ("us-east-1d", "us-east-1b", "us-east-1f") and not zones.assumed
+    with pytest.raises(ConfigError, match="must be one of availability_zones"):
+        load_config(environ={"GPU_AZ": "us-east-1a"}, overrides=azs)
+    with pytest.raises(ConfigError, match="at least 2 different zones"):
+        load_config(environ={}, overrides={"cluster": {"availability_zones": ["us-east-1a"]}})
+
+
+# --- device plugins and Helm ----------------------------------------------------------------------------------------
+
+
+def test_helm_releases_are_pinned(cfg_for):
+    releases = {r.name: r for r in helm_releases(cfg_for())}
+    pinned = {name: (r.repo_url, r.chart, r.version) for name, r in releases.items()}
+    assert pinned == {
+        "nvidia-device-plugin": ("https://nvidia.github.io/k8s-device-plugin", "nvidia-device-plugin", "0.20.0"),
+        "aws-efa-k8s-device-plugin": ("https://aws.github.io/eks-charts", "aws-efa-k8s-device-plugin", "v0.5.30"),
+        "kuberay-operator": ("https://ray-project.github.io/kuberay-helm/", "kuberay-operator", "1.7.0"),
+    }
+    # The EFA chart only tolerates CriticalAddonsOnly by default; the GPU nodes carry the nvidia.com/gpu taint.
+    assert m.GPU_TOLERATION in releases["aws-efa-k8s-device-plugin"].values["tolerations"]
+    assert releases["kuberay-operator"].values["nodeSelector"] == {"role": "system"}
+    argv = releases["kuberay-operator"].argv()
+    assert argv[:5] == ["helm", "upgrade", "--install", "kuberay-operator", "kuberay-operator"]
+    assert argv[argv.index("--version") + 1] == "1.7.0"
+
+
+def test_no_duplicate_device_plugin_daemonsets(cfg_for):
+    plan = build_plan(cfg_for())
+    steps = {s.name: s for s in plan.steps}
+    names = [s.name for s in plan.steps]
+    # eksctl's static NVIDIA plugin is switched off at creation ...
+    assert "--install-nvidia-plugin=false" in steps["create-cluster"].command
+    # ... and the EFA one (no opt-out) is deleted before the pinned charts are installed.
+    remove = steps["remove-eksctl-device-plugins"].command
+    assert remove[:3] == ["kubectl", "delete", "daemonset"] and "--ignore-not-found" in remove
+    assert {eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET, eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET} <= set(remove)
+    assert names.index("remove-eksctl-device-plugins") < names.index("helm-nvidia-device-plugin")
+    assert names.index("remove-eksctl-device-plugins") < names.index("helm-aws-efa-k8s-device-plugin")
+    # The charts' DaemonSets (named after their releases) are not the ones deleted.
+    assert not {r.name for r in plan.helm_releases} & {
+        eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET,
+        eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET,
+    }
+
+
+# --- steps and cost -------------------------------------------------------------------------------------------------
+
+
+def test_steps_in_order_for_both_modes(cfg_for):
+    cfg = cfg_for()
+    assert [s.name for s in build_plan(cfg).steps] == RAYCLUSTER_STEPS
+    job_steps = [s.name for s in build_plan(cfg, mode="rayjob").steps]
+    assert job_steps[-4:] == ["apply-rayjob", "wait-rayjob", "check-nccl-transport", "scale-down-gpus"]
+    assert "submit" not in job_steps
+    scale = next(s for s in build_plan(cfg, mode="rayjob").steps if s.name == "scale-down-gpus").command
+    assert scale[:3] == ["eksctl", "scale", "nodegroup"] and scale[scale.index("--nodes") + 1] == "0"
+    steps = [s.name for s in build_plan(cfg_for(NAMESPACE="train"), hf_token=True).steps]
+    assert steps.index("check-gpu-nodes") < steps.index("namespace") < steps.index("hf-token-secret")
+    assert steps.index("hf-token-secret") < steps.index("apply-raycluster")
+    for step in build_plan(cfg).steps:
+        assert step.action and (step.command is None or all(isinstance(a, str) for a in step.command))
+
+
+def test_submit_runs_inside_the_head_pod(cfg_for):
+    submit = next(s for s in build_plan(cfg_for()).steps if s.name == "submit").command
+    assert submit[:2] == ["kubectl", "exec"] and "service/ray-train-head-svc" in submit
+    assert submit[submit.index("submit") + 1 : submit.index("submit") + 3] == ["--address", "http://127.0.0.1:8265"]
+    assert submit[-len(m.train_argv()) :] == m.train_argv()
+
+
+def test_reference_cost_is_about_nine_and_a_half_dollars_an_hour(cfg_for):
+    cost = build_plan(cfg_for()).cost
+    assert cost["total_usd"] == pytest.approx(9.5498)
+    items = {i["name"]: i for i in cost["items"]}
+    assert list(items) == ["GPU instances", "system node", "EKS control plane", "NAT gateway"]
+    assert (items["GPU instances"]["count"], items["GPU instances"]["unit_usd_per_hour"]) == (2, 4.6016)
+    assert items["system node"]["usd_per_hour"] == pytest.approx(0.2016)
+    assert items["EKS control plane"]["usd_per_hour"] == pytest.approx(0.10)
+    assert items["NAT gateway"]["usd_per_hour"] == pytest.approx(0.045)
+    assert cost["complete"] is True and cost["price_region"] == "us-east-1"
+
+
+def test_cost_follows_the_instance_and_says_when_a_price_is_unknown(cfg_for):
+    cfg = cfg_for(GPU_NODE_TYPE="p5.48xlarge", GPUS_PER_NODE="8", GPU_NODE_COUNT="4", REGION="eu-west-1")
+    cost = build_plan(cfg).cost
+    assert cost["total_usd"] == pytest.approx(4 * 55.04 + 0.2016 + 0.10 + 0.045)
+    assert any("eu-west-1 differs" in n for n in cost["notes"])
+    cfg = cfg_for(GPU_NODE_TYPE="p5e.48xlarge", GPUS_PER_NODE="8")
+    plan = build_plan(cfg)
+    gpu_item = plan.cost["items"][0]
+    assert gpu_item["usd_per_hour"] is None and plan.cost["complete"] is False
+    assert plan.cost["total_usd"] == pytest.approx(0.2016 + 0.10 + 0.045)
+    direct = cost_per_hour(cfg, instance_type("p5e.48xlarge"), instance_type("m7i.xlarge"))
+    assert direct == plan.cost and any("No price known for p5e.48xlarge" in n for n in direct["notes"])
+
+
+# --- plan --output-dir ------------------------------------------------------------------------------------------------
+
+
+def _validate_written(out: Path, schemas: dict[str, jsonschema.Draft7Validator], k8s_version: str) -> dict[str, Any]:
+    """Validate every YAML file under ``out``; return the documents by file name."""
+    docs: dict[str, Any] = {}
+    for path in sorted(out.rglob("*.yaml")):
+        loaded = list(yaml.safe_load_all(path.read_text()))
+        docs[str(path.relative_to(out))] = loaded
+        for doc in loaded:
+            kind = doc.get("kind") if isinstance(doc, dict) else None
+            if kind == "ClusterConfig":
+                assert _errors(schemas["eksctl"], doc) == [], path
+            elif kind in ("RayCluster", "RayJob"):
+                assert doc["apiVersion"] == "ray.io/v1" and doc["metadata"]["name"]
+                assert _errors(schemas[kind], doc) == [], path
+                for i, t in enumerate(m.pod_templates(doc)):
+                    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"p{i}"}, "spec": t["spec"]}
+                    kubernetes_validate.validate(pod, k8s_version, strict=True)
+            elif kind is not None:
+                kubernetes_validate.validate(doc, k8s_version, strict=True)
+    return docs
+
+
+@pytest.mark.parametrize("mode", ["raycluster", "rayjob"])
+@pytest.mark.parametrize("itype,gpus,efa", INSTANCES)
+def test_everything_plan_writes_validates(cfg_for, schemas, tmp_path, itype, gpus, efa, mode):
+    cfg = cfg_for(GPU_NODE_TYPE=itype, GPUS_PER_NODE=str(gpus), NAMESPACE="train")
+    out = tmp_path / "plan-out"
+    plan, written = write_plan(cfg, out, mode=mode, hf_token=True)
+    manifest = f"{mode}.yaml"
+    expected = {
+        "eksctl-cluster.yaml",
+        "helm-releases.yaml",
+        "helm/nvidia-device-plugin.values.yaml",
+        "helm/aws-efa-k8s-device-plugin.values.yaml",
+        "helm/kuberay-operator.values.yaml",
+        "namespace.yaml",
+        "job-config.yaml",
+        manifest,
+        "plan.json",
+    }
+    assert {str(p.relative_to(out)) for p in written} == expected
+    assert {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} == expected
+    docs = _validate_written(out, schemas, cfg.cluster.k8s_version)
+    (job,) = docs[manifest]
+    spec = job["spec"].get("rayClusterSpec", job["spec"])
+    limits = spec["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert (limits["nvidia.com/gpu"], limits["vpc.amazonaws.com/efa"]) == (str(gpus), str(efa))
+    (helm,) = docs["helm-releases.yaml"]
+    assert {r["name"]: r["version"] for r in helm["releases"]} == {
+        "nvidia-device-plugin": "0.20.0",
+        "aws-efa-k8s-device-plugin": "v0.5.30",
+        "kuberay-operator": "1.7.0",
+    }
+    data = json.loads((out / "plan.json").read_text())
+    assert data == json.loads(json.dumps(plan.to_json()))
+    assert [s["name"] for s in data["steps"]][0] == "preflight"
+    assert all(set(s) >= {"name", "action"} for s in data["steps"])
+    assert set(data["cost_per_hour"]) >= {"total_usd", "items"}
+    for step in data["steps"]:
+        for f in step["files"]:
+            assert (out / f).is_file(), f"step {step['name']} names a file that was not written: {f}"
+
+
+@pytest.mark.parametrize(
+    "environ,expected",
+    [
+        ({"GPU_NODE_TYPE": "g6.xlarge", "GPUS_PER_NODE": "1"}, "does not support EFA"),
+        ({"GPUS_PER_NODE": "8"}, "g6.12xlarge has 4 GPUs and each worker pod takes a whole node; set GPUS_PER_NODE=4"),
+        ({"REGION": "xx-nowhere-9"}, "cluster.region = 'xx-nowhere-9': not a region where raytrain-eks knows EKS runs"),
+        ({"REGION": "us-est-1"}, "did you mean us-west-1 or us-east-1"),
+        ({"GPU_NODE_TYPE": "z9.huge"}, "cluster.gpu_node_type = 'z9.huge': unknown instance type"),
+        ({"NUM_WORKERS": "16"}, "training.num_workers = 16: more than the 8 GPUs"),
+    ],
+)
+def test_bad_input_is_one_clear_message_and_nothing_is_written(tmp_path, monkeypatch, environ, expected):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(environ=environ)
+    out = tmp_path / "plan-out"
+    with pytest.raises(ConfigError) as info:
+        write_plan(cfg, out)
+    assert len(info.value.problems) == 1, info.value.problems
+    assert expected in info.value.problems[0]
+    assert not out.exists()
+
+
+def test_cli_bad_input_names_the_problem_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("GPU_NODE_TYPE", "GPUS_PER_NODE", "REGION", "HF_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GPU_NODE_TYPE", "g5.4xlarge")
+    monkeypatch.setenv("GPUS_PER_NODE", "1")
+    result = CliRunner().invoke(_app(), ["plan", "--output-dir", str(tmp_path / "out")])
+    assert isinstance(result.exception, ConfigError)
+    assert "does not support EFA" in str(result.exception)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_plan_prints_steps_and_cost_and_keeps_the_token_secret(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    token = "hf_cliTokenThatMustNotLeak42"
+    monkeypatch.setenv("HF_TOKEN", token)
+    result = CliRunner().invoke(_app(), ["plan", "--mode", "rayjob", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "Cost per hour (us-east-1 on-demand): $9.55" in result.output
+    assert "hf-token-secret" in result.output and "apply-rayjob" in result.output
+    assert token not in result.output
+    for path in (tmp_path / "out").rglob("*"):
+        if path.is_file():
+            assert token not in path.read_text(), path
+    assert (tmp_path / "out" / "rayjob.yaml").exists() and not (tmp_path / "out" / "raycluster.yaml").exists()
+    job = yaml.safe_load((tmp_path / "out" / "rayjob.yaml").read_text())
+    head_env = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}} in head_env
+    result = CliRunner().invoke(_app(), ["plan"])
+    assert result.exit_code == 0 and "Nothing written" in result.output
+
+
+def test_plan_needs_no_credentials_and_no_cluster_tools(tmp_path):
+    """A clean process: no AWS variables or files, an empty PATH, and nothing cloud-side imported."""
+    script = (
+        "import shutil, sys, typer\n"
+        "from raytrain_eks.deploy_commands import register\n"
+        "assert not any(shutil.which(t) for t in ('eksctl', 'helm', 'kubectl', 'aws'))\n"
+        "app = typer.Typer()\n"
+        "app.callback()(lambda: None)\n"
+        "register(app)\n"
+        "try:\n"
+        "    app(['plan', '--output-dir', 'out'])\n"
+        "except SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+        "loaded = [m for m in ('boto3', 'botocore', 'kubernetes', 'ray', 'torch') if m in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    bindir = tmp_path / "empty-bin"
+    bindir.mkdir()
+    env = {
+        "PATH": str(bindir),
+        "HOME": str(tmp_path),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "LANG": os.environ.get("LANG", "C.UTF-8"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "out" / "plan.json").is_file() and (tmp_path / "out" / "eksctl-cluster.yaml").is_file()
