@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -182,3 +184,20 @@ def test_config_objects_are_immutable():
     with pytest.raises(ValidationError, match="frozen"):
         cfg.training.steps = 5  # type: ignore[misc]
     assert cfg.training.steps == 100
+
+
+def test_usage_errors_exit_2_without_traceback(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--no-such-flag"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "No such option: --no-such-flag" in err and "Traceback" not in err
+
+
+def test_command_exit_codes_reach_the_shell(capsys):
+    fixtures = Path(__file__).parent / "fixtures" / "nccl"
+    with pytest.raises(SystemExit) as info:
+        main(["verify-transport", str(fixtures / "socket_fallback_nccl2.27_kubectl.log")])
+    assert info.value.code == 1
+    main(["verify-transport", "--require", "efa", str(fixtures / "efa_2node_nccl2.29_ray.log")])
+    assert "EFA" in capsys.readouterr().out

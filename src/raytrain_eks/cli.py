@@ -18,6 +18,7 @@ from rich.console import Console
 from raytrain_eks import deploy_commands, presets
 from raytrain_eks.config import DEFAULT_CONFIG_FILE, Config, env_file_lines, load_config
 from raytrain_eks.errors import UserError
+from raytrain_eks.fabric import commands as fabric_commands
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Fine-tune LLMs with Ray Train + FSDP on EKS (or locally)."
@@ -25,6 +26,7 @@ app = typer.Typer(
 config_app = typer.Typer(no_args_is_help=True, help="Show the resolved configuration.")
 app.add_typer(config_app, name="config")
 deploy_commands.register(app)
+fabric_commands.register(app)
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -202,7 +204,10 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: runs the app and turns every :class:`UserError` into one message and an exit code."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        app(args=argv, standalone_mode=False)
+        # Without standalone mode click returns a command's exit code instead of exiting with it.
+        code = app(args=argv, standalone_mode=False)
+        if isinstance(code, int) and code != 0:
+            sys.exit(code)
     except UserError as exc:
         err.print(f"[bold red]error:[/] {exc.message}")
         if exc.hint:
@@ -214,13 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
-    except Exception as exc:
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
+    except typer.TyperException as exc:  # usage errors: unknown option, bad value, missing argument
+        show = getattr(exc, "show", None)
+        if show is None:
+            raise
+        show()
+        sys.exit(getattr(exc, "exit_code", 2))
 
 
 if __name__ == "__main__":

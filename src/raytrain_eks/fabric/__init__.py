@@ -1,0 +1,39 @@
+"""The network fabric between GPU nodes: what NCCL chose and whether EFA carries the inter-node traffic.
+
+Example::
+
+    from raytrain_eks.fabric import analyze_paths
+
+    report = analyze_paths(["/tmp/ray/session_latest/logs"])
+    report.verdict  # "efa", "ib", "socket", "single-node" or "inconclusive"
+"""
+
+from __future__ import annotations
+
+from raytrain_eks.fabric.nccl_log import (
+    REQUIREMENTS,
+    VERDICTS,
+    LineRef,
+    LogInputError,
+    NcclLogAnalyzer,
+    PluginInfo,
+    RankDetail,
+    TransportReport,
+    analyze,
+    analyze_paths,
+    iter_log_lines,
+)
+
+__all__ = [
+    "REQUIREMENTS",
+    "VERDICTS",
+    "LineRef",
+    "LogInputError",
+    "NcclLogAnalyzer",
+    "PluginInfo",
+    "RankDetail",
+    "TransportReport",
+    "analyze",
+    "analyze_paths",
+    "iter_log_lines",
+]
