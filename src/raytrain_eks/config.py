@@ -227,6 +227,17 @@ class TrainingConfig(_Section):
         return self.data == RANDOM_DATA
 
 
+class FabricConfig(_Section):
+    """What the inter-node network of a run must be, checked from NCCL's own log lines.
+
+    ``require``: ``efa`` (the reference), ``ib``, or ``any`` (no check: local runs, gloo). ``expected_gbps``: the
+    line rate the bandwidth probe compares against; empty = the GPU instance type's network rate.
+    """
+
+    require: Literal["efa", "ib", "any"] = "efa"
+    expected_gbps: float | None = Field(None, gt=0)
+
+
 @dataclass(frozen=True)
 class Derived:
     """Values computed from the settings, in one place, so none is ever typed twice.
@@ -249,6 +260,7 @@ class Config(_Section):
     addons: AddonsConfig = Field(default_factory=AddonsConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     network: NetworkConfig = Field(default_factory=NetworkConfig)
+    fabric: FabricConfig = Field(default_factory=FabricConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
 
     @property

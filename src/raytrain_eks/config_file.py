@@ -11,6 +11,7 @@ SECTION_HELP = {
     "addons": "Helm chart versions of the add-ons installed into the cluster.",
     "ray": "The RayCluster: one image for head and workers, and the size of each GPU worker pod.",
     "network": "Environment of the Ray workers; it steers NCCL onto EFA (keep NCCL_DEBUG=INFO: it is the evidence).",
+    "fabric": "The inter-node network a run must use, checked from NCCL's log lines (efa, ib or any).",
     "training": "The fine-tuning job run by every Ray Train worker.",
 }
 
