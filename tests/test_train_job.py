@@ -8,7 +8,7 @@ import pytest
 
 from raytrain_eks import presets
 from raytrain_eks.config import load_config
-from raytrain_eks.errors import DataError, UserError
+from raytrain_eks.errors import DataError, TrainingError, UserError
 from raytrain_eks.train.launch import run_training
 
 pytestmark = pytest.mark.integration
@@ -116,3 +116,24 @@ def test_missing_data_or_model_fails_before_anything_is_created(tmp_path, monkey
     with pytest.raises(UserError, match="not a Hugging Face model folder"):
         run_training(cfg, runs_root=tmp_path, say=lambda _: None)
     assert not (tmp_path / "run").exists()
+
+
+def test_required_fabric_not_met_stops_after_the_first_step(tmp_path, monkeypatch, ray_local):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(
+        preset=presets.local_tiny(),
+        environ={},
+        overrides={"training": {"steps": 200, "output_dir": str(tmp_path / "run")}, "fabric": {"require": "efa"}},
+    )
+    lines: list[str] = []
+    with pytest.raises(TrainingError, match="stopped after step 1: the inter-node transport is 'inconclusive'") as info:
+        run_training(cfg, runs_root=tmp_path, say=lines.append)
+    assert "fabric.require to 'any'" in info.value.hint
+    assert any("no NCCL set-up lines found" in line for line in lines), "the report is shown"
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["fabric"] == {**summary["fabric"], "require": "efa", "verdict": "inconclusive", "met": False}
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1], "no training past the first step"
+    assert sorted(p.name for p in (run / "nccl").iterdir()) == ["rank00000.log", "rank00001.log"]
+    assert not (run / "model").exists()

@@ -24,6 +24,7 @@ from typing import Any
 
 from raytrain_eks.config import BUILTIN_DATA, Config
 from raytrain_eks.errors import TrainingError, UserError
+from raytrain_eks.train.fabric_gate import nccl_env
 from raytrain_eks.train.faults import ENV as FAULT_ENV
 
 LOCAL_CPU_WORKERS = 2
@@ -178,6 +179,13 @@ def run_training(
     else:
         say(f"data: random token ids, {training.seq_len} tokens per sample")
 
+    # Workers inherit the raylet's environment, not the driver's: what they need is passed explicitly.
+    worker_env = {}
+    if cfg.fabric.require != "any":
+        worker_env.update(nccl_env(f"{run_dir.name}-{os.getpid()}"))
+    if os.environ.get(FAULT_ENV):
+        worker_env[FAULT_ENV] = os.environ[FAULT_ENV]
+
     queue = Queue()
     trainer = TorchTrainer(
         ray_worker_entry,
@@ -187,8 +195,7 @@ def run_training(
             "metrics_queue": queue,
             "checkpoint_root": str(run_dir / RAY_DIR),
             "resume_from": str(resume_from) if resume_from else None,
-            # Workers inherit the raylet's environment, not the driver's: carry the test fault point over.
-            "fault": os.environ.get(FAULT_ENV),
+            "fabric_require": cfg.fabric.require,
         },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
@@ -197,6 +204,7 @@ def run_training(
             storage_path=str(run_dir),
             failure_config=ray.train.FailureConfig(max_failures=training.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=training.keep_checkpoints),
+            worker_runtime_env={"env_vars": worker_env},
         ),
         datasets=datasets,
     )
@@ -224,6 +232,10 @@ def run_training(
             if "summary" in record:
                 summary.update(record["summary"])
                 return
+            if "fabric" in record:
+                _write_nccl_lines(run_dir / "nccl", record["nccl_lines"])
+                say(record["fabric"]["report"])
+                return
             records.append(record)
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
@@ -241,6 +253,16 @@ def run_training(
         raise TrainingError(f"training failed: {_worker_error(outcome['error'])}", hint=f"Run folder: {run_dir}")
     if not summary:
         raise TrainingError("training finished without a summary from rank 0", hint=f"Run folder: {run_dir}")
+    fabric = summary.get("fabric") or {}
+    if fabric.get("met") is False:
+        summary["wall_s"] = time.perf_counter() - t_start
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        raise TrainingError(
+            f"stopped after step 1: the inter-node transport is {fabric['verdict']!r}, "
+            f"but fabric.require is {fabric['require']!r} (report above; NCCL lines in {run_dir / 'nccl'})",
+            hint="Fix the network (EFA device plugin, vpc.amazonaws.com/efa requests, FI_PROVIDER=efa, "
+            "NCCL_NET_PLUGIN=ofi), or set fabric.require to 'any' to train over whatever NCCL picks.",
+        )
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary["first_loss"] = history[0]["loss"] if history else summary.get("first_loss")
     if resume_from is not None and summary.get("resumed_from_step") is None:
@@ -259,6 +281,12 @@ def run_training(
     summary["data"] = training.data
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return RunResult(run_dir=run_dir, summary=summary, records=records)
+
+
+def _write_nccl_lines(folder: Path, lines_by_rank: list[list[str]]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for rank, lines in enumerate(lines_by_rank):
+        (folder / f"rank{rank:05d}.log").write_text("".join(line + "\n" for line in lines))
 
 
 def _worker_error(exc: BaseException) -> str:

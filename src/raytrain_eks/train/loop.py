@@ -9,7 +9,6 @@ process with the whole batch), clip, step AdamW and the warm-up + cosine schedul
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from typing import Any
@@ -22,7 +21,7 @@ from raytrain_eks.config import TrainingConfig
 from raytrain_eks.train.checkpoint import load_sharded, save_sharded
 from raytrain_eks.train.context import WorkerContext
 from raytrain_eks.train.data import IGNORE_INDEX, random_batch
-from raytrain_eks.train.faults import ENV as FAULT_ENV
+from raytrain_eks.train.fabric_gate import check_transport
 from raytrain_eks.train.faults import maybe_die
 from raytrain_eks.train.flops import flops_per_token, mfu, peak_flops_for
 from raytrain_eks.train.model import load_model
@@ -80,12 +79,18 @@ def device_name(device: torch.device) -> str:
 
 
 def train(
-    cfg: TrainingConfig, model_path: str, ctx: WorkerContext, tokenizer_path: str | None = None
+    cfg: TrainingConfig,
+    model_path: str,
+    ctx: WorkerContext,
+    tokenizer_path: str | None = None,
+    fabric_require: str = "any",
 ) -> dict[str, Any]:
     """Run the optimizer steps of ``cfg`` on this worker and return the summary (also handed to ``ctx.finish``).
 
     Continues from ``ctx.resume_checkpoint()`` when there is one: weights, optimizer moments, schedule, step and
-    data position are restored, so the steps that follow are those of an uninterrupted run.
+    data position are restored, so the steps that follow are those of an uninterrupted run. Unless
+    ``fabric_require`` is ``any``, the transport NCCL chose is checked right after the first step, and the run
+    stops there when it is not the required one.
     """
     torch.manual_seed(cfg.seed)
     device = ctx.device
@@ -142,6 +147,7 @@ def train(
         checkpoints.append(step)
         checkpoint_s += time.perf_counter() - t
 
+    fabric: dict[str, Any] | None = None
     step_times: list[float] = []
     losses: dict[int, float] = {}
     window_start, window_tokens = time.perf_counter(), 0
@@ -200,6 +206,11 @@ def train(
                 "resumed_from_step": resumed_from,
             }
             ctx.emit(record)
+        if fabric is None and fabric_require != "any":
+            fabric, nccl_lines = check_transport(fabric_require, rank=ctx.rank, world_size=ctx.world_size)
+            ctx.emit({"fabric": fabric, "nccl_lines": nccl_lines})
+            if not fabric["met"]:
+                break
         if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             save(step, record or {"step": step})
         if record is not None:
@@ -227,6 +238,7 @@ def train(
         "resumed_from_step": resumed_from,
         "checkpoints": checkpoints,
         "checkpoint_s": checkpoint_s,
+        "fabric": fabric or {"require": fabric_require, "verdict": None, "met": None},
     }
     ctx.finish(summary)
     return summary
@@ -237,11 +249,11 @@ def ray_worker_entry(job: dict[str, Any]) -> None:
     from raytrain_eks.train.context import RayContext
 
     _quiet_libraries()
-    if job.get("fault"):
-        os.environ[FAULT_ENV] = job["fault"]
     cfg = TrainingConfig.model_validate(job["training"])
     ctx = RayContext(job.get("metrics_queue"), job["checkpoint_root"], job.get("resume_from"))
-    train(cfg, job["model_path"], ctx, tokenizer_path=job["model_path"])
+    train(
+        cfg, job["model_path"], ctx, tokenizer_path=job["model_path"], fabric_require=job.get("fabric_require", "any")
+    )
 
 
 def _quiet_libraries() -> None:
