@@ -140,7 +140,7 @@ def test_export_command_writes_a_loadable_model_with_the_trained_weights(tmp_pat
     assert generated.shape[1] == ids.shape[1] + 5
     # Independent gathering of the same checkpoint with PyTorch's own converter.
     newest = list_checkpoints(reference_run.run_dir / "ray")[-1][1]
-    dcp_to_torch_save(str(newest), str(tmp_path / "plain.pt"))
+    dcp_to_torch_save(newest, str(tmp_path / "plain.pt"))
     plain = torch.load(tmp_path / "plain.pt", weights_only=True)["model"]
     exported = load_file(out / "model.safetensors")
     for name, tensor in exported.items():
@@ -186,5 +186,5 @@ def test_bad_resume_inputs_are_one_clear_message(tmp_path, monkeypatch, capsys, 
         from raytrain_eks.train.checkpoint import resolve_checkpoint
 
         resolve_checkpoint(incomplete)
-    partial = list_checkpoints(reference_run.run_dir / "ray")[-1][1]
-    assert (partial / MARKER).exists()
+    newest = Path(list_checkpoints(reference_run.run_dir / "ray")[-1][1])
+    assert (newest / MARKER).exists()

@@ -202,6 +202,7 @@ class TrainingConfig(_Section):
     keep_checkpoints: int = Field(2, ge=2)
     max_failures: int = Field(3, ge=0)
     export: bool = True
+    storage_path: str | None = None
     output_dir: str | None = None
 
     @field_validator("model_id", "data", "text_field")

@@ -49,6 +49,7 @@ FIELD_HELP = {
     ): "newest checkpoints kept (at least 2: one is always complete while the next is written)",
     ("training", "max_failures"): "worker-group restarts (from the last checkpoint) before the run fails",
     ("training", "export"): "write the trained model in Hugging Face format to RUN_DIR/model at the end",
+    ("training", "storage_path"): "checkpoints: a folder every node reaches or s3://bucket/prefix; empty = run folder",
     ("training", "output_dir"): "run folder; empty = runs/<time>-<model>",
 }
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -93,11 +94,33 @@ def save_sharded(
             load_tokenizer(tokenizer_path).save_pretrained(hf)
 
 
-def mark_complete(folder: Path, *, step: int, world_size: int) -> None:
+def _fs(location: str | Path) -> tuple[Any, str]:
+    """(pyarrow file system, path in it) for a local path or a URI such as ``s3://bucket/prefix``."""
+    from pyarrow import fs as pafs
+
+    text = str(location)
+    if "://" in text:
+        return pafs.FileSystem.from_uri(text)
+    return pafs.LocalFileSystem(), str(Path(text).expanduser().resolve())
+
+
+def join(location: str | Path, name: str) -> str:
+    """``location/name`` for a local path or a URI."""
+    return f"{str(location).rstrip('/')}/{name}"
+
+
+def is_remote(location: str | Path) -> bool:
+    return "://" in str(location)
+
+
+def mark_complete(folder: str | Path, *, step: int, world_size: int) -> None:
     """Write the marker that makes ``folder`` a usable checkpoint; call after every rank's files are in place."""
-    tmp = folder / f".{MARKER}.tmp"
-    tmp.write_text(json.dumps({"step": step, "world_size": world_size, "time": time.time()}) + "\n")
-    tmp.rename(folder / MARKER)
+    fs, base = _fs(folder)
+    body = (json.dumps({"step": step, "world_size": world_size, "time": time.time()}) + "\n").encode()
+    tmp = f"{base}/.{MARKER}.tmp"
+    with fs.open_output_stream(tmp) as f:
+        f.write(body)
+    fs.move(tmp, f"{base}/{MARKER}")  # a rename on local disks: the marker appears whole or not at all
 
 
 def load_sharded(
@@ -123,33 +146,78 @@ def load_sharded(
     return TrainerState(step=int(extra["step"]), scheduler=extra["scheduler"], data=extra["data"])
 
 
-def list_checkpoints(root: Path) -> list[tuple[int, Path, bool]]:
-    """(step, folder, complete) for every ``checkpoint_*`` folder under ``root``, oldest first."""
-    if not root.is_dir():
+def list_checkpoints(root: str | Path) -> list[tuple[int, str, bool]]:
+    """(step, location, complete) for every ``checkpoint_*`` folder under ``root`` (a path or URI), oldest first."""
+    from pyarrow import fs as pafs
+
+    fs, base = _fs(root)
+    try:
+        children = fs.get_file_info(pafs.FileSelector(base, allow_not_found=True))
+    except (OSError, ValueError):
         return []
     found = []
-    for child in root.iterdir():
-        m = _NAME.match(child.name)
-        if m and child.is_dir():
-            found.append((int(m.group(1)), child, is_complete(child)))
+    for child in children:
+        name = child.path.rstrip("/").rsplit("/", 1)[-1]
+        m = _NAME.match(name)
+        if m and child.type == pafs.FileType.Directory:
+            location = join(root, name)
+            found.append((int(m.group(1)), location, is_complete(location)))
     return sorted(found)
 
 
-def is_complete(folder: Path) -> bool:
-    return (
-        (folder / MARKER).is_file() and (folder / ".metadata").is_file() and (folder / HF_DIR / "config.json").is_file()
-    )
+def is_complete(folder: str | Path) -> bool:
+    from pyarrow import fs as pafs
+
+    fs, base = _fs(folder)
+    infos = fs.get_file_info([f"{base}/{MARKER}", f"{base}/.metadata", f"{base}/{HF_DIR}/config.json"])
+    return all(i.type == pafs.FileType.File for i in infos)
 
 
-def latest_complete(root: Path) -> Path | None:
+def latest_complete(root: str | Path) -> str | None:
     """The newest complete checkpoint under ``root``; folders cut short by a crash are skipped."""
     complete = [folder for _, folder, ok in list_checkpoints(root) if ok]
     return complete[-1] if complete else None
 
 
-def check_compatible(folder: Path, config: Any) -> None:
+def prune(root: str | Path, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` complete checkpoints under ``root``, and cut-short ones older than those.
+
+    Retention is done here rather than by Ray Train, whose bookkeeping after a worker-group restart can keep an
+    extra checkpoint. Returns what was deleted.
+    """
+    found = list_checkpoints(root)
+    complete = [step for step, _, ok in found if ok]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[-keep]
+    doomed = [location for step, location, _ in found if step < oldest_kept]
+    for location in doomed:
+        fs, base = _fs(location)
+        fs.delete_dir(base)
+    return doomed
+
+
+def materialize(location: str | Path, into: Path) -> Path:
+    """A local folder holding the checkpoint: ``location`` itself when local, else a copy downloaded into ``into``."""
+    if not is_remote(location):
+        return Path(location).expanduser().resolve()
+    from pyarrow import fs as pafs
+
+    fs, base = _fs(location)
+    into.mkdir(parents=True, exist_ok=True)
+    pafs.copy_files(base, str(into), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+    return into
+
+
+def _read_text(location: str | Path) -> str:
+    fs, base = _fs(location)
+    with fs.open_input_stream(base) as f:
+        return f.read().decode()
+
+
+def check_compatible(folder: str | Path, config: Any) -> None:
     """Raise :class:`UserError` when the checkpoint in ``folder`` belongs to a model of another architecture."""
-    saved = json.loads((folder / HF_DIR / "config.json").read_text())
+    saved = json.loads(_read_text(join(join(folder, HF_DIR), "config.json")))
     current = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     diffs = [
         f"{k}: checkpoint {saved.get(k)!r}, model {current.get(k)!r}"
@@ -163,50 +231,79 @@ def check_compatible(folder: Path, config: Any) -> None:
         )
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A complete checkpoint folder from a checkpoint folder, a run folder or a Ray storage folder.
+def storage_root(run_dir: Path, storage_path: str | None) -> str:
+    """Where a run's Ray Train storage lives: ``storage_path/<run name>`` when set, else the run folder."""
+    return join(storage_path, run_dir.name) if storage_path else str(run_dir)
+
+
+def _root_of_run(run_dir: Path) -> str | None:
+    """The checkpoint root of a run folder, from its config.yaml (``training.storage_path``), if it has one."""
+    config = run_dir / "config.yaml"
+    if not config.is_file():
+        return None
+    import yaml
+
+    storage = ((yaml.safe_load(config.read_text()) or {}).get("training") or {}).get("storage_path")
+    return join(storage_root(run_dir.resolve(), storage), "ray") if storage else None
+
+
+def resolve_checkpoint(path: str | Path) -> str:
+    """A complete checkpoint from a checkpoint folder, a run folder or a storage folder (local path or URI).
 
     Raises :class:`UserError` naming what is wrong: nothing there, no checkpoint yet, or only incomplete ones.
     """
-    path = path.expanduser()
-    if not path.exists():
+    from pyarrow import fs as pafs
+
+    text = str(path) if is_remote(path) else str(Path(path).expanduser())
+    fs, base = _fs(text)
+    if fs.get_file_info(base).type == pafs.FileType.NotFound:
         raise UserError(
-            f"{path} does not exist", hint="Give a run folder (runs/...) or one of its checkpoint_* folders."
+            f"{text} does not exist", hint="Give a run folder (runs/...) or one of its checkpoint_* folders."
         )
-    if _NAME.match(path.name):
-        if not is_complete(path):
+    if _NAME.match(text.rstrip("/").rsplit("/", 1)[-1]):
+        if not is_complete(text):
             raise UserError(
-                f"{path} is not a complete checkpoint (its writing was cut short or files are missing)",
+                f"{text} is not a complete checkpoint (its writing was cut short or files are missing)",
                 hint="Use an older checkpoint beside it, or the run folder to pick the newest complete one.",
             )
-        return path
-    for root in (path / "ray", path):
+        return text
+    roots = [join(text, "ray"), text]
+    if not is_remote(text):
+        remote = _root_of_run(Path(text))
+        if remote:
+            roots.insert(0, remote)
+    for root in roots:
         found = list_checkpoints(root)
         if found:
             latest = latest_complete(root)
             if latest is None:
                 raise UserError(
-                    f"{path} has {len(found)} checkpoint folder(s) but none is complete",
+                    f"{text} has {len(found)} checkpoint folder(s) but none is complete",
                     hint="The run died while writing its first checkpoint: start it again without --resume.",
                 )
             return latest
     raise UserError(
-        f"{path} holds no checkpoint",
+        f"{text} holds no checkpoint",
         hint="The run stopped before its first checkpoint (see checkpoint_every): start it again without --resume.",
     )
 
 
-def export_hf(checkpoint: Path, out_dir: Path, *, dtype: str = "float32") -> Path:
+def export_hf(checkpoint: str | Path, out_dir: Path, *, dtype: str = "float32") -> Path:
     """Gather the sharded weights of ``checkpoint`` into one Hugging Face model folder (safetensors + tokenizer).
 
-    Runs in a single process with no process group. Returns ``out_dir``.
+    ``checkpoint`` may be a run folder or a checkpoint, local or ``s3://``. Runs in a single process with no
+    process group. Returns ``out_dir``.
     """
+    with tempfile.TemporaryDirectory(prefix="raytrain-eks-export-") as tmp:
+        return _export_local(materialize(resolve_checkpoint(checkpoint), Path(tmp) / "checkpoint"), out_dir, dtype)
+
+
+def _export_local(checkpoint: Path, out_dir: Path, dtype: str) -> Path:
     import torch.distributed.checkpoint as dcp
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()
-    checkpoint = resolve_checkpoint(checkpoint)
     hf = checkpoint / HF_DIR
     config = AutoConfig.from_pretrained(hf)
     with torch.device("meta"):

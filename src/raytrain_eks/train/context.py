@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from raytrain_eks.train.checkpoint import checkpoint_name, is_complete, latest_complete, mark_complete
+from raytrain_eks.train.checkpoint import checkpoint_name, join, latest_complete, mark_complete, materialize, prune
 
 Batch = dict[str, torch.Tensor]
 
@@ -41,8 +41,8 @@ class WorkerContext(Protocol):
         """The complete checkpoint to continue from, or ``None`` for a fresh start."""
         ...
 
-    def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any]) -> None:
-        """Save the checkpoint of ``step``: ``write(folder)`` writes this rank's files (a collective)."""
+    def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any], keep: int) -> None:
+        """Save the checkpoint of ``step`` (``write(folder)`` writes this rank's files; a collective), keep ``keep``."""
         ...
 
     def finish(self, summary: dict[str, Any]) -> None:
@@ -101,8 +101,9 @@ def _device(local_rank: int) -> torch.device:
 class RayContext:
     """Inside a Ray Train worker: data from ``get_dataset_shard``, records to a Ray queue, checkpoints via report.
 
-    ``checkpoint_root`` is the run's Ray storage folder on a file system every worker can reach (the run folder
-    locally); the completion marker of each checkpoint is written there once every rank has reported it.
+    ``checkpoint_root`` is the run's Ray storage folder, a path every worker can reach (the run folder locally, a
+    shared file system) or an ``s3://`` URI; the completion marker of each checkpoint is written there once every
+    rank has reported it.
     """
 
     def __init__(self, metrics_queue: Any | None, checkpoint_root: str, resume_from: str | None = None) -> None:
@@ -114,9 +115,9 @@ class RayContext:
         self.world_size = ctx.get_world_size()
         self.device = ray.train.torch.get_device()
         self._queue = metrics_queue
-        self._root = Path(checkpoint_root)
+        self._root = checkpoint_root
         self._resume_from = resume_from
-        self._downloaded: Path | None = None
+        self._downloads = Path(tempfile.mkdtemp(prefix=f"raytrain-eks-resume-r{self.rank}-"))
 
     def data_batches(self, batch_size: int, position: dict[str, int] | None) -> DataCursor:
         import ray.train
@@ -134,22 +135,15 @@ class RayContext:
             self._queue.put(record)
 
     def resume_checkpoint(self) -> Path | None:
-        import ray.train
-
         # After a worker-group restart: the newest checkpoint in this run's storage that is complete (marked).
         # Ray's own latest checkpoint is every rank's report, but it may lack the marker if rank 0 died right
         # after reporting; the scan then takes the one before, which Ray still keeps (keep_checkpoints >= 2).
-        latest = latest_complete(self._root)
-        if latest is not None:
-            return latest
-        checkpoint = ray.train.get_checkpoint()
-        if checkpoint is not None and not Path(checkpoint.path).is_dir():  # remote storage: fetch it
-            self._downloaded = Path(checkpoint.to_directory())
-            if is_complete(self._downloaded):
-                return self._downloaded
-        return Path(self._resume_from) if self._resume_from else None
+        chosen = latest_complete(self._root) or self._resume_from
+        if chosen is None:
+            return None
+        return materialize(chosen, self._downloads / "checkpoint")
 
-    def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any]) -> None:
+    def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any], keep: int) -> None:
         import ray.train
 
         staging = Path(tempfile.mkdtemp(prefix=f"raytrain-eks-ckpt-{step}-r{self.rank}-"))
@@ -158,16 +152,16 @@ class RayContext:
             name = checkpoint_name(step)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(staging), checkpoint_dir_name=name)
             dist.barrier()  # every rank's report (and upload) has returned
-            if self.rank == 0 and (self._root / name).is_dir():
-                mark_complete(self._root / name, step=step, world_size=self.world_size)
+            if self.rank == 0:
+                mark_complete(join(self._root, name), step=step, world_size=self.world_size)
+                prune(self._root, keep)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
 
     def finish(self, summary: dict[str, Any]) -> None:
         if self.rank == 0 and self._queue is not None:
             self._queue.put({"summary": summary})
-        if self._downloaded is not None:
-            shutil.rmtree(self._downloaded, ignore_errors=True)
+        shutil.rmtree(self._downloads, ignore_errors=True)
 
 
 class ProcessContext:
@@ -198,7 +192,7 @@ class ProcessContext:
     def resume_checkpoint(self) -> Path | None:
         return self._resume_from
 
-    def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any]) -> None:
+    def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any], keep: int) -> None:
         if self._out is None:
             return
         folder = self._out / "checkpoints" / checkpoint_name(step)
@@ -206,6 +200,7 @@ class ProcessContext:
         dist.barrier()
         if self.rank == 0:
             mark_complete(folder, step=step, world_size=self.world_size)
+            prune(folder.parent, keep)
 
     def finish(self, summary: dict[str, Any]) -> None:
         if self.rank == 0:

@@ -133,9 +133,11 @@ def run_training(
     from raytrain_eks.train.checkpoint import (
         check_compatible,
         export_hf,
+        join,
         latest_complete,
         list_checkpoints,
         resolve_checkpoint,
+        storage_root,
     )
     from raytrain_eks.train.data import list_data_files, prepare_dataset
     from raytrain_eks.train.loop import ray_worker_entry
@@ -149,10 +151,12 @@ def run_training(
     data_files = None if training.uses_random_data else list_data_files(_data_source(cfg))
     resume_from = None
     if resume is not None:
-        resume_from = resolve_checkpoint(resume)
-        check_compatible(resume_from, AutoConfig.from_pretrained(model_path))
         run_dir = resume.expanduser().resolve()
-        say(f"resuming {run_dir} from {resume_from.name}")
+        resume_from = resolve_checkpoint(
+            join(storage_root(run_dir, training.storage_path), RAY_DIR) if training.storage_path else run_dir
+        )
+        check_compatible(resume_from, AutoConfig.from_pretrained(model_path))
+        say(f"resuming {run_dir} from {resume_from}")
     else:
         run_dir = new_run_dir(cfg, runs_root)
         say(f"run folder: {run_dir}")
@@ -179,6 +183,7 @@ def run_training(
     else:
         say(f"data: random token ids, {training.seq_len} tokens per sample")
 
+    checkpoint_root = join(storage_root(run_dir, training.storage_path), RAY_DIR)
     # Workers inherit the raylet's environment, not the driver's: what they need is passed explicitly.
     worker_env = {}
     if cfg.fabric.require != "any":
@@ -193,17 +198,16 @@ def run_training(
             "training": training.model_dump(mode="json"),
             "model_path": model_path,
             "metrics_queue": queue,
-            "checkpoint_root": str(run_dir / RAY_DIR),
-            "resume_from": str(resume_from) if resume_from else None,
+            "checkpoint_root": checkpoint_root,
+            "resume_from": resume_from,
             "fabric_require": cfg.fabric.require,
         },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
         run_config=ray.train.RunConfig(
             name=RAY_DIR,
-            storage_path=str(run_dir),
+            storage_path=storage_root(run_dir, training.storage_path),
             failure_config=ray.train.FailureConfig(max_failures=training.max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=training.keep_checkpoints),
             worker_runtime_env={"env_vars": worker_env},
         ),
         datasets=datasets,
@@ -266,10 +270,10 @@ def run_training(
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary["first_loss"] = history[0]["loss"] if history else summary.get("first_loss")
     if resume_from is not None and summary.get("resumed_from_step") is None:
-        summary["resumed_from_step"] = int(resume_from.name.split("_")[-1])
-    summary["checkpoints"] = [str(p) for _, p, ok in list_checkpoints(run_dir / RAY_DIR) if ok]
+        summary["resumed_from_step"] = int(resume_from.rstrip("/").rsplit("_", 1)[-1])
+    summary["checkpoints"] = [p for _, p, ok in list_checkpoints(checkpoint_root) if ok]
     if training.export:
-        final = latest_complete(run_dir / RAY_DIR)
+        final = latest_complete(checkpoint_root)
         if final is None:
             raise TrainingError(
                 "training finished but left no complete checkpoint to export", hint=f"Run folder: {run_dir}"

@@ -143,6 +143,7 @@ def train(
                 maybe_die("checkpoint", step=step, rank=ctx.rank),
             ),
             metrics,
+            keep=cfg.keep_checkpoints,
         )
         checkpoints.append(step)
         checkpoint_s += time.perf_counter() - t

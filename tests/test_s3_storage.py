@@ -1,0 +1,93 @@
+"""Checkpoints in S3 (moto's server on loopback): written there, resumed from there after a kill, exported."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raytrain_eks import presets
+from raytrain_eks.cli import main
+from raytrain_eks.config import load_config
+from raytrain_eks.train.checkpoint import list_checkpoints
+from raytrain_eks.train.faults import ENV as FAULT_ENV
+from raytrain_eks.train.launch import run_training
+
+pytestmark = pytest.mark.integration
+
+BUCKET = "raytrain-eks-test"
+
+
+@pytest.fixture(scope="module")
+def s3_and_ray():
+    """moto's S3 on a free loopback port, then a Ray whose workers inherit the endpoint and dummy credentials."""
+    import boto3
+    import ray
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_REGION": "us-east-1",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    boto3.client("s3").create_bucket(Bucket=BUCKET)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        yield boto3.client("s3")
+    finally:
+        ray.shutdown()
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_checkpoints_live_in_s3_and_survive_a_kill(tmp_path, monkeypatch, s3_and_ray):
+    training = {
+        "data": "random",
+        "steps": 6,
+        "seq_len": 32,
+        "batch_size": 2,
+        "log_every": 1,
+        "checkpoint_every": 2,
+        "storage_path": f"s3://{BUCKET}/runs",
+        "output_dir": str(tmp_path / "run"),
+    }
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(FAULT_ENV, f"checkpoint:4:1:{tmp_path / 'fired'}")
+    cfg = load_config(preset=presets.local_tiny(), environ={}, overrides={"training": training})
+    result = run_training(cfg, runs_root=tmp_path, say=lambda _: None)
+    assert (tmp_path / "fired").exists()
+    assert result.summary["resumed_from_step"] == 2
+    root = f"s3://{BUCKET}/runs/run/ray"
+    assert result.summary["checkpoints"] == [f"{root}/checkpoint_00000004", f"{root}/checkpoint_00000006"]
+    assert [step for step, _, ok in list_checkpoints(root) if ok] == [4, 6]
+    keys = [o["Key"] for o in s3_and_ray.list_objects_v2(Bucket=BUCKET, Prefix="runs/run/ray/")["Contents"]]
+    assert "runs/run/ray/checkpoint_00000006/complete.json" in keys
+    assert not (tmp_path / "run" / "ray").exists(), "nothing of the checkpoints is kept on the driver's disk"
+
+    # `export RUN_DIR` finds the run's checkpoints in S3 through its config.yaml.
+    main(["export", str(result.run_dir), str(tmp_path / "exported")])
+    exported = load_file(tmp_path / "exported" / "model.safetensors")
+    at_end = load_file(result.run_dir / "model" / "model.safetensors")
+    assert exported.keys() == at_end.keys()
+    assert all(torch.equal(exported[k], at_end[k]) for k in exported)
+    history = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in history].count(3) == 2  # steps 3-4 ran twice: before the kill and after the resume
