@@ -3,8 +3,14 @@
 raytrain-eks plan                              # the steps and the hourly cost, nothing written
 raytrain-eks plan --output-dir plan-out        # plus every file deploy would apply, and plan.json
 raytrain-eks plan --mode rayjob -o plan-out    # a RayJob (cluster deleted when the job ends) instead
+raytrain-eks up [--plan] [--train] [-y]       # cluster, node groups, device plugins, KubeRay (resumes)
+raytrain-eks submit [--mode rayjob]           # run the job in the cluster; exit 1 unless EFA carried it
+raytrain-eks status | logs [--follow]         # what is deployed; the last job's output
+raytrain-eks down [-y]                        # delete everything up and submit created, newest first
 
-``plan`` is pure: no AWS credentials, and none of eksctl, helm or kubectl, are needed. Example::
+``plan`` and ``up --plan`` are pure: no AWS credentials, and none of eksctl, helm or kubectl, are needed. The
+other commands remember the cluster, region and zone in ``.raytrain-eks/state.json`` of the working folder.
+Example::
 
     app = typer.Typer()
     register(app)
@@ -13,16 +19,21 @@ raytrain-eks plan --mode rayjob -o plan-out    # a RayJob (cluster deleted when 
 from __future__ import annotations
 
 import os
+import shlex
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, cast
+from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 from rich.console import Console
 
 from raytrain_eks import presets
-from raytrain_eks.config import DEFAULT_CONFIG_FILE, load_config
+from raytrain_eks.config import DEFAULT_CONFIG_FILE, Config, load_config
 from raytrain_eks.errors import UserError
+
+if TYPE_CHECKING:
+    from raytrain_eks.deploy import Deployment
 
 
 class PlanMode(StrEnum):
@@ -31,8 +42,27 @@ class PlanMode(StrEnum):
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``plan`` to ``app``."""
+    """Add ``plan``, ``up``, ``submit``, ``status``, ``logs`` and ``down`` to ``app``."""
     app.command()(plan)
+    app.command()(up)
+    app.command()(submit)
+    app.command()(status)
+    app.command()(logs)
+    app.command()(down)
+
+
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help=f"YAML configuration (default: ./{DEFAULT_CONFIG_FILE} if present)."),
+]
+PresetOpt = Annotated[str, typer.Option(help=f"Starting point under the file: {', '.join(presets.PRESETS)}.")]
+StateDirOpt = Annotated[
+    Path, typer.Option("--state-dir", help="Where this deployment's state, kubeconfig and generated files live.")
+]
+YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
+ModeOpt = Annotated[
+    PlanMode, typer.Option(help="raycluster: a long-lived cluster the job is submitted to; rayjob: one job.")
+]
 
 
 def plan(
@@ -82,3 +112,134 @@ def plan(
         out.print(f"Wrote {len(written)} files to {output_dir}: {names}")
     else:
         out.print("Nothing written; add --output-dir DIR for the files.")
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# up / submit / status / logs / down: thin layers over raytrain_eks.deploy and raytrain_eks.submit
+# ------------------------------------------------------------------------------------------------------------------
+
+_out = Console(highlight=False, soft_wrap=True)
+
+
+def _say(line: str) -> None:
+    _out.print(line, markup=False)
+
+
+def _load(config: Path | None, preset: str) -> Config:
+    if preset not in presets.PRESETS:
+        raise UserError(f"--preset {preset!r} is not known; choose one of: {', '.join(presets.PRESETS)}")
+    return load_config(preset=presets.PRESETS[preset](), path=config)
+
+
+def make_deployment(cfg: Config, state_dir: Path) -> Deployment:
+    """The real deployment: the official Kubernetes client on this folder's kubeconfig, and the runner.
+
+    The one place the commands build their collaborators; tests replace it with fakes.
+    """
+    from raytrain_eks import runner
+    from raytrain_eks.deploy import Deployment, StateStore, apply_state
+    from raytrain_eks.k8s.cluster import KubernetesApi
+
+    store = StateStore(state_dir)
+    remembered = apply_state(cfg, store)
+    was, now = cfg.cluster, remembered.cluster
+    if (was.name, was.region, was.gpu_az) != (now.name, now.region, now.gpu_az):
+        zone = now.gpu_az or "not chosen yet"
+        _say(f"Using cluster {now.name} in {now.region} (zone {zone}) as remembered in {store.path}")
+    return Deployment(cfg=remembered, kube=KubernetesApi(store.kubeconfig), run=runner.run, state=store, say=_say)
+
+
+def _confirm(yes: bool) -> Callable[[str], bool]:
+    def ask(question: str) -> bool:
+        return yes or typer.confirm(question, default=False)
+
+    return ask
+
+
+def up(
+    config: ConfigOpt = None,
+    preset: PresetOpt = "reference",
+    plan_only: Annotated[bool, typer.Option("--plan", help="Print every action and create nothing.")] = False,
+    train: Annotated[bool, typer.Option("--train", help="Run `submit` once the infrastructure is up.")] = False,
+    mode: ModeOpt = PlanMode.raycluster,
+    yes: YesOpt = False,
+    state_dir: StateDirOpt = Path(".raytrain-eks"),
+) -> None:
+    """Create (or resume) the cluster, GPU node group, device plugins and KubeRay; --train then runs the job."""
+    from raytrain_eks import deploy
+    from raytrain_eks.plan import check_deployable, cost_per_hour
+
+    cfg = _load(config, preset)
+    if plan_only:
+        _say(f"up would do, for cluster {cfg.cluster.name} in {cfg.cluster.region} (nothing is created now):")
+        for i, action in enumerate(deploy.planned_actions(cfg), 1):
+            _say(f"{i:>2}. {action.name}: {action.what}")
+            if action.argv:
+                _say(f"    $ {shlex.join(action.argv)}")
+        if train:
+            _say(f"then submit ({mode.value}): see `raytrain-eks plan --mode {mode.value}`")
+        gpu, system = check_deployable(cfg)
+        cost = cost_per_hour(cfg, gpu, system)
+        _say(f"Cost while it runs: about ${cost['total_usd']:.2f} per hour ({cost['price_region']} on-demand).")
+        return
+    d = make_deployment(cfg, state_dir)
+    deploy.up(d, confirm=_confirm(yes), offered_zones=lambda: deploy.aws_offered_zones(d.cfg, d.run))
+    if train:
+        _submit(d, mode)
+
+
+def submit(
+    config: ConfigOpt = None,
+    preset: PresetOpt = "reference",
+    mode: ModeOpt = PlanMode.raycluster,
+    state_dir: StateDirOpt = Path(".raytrain-eks"),
+) -> None:
+    """Run the training job in the cluster and check that EFA carried it (exit 1 if not, 2 if undecided)."""
+    _submit(make_deployment(_load(config, preset), state_dir), mode)
+
+
+def _submit(d: Deployment, mode: PlanMode) -> None:
+    from raytrain_eks.submit import Mode, submit
+
+    # The token goes from this environment into a Secret through the API: never a file, argv or log line.
+    result = submit(d, mode=cast("Mode", mode.value), hf_token=os.environ.get("HF_TOKEN") or None)
+    if result.exit_code:
+        raise typer.Exit(result.exit_code)
+
+
+def status(
+    config: ConfigOpt = None,
+    preset: PresetOpt = "reference",
+    state_dir: StateDirOpt = Path(".raytrain-eks"),
+) -> None:
+    """Show what this folder deployed, the GPU nodes' resources and the Ray pods and job."""
+    from raytrain_eks.deploy import status as deploy_status
+
+    for line in deploy_status(make_deployment(_load(config, preset), state_dir)):
+        _say(line)
+
+
+def logs(
+    config: ConfigOpt = None,
+    preset: PresetOpt = "reference",
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream until the job ends.")] = False,
+    state_dir: StateDirOpt = Path(".raytrain-eks"),
+) -> None:
+    """Print the last submitted job's output (read inside the head pod)."""
+    from raytrain_eks.submit import logs as job_logs
+
+    code = job_logs(make_deployment(_load(config, preset), state_dir), follow=follow)
+    if code:
+        raise typer.Exit(code)
+
+
+def down(
+    config: ConfigOpt = None,
+    preset: PresetOpt = "reference",
+    yes: YesOpt = False,
+    state_dir: StateDirOpt = Path(".raytrain-eks"),
+) -> None:
+    """Delete everything up and submit created (newest first), then check that nothing billable is left."""
+    from raytrain_eks.deploy import down as deploy_down
+
+    deploy_down(make_deployment(_load(config, preset), state_dir), confirm=_confirm(yes))

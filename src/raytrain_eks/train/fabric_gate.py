@@ -14,8 +14,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from raytrain_eks.fabric import analyze
 
 
@@ -47,6 +45,8 @@ def check_transport(require: str, *, rank: int, world_size: int) -> tuple[dict[s
     Returns ``(result, lines_by_rank)``: ``result`` has ``require``, ``verdict``, ``met`` and the readable
     ``report``; ``lines_by_rank`` is filled on rank 0 only.
     """
+    import torch.distributed as dist
+
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, own_nccl_lines())
     box: list[Any] = [None]

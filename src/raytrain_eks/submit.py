@@ -1,0 +1,535 @@
+"""``submit`` and ``logs``: run the training job on the deployed cluster and prove which fabric carried it.
+
+:func:`submit`: the GPU nodes are checked first (allocatable ``nvidia.com/gpu`` and ``vpc.amazonaws.com/efa`` on
+every one: a missing resource fails at once, with its fix, instead of leaving pods Pending); then the namespace,
+the Hugging Face token Secret (only when a token is given; its value goes to the API and nowhere else), the
+job's ConfigMap and the RayCluster (or RayJob) rendered from the configuration. The pods are waited for with
+progress, and on timeout the error shows the events that explain it. The job is submitted from inside the head
+pod (``ray job submit`` through exec: the dashboard port never leaves the cluster) with a ``runtime_env`` that
+installs what the image lacks and ships this package's code; its logs are streamed. Afterwards every worker's
+NCCL lines, read from Ray's session logs inside the pods (``kubectl logs`` does not have them), go through
+:mod:`raytrain_eks.fabric.nccl_log`, ``fi_info -p efa`` is run on a worker, and the result's exit code is non-zero
+unless the job succeeded over the required fabric. Example::
+
+    result = submit(d, mode="raycluster", hf_token=os.environ.get("HF_TOKEN"))
+    print("\\n".join(result.summary)); sys.exit(result.exit_code)
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib.metadata
+import io
+import json
+import re
+import secrets
+import shlex
+import tarfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import raytrain_eks
+from raytrain_eks.deploy import Deployment, NodesNotReady, gpu_node_problems, object_item
+from raytrain_eks.errors import UserError
+from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
+from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.cluster import Pod
+from raytrain_eks.plan import check_deployable
+from raytrain_eks.runner import CommandError
+from raytrain_eks.train.fabric_gate import nccl_log_dir
+
+Mode = Literal["raycluster", "rayjob"]
+
+DIST_NAME = "raytrain-eks"
+# Already in the cluster image (Ray 2.58 with Ray Train/Data, PyTorch): installing another copy would shadow the
+# versions the image was built and tested with. pyarrow comes with Ray Data. kubernetes and boto3 are for the
+# deploy side only.
+IMAGE_PROVIDED = frozenset({"torch", "torchvision", "ray", "pyarrow"})
+DEPLOY_ONLY = frozenset({"kubernetes", "boto3"})
+
+DASHBOARD = f"http://127.0.0.1:{m.HEAD_PORTS['dashboard']}"
+HEAD_CODE_ROOT = "/tmp/raytrain-eks"  # where the package is unpacked in the head pod (raycluster mode)
+SUBMITTER_CODE_DIR = "/opt/raytrain-eks"  # where the code ConfigMap is mounted in a RayJob's submitter pod
+RAY_SESSION_LOGS = f"{m.RAY_LOG_DIR}/session_latest/logs"
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+EXEC_TIMEOUT_S = 120
+POLL_S = 10.0
+
+# Runs in the head pod: unpack the base64 tar.gz read from stdin into argv[1]. Only paths inside it are written.
+_UNPACK = """\
+import base64, io, os, sys, tarfile
+dest = sys.argv[1]
+data = base64.b64decode(sys.stdin.read())
+with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+    for member in tar.getmembers():
+        target = os.path.realpath(os.path.join(dest, member.name))
+        if not target.startswith(os.path.realpath(dest) + os.sep) or not (member.isfile() or member.isdir()):
+            raise SystemExit(f"refusing to unpack {member.name}")
+    os.makedirs(dest, exist_ok=True)
+    tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+print("unpacked", dest)
+"""
+
+# Runs in a worker pod: print every line holding "NCCL" under the given folders (rotated .gz files too): Ray's
+# session logs, and the per-process NCCL_DEBUG_FILE folder the training job's transport gate uses.
+_NCCL_LINES = """\
+import gzip, os, sys
+for folder, _, files in sorted(w for root in sys.argv[1:] for w in os.walk(root)):
+    for name in sorted(files):
+        path = os.path.join(folder, name)
+        try:
+            opener = gzip.open if name.endswith(".gz") else open
+            with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if "NCCL" in line:
+                        sys.stdout.write(line if line.endswith("\\n") else line + "\\n")
+        except (OSError, EOFError):
+            continue
+"""
+
+
+class PodsNotReady(UserError):
+    """The Ray pods did not start in time; the message holds each pod's state and its events."""
+
+
+@dataclass
+class SubmitResult:
+    """What happened: the job's final status, the transport verdict, ``fi_info``, and the process exit code."""
+
+    submission_id: str
+    job_status: str
+    report: TransportReport | None
+    efa_provider: bool | None
+    versions: dict[str, str] = field(default_factory=dict)
+    summary: list[str] = field(default_factory=list)
+    exit_code: int = 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the job ships
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def image_missing_requirements() -> list[str]:
+    """This package's pinned dependencies minus what the cluster image already has, as pip requirement lines.
+
+    Example (reference): ``["transformers==5.23.0", "tokenizers==0.23.3", ..., "rich==15.0.0"]``.
+    """
+    try:
+        requires = importlib.metadata.requires(DIST_NAME) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise UserError(
+            f"the {DIST_NAME} distribution metadata is missing",
+            hint="Install raytrain-eks (pip install -e .) so that submit knows its pinned dependencies.",
+        ) from None
+    out = []
+    for line in requires:
+        spec, _, marker = line.partition(";")
+        if "extra" in marker:
+            continue
+        name = re.match(r"\s*([A-Za-z0-9._-]+)", spec)
+        if name is None or name.group(1).lower().replace("_", "-") in IMAGE_PROVIDED | DEPLOY_ONLY:
+            continue
+        out.append(spec.replace(" ", ""))
+    return out
+
+
+def package_files(root: Path | None = None) -> dict[str, str]:
+    """Relative path -> text of every source and data file of the ``raytrain_eks`` package (no caches)."""
+    base = Path(root) if root is not None else Path(raytrain_eks.__file__).parent
+    files = {}
+    for path in sorted(base.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".jsonl", ".json", ".yaml"):
+            files[f"raytrain_eks/{path.relative_to(base).as_posix()}"] = path.read_text(encoding="utf-8")
+    return files
+
+
+def package_digest(files: Mapping[str, str]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(name.encode() + b"\0" + files[name].encode() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def package_archive(files: Mapping[str, str]) -> str:
+    """The files as a base64 tar.gz (text, to travel on an exec's stdin). Deterministic for the same files."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=9) as tar:
+        for name in sorted(files):
+            data = files[name].encode("utf-8")
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def runtime_env(code_dir: str) -> dict[str, Any]:
+    """The job's Ray ``runtime_env``: pip installs what the image lacks, ``py_modules`` ships ``raytrain_eks``
+    from ``code_dir`` (a path where ``ray job submit`` runs). No secret is ever put here."""
+    return {"pip": image_missing_requirements(), "py_modules": [f"{code_dir}/raytrain_eks"]}
+
+
+def entrypoint_argv() -> list[str]:
+    """The driver command: ``train --address auto`` with the mounted config, run as a module because the image has
+    no ``raytrain-eks`` console script (the package arrives through ``py_modules``)."""
+    return ["python", "-m", "raytrain_eks.cli", *m.train_argv()[1:]]
+
+
+def code_config_map(cfg: Any, files: Mapping[str, str]) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """The package as a ConfigMap (for a RayJob's submitter pod) and the volume ``items`` that lay its keys out as
+    the package tree. Keys are flat (``raytrain_eks__train__loop.py``); ``items`` map them back to paths."""
+    data, items = {}, []
+    for path in sorted(files):
+        key = path.replace("/", "__")
+        data[key] = files[path]
+        items.append({"key": key, "path": path})
+    meta = {"name": f"{cfg.ray.cluster_name}-code", "namespace": cfg.ray.namespace, "labels": m.labels(cfg)}
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}, items
+
+
+def rayjob_manifest(
+    cfg: Any, *, hf_token: bool, code_map: dict[str, Any], items: list[dict[str, str]]
+) -> dict[str, Any]:
+    """The RayJob of :func:`raytrain_eks.k8s.manifests.rayjob`, plus the runtime_env and a submitter pod that
+    mounts the code ConfigMap where ``py_modules`` points (``ray job submit`` runs in that pod)."""
+    doc = m.rayjob(cfg, hf_token=hf_token, runtime_env=runtime_env(SUBMITTER_CODE_DIR))
+    submitter = {
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "ray-job-submitter",
+                    "image": cfg.ray.image,
+                    "resources": {
+                        "requests": {"cpu": "500m", "memory": "512Mi"},
+                        "limits": {"cpu": "1", "memory": "1Gi"},
+                    },
+                    "volumeMounts": [{"name": "raytrain-eks-code", "mountPath": SUBMITTER_CODE_DIR, "readOnly": True}],
+                }
+            ],
+            "volumes": [
+                {"name": "raytrain-eks-code", "configMap": {"name": code_map["metadata"]["name"], "items": items}}
+            ],
+        }
+    }
+    return m.merge(doc, {"spec": {"entrypoint": shlex.join(entrypoint_argv()), "submitterPodTemplate": submitter}})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pods
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _ray_pods(d: Deployment, ns: str, cluster: str) -> tuple[list[Pod], list[Pod]]:
+    pods = d.kube.pods(ns, {"ray.io/cluster": cluster})
+    heads = [p for p in pods if p.labels.get("ray.io/node-type") == "head"]
+    workers = [p for p in pods if p.labels.get("ray.io/node-type") == "worker"]
+    return heads, workers
+
+
+def _running(p: Pod) -> bool:
+    return p.phase == "Running" and p.ready
+
+
+def wait_for_ray_pods(d: Deployment, ns: str, cluster: str, timeout: float) -> tuple[Pod, list[Pod]]:
+    """Wait until the head and every worker pod run; on timeout raise :class:`PodsNotReady` with their events."""
+    want = d.cfg.cluster.gpu_node_count
+    start = d.clock()
+    last = ""
+    while True:
+        heads, workers = _ray_pods(d, ns, cluster)
+        up_workers = [w for w in workers if _running(w)]
+        if heads and _running(heads[0]) and len(up_workers) >= want:
+            d.say(f"Ray pods running: head {heads[0].name}, {len(up_workers)} workers")
+            return heads[0], up_workers
+        head_state = (heads[0].waiting_reason or heads[0].phase) if heads else "not created"
+        progress = f"Waiting for Ray pods: head {head_state}, workers {len(up_workers)}/{want} running"
+        if progress != last:
+            d.say(progress)
+            last = progress
+        if d.clock() - start >= timeout:
+            raise PodsNotReady(_pods_report(d, ns, heads + workers, want, timeout), hint=_PODS_HINT)
+        d.sleep(POLL_S)
+
+
+_PODS_HINT = (
+    "Fix what the events say (FailedScheduling: the nodes lack a resource the pod requests; ImagePullBackOff: the "
+    "image or the NAT gateway), then run `raytrain-eks submit` again. `raytrain-eks down` stops the billing."
+)
+
+
+def _pods_report(d: Deployment, ns: str, pods: list[Pod], want: int, timeout: float) -> str:
+    lines = [f"the Ray pods were not all running after {timeout:.0f} s (want 1 head and {want} workers):"]
+    if not pods:
+        lines.append("  no Ray pod was created: is the KubeRay operator running? (`raytrain-eks status`)")
+    for pod in pods:
+        state = pod.waiting_reason or pod.phase
+        lines.append(f"  {pod.name}: {state}{' on ' + pod.node_name if pod.node_name else ''}")
+        if _running(pod):
+            continue
+        events = d.kube.pod_events(ns, pod.name)
+        shown = [e for e in events if e.type == "Warning"] or events
+        lines += [f"    {e}" for e in shown[-5:]] or ["    (no events)"]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Ray job commands, run inside the head pod
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _head_exec(d: Deployment, head: Pod, argv: list[str], *, timeout: float = EXEC_TIMEOUT_S, **kw: Any) -> Any:
+    return d.kube.exec(head.namespace, head.name, argv, timeout=timeout, container="ray-head", **kw)
+
+
+def job_status(d: Deployment, head: Pod, submission_id: str) -> str:
+    """``PENDING``, ``RUNNING``, ``SUCCEEDED``, ``FAILED``, ``STOPPED`` or ``UNKNOWN``."""
+    res = _head_exec(d, head, ["ray", "job", "status", "--address", DASHBOARD, submission_id])
+    text = res.stdout + res.stderr
+    match = re.search(r"Status for job '[^']*': (\w+)", text) or re.search(
+        r"\b(PENDING|RUNNING|SUCCEEDED|FAILED|STOPPED)\b", text
+    )
+    return match.group(1).upper() if match else "UNKNOWN"
+
+
+def _upload_package(d: Deployment, head: Pod) -> str:
+    files = package_files()
+    dest = f"{HEAD_CODE_ROOT}/{package_digest(files)}"
+    if _head_exec(d, head, ["test", "-f", f"{dest}/raytrain_eks/__init__.py"]).ok:
+        return dest
+    d.say(f"Copying the raytrain_eks package ({len(files)} files) into the head pod")
+    res = _head_exec(d, head, ["python", "-c", _UNPACK, dest], stdin=package_archive(files))
+    if not res.ok:
+        raise CommandError(["python", "-c", "<unpack>", dest], res.returncode, res.stderr or res.stdout)
+    return dest
+
+
+def submit_job(d: Deployment, head: Pod, code_dir: str) -> str:
+    """``ray job submit --no-wait`` in the head pod; returns the submission id."""
+    submission_id = time.strftime("raytrain-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
+    env = runtime_env(code_dir)
+    argv = [
+        "ray", "job", "submit", "--address", DASHBOARD, "--submission-id", submission_id, "--no-wait",
+        "--runtime-env-json", json.dumps(env), "--", *entrypoint_argv(),
+    ]  # fmt: skip
+    res = _head_exec(d, head, argv)
+    if not res.ok:
+        raise CommandError(
+            argv[:4] + ["..."],
+            res.returncode,
+            res.stderr or res.stdout,
+            hint="Read the error above, fix it and submit again.",
+        )
+    d.say(f"Submitted job {submission_id} from inside {head.name} (the dashboard stays inside the cluster)")
+    return submission_id
+
+
+def follow_job(d: Deployment, head: Pod, submission_id: str, *, timeout: float) -> str:
+    """Stream the job's logs until it ends (following again if the stream drops); return its final status."""
+    start = d.clock()
+    while True:
+        left = max(timeout - (d.clock() - start), 1.0)
+        _head_exec(
+            d,
+            head,
+            ["ray", "job", "logs", "--address", DASHBOARD, "--follow", submission_id],
+            timeout=left,
+            on_output=d.say,
+        )
+        status = job_status(d, head, submission_id)
+        if status in TERMINAL:
+            return status
+        if d.clock() - start >= timeout:
+            return status
+        d.say(f"The log stream ended while the job is {status}; following it again")
+        d.sleep(POLL_S)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# After the job: which fabric carried it
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def collect_transport(d: Deployment, workers: list[Pod]) -> TransportReport:
+    """NCCL's lines from every worker pod's Ray session logs, analyzed together (one source per pod)."""
+    analyzer = NcclLogAnalyzer()
+    for pod in workers:
+        res = d.kube.exec(
+            pod.namespace,
+            pod.name,
+            ["python", "-c", _NCCL_LINES, RAY_SESSION_LOGS, str(nccl_log_dir("").parent)],
+            timeout=EXEC_TIMEOUT_S * 5,
+        )
+        for n, line in enumerate(res.stdout.splitlines(), 1):
+            analyzer.feed(line, pod.name, n)
+    return analyzer.finish()
+
+
+def check_efa_provider(d: Deployment, worker: Pod) -> tuple[bool, str]:
+    """``fi_info -p efa`` on a worker: does libfabric see the EFA device? Returns (ok, what it said)."""
+    for exe in ("fi_info", "/opt/amazon/efa/bin/fi_info"):
+        res = d.kube.exec(worker.namespace, worker.name, [exe, "-p", "efa"], timeout=EXEC_TIMEOUT_S)
+        if res.returncode == 127:
+            continue
+        ok = res.ok and "provider: efa" in res.stdout
+        said = next((ln.strip() for ln in (res.stdout + res.stderr).splitlines() if ln.strip()), "no output")
+        return ok, said
+    return False, "fi_info is not in the image (neither on PATH nor in /opt/amazon/efa/bin)"
+
+
+def gpu_versions(d: Deployment, worker: Pod) -> dict[str, str]:
+    """Driver and CUDA versions ``nvidia-smi`` reports on a worker (empty when it cannot run)."""
+    res = d.kube.exec(worker.namespace, worker.name, ["nvidia-smi"], timeout=EXEC_TIMEOUT_S)
+    found = {}
+    for key, pattern in (("driver", r"Driver Version:\s*([\d.]+)"), ("cuda", r"CUDA Version:\s*([\d.]+)")):
+        match = re.search(pattern, res.stdout)
+        if match:
+            found[key] = match.group(1)
+    return found
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# submit
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _apply(d: Deployment, obj: dict[str, Any], what: str) -> None:
+    d.state.record(object_item(obj))
+    d.kube.apply(obj)
+    d.say(f"Applied {what}")
+
+
+def _wait_rayjob_cluster(d: Deployment, timeout: float) -> tuple[str, str]:
+    """The RayCluster name and the Ray job id that the KubeRay operator gives a RayJob."""
+    ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
+    start = d.clock()
+    while True:
+        job = d.kube.get("ray.io/v1", "RayJob", name, ns) or {}
+        st = job.get("status", {})
+        if st.get("rayClusterName") and st.get("jobId"):
+            return st["rayClusterName"], st["jobId"]
+        if d.clock() - start >= timeout:
+            raise PodsNotReady(
+                f"RayJob {ns}/{name} has no RayCluster after {timeout:.0f} s", hint="Is the KubeRay operator running?"
+            )
+        d.sleep(POLL_S)
+
+
+def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = None) -> SubmitResult:
+    """Apply the Ray objects, run the job from inside the head pod, stream its logs and judge the fabric.
+
+    Resumes: a job of this folder still running is followed instead of submitted twice; a finished RayJob is
+    replaced. ``hf_token`` goes into a Secret through the API only. Returns the result; its ``exit_code`` is 0 only
+    when the job succeeded, NCCL's log meets ``fabric.require``, and (for ``efa``) ``fi_info`` sees EFA.
+    """
+    cfg = d.cfg
+    ns = cfg.ray.namespace
+    gpu, _ = check_deployable(cfg)
+    _, problems = gpu_node_problems(d, gpu, d.state.get("gpu_az"))
+    if problems:
+        raise NodesNotReady(problems)  # at once: pods would only sit Pending
+
+    if ns != "default":
+        _apply(d, m.namespace(cfg), f"namespace {ns}")
+    if hf_token:
+        _apply(d, m.hf_token_secret(cfg, hf_token), f"Secret {ns}/{cfg.ray.hf_token_secret} (the Hugging Face token)")
+    _apply(d, m.job_config_map(cfg), f"ConfigMap {ns}/{m.config_map_name(cfg)} (the job's configuration)")
+
+    previous = d.state.get("job") or {}
+    if mode == "raycluster":
+        _apply(d, m.raycluster(cfg, hf_token=bool(hf_token)), f"RayCluster {ns}/{cfg.ray.cluster_name}")
+        cluster = cfg.ray.cluster_name
+    else:
+        old = d.kube.get("ray.io/v1", "RayJob", cfg.ray.cluster_name, ns)
+        if old and old.get("status", {}).get("jobDeploymentStatus") in ("Complete", "Failed"):
+            d.say(f"RayJob {ns}/{cfg.ray.cluster_name} has finished: replacing it")
+            d.kube.delete("ray.io/v1", "RayJob", cfg.ray.cluster_name, ns)
+            previous = {}
+        code_map, items = code_config_map(cfg, package_files())
+        _apply(d, code_map, f"ConfigMap {ns}/{code_map['metadata']['name']} (the raytrain_eks package)")
+        doc = rayjob_manifest(cfg, hf_token=bool(hf_token), code_map=code_map, items=items)
+        _apply(d, doc, f"RayJob {ns}/{cfg.ray.cluster_name}")
+        cluster, _ = _wait_rayjob_cluster(d, cfg.ray.job_start_deadline_s)
+
+    head, workers = wait_for_ray_pods(d, ns, cluster, cfg.ray.job_start_deadline_s)
+
+    submission_id = None
+    if previous.get("mode") == mode and previous.get("id") and previous.get("raycluster") == cluster:
+        status = job_status(d, head, previous["id"])
+        if status in ("PENDING", "RUNNING"):
+            submission_id = previous["id"]
+            d.say(f"Job {submission_id} from an earlier submit is {status}: following it instead of submitting again")
+    if submission_id is None:
+        if mode == "raycluster":
+            submission_id = submit_job(d, head, _upload_package(d, head))
+        else:
+            _, submission_id = _wait_rayjob_cluster(d, cfg.ray.job_start_deadline_s)
+    d.state.update(job={"id": submission_id, "mode": mode, "namespace": ns, "raycluster": cluster, "status": "RUNNING"})
+
+    final = follow_job(d, head, submission_id, timeout=cfg.ray.job_deadline_s)
+    d.state.update(job={**d.state.get("job"), "status": final})
+    return _judge(d, submission_id, final, workers)
+
+
+def _judge(d: Deployment, submission_id: str, final: str, workers: list[Pod]) -> SubmitResult:
+    require = d.cfg.fabric.require
+    report = collect_transport(d, workers) if workers else None
+    efa_ok, efa_said = check_efa_provider(d, workers[0]) if workers else (False, "no worker pod")
+    versions = gpu_versions(d, workers[0]) if workers else {}
+
+    summary = [f"Job {submission_id}: {final}"]
+    if report is not None:
+        rendered = report.render(require)
+        path = d.state.write_file(f"transport-{submission_id}.json", report.to_json(require) + "\n")
+        if report.meets(require):
+            summary += [rendered.splitlines()[0], f"  full report: {path}"]
+        else:  # the evidence, plugin errors and notes are what the user needs to fix it
+            summary += [*rendered.splitlines(), f"full report: {path}"]
+    summary.append(
+        f"fi_info -p efa on {workers[0].name if workers else '-'}: {'EFA found' if efa_ok else 'no EFA'} ({efa_said})"
+    )
+    if versions:
+        summary.append(f"GPU driver {versions.get('driver', '?')}, CUDA {versions.get('cuda', '?')} (nvidia-smi)")
+
+    code = 0
+    if final != "SUCCEEDED":
+        code = 1
+        summary.append(f"FAILED: the job ended {final}; `raytrain-eks logs` shows its output")
+    elif report is not None and report.exit_code(require) != 0:
+        code = report.exit_code(require)
+        summary.append(f"FAILED: NCCL's inter-node transport does not meet fabric.require = {require}")
+    elif require == "efa" and not efa_ok:
+        code = 1
+        summary.append("FAILED: libfabric does not see an EFA device on the worker (fi_info -p efa)")
+    else:
+        summary.append(f"OK: the job succeeded and the fabric requirement ({require}) is met")
+    for line in summary:
+        d.say(line)
+    return SubmitResult(submission_id, final, report, efa_ok if workers else None, versions, summary, code)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# logs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def logs(d: Deployment, *, follow: bool = False, on_output: Callable[[str], None] | None = None) -> int:
+    """Print the last job's logs (from inside the head pod); ``follow`` streams until it ends. Returns the exit
+    status of ``ray job logs``."""
+    job = d.state.get("job") or {}
+    if not job.get("id"):
+        raise UserError("no job was submitted from this folder", hint="Run `raytrain-eks submit` first.")
+    heads, _ = _ray_pods(d, job["namespace"], job["raycluster"])
+    if not heads or not _running(heads[0]):
+        raise UserError(
+            f"the head pod of {job['raycluster']} is not running, so the job's logs are gone with it",
+            hint="`raytrain-eks status` shows the pods.",
+        )
+    argv = ["ray", "job", "logs", "--address", DASHBOARD, *(["--follow"] if follow else []), job["id"]]
+    timeout = d.cfg.ray.job_deadline_s if follow else EXEC_TIMEOUT_S
+    res = _head_exec(d, heads[0], argv, timeout=timeout, on_output=on_output or d.say)
+    return res.returncode

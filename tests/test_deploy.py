@@ -1,0 +1,920 @@
+"""The step logic of ``up``, ``submit``, ``status``, ``logs`` and ``down``, against fakes; fast and hermetic.
+
+Kubernetes is :class:`~raytrain_eks.k8s.fake.FakeKube` (stateful: nodes, DaemonSets that make nodes advertise
+resources, KubeRay creating pods from the RayCluster's own templates, a scheduler recording ``FailedScheduling``).
+eksctl, helm and the AWS CLI are :class:`FakeTools`, a recording runner whose commands change a small simulated
+AWS (cluster, node groups per zone, Helm releases) and the fake cluster the way the real tools would. Inside the
+pods, :class:`FakeRay` answers ``ray job`` commands, and the scripts the steps run in the pods (unpacking the
+package, collecting NCCL lines) really run, against temporary folders and the NCCL fixtures. Covered: the order
+of ``up``, the next zone after a launch failure, resuming after a failure, device plugins proven on every node,
+``up --plan`` creating nothing, allocatable missing -> fail fast with the fix, Pending pods -> events shown on
+timeout, the runtime_env and the token kept out of argv and logs, EFA missing from NCCL's lines -> non-zero exit,
+RayJob mode, ``down`` in reverse order and twice, leftovers, status, logs, and the runner's errors."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from raytrain_eks import deploy, deploy_commands, runner
+from raytrain_eks import submit as sub
+from raytrain_eks.config import Config, load_config
+from raytrain_eks.deploy import Cancelled, Deployment, NodesNotReady, StateStore
+from raytrain_eks.errors import UserError
+from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.cluster import Event, ExecResult, _exec_returncode
+from raytrain_eks.k8s.fake import FakeKube, parse_quantity
+from raytrain_eks.runner import CommandError, Completed, MissingToolError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+ZONES = ["us-east-1a", "us-east-1b", "us-east-1c"]
+TOKEN = "hf_SECRETtoken1234567890"
+ALLOCATABLE = {"g6.12xlarge": {"cpu": "47", "memory": "185Gi"}, "m7i.xlarge": {"cpu": "3920m", "memory": "14Gi"}}
+CAPACITY_ERROR = (
+    "Error: waiting for CloudFormation stack: ResourceNotReady: failed waiting for successful resource state\n"
+    "Nodegroup gpu-efa failed to stabilize: [{{Code: AsgInstanceLaunchFailures, Message: Could not launch On-Demand "
+    "Instances. InsufficientInstanceCapacity - We currently do not have sufficient g6.12xlarge capacity in the "
+    "Availability Zone you requested ({az}).}}]"
+)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Fakes of the world outside Kubernetes (eksctl, helm, aws) and of Ray inside the pods
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class FakeTools:
+    """A recording :class:`~raytrain_eks.runner.Runner` simulating eksctl, helm and the AWS CLI.
+
+    ``no_capacity``: zones where the GPU instances cannot launch. ``fail_once``: argv prefix (joined) -> stderr of
+    one failure. ``crash_plugins``: releases whose DaemonSet pods never become ready. ``missing``: tools not
+    installed. ``leftover_nat``: NAT gateways that survive ``eksctl delete cluster``.
+    """
+
+    def __init__(self, kube: FakeKube) -> None:
+        self.kube = kube
+        self.calls: list[list[str]] = []
+        self.cluster: dict[str, Any] | None = None
+        self.nodegroups: dict[str, dict[str, Any]] = {}
+        self.releases: dict[tuple[str, str], dict[str, str]] = {}
+        self.no_capacity: set[str] = set()
+        self.fail_once: dict[str, str] = {}
+        self.crash_plugins: set[str] = set()
+        self.missing: set[str] = set()
+        self.offered = list(ZONES)
+        self.leftover_nat: list[str] = []
+
+    def require(self, name: str) -> str:
+        if name in self.missing:
+            raise MissingToolError(name)
+        return f"/usr/local/bin/{name}"
+
+    def commands(self, *prefix: str) -> list[list[str]]:
+        return [c for c in self.calls if c[: len(prefix)] == list(prefix)]
+
+    def __call__(
+        self,
+        argv: Any,
+        *,
+        timeout: float,
+        input: str | None = None,
+        check: bool = True,
+        hint: str | None = None,
+        on_output: Callable[[str], None] | None = None,
+    ) -> Completed:
+        assert isinstance(argv, list) and all(isinstance(a, str) for a in argv), "argv must be a list of strings"
+        assert timeout > 0
+        self.require(argv[0])
+        self.calls.append(list(argv))
+        joined = " ".join(argv)
+        for prefix, stderr in list(self.fail_once.items()):
+            if joined.startswith(prefix):
+                del self.fail_once[prefix]
+                return self._done(argv, 1, "", stderr, check, hint)
+        code, out, err = self._dispatch(argv)
+        return self._done(argv, code, out, err, check, hint)
+
+    def _done(self, argv: list[str], code: int, out: str, err: str, check: bool, hint: str | None) -> Completed:
+        if check and code:
+            raise CommandError(argv, code, err, hint=hint)
+        return Completed(tuple(argv), code, out, err)
+
+    @staticmethod
+    def _opt(argv: list[str], name: str) -> str:
+        return argv[argv.index(name) + 1]
+
+    def _dispatch(self, argv: list[str]) -> tuple[int, str, str]:
+        verb = tuple(argv[:3])
+        if verb == ("eksctl", "get", "cluster"):
+            if self.cluster is None:
+                return (
+                    1,
+                    "",
+                    f"Error: ResourceNotFoundException: No cluster found for name: {self._opt(argv, '--name')}.",
+                )
+            return 0, json.dumps([{"Name": self.cluster["name"], "Status": "ACTIVE"}]), ""
+        if verb == ("eksctl", "create", "cluster"):
+            doc = yaml.safe_load(Path(self._opt(argv, "-f")).read_text())
+            assert doc["managedNodeGroups"] == [], "the cluster is created without node groups"
+            self.cluster = {"name": doc["metadata"]["name"], "azs": doc["availabilityZones"]}
+            return 0, "", "[✔]  EKS cluster ready\n"
+        if verb == ("eksctl", "utils", "write-kubeconfig"):
+            Path(self._opt(argv, "--kubeconfig")).write_text("apiVersion: v1\nkind: Config\n")
+            return 0, "", ""
+        if verb == ("eksctl", "get", "nodegroup"):
+            if self.cluster is None:
+                return 1, "", "Error: No cluster found"
+            return 0, json.dumps([{"Name": n, "Status": g["status"]} for n, g in self.nodegroups.items()]), ""
+        if verb == ("eksctl", "create", "nodegroup"):
+            return self._create_nodegroup(yaml.safe_load(Path(self._opt(argv, "-f")).read_text()))
+        if verb == ("eksctl", "delete", "nodegroup"):
+            name = self._opt(argv, "--name")
+            self.nodegroups.pop(name, None)
+            self.kube.remove_nodes({"alpha.eksctl.io/nodegroup-name": name})
+            return 0, "", ""
+        if verb == ("eksctl", "delete", "cluster"):
+            self.cluster, self.nodegroups, self.releases = None, {}, {}
+            self.kube.remove_nodes({})
+            return 0, "", ""
+        if argv[:2] == ["helm", "list"]:
+            ns, name = self._opt(argv, "--namespace"), self._opt(argv, "--filter").strip("^$")
+            rel = self.releases.get((ns, name))
+            return 0, json.dumps([{"name": name, "namespace": ns, **rel}] if rel else []), ""
+        if argv[:3] == ["helm", "upgrade", "--install"]:
+            return self._helm_install(argv)
+        if argv[:2] == ["helm", "uninstall"]:
+            ns, name = self._opt(argv, "--namespace"), argv[2]
+            self.releases.pop((ns, name), None)
+            self.kube.remove_daemon_set(ns, name)
+            return 0, f'release "{name}" uninstalled\n', ""
+        if argv[:3] == ["aws", "ec2", "describe-instance-type-offerings"]:
+            return 0, json.dumps(self.offered), ""
+        if argv[:3] == ["aws", "ec2", "describe-nat-gateways"]:
+            return 0, json.dumps(self.leftover_nat), ""
+        if argv[:2] == ["aws", "ec2"]:
+            return 0, "[]", ""
+        raise AssertionError(f"unexpected command: {shlex.join(argv)}")
+
+    def _create_nodegroup(self, doc: dict[str, Any]) -> tuple[int, str, str]:
+        (group,) = doc["managedNodeGroups"]
+        name = group["name"]
+        az = (group.get("availabilityZones") or doc["availabilityZones"])[0]
+        assert az in self.cluster["azs"], "a node group's zone must have a subnet of the cluster"
+        if group.get("efaEnabled") and az in self.no_capacity:
+            self.nodegroups[name] = {"status": "CREATE_FAILED", "az": az}
+            return 1, "", CAPACITY_ERROR.format(az=az)
+        self.nodegroups[name] = {"status": "ACTIVE", "az": az}
+        for i in range(group["desiredCapacity"]):
+            labels = {
+                **group["labels"],
+                "alpha.eksctl.io/nodegroup-name": name,
+                "eks.amazonaws.com/nodegroup": name,
+                "topology.kubernetes.io/zone": az,
+                "node.kubernetes.io/instance-type": group["instanceType"],
+            }
+            self.kube.add_node(f"ip-{name}-{i}", labels=labels, allocatable=ALLOCATABLE[group["instanceType"]])
+        if group.get("efaEnabled"):  # eksctl applies its own EFA plugin; `up` must remove it (infra-facts §1)
+            self.kube.add_daemon_set(
+                "kube-system",
+                "aws-efa-k8s-device-plugin-daemonset",
+                node_selector={"role": "gpu-worker"},
+                advertises={m.EFA_RESOURCE: "1"},
+            )
+        return 0, "", ""
+
+    def _helm_install(self, argv: list[str]) -> tuple[int, str, str]:
+        name, chart = argv[3], argv[4]
+        ns, version = self._opt(argv, "--namespace"), self._opt(argv, "--version")
+        assert Path(self._opt(argv, "--values")).is_file(), "the values file is written before helm runs"
+        assert Path(self._opt(argv, "--kubeconfig")).is_file(), "helm uses this folder's kubeconfig"
+        self.releases[(ns, name)] = {"status": "deployed", "chart": f"{chart}-{version}"}
+        labels = {"app.kubernetes.io/instance": name}
+        crash = name in self.crash_plugins
+        if name == "nvidia-device-plugin":
+            self.kube.add_daemon_set(
+                ns, name, labels=labels, node_selector={"nvidia.com/gpu.present": "true"},
+                advertises={m.GPU_RESOURCE: "4"}, crash=crash,
+            )  # fmt: skip
+        elif name == "aws-efa-k8s-device-plugin":
+            self.kube.add_daemon_set(
+                ns, name, labels=labels, node_selector={"role": "gpu-worker"}, advertises={m.EFA_RESOURCE: "1"},
+                crash=crash,
+            )  # fmt: skip
+        elif name == "kuberay-operator":
+            self.kube.add_pod(
+                ns, "kuberay-operator-7d9f", labels={"app.kubernetes.io/instance": name}, node="ip-system-0"
+            )
+            crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition"}
+            self.kube.apply({**crd, "metadata": {"name": "rayclusters.ray.io"}})
+        self.kube.tick()
+        return 0, f'Release "{name}" has been upgraded. Happy Helming!\n', ""
+
+
+class FakeRay:
+    """Answers the commands the steps run inside the Ray pods.
+
+    ``worker_logs``: the NCCL fixture folder (or file) each worker's Ray session logs hold, by worker index.
+    ``outcome``: the final status of a submitted job. ``efa``: whether ``fi_info -p efa`` finds the provider.
+    """
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.jobs: dict[str, str] = {}
+        self.submitted: list[list[str]] = []
+        self.outcome = "SUCCEEDED"
+        self.efa = True
+        self.worker_logs: list[Path] = [
+            FIXTURES / "ray_session_logs" / "node-0",
+            FIXTURES / "ray_session_logs" / "node-1",
+        ]
+        self.unpacked: Path | None = None
+
+    def __call__(self, ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:
+        if argv[:3] == ["ray", "job", "submit"]:
+            self.submitted.append(argv)
+            sid = argv[argv.index("--submission-id") + 1]
+            self.jobs[sid] = "RUNNING"
+            return ExecResult(0, f"Job '{sid}' submitted successfully\n")
+        if argv[:3] == ["ray", "job", "logs"]:
+            sid = argv[-1]
+            if "--follow" in argv:
+                self.jobs[sid] = self.outcome
+            return ExecResult(0, "step 10 loss 2.31\nstep 20 loss 1.87\n")
+        if argv[:3] == ["ray", "job", "status"]:
+            return ExecResult(0, f"Status for job '{argv[-1]}': {self.jobs.get(argv[-1], 'PENDING')}\n")
+        if argv[:1] == ["test"]:
+            local = self.tmp / "head" / argv[-1].lstrip("/")
+            return ExecResult(0 if local.is_file() else 1, "")
+        if argv[:2] == ["python", "-c"] and argv[2] == sub._UNPACK:
+            dest = self.tmp / "head" / argv[3].lstrip("/")
+            self.unpacked = dest
+            return run_script(argv[2], [str(dest)], stdin)
+        if argv[:2] == ["python", "-c"] and argv[2] == sub._NCCL_LINES:
+            index = int(pod.rsplit("-", 1)[1])
+            source = self.worker_logs[index]
+            if source.is_file():  # a single log file: stands in for the whole session folder
+                folder = self.tmp / f"logs-{index}"
+                folder.mkdir(exist_ok=True)
+                (folder / "worker-1.out").write_text(source.read_text())
+                source = folder
+            return run_script(argv[2], [str(source)])
+        if argv[1:] == ["-p", "efa"]:
+            if self.efa:
+                return ExecResult(0, "provider: efa\n    fabric: efa\n    domain: rdmap0s31-rdm\n")
+            return ExecResult(61, "", "fi_getinfo: -61 (No data available)\n")
+        if argv == ["nvidia-smi"]:
+            return ExecResult(0, "| NVIDIA-SMI 570.172.08   Driver Version: 570.172.08   CUDA Version: 13.0 |\n")
+        raise AssertionError(f"unexpected exec in {pod}: {argv[:3]}")
+
+
+def run_script(code: str, args: list[str], stdin: str | None = None) -> ExecResult:
+    """Run a ``python -c`` script the steps send into a pod, here and in-process (a subprocess costs 0.2 s)."""
+    out = io.StringIO()
+    saved = sys.argv, sys.stdin
+    sys.argv, sys.stdin = ["-c", *args], io.StringIO(stdin or "")
+    code_ = 0
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(compile(code, "<pod>", "exec"), {"__name__": "__main__"})
+    except SystemExit as exc:
+        code_ = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        sys.argv, sys.stdin = saved
+    return ExecResult(code_, out.getvalue())
+
+
+class World:
+    """One deployment against the fakes: ``d`` (the Deployment), ``kube``, ``tools``, ``ray`` and ``lines`` said."""
+
+    def __init__(self, tmp: Path, cfg: Config) -> None:
+        self.kube = FakeKube()
+        self.tools = FakeTools(self.kube)
+        self.ray = FakeRay(tmp)
+        self.kube.exec_handler = self.ray
+        self.lines: list[str] = []
+        self.store = StateStore(tmp / ".raytrain-eks")
+        self.d = Deployment(
+            cfg=cfg,
+            kube=self.kube,
+            run=self.tools,
+            state=self.store,
+            say=self.lines.append,
+            sleep=self.kube.sleep,
+            clock=self.kube.monotonic,
+            require_tool=self.tools.require,
+        )
+
+    def up(self, **kw: Any) -> deploy.UpResult:
+        kw.setdefault("offered_zones", lambda: self.tools.offered)
+        return deploy.up(self.d, confirm=lambda q: True, **kw)
+
+    def submit(self, **kw: Any) -> sub.SubmitResult:
+        return sub.submit(self.d, **kw)
+
+    def said(self) -> str:
+        return "\n".join(self.lines)
+
+
+@pytest.fixture
+def cfg() -> Config:
+    return load_config(environ={}, path=None)
+
+
+@pytest.fixture
+def world(tmp_path: Path, cfg: Config, monkeypatch: pytest.MonkeyPatch) -> World:
+    monkeypatch.chdir(tmp_path)  # no raytrain-eks.yaml of the repository is read
+    return World(tmp_path, cfg)
+
+
+@pytest.fixture
+def ready(world: World) -> World:
+    world.up()
+    world.lines.clear()
+    return world
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# runner
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_runner_runs_an_argv_list_and_captures_output():
+    lines: list[str] = []
+    done = runner.run(
+        [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr)"],
+        timeout=30,
+        on_output=lines.append,
+    )
+    assert done.ok and done.stdout == "out\n" and done.stderr == "err\n"
+    assert sorted(lines) == ["err", "out"]
+    assert (
+        runner.run([sys.executable, "-c", "import sys; print(sys.stdin.read()[::-1])"], timeout=30, input="abc").stdout
+        == "cba\n"
+    )
+    with pytest.raises(TypeError):
+        runner.run("echo hi", timeout=5)  # type: ignore[arg-type]
+
+
+def test_runner_failure_names_command_status_stderr_and_next_step():
+    script = "import sys; print('\\n'.join(f'line {i}' for i in range(40)), file=sys.stderr); sys.exit(3)"
+    with pytest.raises(CommandError) as err:
+        runner.run([sys.executable, "-c", script], timeout=30, hint="Do the next thing.")
+    e = err.value
+    assert e.returncode == 3 and e.argv[0] == sys.executable and isinstance(e, UserError)
+    assert e.stderr_tail.splitlines() == [f"line {i}" for i in range(20, 40)]
+    assert "failed with exit status 3" in e.message and "line 39" in e.message and e.hint == "Do the next thing."
+    assert runner.run([sys.executable, "-c", "raise SystemExit(4)"], timeout=30, check=False).returncode == 4
+
+
+def test_runner_timeout_stops_the_command():
+    with pytest.raises(CommandError) as err:
+        runner.run([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5)
+    assert err.value.timed_out and "timed out after" in err.value.message
+
+
+@pytest.mark.parametrize("tool", ["eksctl", "helm", "kubectl"])
+def test_missing_tool_is_named_with_how_to_install_it(tool: str, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(MissingToolError) as err:
+        runner.require_tool(tool)
+    assert f"`{tool}` is not installed" in str(err.value) and "Install" in (err.value.hint or "")
+    with pytest.raises(MissingToolError):
+        runner.run([tool, "version"], timeout=5)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# up
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_up_creates_cluster_node_groups_plugins_and_kuberay_in_order(world: World):
+    result = world.up()
+    t = world.tools
+    verbs = [" ".join(c[:3]) for c in t.calls if c[1] in ("create", "upgrade", "utils")]
+    assert verbs == [
+        "eksctl create cluster",
+        "eksctl utils write-kubeconfig",
+        "eksctl create nodegroup",
+        "eksctl create nodegroup",
+        "helm upgrade --install",
+        "helm upgrade --install",
+        "helm upgrade --install",
+    ]
+    assert [c[3] for c in t.commands("helm", "upgrade")] == [
+        "nvidia-device-plugin",
+        "aws-efa-k8s-device-plugin",
+        "kuberay-operator",
+    ]
+    # eksctl's own EFA plugin is gone: only the pinned charts advertise devices.
+    assert [ds.name for ds in world.kube.daemon_sets("kube-system")] == [
+        "nvidia-device-plugin",
+        "aws-efa-k8s-device-plugin",
+    ]
+    nodes = world.kube.nodes({"role": "gpu-worker"})
+    assert result.gpu_nodes == [n.name for n in nodes] and len(nodes) == 2
+    assert all(n.allocatable[m.GPU_RESOURCE] == "4" and n.allocatable[m.EFA_RESOURCE] == "1" for n in nodes)
+    # The region and zone are remembered for later commands; everything created is listed for down.
+    state = json.loads(world.store.path.read_text())
+    assert (state["region"], state["gpu_az"], state["phase"]) == ("us-east-1", "us-east-1a", "up")
+    assert [i["type"] for i in state["created"]] == ["cluster", "nodegroup", "nodegroup", "helm", "helm", "helm"]
+    assert t.cluster["azs"] == ZONES
+    gpu_file = yaml.safe_load((world.store.root / "eksctl-nodegroup-gpu-efa.yaml").read_text())
+    assert gpu_file["managedNodeGroups"][0]["availabilityZones"] == ["us-east-1a"]
+    assert all("--install-nvidia-plugin=false" in c for c in t.commands("eksctl", "create", "nodegroup"))
+    assert "Ready: cluster ray-train-eks" in world.said()
+
+
+def test_up_tries_the_next_zone_and_says_why_the_launch_failed(world: World):
+    world.tools.no_capacity = {"us-east-1a"}
+    result = world.up()
+    assert result.gpu_az == "us-east-1b"
+    said = world.said()
+    assert "g6.12xlarge could not launch in us-east-1a" in said and "InsufficientInstanceCapacity" in said
+    assert "Removing the failed node group gpu-efa; trying us-east-1b next" in said
+    # The failed group is deleted before the next zone is tried.
+    t = world.tools
+    idx = [
+        i
+        for i, c in enumerate(t.calls)
+        if c[:3] in (["eksctl", "create", "nodegroup"], ["eksctl", "delete", "nodegroup"])
+    ]
+    kinds = [(t.calls[i][1], Path(t.calls[i][4]).name if t.calls[i][1] == "create" else t.calls[i][-2]) for i in idx]
+    assert kinds == [
+        ("create", "eksctl-nodegroup-system.yaml"),
+        ("create", "eksctl-nodegroup-gpu-efa.yaml"),
+        ("delete", "gpu-efa"),
+        ("create", "eksctl-nodegroup-gpu-efa.yaml"),
+    ]
+    assert {n.zone for n in world.kube.nodes({"role": "gpu-worker"})} == {"us-east-1b"}
+    assert world.store.get("gpu_az") == "us-east-1b"
+    assert "us-east-1a" in world.store.get("zone_failures")
+
+
+def test_up_fails_with_every_zone_reason_when_none_can_launch(world: World):
+    world.tools.no_capacity = set(ZONES)
+    with pytest.raises(UserError) as err:
+        world.up()
+    assert all(z in err.value.message for z in ZONES) and "Capacity Reservation" in (err.value.hint or "")
+    assert len(world.tools.commands("eksctl", "delete", "nodegroup")) == 3
+    # The cluster stays recorded, so down still deletes it.
+    assert [i["type"] for i in world.store.created] == ["cluster", "nodegroup"]
+
+
+def test_rerunning_up_after_a_failure_resumes(world: World):
+    world.tools.fail_once["helm upgrade --install aws-efa-k8s-device-plugin"] = "Error: context deadline exceeded"
+    with pytest.raises(CommandError) as err:
+        world.up()
+    assert "context deadline exceeded" in err.value.message and "raytrain-eks up" in (err.value.hint or "")
+    first = len(world.tools.calls)
+    world.up()
+    again = world.tools.calls[first:]
+    assert not [c for c in again if c[1] == "create"], "nothing is created twice"
+    assert [c[3] for c in again if c[:2] == ["helm", "upgrade"]] == ["aws-efa-k8s-device-plugin", "kuberay-operator"]
+    assert "Helm release nvidia-device-plugin (nvidia-device-plugin 0.20.0) is installed" in world.said()
+    assert len(world.store.created) == 6
+
+
+def test_rerun_removes_a_failed_node_group_first(world: World):
+    world.tools.fail_once["eksctl create nodegroup"] = "Error: AccessDenied: not authorized to perform iam:PassRole"
+    with pytest.raises(CommandError):
+        world.up()  # the system group: not a launch failure, so no zone hopping
+    world.tools.nodegroups["system"] = {"status": "CREATE_FAILED", "az": "us-east-1a"}
+    world.up()
+    deletes = world.tools.commands("eksctl", "delete", "nodegroup")
+    assert [c[-2] for c in deletes] == ["system"] and "is CREATE_FAILED" in world.said()
+
+
+def test_up_does_not_trust_helm_device_plugins_must_be_ready_on_every_node(world: World):
+    world.tools.crash_plugins = {"aws-efa-k8s-device-plugin"}
+    with pytest.raises(NodesNotReady) as err:
+        world.up()
+    text = str(err.value)
+    assert "vpc.amazonaws.com/efa=0, a worker pod needs 1" in text and "CrashLoopBackOff" in text
+    assert "raytrain-eks up" in (err.value.hint or "")
+    assert world.kube.time >= deploy.GPU_READY_TIMEOUT_S  # it waited (in simulated time) before giving up
+
+
+def test_up_asks_once_and_creates_nothing_when_declined(world: World):
+    questions: list[str] = []
+    with pytest.raises(Cancelled):
+        deploy.up(world.d, confirm=lambda q: questions.append(q) or False, offered_zones=lambda: ZONES)
+    assert len(questions) == 1 and "$9.55 per hour" in questions[0]
+    assert world.tools.calls == [] and world.store.created == []
+
+
+def test_up_needs_a_zone_source(world: World):
+    with pytest.raises(UserError) as err:
+        world.up(offered_zones=lambda: None)
+    assert "GPU_AZ" in (err.value.hint or "") and world.tools.calls == []
+
+
+def test_pinned_zone_is_the_only_one_tried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    w = World(tmp_path, load_config(environ={"GPU_AZ": "us-east-1c"}, path=None))
+    w.tools.no_capacity = {"us-east-1c"}
+    with pytest.raises(UserError, match="us-east-1c"):
+        w.up()
+    assert w.tools.cluster["azs"] == ["us-east-1c", "us-east-1a"]
+    assert len(w.tools.commands("eksctl", "create", "nodegroup")) == 2  # system + the one GPU zone
+
+
+def test_missing_eksctl_stops_up_before_anything(world: World):
+    world.tools.missing = {"eksctl"}
+    with pytest.raises(MissingToolError, match="eksctl"):
+        world.up()
+    assert world.tools.calls == []
+
+
+def test_up_plan_prints_every_action_and_creates_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+
+    def forbidden(*a: Any, **k: Any) -> None:
+        raise AssertionError("up --plan must not build a deployment")
+
+    monkeypatch.setattr(deploy_commands, "make_deployment", forbidden)
+    app = typer.Typer()
+    deploy_commands.register(app)
+    result = CliRunner().invoke(app, ["up", "--plan", "--train"])
+    assert result.exit_code == 0, result.output
+    for name in ("create-cluster", "nodegroup-gpu", "helm-kuberay-operator", "check-gpu-nodes"):
+        assert name in result.output
+    assert "$ eksctl create cluster -f .raytrain-eks/eksctl-cluster.yaml" in result.output
+    assert "about $9.55 per hour" in result.output
+    assert not (tmp_path / ".raytrain-eks").exists()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# submit
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_submit_runs_the_job_from_the_head_pod_and_checks_efa(ready: World):
+    result = ready.submit(hf_token=TOKEN)
+    assert result.exit_code == 0 and result.job_status == "SUCCEEDED"
+    assert result.report is not None and result.report.verdict == "efa" and result.efa_provider is True
+    assert result.versions == {"driver": "570.172.08", "cuda": "13.0"}
+    # Submitted through exec in the head pod, to the dashboard on the pod's own loopback.
+    (argv,) = ready.ray.submitted
+    head_calls = [c for c in ready.kube.exec_calls if c[2][:3] == ["ray", "job", "submit"]]
+    assert head_calls[0][1] == "ray-train-head-0"
+    assert argv[argv.index("--address") + 1] == "http://127.0.0.1:8265"
+    assert argv[argv.index("--") + 1 :] == [
+        "python",
+        "-m",
+        "raytrain_eks.cli",
+        "train",
+        "--address",
+        "auto",
+        "--config",
+        "/etc/raytrain-eks/raytrain-eks.yaml",
+    ]
+    env = json.loads(argv[argv.index("--runtime-env-json") + 1])
+    names = [p.split("=")[0].split(">")[0].split("[")[0] for p in env["pip"]]
+    assert "transformers" in names and "torch" not in names and "ray" not in names and "kubernetes" not in names
+    (module,) = env["py_modules"]
+    assert module.startswith(sub.HEAD_CODE_ROOT) and module.endswith("/raytrain_eks")
+    # The package really arrived in the "head pod" (the unpack script ran on its stdin).
+    assert ready.ray.unpacked is not None and (ready.ray.unpacked / "raytrain_eks" / "__init__.py").is_file()
+    assert (ready.ray.unpacked / "raytrain_eks" / "resources" / "sample_instructions.jsonl").is_file()
+    # Logs were streamed; NCCL lines were read in every worker pod.
+    assert "step 20 loss 1.87" in ready.said()
+    nccl = [c[1] for c in ready.kube.exec_calls if c[2][:2] == ["python", "-c"] and c[2][2] == sub._NCCL_LINES]
+    assert nccl == ["ray-train-gpu-workers-worker-0", "ray-train-gpu-workers-worker-1"]
+    assert "OK: the job succeeded" in ready.said()
+
+
+def test_the_token_reaches_only_the_secret(ready: World):
+    ready.submit(hf_token=TOKEN)
+    secrets = [o for o in ready.kube.applied if o["kind"] == "Secret"]
+    assert secrets and secrets[0]["stringData"][m.HF_TOKEN_KEY] == TOKEN
+    elsewhere = [o for o in ready.kube.applied if o["kind"] != "Secret"]
+    assert TOKEN not in json.dumps(elsewhere)
+    assert TOKEN not in json.dumps([c[2] for c in ready.kube.exec_calls]) + json.dumps(ready.tools.calls)
+    assert TOKEN not in ready.said() and TOKEN not in ready.store.path.read_text()
+    raycluster = next(o for o in ready.kube.applied if o["kind"] == "RayCluster")
+    assert (
+        m.hf_token_env(ready.d.cfg)
+        in raycluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"]
+    )
+
+
+def test_submit_fails_fast_with_the_fix_when_a_node_lacks_efa(ready: World):
+    node = ready.kube.nodes({"role": "gpu-worker"})[1].name
+    ready.kube.set_allocatable(node, m.EFA_RESOURCE, None)
+    before = ready.kube.time
+    with pytest.raises(NodesNotReady) as err:
+        ready.submit()
+    assert f"node {node} advertises vpc.amazonaws.com/efa=0, a worker pod needs 1" in str(err.value)
+    assert "raytrain-eks up" in (err.value.hint or "")
+    assert ready.kube.time == before, "no waiting"
+    assert not ready.kube.objects("RayCluster") and not ready.kube.exec_calls
+
+
+def test_submit_fails_fast_when_a_node_has_too_few_gpus(ready: World):
+    node = ready.kube.nodes({"role": "gpu-worker"})[0].name
+    ready.kube.set_allocatable(node, m.GPU_RESOURCE, "2")
+    with pytest.raises(NodesNotReady, match="nvidia.com/gpu=2, a worker pod needs 4"):
+        ready.submit()
+
+
+def test_pending_pods_time_out_with_the_events_that_explain_them(ready: World):
+    for node in ready.kube.nodes({"role": "gpu-worker"}):
+        ready.kube.set_allocatable(node.name, "cpu", "32")  # the worker pod requests 40
+    with pytest.raises(sub.PodsNotReady) as err:
+        ready.submit()
+    text = str(err.value)
+    assert "ray-train-gpu-workers-worker-0: Pending" in text
+    assert "Warning FailedScheduling: 0/3 nodes are available:" in text and "Insufficient cpu" in text
+    assert "ray-train-head-0: Running" in text
+    assert "FailedScheduling" in (err.value.hint or "")
+    assert ready.kube.time >= ready.d.cfg.ray.job_start_deadline_s
+    assert "workers 0/2 running" in ready.said()  # progress while waiting
+
+
+def test_image_pull_errors_are_shown_on_timeout(ready: World):
+    ready.kube.image_pull_error = 'Failed to pull image "public.ecr.aws/...": not found'
+    with pytest.raises(sub.PodsNotReady) as err:
+        ready.submit()
+    assert "ImagePullBackOff" in str(err.value) and "Failed to pull image" in str(err.value)
+
+
+def test_efa_missing_from_the_nccl_lines_gives_a_non_zero_exit(ready: World):
+    log = FIXTURES / "socket_fallback_nccl2.27_kubectl.log"
+    ready.ray.worker_logs = [log, log]
+    result = ready.submit()
+    assert result.job_status == "SUCCEEDED" and result.report is not None and result.report.verdict == "socket"
+    assert result.exit_code == 1
+    assert "does not meet fabric.require = efa" in ready.said()
+
+
+def test_no_nccl_lines_is_inconclusive_exit_2(ready: World, tmp_path: Path):
+    empty = tmp_path / "empty-logs"
+    empty.mkdir()
+    ready.ray.worker_logs = [empty, empty]
+    assert ready.submit().exit_code == 2
+
+
+def test_fi_info_without_efa_fails_the_run(ready: World):
+    ready.ray.efa = False
+    result = ready.submit()
+    assert result.exit_code == 1 and result.efa_provider is False
+    assert "fi_getinfo: -61" in ready.said()
+
+
+def test_a_failed_job_fails_the_run(ready: World):
+    ready.ray.outcome = "FAILED"
+    result = ready.submit()
+    assert result.exit_code == 1 and "the job ended FAILED" in ready.said()
+
+
+def test_resubmitting_follows_a_job_still_running_instead_of_submitting_twice(ready: World):
+    ready.ray.outcome = "RUNNING"  # the log stream ends (a dropped connection) while the job runs
+    ready.d.cfg = ready.d.cfg.model_copy(update={"ray": ready.d.cfg.ray.model_copy(update={"job_deadline_s": 60})})
+    first = ready.submit()
+    assert first.job_status == "RUNNING" and first.exit_code == 1
+    ready.ray.outcome = "SUCCEEDED"
+    second = ready.submit()
+    assert len(ready.ray.submitted) == 1 and second.submission_id == first.submission_id
+    assert second.exit_code == 0 and "following it instead of submitting again" in ready.said()
+
+
+def test_package_is_uploaded_once(ready: World):
+    ready.submit()
+    ready.submit()
+    unpacks = [c for c in ready.kube.exec_calls if c[2][:2] == ["python", "-c"] and c[2][2] == sub._UNPACK]
+    assert len(unpacks) == 1 and len(ready.ray.submitted) == 2
+
+
+def test_rayjob_mode_renders_a_rayjob_that_ships_the_code(ready: World):
+    result = ready.submit(mode="rayjob")
+    assert result.exit_code == 0
+    (job,) = ready.kube.objects("RayJob")
+    schema = json.loads((SHARED / "schemas" / "kuberay" / "rayjob.v1.schema.json").read_text())
+    jsonschema.Draft7Validator(schema).validate({k: v for k, v in job.items() if k != "status"})
+    spec = job["spec"]
+    assert shlex.split(spec["entrypoint"]) == sub.entrypoint_argv()
+    env = yaml.safe_load(spec["runtimeEnvYAML"])
+    assert env["py_modules"] == [f"{sub.SUBMITTER_CODE_DIR}/raytrain_eks"] and env["pip"]
+    submitter = spec["submitterPodTemplate"]["spec"]
+    assert submitter["containers"][0]["volumeMounts"][0]["mountPath"] == sub.SUBMITTER_CODE_DIR
+    code = next(o for o in ready.kube.objects("ConfigMap") if o["metadata"]["name"] == "ray-train-code")
+    assert len(json.dumps(code["data"]).encode()) < 1 << 20, "a ConfigMap holds at most 1 MiB"
+    items = submitter["volumes"][0]["configMap"]["items"]
+    assert {"key": "raytrain_eks____init__.py", "path": "raytrain_eks/__init__.py"} in items
+    assert not ready.ray.submitted, "KubeRay's submitter submits a RayJob, not raytrain-eks"
+    assert ready.store.get("job")["id"] == "ray-train-job"
+
+
+def test_finished_rayjob_is_replaced_on_resubmit(ready: World):
+    ready.submit(mode="rayjob")
+    ready.kube.set_status("ray.io/v1", "RayJob", "ray-train", "default", {"jobDeploymentStatus": "Complete"})
+    ready.submit(mode="rayjob")
+    assert ("ray.io/v1", "RayJob", "ray-train", "default") in ready.kube.deleted
+
+
+def test_image_missing_requirements_are_the_pinned_deps_minus_the_image():
+    reqs = sub.image_missing_requirements()
+    assert "transformers==5.23.0" in reqs and "pydantic==2.14.3" in reqs
+    assert not [r for r in reqs if r.startswith(("torch", "ray", "pyarrow", "kubernetes", "boto3", "s3fs"))]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# down, status, logs
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_down_deletes_everything_in_reverse_order_and_twice_is_safe(ready: World):
+    ready.submit(hf_token=TOKEN)
+    created = ready.store.created
+    first = len(ready.tools.calls)
+    questions: list[str] = []
+    result = deploy.down(ready.d, confirm=lambda q: questions.append(q) or True)
+    assert len(questions) == 1 and "RayCluster default/ray-train" in questions[0]
+    assert len(result.deleted) == len(created) and result.leftovers == []
+    kinds = [k for (_, k, _, _) in ready.kube.deleted if k != "DaemonSet"]
+    assert kinds == ["RayCluster", "ConfigMap", "Secret"]
+    tools = [shlex.join(c[:4]) for c in ready.tools.calls[first:] if c[1] in ("uninstall", "delete")]
+    assert tools == [
+        "helm uninstall kuberay-operator --namespace",
+        "helm uninstall aws-efa-k8s-device-plugin --namespace",
+        "helm uninstall nvidia-device-plugin --namespace",
+        "eksctl delete nodegroup --cluster",
+        "eksctl delete nodegroup --cluster",
+        "eksctl delete cluster --name",
+    ]
+    assert [c[-2] for c in ready.tools.commands("eksctl", "delete", "nodegroup")] == ["gpu-efa", "system"]
+    assert ready.tools.commands("aws", "ec2", "describe-nat-gateways"), "NAT gateways are checked after the delete"
+    assert ready.tools.cluster is None and not ready.kube.nodes()
+    assert not ready.store.path.exists() and not ready.store.kubeconfig.exists()
+    # The second down: nothing recorded, nothing run.
+    calls = len(ready.tools.calls)
+    again = deploy.down(StateDeployment(ready), confirm=lambda q: pytest.fail("no question when nothing is left"))
+    assert again.deleted == [] and len(ready.tools.calls) == calls
+    assert "Nothing to delete" in ready.said()
+
+
+def StateDeployment(w: World) -> Deployment:  # noqa: N802 - reads like a constructor in the test
+    """A fresh Deployment on the same folder, as a new `raytrain-eks down` process would build."""
+    w.d.state = StateStore(w.store.root)
+    return w.d
+
+
+def test_down_resumes_after_a_failure(ready: World):
+    ready.tools.fail_once["eksctl delete cluster"] = "Error: DELETE_FAILED: eksctl-ray-train-eks-cluster"
+    with pytest.raises(CommandError):
+        deploy.down(ready.d, confirm=lambda q: True)
+    assert [i["type"] for i in ready.store.created] == ["cluster"]
+    deploy.down(ready.d, confirm=lambda q: True)
+    assert len(ready.tools.commands("eksctl", "delete", "cluster")) == 2
+    assert len(ready.tools.commands("eksctl", "delete", "nodegroup")) == 2, "node groups are not deleted twice"
+
+
+def test_down_reports_a_nat_gateway_left_behind(ready: World):
+    ready.tools.leftover_nat = ["nat-0abc123"]
+    with pytest.raises(UserError) as err:
+        deploy.down(ready.d, confirm=lambda q: True)
+    assert "nat-0abc123" in err.value.message and "aws ec2 delete-nat-gateway" in err.value.message
+    assert ready.store.get("leftovers")
+
+
+def test_down_without_aws_cli_says_it_could_not_check(ready: World):
+    real = ready.tools._dispatch
+
+    def no_aws(argv: list[str]) -> tuple[int, str, str]:
+        if argv[0] == "aws":
+            raise MissingToolError("aws")
+        return real(argv)
+
+    ready.tools._dispatch = no_aws  # type: ignore[method-assign]
+    result = deploy.down(ready.d, confirm=lambda q: True)
+    assert result.leftovers is None and "AWS CLI is not installed" in ready.said()
+
+
+def test_down_leaves_a_cluster_it_did_not_create(world: World):
+    world.tools.cluster = {"name": "ray-train-eks", "azs": ZONES}
+    world.up()
+    assert "was not created from this folder" in world.said()
+    deploy.down(world.d, confirm=lambda q: True)
+    assert not world.tools.commands("eksctl", "delete", "cluster") and world.tools.cluster is not None
+
+
+def test_declining_down_deletes_nothing(ready: World):
+    with pytest.raises(Cancelled):
+        deploy.down(ready.d, confirm=lambda q: False)
+    assert len(ready.store.created) == 6 and ready.tools.cluster is not None
+
+
+def test_status_shows_nodes_pods_and_job(ready: World):
+    ready.submit()
+    text = "\n".join(deploy.status(ready.d))
+    assert "Cluster ray-train-eks in us-east-1, GPU zone us-east-1a" in text and "EKS cluster: ACTIVE" in text
+    assert "Node group gpu-efa: ACTIVE" in text and "nvidia.com/gpu=4 vpc.amazonaws.com/efa=1 Ready" in text
+    assert "Ray pod ray-train-head-0: Running Ready" in text and "SUCCEEDED" in text
+
+
+def test_a_namespace_of_its_own_is_created_first_and_deleted_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    w = World(tmp_path, load_config(environ={"NAMESPACE": "training"}, path=None))
+    w.up()
+    assert w.submit().exit_code == 0
+    objects = [i for i in w.store.created if i["type"] == "object"]
+    assert [o["kind"] for o in objects] == ["Namespace", "ConfigMap", "RayCluster"]
+    assert all(o["namespace"] == "training" for o in objects[1:]) and objects[0]["namespace"] is None
+    deploy.down(w.d, confirm=lambda q: True)
+    assert [k for (_, k, _, _) in w.kube.deleted if k != "DaemonSet"] == ["RayCluster", "ConfigMap", "Namespace"]
+
+
+def test_status_without_a_deployment(world: World):
+    assert "Nothing deployed from this folder" in deploy.status(world.d)[0]
+
+
+def test_logs_come_from_inside_the_head_pod(ready: World):
+    with pytest.raises(UserError, match="no job was submitted"):
+        sub.logs(ready.d)
+    ready.submit()
+    out: list[str] = []
+    assert sub.logs(ready.d, follow=True, on_output=out.append) == 0
+    assert "step 10 loss 2.31" in out
+    assert ready.kube.exec_calls[-1][2][:4] == ["ray", "job", "logs", "--address"]
+
+
+def test_later_commands_use_the_remembered_region_and_zone(ready: World, cfg: Config):
+    moved = load_config(environ={"REGION": "us-west-2"}, path=None)
+    again = deploy.apply_state(moved, StateStore(ready.store.root))
+    assert (again.cluster.region, again.cluster.gpu_az) == ("us-east-1", "us-east-1a")
+    assert deploy.apply_state(cfg, StateStore(ready.store.root / "elsewhere")) is cfg
+
+
+def test_up_refuses_a_folder_that_belongs_to_another_cluster(ready: World):
+    other = load_config(environ={"CLUSTER_NAME": "other"}, path=None)
+    ready.d.cfg = other
+    with pytest.raises(UserError, match="belongs to cluster ray-train-eks"):
+        ready.up()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# CLI wiring
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_cli_submit_exit_code_and_down_twice(ready: World, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(deploy_commands, "make_deployment", lambda cfg, state_dir: StateDeployment(ready))
+    log = FIXTURES / "socket_fallback_nccl2.27_kubectl.log"
+    ready.ray.worker_logs = [log, log]
+    app = typer.Typer()
+    deploy_commands.register(app)
+    cli = CliRunner()
+    assert cli.invoke(app, ["submit"]).exit_code == 1
+    assert cli.invoke(app, ["down", "-y"]).exit_code == 0
+    second = cli.invoke(app, ["down"])  # no -y: nothing to confirm when nothing is left
+    assert second.exit_code == 0
+    assert "Nothing to delete" in ready.said()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Small pieces
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_exec_status_channel_parsing():
+    assert _exec_returncode("") == 0
+    assert _exec_returncode('{"status": "Success"}') == 0
+    failure = {"status": "Failure", "details": {"causes": [{"reason": "ExitCode", "message": "3"}]}}
+    assert _exec_returncode(json.dumps(failure)) == 3
+    missing = {"status": "Failure", "message": 'exec: "fi_info": executable file not found in $PATH'}
+    assert _exec_returncode(json.dumps(missing)) == 127
+
+
+def test_kubernetes_api_is_lazy_and_names_a_bad_kubeconfig(tmp_path: Path):
+    from raytrain_eks.k8s.cluster import KubeApiError, KubernetesApi
+
+    api = KubernetesApi(tmp_path / "no-such-kubeconfig")  # building it before the cluster exists is fine
+    with pytest.raises(KubeApiError) as err:
+        api.nodes()
+    assert "no-such-kubeconfig" in err.value.message and "raytrain-eks up" in (err.value.hint or "")
+
+
+def test_quantities_and_events():
+    assert parse_quantity("500m") == 0.5 and parse_quantity("2Gi") == 2 * 2**30 and parse_quantity(4) == 4
+    with pytest.raises(ValueError):
+        parse_quantity("lots")
+    assert str(Event("Warning", "FailedScheduling", "0/3 nodes", 4)) == "Warning FailedScheduling: 0/3 nodes (x4)"
+
+
+def test_launch_failure_reason_is_the_line_that_says_why():
+    text = CAPACITY_ERROR.format(az="us-east-1a")
+    assert deploy.launch_failure(text).startswith("Nodegroup gpu-efa failed to stabilize")
+    assert deploy.launch_failure("Error: AccessDenied") is None
