@@ -274,7 +274,7 @@ def test_rayjob_entrypoint_is_a_quoted_argv(cfg_for):
     spec = m.rayjob(cfg_for())["spec"]
     assert spec["entrypoint"] == shlex.join(m.train_argv())
     assert shlex.split(spec["entrypoint"]) == m.train_argv()
-    assert m.train_argv()[:4] == ["raytrain-eks", "train", "--address", "auto"]
+    assert m.train_argv()[:6] == ["python", "-m", "raytrain_eks.cli", "train", "--address", "auto"]
     assert m.train_argv()[-1] == f"{m.CONFIG_DIR}/{m.CONFIG_FILE}"
 
 

@@ -176,7 +176,7 @@ def runtime_env(code_dir: str) -> dict[str, Any]:
 def entrypoint_argv() -> list[str]:
     """The driver command: ``train --address auto`` with the mounted config, run as a module because the image has
     no ``raytrain-eks`` console script (the package arrives through ``py_modules``)."""
-    return ["python", "-m", "raytrain_eks.cli", *m.train_argv()[1:]]
+    return m.train_argv()
 
 
 def code_config_map(cfg: Any, files: Mapping[str, str]) -> tuple[dict[str, Any], list[dict[str, str]]]:

@@ -108,10 +108,11 @@ def train_argv() -> list[str]:
     """The job's command inside the cluster: join the running Ray cluster and train with the mounted config.
 
     Every setting travels in the mounted ConfigMap (:func:`job_config_map`), none as a flag, so nothing typed by
-    a user is ever spliced into a command line. Example:
-    ``["raytrain-eks", "train", "--address", "auto", "--config", "/etc/raytrain-eks/raytrain-eks.yaml"]``.
+    a user is ever spliced into a command line. The module form, because the package reaches the image through
+    the job's runtime_env (``py_modules``), which installs no console script. Example:
+    ``["python", "-m", "raytrain_eks.cli", "train", "--address", "auto", "--config", "/etc/raytrain-eks/..."]``.
     """
-    return ["raytrain-eks", "train", "--address", "auto", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+    return ["python", "-m", "raytrain_eks.cli", "train", "--address", "auto", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"]
 
 
 def worker_pod_size(cfg: Config) -> tuple[int, int]:
