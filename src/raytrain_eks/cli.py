@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 
 from raytrain_eks import deploy_commands, presets
+from raytrain_eks.aws import commands as aws_commands
 from raytrain_eks.config import DEFAULT_CONFIG_FILE, Config, env_file_lines, load_config
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric import commands as fabric_commands
@@ -26,6 +27,7 @@ app = typer.Typer(
 config_app = typer.Typer(no_args_is_help=True, help="Show the resolved configuration.")
 app.add_typer(config_app, name="config")
 deploy_commands.register(app)
+aws_commands.register(app)
 fabric_commands.register(app)
 
 out = Console(highlight=False, soft_wrap=True)
