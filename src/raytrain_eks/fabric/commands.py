@@ -1,10 +1,12 @@
-"""The ``raytrain-eks verify-transport`` command: a thin layer over :mod:`raytrain_eks.fabric.nccl_log`.
+"""The fabric commands: thin layers over :mod:`raytrain_eks.fabric.nccl_log` and :mod:`raytrain_eks.fabric.probe`.
 
 raytrain-eks verify-transport /tmp/ray/session_latest/logs     # fails (exit 1) unless EFA carries inter-node traffic
 kubectl logs -l ray.io/node-type=worker | raytrain-eks verify-transport --json
 raytrain-eks verify-transport worker.log --require any          # report only; exit 2 when undecided
+raytrain-eks probe --address auto                               # collective busbw vs the line rate; exit 1 if degraded
+raytrain-eks probe --max-bytes 4M --iters 5 --json              # a quick local run (CPU, gloo)
 
-Call :func:`register` once on the top-level Typer app to add the command.
+Call :func:`register` once on the top-level Typer app to add the commands.
 """
 
 from __future__ import annotations
@@ -13,12 +15,28 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 
+from raytrain_eks import presets
+from raytrain_eks.config import DEFAULT_CONFIG_FILE, Config, load_config
+from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_log import LogInputError, analyze_paths
+from raytrain_eks.fabric.probe import (
+    DEFAULT_ITERS,
+    DEFAULT_MAX_BYTES,
+    DEFAULT_MIN_BYTES,
+    DEFAULT_WARMUP,
+    HEALTHY_RATIO,
+    OPS,
+    ProbeSpec,
+    format_size,
+    parse_size,
+    run_probe,
+)
 
 
 class Require(StrEnum):
@@ -30,8 +48,9 @@ class Require(StrEnum):
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``verify-transport`` to ``app``. Example: ``register(cli.app)``."""
+    """Add ``verify-transport`` and ``probe`` to ``app``. Example: ``register(cli.app)``."""
     app.command("verify-transport")(verify_transport)
+    app.command("probe")(probe)
 
 
 def verify_transport(
@@ -84,3 +103,83 @@ def _progress() -> Iterator[Callable[[int], None] | None]:
             status.update(f"reading NCCL logs: {nbytes / 1e6:,.0f} MB")
 
         yield update
+
+
+def probe(
+    address: Annotated[
+        str | None, typer.Option(help="Join a running Ray cluster ('auto' or HOST:PORT) instead of starting one here.")
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", help=f"YAML configuration (default: ./{DEFAULT_CONFIG_FILE} if present)."),
+    ] = None,
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help=f"Starting point under the file: {', '.join(presets.PRESETS)} (default: local-tiny locally, "
+            "reference with --address)."
+        ),
+    ] = None,
+    num_workers: Annotated[
+        int | None, typer.Option(help="Ranks; 0 = one per GPU (2 on CPU). Default: training.num_workers.")
+    ] = None,
+    ops: Annotated[str, typer.Option(help=f"Comma-separated collectives, from: {', '.join(OPS)}.")] = ",".join(OPS),
+    min_bytes: Annotated[
+        str, typer.Option(help="Smallest message (bytes, or with K/M/G); sizes double up to --max-bytes.")
+    ] = format_size(DEFAULT_MIN_BYTES).replace(" ", ""),
+    max_bytes: Annotated[str, typer.Option(help="Largest message.")] = format_size(DEFAULT_MAX_BYTES).replace(" ", ""),
+    iters: Annotated[int, typer.Option(help="Timed calls per size.")] = DEFAULT_ITERS,
+    warmup: Annotated[int, typer.Option(help="Untimed calls per size before timing.")] = DEFAULT_WARMUP,
+    expected_gbps: Annotated[
+        float | None,
+        typer.Option(
+            help="Line rate in Gbit/s to compare with (default: fabric.expected_gbps, else the GPU "
+            "instance type's network rate)."
+        ),
+    ] = None,
+    healthy_ratio: Annotated[
+        float, typer.Option(help="busbw / line rate at or above which the fabric is healthy.")
+    ] = HEALTHY_RATIO,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's and the workers' logs.")] = False,
+) -> None:
+    """Measure all_reduce, all_gather and reduce_scatter bandwidth across the Ray Train workers.
+
+    Bandwidth as nccl-tests computes it (algbw = bytes / time; busbw = algbw x 2(n-1)/n for all_reduce, (n-1)/n
+    for all_gather and reduce_scatter). The best large-message busbw is compared with the expected line rate.
+
+    Exit status: 0 healthy, 1 degraded, 2 undecided (all ranks on one node, or no line rate known).
+    """
+    if not 0 < healthy_ratio <= 1:
+        raise UserError(f"--healthy-ratio {healthy_ratio} must be in (0, 1]")
+    spec = ProbeSpec(
+        ops=tuple(op.strip() for op in ops.split(",") if op.strip()),
+        min_bytes=parse_size(min_bytes),
+        max_bytes=parse_size(max_bytes),
+        iters=iters,
+        warmup=warmup,
+    )
+    cfg = load_config(preset=_preset(preset, address), path=config)
+    err = Console(stderr=True, highlight=False)
+    report = run_probe(
+        cfg,
+        spec,
+        address=address,
+        num_workers=num_workers,
+        expected_gbps=expected_gbps,
+        healthy_ratio=healthy_ratio,
+        say=err.print,
+        verbose=verbose,
+    )
+    typer.echo(report.to_json() if json_output else report.render())
+    if report.exit_code:
+        raise typer.Exit(report.exit_code)
+
+
+def _preset(name: str | None, address: str | None) -> Config:
+    # The same defaults as `train`: the local tiny setup on this machine, the reference when joining a cluster.
+    if name is None:
+        return presets.local_tiny() if address is None else presets.reference()
+    if name not in presets.PRESETS:
+        raise UserError(f"--preset {name!r} is not known; choose one of: {', '.join(presets.PRESETS)}")
+    return presets.PRESETS[name]()

@@ -1,0 +1,337 @@
+"""A two-host Ray cluster on one Linux machine (root only): network namespaces, veth pairs, a bridge, ``tc``.
+
+Layout (``P`` is a prefix carrying the creating process id, so that concurrent runs never collide and a run
+killed before its teardown is cleaned up by the next one)::
+
+    netns Pbr   bridge br0, ports h0 and h1; no address, no route: nothing here reaches the machine's network
+    netns Ph0   eth0 10.213.0.11/24 <-veth-> h0    Ray head (GCS 10.213.0.11:6379), drivers run here
+    netns Ph1   eth0 10.213.0.12/24 <-veth-> h1    Ray worker node
+
+Every Ray process and every driver runs inside a host namespace (``ip netns exec``), with:
+
+- ``GLOO_SOCKET_IFNAME=eth0`` (and ``NCCL_SOCKET_IFNAME``): without it gloo picks loopback and rendezvous fails;
+  the Ray workers inherit it from their raylet;
+- ``RAY_AUTH_MODE=token`` and a fresh ``RAY_AUTH_TOKEN``, so the cluster never depends on ``~/.ray/auth_token``;
+- each host its own ``--temp-dir`` (the namespaces share the file system), so each host's Ray logs, including
+  Ray Train's structured worker logs, show what ran on that host.
+
+Each node offers 1 CPU by default, so Ray Train's PACK placement of 1-CPU workers must use both nodes.
+``cap(host, "100mbit")`` puts a ``tbf`` qdisc on both ends of a host's veth (both directions of its link).
+Teardown signals only the processes inside this cluster's namespaces (``ip netns pids``), never ``ray stop``,
+which would kill every Ray process on the machine, then deletes the namespaces (their veths and the bridge go
+with them). Example::
+
+    with TwoHostCluster() as cluster:
+        cluster.run(["raytrain-eks", "train", "--address", cluster.address, "--preset", "local-tiny"])
+        with cluster.capped(1, "100mbit"):
+            cluster.run(["raytrain-eks", "probe", "--address", cluster.address])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SUBNET = "10.213.0"
+HOST_IPS = (f"{SUBNET}.11", f"{SUBNET}.12")
+IFNAME = "eth0"
+GCS_PORT = 6379
+_PREFIX = "rtek"
+_NAME = re.compile(rf"^{_PREFIX}(\d+)(br|h\d)$")
+
+
+def requirement_missing() -> str | None:
+    """Why the two-host cluster cannot be built here (a skip reason), or ``None`` when it can."""
+    if os.geteuid() != 0:
+        return "the two-host cluster needs root (ip netns, veth, tc); run the tests as root, as CI does"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return f"the two-host cluster needs iproute2 ({', '.join(missing)} not found): apt-get install iproute2"
+    return None
+
+
+def tool(name: str) -> str:
+    """The path of a console script of this environment (``ray``, ``raytrain-eks``), else from ``PATH``."""
+    found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} is not installed")
+    return found
+
+
+class ClusterError(RuntimeError):
+    """A step of building or using the two-host cluster failed; the message names the command and its output."""
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """One Ray Train worker as its host's own Ray logs show it."""
+
+    host: int
+    job_id: str
+    worker_id: str
+    node_id: str
+    world_rank: int
+    node_rank: int
+
+
+class TwoHostCluster:
+    """Two network namespaces joined by a bridge, each running a Ray node; a context manager that always cleans up.
+
+    ``start_ray=False`` builds the network only. ``num_cpus`` is each node's Ray CPU count. ``logs_to``: on
+    teardown, each host's Ray logs are copied there (``h0/``, ``h1/``) before the temp folders are deleted.
+    """
+
+    def __init__(
+        self,
+        *,
+        start_ray: bool = True,
+        num_cpus: int = 1,
+        object_store_mb: int = 512,
+        logs_to: Path | None = None,
+    ) -> None:
+        self.prefix = f"{_PREFIX}{os.getpid()}"
+        self.bridge_ns = f"{self.prefix}br"
+        self.host_ns = tuple(f"{self.prefix}h{i}" for i in range(len(HOST_IPS)))
+        self.ips = HOST_IPS
+        self.address = f"{HOST_IPS[0]}:{GCS_PORT}"
+        self._start_ray = start_ray
+        self._num_cpus = num_cpus
+        self._object_store_mb = object_store_mb
+        self._logs_to = logs_to
+        self._root: Path | None = None
+        self.env = _cluster_env()
+
+    # -- lifecycle ------------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> TwoHostCluster:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        cleanup_stale()
+        self._root = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))  # short: Ray's socket paths must fit 107 bytes
+        self._build_network()
+        if self._start_ray:
+            self._start_nodes()
+
+    def close(self) -> None:
+        """Stop every process in the namespaces, delete them (veths and bridge go with them), remove temp files."""
+        for ns in self.host_ns:
+            _kill_namespace_processes(ns)
+        if self._root is not None and self._logs_to is not None:
+            for i in range(len(self.host_ns)):
+                logs = self.temp_dir(i) / "session_latest" / "logs"
+                if logs.is_dir():
+                    shutil.copytree(logs, self._logs_to / f"h{i}", dirs_exist_ok=True, ignore_dangling_symlinks=True)
+        for ns in (*self.host_ns, self.bridge_ns):
+            _delete_namespace(ns)
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
+
+    # -- network --------------------------------------------------------------------------------------------------
+
+    def _build_network(self) -> None:
+        for ns in (self.bridge_ns, *self.host_ns):
+            _ip("netns", "add", ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
+        for i, (ns, ip) in enumerate(zip(self.host_ns, self.ips, strict=True)):
+            port = f"h{i}"
+            # Both ends are created directly inside their namespaces: nothing appears in the machine's own.
+            _ip("-n", self.bridge_ns, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", ns)
+            _ip("-n", self.bridge_ns, "link", "set", port, "master", "br0", "up")
+            _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", IFNAME)
+            _ip("-n", ns, "link", "set", IFNAME, "up")
+
+    def cap(self, host: int, rate: str) -> None:
+        """Limit host ``host``'s link to ``rate`` (tc syntax: ``100mbit``, ``1gbit``) in both directions."""
+        for ns, dev in ((self.host_ns[host], IFNAME), (self.bridge_ns, f"h{host}")):
+            # burst: room for a 64 KiB GSO packet several times over; latency bounds the queue.
+            qdisc = ["tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
+            _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *qdisc])
+
+    def uncap(self, host: int) -> None:
+        for ns, dev in ((self.host_ns[host], IFNAME), (self.bridge_ns, f"h{host}")):
+            subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=30)
+
+    @contextlib.contextmanager
+    def capped(self, host: int, rate: str) -> Iterator[None]:
+        self.cap(host, rate)
+        try:
+            yield
+        finally:
+            self.uncap(host)
+
+    # -- Ray ------------------------------------------------------------------------------------------------------
+
+    def temp_dir(self, host: int) -> Path:
+        assert self._root is not None, "the cluster is not started"
+        return self._root / f"h{host}"
+
+    def _start_nodes(self) -> None:
+        ray = tool("ray")
+        common = [f"--num-cpus={self._num_cpus}", f"--object-store-memory={self._object_store_mb * 2**20}"]
+        common += ["--disable-usage-stats"]
+        head = [ray, "start", "--head", f"--node-ip-address={self.ips[0]}", f"--port={GCS_PORT}"]
+        head += ["--include-dashboard=false", f"--temp-dir={self.temp_dir(0)}", *common]
+        self.run(head, host=0, timeout=180, check=True)
+        for i in range(1, len(self.host_ns)):
+            worker = [ray, "start", f"--address={self.address}", f"--node-ip-address={self.ips[i]}"]
+            worker += [f"--temp-dir={self.temp_dir(i)}", *common]
+            self.run(worker, host=i, timeout=180, check=True)
+        self.wait_for_nodes(len(self.host_ns))
+
+    def wait_for_nodes(self, count: int, timeout: float = 90) -> None:
+        """Wait until ``count`` Ray nodes are alive, asked from a driver on the head host."""
+        script = (
+            f"import ray; ray.init(address={self.address!r}, log_to_driver=False, configure_logging=False); "
+            "print(sum(1 for n in ray.nodes() if n['Alive']))"
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            proc = self.run([sys.executable, "-c", script], host=0, timeout=120)
+            lines = proc.stdout.strip().splitlines()
+            if proc.returncode == 0 and lines and lines[-1] == str(count):
+                return
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{count} Ray nodes not alive after {timeout:.0f} s: {_tail(proc)}")
+            time.sleep(1)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        host: int = 0,
+        timeout: float = 600,
+        check: bool = False,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` inside host ``host``'s namespace with the cluster's environment (plus ``env``)."""
+        cmd = ["ip", "netns", "exec", self.host_ns[host], *argv]
+        proc = subprocess.run(
+            cmd, env={**self.env, **(env or {})}, cwd=cwd, capture_output=True, text=True, timeout=timeout
+        )
+        if check and proc.returncode != 0:
+            raise ClusterError(f"{' '.join(argv)} failed on host {host} (exit {proc.returncode}): {_tail(proc)}")
+        return proc
+
+    def train_workers(self) -> list[WorkerRecord]:
+        """Every Ray Train worker each host's own Ray logs show (Ray Train's structured ``logs/train`` files)."""
+        records: dict[tuple[int, str, str], WorkerRecord] = {}
+        for host in range(len(self.host_ns)):
+            folder = self.temp_dir(host) / "session_latest" / "logs" / "train"
+            for path in sorted(folder.glob("ray-train-*-worker-*.log")) if folder.is_dir() else []:
+                for line in path.read_text(errors="replace").splitlines():
+                    try:
+                        entry = json.loads(line)
+                    except ValueError:
+                        continue
+                    if not isinstance(entry, dict) or entry.get("component") != "worker" or "world_rank" not in entry:
+                        continue
+                    key = (host, str(entry["job_id"]), str(entry["worker_id"]))
+                    records[key] = WorkerRecord(
+                        host=host,
+                        job_id=key[1],
+                        worker_id=key[2],
+                        node_id=str(entry["node_id"]),
+                        world_rank=int(entry["world_rank"]),
+                        node_rank=int(entry["node_rank"]),
+                    )
+        return sorted(records.values(), key=lambda r: (r.job_id, r.world_rank))
+
+
+def _cluster_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH_"))}
+    env.update(
+        GLOO_SOCKET_IFNAME=IFNAME,
+        NCCL_SOCKET_IFNAME=IFNAME,
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN=secrets.token_hex(32),
+        RAY_USAGE_STATS_ENABLED="0",
+    )
+    return env
+
+
+def cleanup_stale() -> None:
+    """Remove the namespaces (and their processes) left by a two-host cluster whose creating process is gone."""
+    for ns in _namespaces():
+        m = _NAME.match(ns)
+        if m and not _alive(int(m.group(1))):
+            _kill_namespace_processes(ns)
+    for ns in _namespaces():
+        m = _NAME.match(ns)
+        if m and not _alive(int(m.group(1))):
+            _delete_namespace(ns)
+
+
+def _namespaces() -> list[str]:
+    proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30)
+    return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _namespace_pids(ns: str) -> list[int]:
+    proc = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=30)
+    return [int(p) for p in proc.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+
+
+def _kill_namespace_processes(ns: str, grace: float = 3.0) -> None:
+    """SIGTERM every process in ``ns``, SIGKILL what is left after ``grace`` seconds, wait until none is left."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        pids = _namespace_pids(ns)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and _namespace_pids(ns):
+            time.sleep(0.2)
+
+
+def _delete_namespace(ns: str) -> None:
+    subprocess.run(["ip", "netns", "delete", ns], capture_output=True, timeout=30)
+
+
+def _ip(*args: str) -> None:
+    _run(["ip", *args])
+
+
+def _run(argv: list[str]) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        raise ClusterError(f"{' '.join(argv)} failed (exit {proc.returncode}): {proc.stderr.strip()}")
+
+
+def _tail(proc: subprocess.CompletedProcess[str], chars: int = 3000) -> str:
+    return (proc.stdout[-chars:] + "\n" + proc.stderr[-chars:]).strip()
