@@ -17,7 +17,7 @@ from rich.console import Console
 
 from raytrain_eks import deploy_commands, presets
 from raytrain_eks.aws import commands as aws_commands
-from raytrain_eks.config import DEFAULT_CONFIG_FILE, Config, env_file_lines, load_config
+from raytrain_eks.config import DEFAULT_CONFIG_FILE, env_file_lines, load_config
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric import commands as fabric_commands
 
@@ -44,14 +44,6 @@ PresetOpt = Annotated[
         "reference with --address)."
     ),
 ]
-
-
-def _preset(name: str | None, address: str | None) -> Config:
-    if name is None:
-        return presets.local_tiny() if address is None else presets.reference()
-    if name not in presets.PRESETS:
-        raise UserError(f"--preset {name!r} is not known; choose one of: {', '.join(presets.PRESETS)}")
-    return presets.PRESETS[name]()
 
 
 @app.command()
@@ -103,7 +95,7 @@ def train(
                     f"--resume {str(resume)!r}: no config.yaml there, so it is not a run folder of raytrain-eks",
                     hint="Give the folder printed as 'Run folder:' by the run you want to continue.",
                 )
-    cfg = load_config(preset=_preset(preset, address), path=config, overrides={"training": flags})
+    cfg = load_config(preset=presets.choose(preset, address=address), path=config, overrides={"training": flags})
     with _Progress() as progress:
         result = run_training(
             cfg, address=address, say=progress.say, progress=progress.update, verbose=verbose, resume=resume
@@ -177,7 +169,7 @@ def init(
 
     if path.exists() and not force:
         raise UserError(f"{path} already exists", hint="Pass --force to overwrite it, or give another path.")
-    cfg = _preset(preset, address=None)
+    cfg = presets.choose(preset)
     path.write_text(commented_yaml(cfg))
     out.print(f"wrote {path} (preset {preset}); edit it, then run `raytrain-eks config show`")
 
@@ -189,7 +181,7 @@ def config_show(
     env: Annotated[bool, typer.Option("--env", help="Print as env.sh export lines instead of YAML.")] = False,
 ) -> None:
     """Print the configuration after the file, the environment and the preset are combined and validated."""
-    cfg = load_config(preset=_preset(preset, None), path=config)
+    cfg = load_config(preset=presets.choose(preset), path=config)
     if env:
         out.print("\n".join(env_file_lines(cfg)), soft_wrap=True)
     else:

@@ -30,7 +30,6 @@ from rich.console import Console
 
 from raytrain_eks import presets
 from raytrain_eks.config import DEFAULT_CONFIG_FILE, Config, load_config
-from raytrain_eks.errors import UserError
 
 if TYPE_CHECKING:
     from raytrain_eks.deploy import Deployment
@@ -84,9 +83,7 @@ def plan(
     """Show what deploy would create, apply and submit, and its cost per hour. Needs no credentials."""
     from raytrain_eks.plan import Mode, build_plan, write_plan
 
-    if preset not in presets.PRESETS:
-        raise UserError(f"--preset {preset!r} is not known; choose one of: {', '.join(presets.PRESETS)}")
-    cfg = load_config(preset=presets.PRESETS[preset](), path=config)
+    cfg = load_config(preset=presets.choose(preset), path=config)
     # Only whether a token is there: its value stays in this process's environment until deploy sends it.
     hf_token = bool(os.environ.get("HF_TOKEN"))
     chosen = cast("Mode", mode.value)
@@ -126,9 +123,7 @@ def _say(line: str) -> None:
 
 
 def _load(config: Path | None, preset: str) -> Config:
-    if preset not in presets.PRESETS:
-        raise UserError(f"--preset {preset!r} is not known; choose one of: {', '.join(presets.PRESETS)}")
-    return load_config(preset=presets.PRESETS[preset](), path=config)
+    return load_config(preset=presets.choose(preset), path=config)
 
 
 def make_deployment(cfg: Config, state_dir: Path) -> Deployment:

@@ -10,6 +10,7 @@ Example::
 from __future__ import annotations
 
 from raytrain_eks.config import BUILTIN_DATA, BUILTIN_MODEL, Config
+from raytrain_eks.errors import UserError
 
 
 def reference() -> Config:
@@ -44,3 +45,13 @@ def eks_2x_g6_12xlarge() -> Config:
 
 
 PRESETS = {"reference": reference, "local-tiny": local_tiny, "eks-2x-g6-12xlarge": eks_2x_g6_12xlarge}
+
+
+def choose(name: str | None, *, address: str | None = None) -> Config:
+    """The preset called ``name``; with none named, ``local_tiny`` on this machine and ``reference`` when joining
+    a cluster (``address`` given). An unknown name is a :class:`UserError` listing the known ones."""
+    if name is None:
+        return local_tiny() if address is None else reference()
+    if name not in PRESETS:
+        raise UserError(f"--preset {name!r} is not known; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[name]()

@@ -72,14 +72,12 @@ def register(app: typer.Typer, *, services: Callable[[Aws], Services] | None = N
         from raytrain_eks.aws.services import boto3_services
         from raytrain_eks.aws.session import connect
 
-        if preset not in presets.PRESETS:
-            raise UserError(f"--preset {preset!r} is not known; choose one of: {', '.join(presets.PRESETS)}")
+        cfg = load_config(preset=presets.choose(preset), path=config)
         names = [r.strip() for r in (regions or "").split(",") if r.strip()]
         if regions is not None and not names:
             raise UserError("--regions is empty; give names such as us-east-1,us-west-2")
         if names and all_regions:
             raise UserError("give --regions or --all-regions, not both")
-        cfg = load_config(preset=presets.PRESETS[preset](), path=config)
         aws = connect(cfg.cluster.region)
         out = Console(highlight=False, soft_wrap=True)
         err = Console(stderr=True, highlight=False, soft_wrap=True)

@@ -22,7 +22,7 @@ import typer
 from rich.console import Console
 
 from raytrain_eks import presets
-from raytrain_eks.config import DEFAULT_CONFIG_FILE, Config, load_config
+from raytrain_eks.config import DEFAULT_CONFIG_FILE, load_config
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_log import LogInputError, analyze_paths
 from raytrain_eks.fabric.probe import (
@@ -159,7 +159,7 @@ def probe(
         iters=iters,
         warmup=warmup,
     )
-    cfg = load_config(preset=_preset(preset, address), path=config)
+    cfg = load_config(preset=presets.choose(preset, address=address), path=config)
     err = Console(stderr=True, highlight=False)
     report = run_probe(
         cfg,
@@ -174,12 +174,3 @@ def probe(
     typer.echo(report.to_json() if json_output else report.render())
     if report.exit_code:
         raise typer.Exit(report.exit_code)
-
-
-def _preset(name: str | None, address: str | None) -> Config:
-    # The same defaults as `train`: the local tiny setup on this machine, the reference when joining a cluster.
-    if name is None:
-        return presets.local_tiny() if address is None else presets.reference()
-    if name not in presets.PRESETS:
-        raise UserError(f"--preset {name!r} is not known; choose one of: {', '.join(presets.PRESETS)}")
-    return presets.PRESETS[name]()

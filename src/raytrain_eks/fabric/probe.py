@@ -427,12 +427,12 @@ def run_probe(
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
 
-    from raytrain_eks.train.launch import LOCAL_CPU_WORKERS, _init_ray, _worker_error, resolve_num_workers
+    from raytrain_eks.train.launch import LOCAL_CPU_WORKERS, init_ray, resolve_num_workers, worker_error
 
     t_start = time.perf_counter()
     line_rate, source = expected_line_rate(cfg, expected_gbps)
     requested = cfg.training.num_workers if num_workers is None else num_workers
-    _init_ray(address, requested or LOCAL_CPU_WORKERS, verbose)
+    init_ray(address, requested or LOCAL_CPU_WORKERS, verbose)
     workers, use_gpu = resolve_num_workers(requested, int(ray.cluster_resources().get("GPU", 0)))
     if workers < 2:
         raise ProbeError(f"the probe needs at least 2 workers, not {workers}", hint="Pass --num-workers 2 or more.")
@@ -460,7 +460,7 @@ def run_probe(
         trainer.fit()
         gathered = queue.get(timeout=60)
     except Exception as exc:
-        raise ProbeError(f"the bandwidth probe failed: {_worker_error(exc)}") from None
+        raise ProbeError(f"the bandwidth probe failed: {worker_error(exc)}") from None
     finally:
         ray.kill(queue.actor)
         shutil.rmtree(storage, ignore_errors=True)

@@ -62,7 +62,7 @@ def resolve_num_workers(requested: int, cluster_gpus: int) -> tuple[int, bool]:
     return (cluster_gpus, True) if use_gpu else (LOCAL_CPU_WORKERS, False)
 
 
-def _init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
+def init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
     import ray
 
     if not verbose:  # Ray Data logs every operator's progress; the driver shows its own one-line summary
@@ -162,7 +162,7 @@ def run_training(
         say(f"run folder: {run_dir}")
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
-    _init_ray(address, training.num_workers or LOCAL_CPU_WORKERS, verbose)
+    init_ray(address, training.num_workers or LOCAL_CPU_WORKERS, verbose)
     num_workers, use_gpu = resolve_num_workers(training.num_workers, int(ray.cluster_resources().get("GPU", 0)))
     say(f"ray: {num_workers} {'GPU' if use_gpu else 'CPU'} workers, model {training.model_id}")
 
@@ -254,7 +254,7 @@ def run_training(
     ray.kill(queue.actor)
 
     if "error" in outcome:
-        raise TrainingError(f"training failed: {_worker_error(outcome['error'])}", hint=f"Run folder: {run_dir}")
+        raise TrainingError(f"training failed: {worker_error(outcome['error'])}", hint=f"Run folder: {run_dir}")
     if not summary:
         raise TrainingError("training finished without a summary from rank 0", hint=f"Run folder: {run_dir}")
     fabric = summary.get("fabric") or {}
@@ -293,7 +293,7 @@ def _write_nccl_lines(folder: Path, lines_by_rank: list[list[str]]) -> None:
         (folder / f"rank{rank:05d}.log").write_text("".join(line + "\n" for line in lines))
 
 
-def _worker_error(exc: BaseException) -> str:
+def worker_error(exc: BaseException) -> str:
     failures = getattr(exc, "worker_failures", None)
     if failures:
         rank, err = sorted(failures.items())[0]
