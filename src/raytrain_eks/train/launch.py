@@ -29,6 +29,7 @@ from raytrain_eks.train.faults import ENV as FAULT_ENV
 
 LOCAL_CPU_WORKERS = 2
 RAY_DIR = "ray"  # Ray Train's storage inside the run folder; the checkpoints live there
+_DONE = {"done": True}
 
 
 @dataclass
@@ -83,7 +84,8 @@ def init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
     else:
         # Logical CPUs: one per training worker plus room for Ray Data's tasks, even on a 2-core machine.
         cpus = max(os.cpu_count() or 1, num_workers + 2)
-        ray.init(num_cpus=cpus, include_dashboard=False, **kwargs)
+        # address="local": always a new Ray of our own, never one some other program started on this machine.
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
 
 
 def _check_reachable(address: str) -> None:
@@ -220,6 +222,8 @@ def run_training(
             outcome["result"] = trainer.fit()
         except BaseException as exc:  # handed to the main thread below
             outcome["error"] = exc
+        finally:
+            queue.put(_DONE)  # wakes the driver's blocking get: no polling while training runs
 
     thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     thread.start()
@@ -227,29 +231,21 @@ def run_training(
     summary: dict[str, Any] = {}
     # Appended, never truncated: a resumed run keeps the steps of every attempt.
     with (run_dir / "metrics.jsonl").open("a") as metrics_file:
-
-        def drain(timeout: float) -> None:
-            try:
-                record = queue.get(timeout=timeout)
-            except Exception:  # queue.Empty
-                return
+        while True:
+            record = queue.get()
+            if record == _DONE:
+                break
             if "summary" in record:
                 summary.update(record["summary"])
-                return
-            if "fabric" in record:
+            elif "fabric" in record:
                 _write_nccl_lines(run_dir / "nccl", record["nccl_lines"])
                 say(record["fabric"]["report"])
-                return
-            records.append(record)
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            if progress is not None:
-                progress(record, training.steps)
-
-        while thread.is_alive():
-            drain(0.5)
-        while not queue.empty():
-            drain(0.1)
+            else:
+                records.append(record)
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+                if progress is not None:
+                    progress(record, training.steps)
     thread.join()
     ray.kill(queue.actor)
 

@@ -249,7 +249,7 @@ def ray_worker_entry(job: dict[str, Any]) -> None:
     """The ``train_loop_per_worker`` given to Ray Train's ``TorchTrainer``."""
     from raytrain_eks.train.context import RayContext
 
-    _quiet_libraries()
+    quiet_libraries()
     cfg = TrainingConfig.model_validate(job["training"])
     ctx = RayContext(job.get("metrics_queue"), job["checkpoint_root"], job.get("resume_from"))
     train(
@@ -257,7 +257,7 @@ def ray_worker_entry(job: dict[str, Any]) -> None:
     )
 
 
-def _quiet_libraries() -> None:
+def quiet_libraries() -> None:
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
