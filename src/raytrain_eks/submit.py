@@ -107,6 +107,7 @@ class SubmitResult:
     versions: dict[str, str] = field(default_factory=dict)
     summary: list[str] = field(default_factory=list)
     exit_code: int = 0
+    run_dir: str | None = None  # the run folder in the head pod, as the job's log said ("Run folder: ...")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -328,8 +329,16 @@ def submit_job(d: Deployment, head: Pod, code_dir: str) -> str:
     return submission_id
 
 
-def follow_job(d: Deployment, head: Pod, submission_id: str, *, timeout: float) -> str:
-    """Stream the job's logs until it ends (following again if the stream drops); return its final status."""
+def follow_job(
+    d: Deployment,
+    head: Pod,
+    submission_id: str,
+    *,
+    timeout: float,
+    on_output: Callable[[str], None] | None = None,
+) -> str:
+    """Stream the job's logs (to ``on_output``, default ``d.say``) until it ends (following again if the stream
+    drops); return its final status."""
     start = d.clock()
     while True:
         left = max(timeout - (d.clock() - start), 1.0)
@@ -338,7 +347,7 @@ def follow_job(d: Deployment, head: Pod, submission_id: str, *, timeout: float) 
             head,
             ["ray", "job", "logs", "--address", DASHBOARD, "--follow", submission_id],
             timeout=left,
-            on_output=d.say,
+            on_output=on_output or d.say,
         )
         status = job_status(d, head, submission_id)
         if status in TERMINAL:
@@ -470,9 +479,22 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
             _, submission_id = _wait_rayjob_cluster(d, cfg.ray.job_start_deadline_s)
     d.state.update(job={"id": submission_id, "mode": mode, "namespace": ns, "raycluster": cluster, "status": "RUNNING"})
 
-    final = follow_job(d, head, submission_id, timeout=cfg.ray.job_deadline_s)
+    run_dirs: list[str] = []
+
+    def echo(line: str) -> None:
+        d.say(line)
+        found = _RUN_FOLDER.search(line)
+        if found:
+            run_dirs.append(found.group(1).strip())
+
+    final = follow_job(d, head, submission_id, timeout=cfg.ray.job_deadline_s, on_output=echo)
     d.state.update(job={**d.state.get("job"), "status": final})
-    return _judge(d, submission_id, final, workers)
+    result = _judge(d, submission_id, final, workers)
+    result.run_dir = run_dirs[-1] if run_dirs else None
+    return result
+
+
+_RUN_FOLDER = re.compile(r"^\s*Run folder: (/\S.*)$", re.IGNORECASE)  # printed by `train` (first and last line)
 
 
 def _judge(d: Deployment, submission_id: str, final: str, workers: list[Pod]) -> SubmitResult:
@@ -510,6 +532,49 @@ def _judge(d: Deployment, submission_id: str, final: str, workers: list[Pod]) ->
     for line in summary:
         d.say(line)
     return SubmitResult(submission_id, final, report, efa_ok if workers else None, versions, summary, code)
+
+
+def restart_raycluster(d: Deployment) -> None:
+    """Delete the RayCluster and wait until its pods are gone, so that the next :func:`submit` starts fresh pods.
+
+    KubeRay does not restart running pods when their template changes: a new worker environment (``network.env``)
+    only takes effect in new pods, and new pods' Ray session logs hold only the next job's NCCL lines.
+    """
+    ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
+    if not d.kube.delete("ray.io/v1", "RayCluster", name, ns):
+        return
+    d.say(f"Deleted RayCluster {ns}/{name}; waiting for its pods to go")
+    start = d.clock()
+    while d.kube.get("ray.io/v1", "RayCluster", name, ns) or d.kube.pods(ns, {"ray.io/cluster": name}):
+        if d.clock() - start >= d.cfg.ray.job_start_deadline_s:
+            raise PodsNotReady(
+                f"RayCluster {ns}/{name} and its pods were still there {d.cfg.ray.job_start_deadline_s:.0f} s after "
+                "it was deleted",
+                hint="`raytrain-eks status` shows the pods; `kubectl describe` them to see what holds them.",
+            )
+        d.sleep(POLL_S)
+
+
+def read_metrics(d: Deployment, run_dir: str) -> list[dict[str, Any]]:
+    """The job's ``metrics.jsonl`` records, read in the head pod of the last submitted job (``run_dir`` is the run
+    folder the job's log named). Lines that are not JSON objects are skipped."""
+    job = d.state.get("job") or {}
+    heads, _ = _ray_pods(d, job.get("namespace", d.cfg.ray.namespace), job.get("raycluster", d.cfg.ray.cluster_name))
+    if not heads or not _running(heads[0]):
+        raise UserError("the head pod is not running, so the job's metrics are gone with it")
+    argv = ["cat", f"{run_dir.rstrip('/')}/metrics.jsonl"]
+    res = _head_exec(d, heads[0], argv)
+    if not res.ok:
+        raise CommandError(argv, res.returncode, res.stderr or res.stdout, hint="Was the run folder removed?")
+    records = []
+    for line in res.stdout.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ kubectl logs -l ray.io/node-type=worker | raytrain-eks verify-transport --json
 raytrain-eks verify-transport worker.log --require any          # report only; exit 2 when undecided
 raytrain-eks probe --address auto                               # collective busbw vs the line rate; exit 1 if degraded
 raytrain-eks probe --max-bytes 4M --iters 5 --json              # a quick local run (CPU, gloo)
+raytrain-eks compare-fabric --warmup-steps 10                   # on EKS: the job over EFA, then over TCP; the speed-up
 
 Call :func:`register` once on the top-level Typer app to add the commands.
 """
@@ -12,6 +13,8 @@ Call :func:`register` once on the top-level Typer app to add the commands.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import sys
 from collections.abc import Callable, Iterator
 from enum import StrEnum
@@ -24,6 +27,7 @@ from rich.console import Console
 from raytrain_eks import presets
 from raytrain_eks.config import DEFAULT_CONFIG_FILE, load_config
 from raytrain_eks.errors import UserError
+from raytrain_eks.fabric import compare
 from raytrain_eks.fabric.nccl_log import LogInputError, analyze_paths
 from raytrain_eks.fabric.probe import (
     DEFAULT_ITERS,
@@ -48,9 +52,10 @@ class Require(StrEnum):
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``verify-transport`` and ``probe`` to ``app``. Example: ``register(cli.app)``."""
+    """Add ``verify-transport``, ``probe`` and ``compare-fabric`` to ``app``. Example: ``register(cli.app)``."""
     app.command("verify-transport")(verify_transport)
     app.command("probe")(probe)
+    app.command("compare-fabric")(compare_fabric)
 
 
 def verify_transport(
@@ -174,3 +179,47 @@ def probe(
     typer.echo(report.to_json() if json_output else report.render())
     if report.exit_code:
         raise typer.Exit(report.exit_code)
+
+
+def compare_fabric(
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", help=f"YAML configuration (default: ./{DEFAULT_CONFIG_FILE} if present)."),
+    ] = None,
+    preset: Annotated[
+        str, typer.Option(help=f"Starting point under the file: {', '.join(presets.PRESETS)}.")
+    ] = "reference",
+    warmup_steps: Annotated[
+        int, typer.Option(help="Steps left out of the timing at the start of each run.")
+    ] = compare.DEFAULT_WARMUP_STEPS,
+    min_samples: Annotated[
+        int, typer.Option(help="Timed (logged) steps each run must have after the warm-up.")
+    ] = compare.DEFAULT_MIN_SAMPLES,
+    json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    state_dir: Annotated[
+        Path, typer.Option("--state-dir", help="Where this deployment's state, kubeconfig and generated files live.")
+    ] = Path(".raytrain-eks"),
+) -> None:
+    """Run the training job on EKS twice, over EFA then over TCP (NCCL_NET=Socket FI_PROVIDER=tcp), and print the
+    speed-up of EFA in steps/s after warm-up.
+
+    Each run gets a fresh RayCluster; its transport is proven from its own NCCL log before anything is compared.
+
+    Exit status: 0 compared, 1 refused (a run used the wrong transport, failed, or has too few steps).
+    """
+    from raytrain_eks.deploy_commands import make_deployment
+
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def say(line: str) -> None:  # progress on stderr, so that stdout holds only the result (--json)
+        err.print(line, markup=False)
+
+    cfg = load_config(preset=presets.choose(preset), path=config)
+    # The token goes from this environment into a Secret through the API: never a file, argv or log line.
+    run_job = compare.eks_runner(
+        cfg,
+        lambda run_cfg: dataclasses.replace(make_deployment(run_cfg, state_dir), say=say),
+        hf_token=os.environ.get("HF_TOKEN") or None,
+    )
+    result = compare.compare_fabric(run_job, warmup_steps=warmup_steps, min_samples=min_samples, say=say)
+    typer.echo(result.to_json() if json_output else result.render())

@@ -1,0 +1,338 @@
+"""EFA versus TCP: the same job run twice, each run's transport proven from its own NCCL log, then steps/s compared.
+
+Run A uses the configuration's network environment (EFA through aws-ofi-nccl) with ``fabric.require = "efa"``;
+run B adds ``NCCL_NET=Socket FI_PROVIDER=tcp`` with ``fabric.require = "any"`` so the in-job transport gate lets it
+train. A's verdict must be ``efa`` (checked before B is started, so no hour is spent on B when A already proves
+nothing) and B's must be ``socket``; otherwise the comparison is refused, naming which run used what. Two runs over
+the same transport are never compared.
+
+Throughput is taken from the per-step metric records (``metrics.jsonl``): a record's ``step_time_s`` is the wall
+time of that one optimizer step (forward, backward, the gradient reduction over the fabric, the optimizer step and a
+device sync), sampled every ``log_every`` steps. Records with ``step <= warmup_steps`` are skipped (NCCL connection
+setup, allocator and compiler warm-up), and steps/s is the number of sampled steps over the sum of their step times
+(that is, 1 / mean step time). Record timestamps are not used: checkpoint saves and log flushes between samples
+would count against whichever run happened to checkpoint more. Example::
+
+    result = compare_fabric(run_job, warmup_steps=10)   # run_job(RunSpec) -> RunOutput
+    print(result.render())                              # ... Speed-up EFA / TCP: 2.62x
+
+On EKS :func:`eks_runner` supplies ``run_job``: a fresh RayCluster with the run's worker environment and a job
+submitted through :func:`raytrain_eks.submit.submit`, whose metrics are read back from the head pod.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from raytrain_eks.errors import UserError
+from raytrain_eks.fabric.nccl_log import TransportReport, analyze
+
+if TYPE_CHECKING:
+    from raytrain_eks.config import Config
+    from raytrain_eks.deploy import Deployment
+
+TCP_ENV = {"NCCL_NET": "Socket", "FI_PROVIDER": "tcp"}
+"""What run B adds to the workers' environment: NCCL's own TCP socket transport, libfabric's tcp provider."""
+
+DEFAULT_WARMUP_STEPS = 10
+DEFAULT_MIN_SAMPLES = 3
+_SUCCEEDED = "SUCCEEDED"
+
+
+class ComparisonRefused(UserError):
+    """The two runs cannot be compared: a run's transport is not the one it stands for, or too few steps."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the comparison: its label, the environment overrides on top of ``network.env``, and the
+    ``fabric.require`` the job runs with."""
+
+    key: str
+    label: str
+    fabric: str
+    env: Mapping[str, str]
+    require: str
+
+    def describe(self) -> str:
+        env = " ".join(f"{k}={v}" for k, v in self.env.items()) or "the configured network.env"
+        return f"run {self.key} ({self.label}: {env})"
+
+
+EFA_RUN = RunSpec("A", "EFA", "efa", {}, "efa")
+TCP_RUN = RunSpec("B", "TCP", "socket", TCP_ENV, "any")
+
+
+@dataclass
+class RunOutput:
+    """What one run left behind: its per-step metric records, its NCCL lines (or their report), the job's final
+    status, and where it ran (a submission id or run folder, for the report)."""
+
+    records: Sequence[Mapping[str, Any]]
+    nccl: TransportReport | Iterable[str]
+    status: str = _SUCCEEDED
+    source: str = ""
+
+
+RunJob = Callable[[RunSpec], RunOutput]
+"""Runs the job once as ``RunSpec`` says (environment overrides and ``fabric.require``) and returns its output."""
+
+
+def config_for(cfg: Config, spec: RunSpec) -> Config:
+    """A copy of ``cfg`` for one run: ``network.env`` with the run's overrides, ``fabric.require`` set; ``cfg`` is
+    not changed. Example: ``config_for(cfg, TCP_RUN).network.env["NCCL_NET"] == "Socket"``."""
+    network = cfg.network.model_copy(update={"env": {**cfg.network.env, **spec.env}})
+    fabric = cfg.fabric.model_copy(update={"require": spec.require})
+    return cfg.model_copy(update={"network": network, "fabric": fabric})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Throughput after warm-up
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Throughput:
+    """Steps/s of one run after warm-up, from the sampled steps' ``step_time_s``."""
+
+    steps_per_s: float
+    samples: int
+    first_step: int
+    last_step: int
+    median_step_time_s: float
+    tokens_per_step: float | None = None
+
+
+def throughput(
+    records: Iterable[Mapping[str, Any]], *, warmup_steps: int, min_samples: int = DEFAULT_MIN_SAMPLES, what: str
+) -> Throughput:
+    """Steps/s over the records with ``step > warmup_steps`` (see the module docstring for the formula).
+
+    A step logged twice (a resumed run keeps every attempt's records) counts once, with its last record. Raises
+    :class:`ComparisonRefused` naming ``what`` when fewer than ``min_samples`` timed steps are left. Example::
+
+        throughput([{"step": 20, "step_time_s": 0.5}, ...], warmup_steps=10, what="run A").steps_per_s
+    """
+    by_step: dict[int, Mapping[str, Any]] = {}
+    for r in records:
+        if isinstance(r.get("step"), int) and isinstance(r.get("step_time_s"), int | float) and r["step_time_s"] > 0:
+            by_step[r["step"]] = r
+    kept = [by_step[s] for s in sorted(by_step) if s > warmup_steps]
+    if len(kept) < max(1, min_samples):
+        raise ComparisonRefused(
+            f"{what} has {len(kept)} timed step(s) after a warm-up of {warmup_steps} steps "
+            f"({len(by_step)} in all); at least {max(1, min_samples)} are needed",
+            hint="Run more steps (training.steps), log more often (training.log_every), or lower --warmup-steps "
+            "or --min-samples.",
+        )
+    times = [float(r["step_time_s"]) for r in kept]
+    per_step = {r["tokens"] / r["step"] for r in kept if isinstance(r.get("tokens"), int | float) and r["step"]}
+    return Throughput(
+        steps_per_s=len(times) / sum(times),
+        samples=len(times),
+        first_step=int(kept[0]["step"]),
+        last_step=int(kept[-1]["step"]),
+        median_step_time_s=statistics.median(times),
+        tokens_per_step=per_step.pop() if len(per_step) == 1 else None,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The comparison
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    """One run as compared: what it was, the transport its NCCL log shows, and its throughput."""
+
+    key: str
+    label: str
+    env: dict[str, str]
+    require: str
+    verdict: str
+    reason: str
+    source: str
+    status: str
+    throughput: Throughput
+    world_size: int | None = None
+    hosts: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Comparison:
+    """The result: both runs and the speed-up of A (EFA) over B (TCP) in steps/s after warm-up. Example::
+
+    print(result.render()); result.to_json(); result.speedup
+    """
+
+    efa: RunResult
+    tcp: RunResult
+    warmup_steps: int
+    speedup: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["method"] = "steps/s = sampled steps / sum(step_time_s) over records with step > warmup_steps"
+        return d
+
+    def to_json(self) -> str:
+        """Indented JSON: ``efa``, ``tcp`` (each with verdict, throughput, ...), ``warmup_steps``, ``speedup``."""
+        return json.dumps(self.to_dict(), indent=2)
+
+    def render(self) -> str:
+        """A readable summary: one line per run, the speed-up, notes."""
+        lines = [
+            f"EFA vs TCP: the same job twice, steps/s after {self.warmup_steps} warm-up steps "
+            "(from each logged step's step_time_s)",
+        ]
+        for r in (self.efa, self.tcp):
+            t = r.throughput
+            env = " ".join(f"{k}={v}" for k, v in r.env.items()) or "network.env as configured"
+            lines += [
+                f"  run {r.key} {r.label:<4} {t.steps_per_s:8.3f} steps/s   median step {t.median_step_time_s:.3f} s, "
+                f"{t.samples} steps sampled ({t.first_step}..{t.last_step})",
+                f"             transport {r.verdict} ({env}; fabric.require={r.require})"
+                + (f"; {r.source}" if r.source else ""),
+            ]
+        lines.append(f"Speed-up EFA / TCP: {self.speedup:.2f}x")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def compare_fabric(
+    run_job: RunJob,
+    *,
+    warmup_steps: int = DEFAULT_WARMUP_STEPS,
+    min_samples: int = DEFAULT_MIN_SAMPLES,
+    say: Callable[[str], None] = lambda _: None,
+) -> Comparison:
+    """Run A (EFA) then B (TCP) through ``run_job``, prove each run's transport, and compare steps/s.
+
+    A's transport is checked before B is started. Raises :class:`ComparisonRefused` when a run's NCCL log does not
+    show the transport it stands for, a job did not succeed, the two runs are not the same job (world size or
+    tokens per step differ), or too few steps are left after warm-up.
+    """
+    if warmup_steps < 0:
+        raise UserError(f"--warmup-steps {warmup_steps} must be 0 or more")
+    say(f"Starting {EFA_RUN.describe()}")
+    efa = _checked(EFA_RUN, run_job(EFA_RUN), warmup_steps, min_samples)
+    say(f"{EFA_RUN.describe()}: transport {efa.verdict}, {efa.throughput.steps_per_s:.3f} steps/s")
+    say(f"Starting {TCP_RUN.describe()}")
+    tcp = _checked(TCP_RUN, run_job(TCP_RUN), warmup_steps, min_samples, other=efa)
+    say(f"{TCP_RUN.describe()}: transport {tcp.verdict}, {tcp.throughput.steps_per_s:.3f} steps/s")
+    return Comparison(
+        efa=efa,
+        tcp=tcp,
+        warmup_steps=warmup_steps,
+        speedup=efa.throughput.steps_per_s / tcp.throughput.steps_per_s,
+        notes=_same_job_notes(efa, tcp),
+    )
+
+
+def _checked(
+    spec: RunSpec, out: RunOutput, warmup_steps: int, min_samples: int, *, other: RunResult | None = None
+) -> RunResult:
+    report = out.nccl if isinstance(out.nccl, TransportReport) else analyze(out.nccl, source=f"run {spec.key}")
+    what = spec.describe()
+    if report.verdict != spec.fabric:
+        raise ComparisonRefused(_wrong_transport(spec, report.verdict, report.reason, other), hint=_hint(spec))
+    if out.status != _SUCCEEDED:
+        raise ComparisonRefused(
+            f"{what} ended {out.status}{f' ({out.source})' if out.source else ''}; only finished runs are compared",
+            hint="`raytrain-eks logs` shows the job's output.",
+        )
+    return RunResult(
+        key=spec.key,
+        label=spec.label,
+        env=dict(spec.env),
+        require=spec.require,
+        verdict=report.verdict,
+        reason=report.reason,
+        source=out.source,
+        status=out.status,
+        throughput=throughput(out.records, warmup_steps=warmup_steps, min_samples=min_samples, what=what),
+        world_size=report.world_size,
+        hosts=list(report.hosts),
+    )
+
+
+def _wrong_transport(spec: RunSpec, verdict: str, reason: str, other: RunResult | None) -> str:
+    head = f"{spec.describe()} used {verdict}, not {spec.fabric}"
+    if other is not None and other.verdict == verdict:
+        head += (
+            f", the same transport as run {other.key} ({other.label}); two runs over one transport are never compared"
+        )
+    elif other is not None:
+        head += f" (run {other.key} used {other.verdict})"
+    return f"{head}: {reason}"
+
+
+def _hint(spec: RunSpec) -> str:
+    if spec.fabric == "efa":
+        return (
+            "Fix EFA first (`raytrain-eks verify-transport` on the run's logs shows why NCCL did not use it): every "
+            "worker pod must request vpc.amazonaws.com/efa and set FI_PROVIDER=efa and NCCL_NET_PLUGIN=ofi."
+        )
+    return (
+        "NCCL did not take the TCP socket transport for traffic between nodes; check that the workers run on at "
+        "least two nodes and that NCCL_NET=Socket reached their environment."
+    )
+
+
+def _same_job_notes(efa: RunResult, tcp: RunResult) -> list[str]:
+    problems = []
+    if efa.world_size and tcp.world_size and efa.world_size != tcp.world_size:
+        problems.append(f"world size {efa.world_size} (run A) vs {tcp.world_size} (run B)")
+    a, b = efa.throughput.tokens_per_step, tcp.throughput.tokens_per_step
+    if a and b and a != b:
+        problems.append(f"tokens per step {a:g} (run A) vs {b:g} (run B)")
+    if problems:
+        raise ComparisonRefused(
+            "the two runs are not the same job: " + "; ".join(problems),
+            hint="Run the comparison again without changing the configuration between the runs.",
+        )
+    notes = []
+    if len(efa.hosts) != len(tcp.hosts):
+        notes.append(f"NCCL logged {len(efa.hosts)} host(s) in run A and {len(tcp.hosts)} in run B")
+    return notes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# On EKS
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def eks_runner(cfg: Config, deployment: Callable[[Config], Deployment], *, hf_token: str | None = None) -> RunJob:
+    """``run_job`` for EKS: for each run, a Deployment on :func:`config_for`'s copy of ``cfg`` (the RayCluster's worker
+    env carries the overrides), a fresh RayCluster (pods keep the env they started with, and their Ray session logs
+    must hold this run's NCCL lines only), :func:`raytrain_eks.submit.submit`, and the run's ``metrics.jsonl`` read
+    back from the head pod."""
+    from raytrain_eks.submit import read_metrics, restart_raycluster, submit
+
+    def run(spec: RunSpec) -> RunOutput:
+        d = deployment(config_for(cfg, spec))
+        restart_raycluster(d)
+        result = submit(d, mode="raycluster", hf_token=hf_token)
+        if result.run_dir is None and result.job_status == "SUCCEEDED":
+            raise UserError(
+                f"the log of {spec.describe()} (job {result.submission_id}) never named its run folder "
+                "('Run folder: ...'), so its metrics cannot be read",
+                hint="`raytrain-eks logs` shows the job's output.",
+            )
+        records = read_metrics(d, result.run_dir) if result.run_dir else []
+        return RunOutput(
+            records=records,
+            nccl=result.report if result.report is not None else [],
+            status=result.job_status,
+            source=f"job {result.submission_id}" + (f", run folder {result.run_dir}" if result.run_dir else ""),
+        )
+
+    return run

@@ -1,0 +1,294 @@
+"""The EFA-versus-TCP comparison (``raytrain_eks.fabric.compare`` and ``raytrain-eks compare-fabric``); fast, hermetic.
+
+The logic runs against an injected ``run_job`` that answers with the NCCL fixtures (an EFA job's log for run A, a
+TCP-socket fallback's log for run B) and synthetic metric records. Covered: the speed-up after warm-up (and that
+warm-up steps and a resumed run's repeated steps do not count), each run's configuration (env overrides, the
+in-job gate off for TCP, the input config untouched), refusal when both runs use the same transport, when run A is
+not EFA (run B then never starts), when a job failed, when the runs are not the same job, when too few steps are
+left after warm-up, the JSON output, and the EKS command once end to end through the fakes of ``test_deploy``
+(FakeKube, the recording tools runner, Ray answering inside the pods): two fresh RayClusters, the second with the
+TCP environment in its worker template, and the metrics read back from the head pod.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+from test_deploy import FIXTURES, FakeRay, World
+from typer.testing import CliRunner
+
+from raytrain_eks import deploy_commands
+from raytrain_eks.config import Config, load_config
+from raytrain_eks.deploy import apply_state
+from raytrain_eks.errors import UserError
+from raytrain_eks.fabric import commands
+from raytrain_eks.fabric.compare import (
+    EFA_RUN,
+    TCP_ENV,
+    TCP_RUN,
+    ComparisonRefused,
+    RunOutput,
+    RunSpec,
+    compare_fabric,
+    config_for,
+    throughput,
+)
+from raytrain_eks.fabric.nccl_log import analyze_paths
+from raytrain_eks.k8s.cluster import ExecResult
+
+EFA_LOG = FIXTURES / "efa_2node_nccl2.29_ray.log"
+TCP_LOG = FIXTURES / "socket_fallback_nccl2.27_kubectl.log"
+TOKENS_PER_STEP = 8 * 2 * 1024
+
+
+def records(step_s: float, *, steps: int = 100, log_every: int = 10, first_s: float = 9.0) -> list[dict[str, Any]]:
+    """Metric records as the training loop logs them: step 1, then every ``log_every`` steps; step 1 is slow."""
+    logged = [1, *range(log_every, steps + 1, log_every)]
+    return [
+        {
+            "step": s,
+            "loss": 2.0,
+            "tokens": s * TOKENS_PER_STEP,
+            "tokens_per_s": TOKENS_PER_STEP / step_s,
+            "step_time_s": first_s if s == 1 else step_s,
+        }
+        for s in logged
+    ]
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines()
+
+
+class Jobs:
+    """A ``run_job`` answering each run from a table keyed by the run's key; remembers the specs it got."""
+
+    def __init__(self, **outputs: RunOutput) -> None:
+        self.outputs = outputs
+        self.specs: list[RunSpec] = []
+
+    def __call__(self, spec: RunSpec) -> RunOutput:
+        self.specs.append(spec)
+        return self.outputs[spec.key]
+
+
+def good_jobs() -> Jobs:
+    return Jobs(
+        A=RunOutput(records(0.5), lines(EFA_LOG), source="job a"),
+        B=RunOutput(records(1.25), lines(TCP_LOG), source="job b"),
+    )
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The logic
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_speedup_is_steps_per_s_after_warmup_efa_over_tcp():
+    jobs = good_jobs()
+    result = compare_fabric(jobs, warmup_steps=10)
+    assert [s.key for s in jobs.specs] == ["A", "B"]
+    assert result.efa.verdict == "efa" and result.tcp.verdict == "socket"
+    # Steps 20..100 are timed (step 1's 9 s and step 10 are warm-up).
+    assert result.efa.throughput.samples == 9 and result.efa.throughput.first_step == 20
+    assert result.efa.throughput.steps_per_s == pytest.approx(2.0)
+    assert result.tcp.throughput.steps_per_s == pytest.approx(0.8)
+    assert result.speedup == pytest.approx(2.5)
+    text = result.render()
+    assert "Speed-up EFA / TCP: 2.50x" in text
+    assert "transport efa" in text and "transport socket" in text and "NCCL_NET=Socket FI_PROVIDER=tcp" in text
+
+
+def test_warmup_decides_which_steps_count():
+    recs = records(0.5)
+    recs[2]["step_time_s"] = 3.0  # step 20 slow: counted with warm-up 10, skipped with warm-up 20
+    with_slow = throughput(recs, warmup_steps=10, what="run A")
+    without = throughput(recs, warmup_steps=20, what="run A")
+    assert with_slow.steps_per_s == pytest.approx(9 / (3.0 + 8 * 0.5))
+    assert without.steps_per_s == pytest.approx(2.0) and without.samples == 8
+    everything = throughput(recs, warmup_steps=0, what="run A")
+    assert everything.samples == 11 and everything.first_step == 1
+
+
+def test_a_resumed_runs_repeated_steps_count_once():
+    recs = records(0.5) + [{"step": 100, "step_time_s": 0.5, "tokens": 100 * TOKENS_PER_STEP, "resumed_from_step": 90}]
+    t = throughput(recs, warmup_steps=10, what="run A")
+    assert t.samples == 9 and t.tokens_per_step == TOKENS_PER_STEP
+
+
+def test_each_run_gets_its_environment_and_gate_and_the_config_is_untouched():
+    cfg = load_config(environ={}, path=None)
+    before = cfg.model_dump()
+    a, b = config_for(cfg, EFA_RUN), config_for(cfg, TCP_RUN)
+    assert a.network.env == cfg.network.env and a.fabric.require == "efa"
+    assert b.network.env == {**cfg.network.env, **TCP_ENV} and b.fabric.require == "any"
+    assert b.network.env["FI_PROVIDER"] == "tcp" and b.training == cfg.training
+    assert cfg.model_dump() == before
+
+
+def test_refused_when_both_runs_use_the_same_transport():
+    jobs = Jobs(A=RunOutput(records(0.5), lines(EFA_LOG)), B=RunOutput(records(0.5), lines(EFA_LOG)))
+    with pytest.raises(ComparisonRefused) as err:
+        compare_fabric(jobs)
+    msg = str(err.value)
+    assert "run B (TCP: NCCL_NET=Socket FI_PROVIDER=tcp) used efa, not socket" in msg
+    assert "same transport as run A (EFA)" in msg and "never compared" in msg
+
+
+def test_refused_when_run_a_is_not_efa_and_run_b_never_starts():
+    jobs = Jobs(A=RunOutput(records(0.5), lines(TCP_LOG)), B=RunOutput(records(1.0), lines(TCP_LOG)))
+    with pytest.raises(ComparisonRefused) as err:
+        compare_fabric(jobs)
+    assert "run A (EFA: the configured network.env) used socket, not efa" in str(err.value)
+    assert "vpc.amazonaws.com/efa" in str(err.value)  # the hint says what to fix
+    assert [s.key for s in jobs.specs] == ["A"]
+
+
+@pytest.mark.parametrize("fixture", ["single_node_nccl2.27.log", "truncated_before_connections.log"])
+def test_refused_when_run_b_proves_nothing(fixture: str):
+    report = analyze_paths([FIXTURES / fixture])  # a TransportReport is accepted as well as lines
+    jobs = Jobs(A=RunOutput(records(0.5), lines(EFA_LOG)), B=RunOutput(records(1.0), report))
+    with pytest.raises(ComparisonRefused, match=rf"run B .* used {report.verdict}, not socket \(run A used efa\)"):
+        compare_fabric(jobs)
+
+
+def test_refused_when_a_job_failed():
+    jobs = good_jobs()
+    jobs.outputs["B"] = dataclasses.replace(jobs.outputs["B"], status="FAILED", source="job b")
+    with pytest.raises(ComparisonRefused, match=r"run B .* ended FAILED \(job b\)"):
+        compare_fabric(jobs)
+
+
+def test_refused_when_too_few_steps_after_warmup():
+    jobs = Jobs(A=RunOutput(records(0.5, steps=30), lines(EFA_LOG)), B=RunOutput(records(1.0), lines(TCP_LOG)))
+    with pytest.raises(ComparisonRefused) as err:
+        compare_fabric(jobs, warmup_steps=10, min_samples=3)
+    assert "run A (EFA" in str(err.value) and "has 2 timed step(s) after a warm-up of 10 steps" in str(err.value)
+    assert err.value.hint and "--warmup-steps" in err.value.hint
+    assert compare_fabric(jobs, warmup_steps=10, min_samples=2).efa.throughput.samples == 2
+
+
+def test_refused_when_the_runs_are_not_the_same_job():
+    other = [dict(r, tokens=r["step"] * TOKENS_PER_STEP * 2) for r in records(1.0)]
+    jobs = Jobs(A=RunOutput(records(0.5), lines(EFA_LOG)), B=RunOutput(other, lines(TCP_LOG)))
+    with pytest.raises(ComparisonRefused, match="not the same job: tokens per step 16384 .run A. vs 32768"):
+        compare_fabric(jobs)
+
+
+def test_negative_warmup_is_a_user_error():
+    with pytest.raises(UserError, match="--warmup-steps -1"):
+        compare_fabric(good_jobs(), warmup_steps=-1)
+
+
+def test_json_output():
+    data = json.loads(compare_fabric(good_jobs(), warmup_steps=10).to_json())
+    assert data["speedup"] == pytest.approx(2.5) and data["warmup_steps"] == 10
+    assert data["efa"]["verdict"] == "efa" and data["efa"]["env"] == {} and data["efa"]["require"] == "efa"
+    assert data["tcp"]["verdict"] == "socket" and data["tcp"]["env"] == TCP_ENV and data["tcp"]["require"] == "any"
+    assert data["tcp"]["throughput"]["steps_per_s"] == pytest.approx(0.8)
+    assert data["tcp"]["throughput"]["samples"] == 9 and data["tcp"]["source"] == "job b"
+    assert data["efa"]["world_size"] == 8 and "step_time_s" in data["method"]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# On EKS, through the fakes
+# ------------------------------------------------------------------------------------------------------------------
+
+
+class EnvAwareRay(FakeRay):
+    """:class:`FakeRay` whose workers log what NCCL would choose from the RayCluster's worker env (Socket when
+    ``NCCL_NET=Socket``, else EFA), whose job prints its run folder, and whose head pod holds ``metrics.jsonl``."""
+
+    def __init__(self, tmp: Path, world: World) -> None:
+        super().__init__(tmp)
+        self.world = world
+        self.step_s = {"efa": 0.5, "socket": 1.25}
+
+    def _fabric(self, ns: str) -> str:
+        rc = self.world.kube.get("ray.io/v1", "RayCluster", self.world.d.cfg.ray.cluster_name, ns)
+        (group,) = rc["spec"]["workerGroupSpecs"]
+        env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
+        return "socket" if env.get("NCCL_NET") == "Socket" else "efa"
+
+    def __call__(self, ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:
+        fabric = self._fabric(ns)
+        self.worker_logs = [EFA_LOG, EFA_LOG] if fabric == "efa" else [TCP_LOG, TCP_LOG]
+        if argv[:3] == ["ray", "job", "logs"]:
+            super().__call__(ns, pod, argv, stdin)
+            run_dir = f"/home/ray/runs/{argv[-1]}"
+            metrics = self.tmp / "head" / run_dir.lstrip("/") / "metrics.jsonl"
+            metrics.parent.mkdir(parents=True, exist_ok=True)
+            metrics.write_text("".join(json.dumps(r) + "\n" for r in records(self.step_s[fabric])))
+            return ExecResult(0, f"run folder: {run_dir}\nstep 100 loss 1.87\nRun folder: {run_dir}\n")
+        if argv[:1] == ["cat"]:
+            local = self.tmp / "head" / argv[1].lstrip("/")
+            return ExecResult(0, local.read_text()) if local.is_file() else ExecResult(1, "", "No such file\n")
+        return super().__call__(ns, pod, argv, stdin)
+
+
+@pytest.fixture
+def eks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
+    monkeypatch.chdir(tmp_path)  # no raytrain-eks.yaml of the repository is read
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    world = World(tmp_path, load_config(environ={}, path=None))
+    world.ray = EnvAwareRay(tmp_path, world)
+    world.kube.exec_handler = world.ray
+    world.up()
+    world.submit()  # a RayCluster from an earlier job is running (with the EFA env)
+    world.lines.clear()
+
+    def make_deployment(cfg: Config, state_dir: Path) -> Any:
+        world.d = dataclasses.replace(world.d, cfg=apply_state(cfg, world.store))
+        return world.d
+
+    monkeypatch.setattr(deploy_commands, "make_deployment", make_deployment)
+    yield world
+
+
+def test_compare_fabric_on_eks_through_the_fakes(eks: World):
+    app = typer.Typer()
+    commands.register(app)
+    deleted_before = len(eks.kube.deleted)
+    out = CliRunner().invoke(app, ["compare-fabric", "--json", "--warmup-steps", "10"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["efa"]["verdict"] == "efa" and data["tcp"]["verdict"] == "socket"
+    assert data["speedup"] == pytest.approx(2.5)
+    assert data["efa"]["source"].startswith("job raytrain-") and "run folder /home/ray/runs/" in data["tcp"]["source"]
+    # Each run on a fresh RayCluster; the second one's worker template carries the TCP environment.
+    rc_deletes = [x for x in eks.kube.deleted[deleted_before:] if x[1] == "RayCluster"]
+    assert len(rc_deletes) == 2
+    applied = [o for o in eks.kube.applied if o["kind"] == "RayCluster"][-2:]
+    envs = [
+        {
+            e["name"]: e.get("value")
+            for e in o["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"]
+        }
+        for o in applied
+    ]
+    assert "NCCL_NET" not in envs[0] and envs[0]["FI_PROVIDER"] == "efa"
+    assert envs[1]["NCCL_NET"] == "Socket" and envs[1]["FI_PROVIDER"] == "tcp"
+    # The TCP job's own config (mounted ConfigMap) turns the in-job gate off; the EFA job's keeps it on.
+    maps = [o for o in eks.kube.applied if o["kind"] == "ConfigMap" and "raytrain-eks.yaml" in o.get("data", {})]
+    assert "require: efa" in maps[-2]["data"]["raytrain-eks.yaml"]
+    assert "require: any" in maps[-1]["data"]["raytrain-eks.yaml"]
+    # Metrics came from the head pod; two jobs were submitted after the earlier one.
+    cats = [c for c in eks.kube.exec_calls if c[2][:1] == ["cat"]]
+    assert len(cats) == 2 and all(c[1].endswith("head-0") for c in cats)
+    assert len(eks.ray.submitted) == 3
+
+
+def test_compare_fabric_on_eks_refuses_when_efa_is_missing(eks: World):
+    eks.ray.step_s = {"efa": 0.5, "socket": 1.0}
+    eks.ray._fabric = lambda ns: "socket"  # type: ignore[method-assign]  # NCCL falls back whatever the env says
+    app = typer.Typer()
+    commands.register(app)
+    out = CliRunner().invoke(app, ["compare-fabric"])
+    assert isinstance(out.exception, ComparisonRefused) and "run A (EFA" in str(out.exception)
+    assert len(eks.ray.submitted) == 2  # run B was never submitted
