@@ -20,6 +20,7 @@ from raytrain_eks.aws import commands as aws_commands
 from raytrain_eks.config import DEFAULT_CONFIG_FILE, env_file_lines, load_config
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric import commands as fabric_commands
+from raytrain_eks.options import ConfigOpt, PresetOpt
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Fine-tune LLMs with Ray Train + FSDP on EKS (or locally)."
@@ -32,18 +33,6 @@ fabric_commands.register(app)
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-ConfigOpt = Annotated[
-    Path | None,
-    typer.Option("--config", "-c", help=f"YAML configuration (default: ./{DEFAULT_CONFIG_FILE} if present)."),
-]
-PresetOpt = Annotated[
-    str | None,
-    typer.Option(
-        help=f"Starting point under the file: {', '.join(presets.PRESETS)} (default: local-tiny locally, "
-        "reference with --address)."
-    ),
-]
 
 
 @app.command()

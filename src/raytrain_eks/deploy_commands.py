@@ -29,7 +29,8 @@ import typer
 from rich.console import Console
 
 from raytrain_eks import presets
-from raytrain_eks.config import DEFAULT_CONFIG_FILE, Config, load_config
+from raytrain_eks.config import Config, load_config
+from raytrain_eks.options import ClusterPresetOpt, ConfigOpt
 
 if TYPE_CHECKING:
     from raytrain_eks.deploy import Deployment
@@ -50,11 +51,6 @@ def register(app: typer.Typer) -> None:
     app.command()(down)
 
 
-ConfigOpt = Annotated[
-    Path | None,
-    typer.Option("--config", "-c", help=f"YAML configuration (default: ./{DEFAULT_CONFIG_FILE} if present)."),
-]
-PresetOpt = Annotated[str, typer.Option(help=f"Starting point under the file: {', '.join(presets.PRESETS)}.")]
 StateDirOpt = Annotated[
     Path, typer.Option("--state-dir", help="Where this deployment's state, kubeconfig and generated files live.")
 ]
@@ -65,13 +61,8 @@ ModeOpt = Annotated[
 
 
 def plan(
-    config: Annotated[
-        Path | None,
-        typer.Option("--config", "-c", help=f"YAML configuration (default: ./{DEFAULT_CONFIG_FILE} if present)."),
-    ] = None,
-    preset: Annotated[
-        str, typer.Option(help=f"Starting point under the file: {', '.join(presets.PRESETS)}.")
-    ] = "reference",
+    config: ConfigOpt = None,
+    preset: ClusterPresetOpt = "reference",
     output_dir: Annotated[
         Path | None,
         typer.Option("--output-dir", "-o", help="Write every file deploy would apply, and plan.json, here."),
@@ -153,7 +144,7 @@ def _confirm(yes: bool) -> Callable[[str], bool]:
 
 def up(
     config: ConfigOpt = None,
-    preset: PresetOpt = "reference",
+    preset: ClusterPresetOpt = "reference",
     plan_only: Annotated[bool, typer.Option("--plan", help="Print every action and create nothing.")] = False,
     train: Annotated[bool, typer.Option("--train", help="Run `submit` once the infrastructure is up.")] = False,
     mode: ModeOpt = PlanMode.raycluster,
@@ -185,7 +176,7 @@ def up(
 
 def submit(
     config: ConfigOpt = None,
-    preset: PresetOpt = "reference",
+    preset: ClusterPresetOpt = "reference",
     mode: ModeOpt = PlanMode.raycluster,
     state_dir: StateDirOpt = Path(".raytrain-eks"),
 ) -> None:
@@ -204,7 +195,7 @@ def _submit(d: Deployment, mode: PlanMode) -> None:
 
 def status(
     config: ConfigOpt = None,
-    preset: PresetOpt = "reference",
+    preset: ClusterPresetOpt = "reference",
     state_dir: StateDirOpt = Path(".raytrain-eks"),
 ) -> None:
     """Show what this folder deployed, the GPU nodes' resources and the Ray pods and job."""
@@ -216,7 +207,7 @@ def status(
 
 def logs(
     config: ConfigOpt = None,
-    preset: PresetOpt = "reference",
+    preset: ClusterPresetOpt = "reference",
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream until the job ends.")] = False,
     state_dir: StateDirOpt = Path(".raytrain-eks"),
 ) -> None:
@@ -230,7 +221,7 @@ def logs(
 
 def down(
     config: ConfigOpt = None,
-    preset: PresetOpt = "reference",
+    preset: ClusterPresetOpt = "reference",
     yes: YesOpt = False,
     state_dir: StateDirOpt = Path(".raytrain-eks"),
 ) -> None:

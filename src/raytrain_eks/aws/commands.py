@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -25,8 +24,9 @@ from rich.console import Console
 from raytrain_eks import presets
 from raytrain_eks.aws.services import Services
 from raytrain_eks.aws.session import Aws
-from raytrain_eks.config import DEFAULT_CONFIG_FILE, load_config
+from raytrain_eks.config import load_config
 from raytrain_eks.errors import UserError
+from raytrain_eks.options import ClusterPresetOpt, ConfigOpt
 
 
 def register(app: typer.Typer, *, services: Callable[[Aws], Services] | None = None) -> None:
@@ -34,13 +34,8 @@ def register(app: typer.Typer, *, services: Callable[[Aws], Services] | None = N
     session; the default is the boto3 ones (tests pass the fakes of :mod:`raytrain_eks.aws.fakes`)."""
 
     def capacity(
-        config: Annotated[
-            Path | None,
-            typer.Option("--config", "-c", help=f"YAML configuration (default: ./{DEFAULT_CONFIG_FILE} if present)."),
-        ] = None,
-        preset: Annotated[
-            str, typer.Option(help=f"Starting point under the file: {', '.join(presets.PRESETS)}.")
-        ] = "reference",
+        config: ConfigOpt = None,
+        preset: ClusterPresetOpt = "reference",
         regions: Annotated[
             str | None,
             typer.Option(

@@ -25,7 +25,7 @@ import typer
 from rich.console import Console
 
 from raytrain_eks import presets
-from raytrain_eks.config import DEFAULT_CONFIG_FILE, load_config
+from raytrain_eks.config import load_config
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric import compare
 from raytrain_eks.fabric.nccl_log import LogInputError, analyze_paths
@@ -41,6 +41,7 @@ from raytrain_eks.fabric.probe import (
     parse_size,
     run_probe,
 )
+from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, PresetOpt
 
 
 class Require(StrEnum):
@@ -114,17 +115,8 @@ def probe(
     address: Annotated[
         str | None, typer.Option(help="Join a running Ray cluster ('auto' or HOST:PORT) instead of starting one here.")
     ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option("--config", "-c", help=f"YAML configuration (default: ./{DEFAULT_CONFIG_FILE} if present)."),
-    ] = None,
-    preset: Annotated[
-        str | None,
-        typer.Option(
-            help=f"Starting point under the file: {', '.join(presets.PRESETS)} (default: local-tiny locally, "
-            "reference with --address)."
-        ),
-    ] = None,
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
     num_workers: Annotated[
         int | None, typer.Option(help="Ranks; 0 = one per GPU (2 on CPU). Default: training.num_workers.")
     ] = None,
@@ -182,13 +174,8 @@ def probe(
 
 
 def compare_fabric(
-    config: Annotated[
-        Path | None,
-        typer.Option("--config", "-c", help=f"YAML configuration (default: ./{DEFAULT_CONFIG_FILE} if present)."),
-    ] = None,
-    preset: Annotated[
-        str, typer.Option(help=f"Starting point under the file: {', '.join(presets.PRESETS)}.")
-    ] = "reference",
+    config: ConfigOpt = None,
+    preset: ClusterPresetOpt = "reference",
     warmup_steps: Annotated[
         int, typer.Option(help="Steps left out of the timing at the start of each run.")
     ] = compare.DEFAULT_WARMUP_STEPS,

@@ -1,0 +1,26 @@
+"""Command-line options shared by every command, declared once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from raytrain_eks import presets
+from raytrain_eks.config import DEFAULT_CONFIG_FILE
+
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help=f"YAML configuration (default: ./{DEFAULT_CONFIG_FILE} if present)."),
+]
+# Commands that train or probe: the default depends on where they run (see presets.choose).
+PresetOpt = Annotated[
+    str | None,
+    typer.Option(
+        help=f"Starting point under the file: {', '.join(presets.PRESETS)} (default: local-tiny locally, "
+        "reference with --address)."
+    ),
+]
+# Commands about the cluster: the reference deployment unless told otherwise.
+ClusterPresetOpt = Annotated[str, typer.Option(help=f"Starting point under the file: {', '.join(presets.PRESETS)}.")]
