@@ -640,3 +640,16 @@ def test_aws_errors_become_one_message(offline_aws, code, error, expected):
         with pytest.raises(error) as info:
             offered_zones(offline_aws, REGION, "g6.12xlarge")
     assert expected in str(info.value)
+
+
+def test_up_places_the_gpu_group_by_the_capacity_check(aws_env):
+    from raytrain_eks import deploy
+
+    ids = _zone_ids()
+    zones = deploy.placement_zones(load_config(), services=_services(scores={ids["us-east-1d"]: 9}))
+    assert sorted(zones) == OFFERED and zones[0] == "us-east-1d", "offered zones only, best spot score first"
+    _run("g6.12xlarge")
+    reservations = FakeReservations()
+    with pytest.raises(cap.CapacityError, match="quota short in us-east-1"):
+        deploy.placement_zones(load_config(), services=_services(limit=96, reservations=reservations))
+    assert reservations.calls == [], "nothing created"

@@ -282,30 +282,23 @@ class UpResult:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def aws_offered_zones(cfg: Config, run: Runner) -> list[str] | None:
-    """The zones of the region that offer the GPU type (``ec2:DescribeInstanceTypeOfferings`` through the AWS
-    CLI), or ``None`` when the AWS CLI is not installed."""
-    c = cfg.cluster
-    argv = [
-        "aws",
-        "ec2",
-        "describe-instance-type-offerings",
-        "--region",
-        c.region,
-        "--location-type",
-        "availability-zone",
-        "--filters",
-        f"Name=instance-type,Values={c.gpu_node_type}",
-        "--query",
-        "InstanceTypeOfferings[].Location",
-        "--output",
-        "json",
-    ]
-    try:
-        done = run(argv, timeout=QUICK_TIMEOUT_S, hint="Check your AWS credentials: `aws sts get-caller-identity`.")
-    except MissingToolError:
-        return None
-    return sorted(json.loads(done.stdout or "[]"))
+def placement_zones(cfg: Config, services: Any | None = None) -> list[str]:
+    """The placement search of ``up``: the configured region's zones that can take the GPU node group, best first.
+
+    The ``capacity`` check through boto3 (offered, EFA, vCPU quota net of running instances, subnets, spot score).
+    Raises its one-message error, before anything is created, when no zone fits (quota short, not offered, no EFA).
+    ``services`` replaces the quota, spot-score and reservation interfaces (tests pass fakes).
+    """
+    from raytrain_eks.aws.capacity import check_capacity
+    from raytrain_eks.aws.services import boto3_services
+    from raytrain_eks.aws.session import connect
+
+    aws = connect(cfg.cluster.region)
+    report = check_capacity(cfg, aws, services or boto3_services(aws), regions=[cfg.cluster.region])
+    problem = report.problem()
+    if problem is not None:
+        raise problem
+    return [c.zone for c in report.targets if c.viable and c.zone]
 
 
 def choose_zones(cfg: Config, store: StateStore, offered: Callable[[], Sequence[str] | None] | None = None) -> ZonePlan:
@@ -332,10 +325,10 @@ def choose_zones(cfg: Config, store: StateStore, offered: Callable[[], Sequence[
         if not zones:
             raise UserError(
                 f"no availability zone of {c.region} is known to offer {c.gpu_node_type}",
-                hint="Set cluster.gpu_az (GPU_AZ=...) or cluster.availability_zones in the configuration, or install "
-                "and configure the AWS CLI so that `up` can ask EC2 which zones offer the type.",
+                hint="Set cluster.gpu_az (GPU_AZ=...) or cluster.availability_zones in the configuration, or see "
+                "`raytrain-eks capacity --all-regions` for where the type can go.",
             )
-        pool = sorted(zones)[:MAX_ZONES]
+        pool = list(zones)[:MAX_ZONES]  # in the capacity check's order: best first
         cluster_azs = tuple(pool)
         if len(cluster_azs) < 2:  # eksctl needs two zones for the cluster; the second only holds subnets
             cluster_azs = eksctl.planned_zones(

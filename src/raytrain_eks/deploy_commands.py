@@ -169,7 +169,7 @@ def up(
         _say(f"Cost while it runs: about ${cost['total_usd']:.2f} per hour ({cost['price_region']} on-demand).")
         return
     d = make_deployment(cfg, state_dir)
-    deploy.up(d, confirm=_confirm(yes), offered_zones=lambda: deploy.aws_offered_zones(d.cfg, d.run))
+    deploy.up(d, confirm=_confirm(yes), offered_zones=lambda: deploy.placement_zones(d.cfg))
     if train:
         _submit(d, mode)
 
