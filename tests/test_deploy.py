@@ -140,6 +140,11 @@ class FakeTools:
             return 0, json.dumps([{"Name": n, "Status": g["status"]} for n, g in self.nodegroups.items()]), ""
         if verb == ("eksctl", "create", "nodegroup"):
             return self._create_nodegroup(yaml.safe_load(Path(self._opt(argv, "-f")).read_text()))
+        if verb == ("eksctl", "scale", "nodegroup"):
+            name, nodes = self._opt(argv, "--name"), int(self._opt(argv, "--nodes"))
+            self.kube.remove_nodes({"alpha.eksctl.io/nodegroup-name": name})
+            self._add_nodes(name, nodes)
+            return 0, "", ""
         if verb == ("eksctl", "delete", "nodegroup"):
             name = self._opt(argv, "--name")
             self.nodegroups.pop(name, None)
@@ -176,16 +181,8 @@ class FakeTools:
         if group.get("efaEnabled") and az in self.no_capacity:
             self.nodegroups[name] = {"status": "CREATE_FAILED", "az": az}
             return 1, "", CAPACITY_ERROR.format(az=az)
-        self.nodegroups[name] = {"status": "ACTIVE", "az": az}
-        for i in range(group["desiredCapacity"]):
-            labels = {
-                **group["labels"],
-                "alpha.eksctl.io/nodegroup-name": name,
-                "eks.amazonaws.com/nodegroup": name,
-                "topology.kubernetes.io/zone": az,
-                "node.kubernetes.io/instance-type": group["instanceType"],
-            }
-            self.kube.add_node(f"ip-{name}-{i}", labels=labels, allocatable=ALLOCATABLE[group["instanceType"]])
+        self.nodegroups[name] = {"status": "ACTIVE", "az": az, "group": group}
+        self._add_nodes(name, group["desiredCapacity"])
         if group.get("efaEnabled"):  # eksctl applies its own EFA plugin; `up` must remove it (infra-facts §1)
             self.kube.add_daemon_set(
                 "kube-system",
@@ -194,6 +191,18 @@ class FakeTools:
                 advertises={m.EFA_RESOURCE: "1"},
             )
         return 0, "", ""
+
+    def _add_nodes(self, name: str, count: int) -> None:
+        group, az = self.nodegroups[name]["group"], self.nodegroups[name]["az"]
+        for i in range(count):
+            labels = {
+                **group["labels"],
+                "alpha.eksctl.io/nodegroup-name": name,
+                "eks.amazonaws.com/nodegroup": name,
+                "topology.kubernetes.io/zone": az,
+                "node.kubernetes.io/instance-type": group["instanceType"],
+            }
+            self.kube.add_node(f"ip-{name}-{i}", labels=labels, allocatable=ALLOCATABLE[group["instanceType"]])
 
     def _helm_install(self, argv: list[str]) -> tuple[int, str, str]:
         name, chart = argv[3], argv[4]
@@ -716,6 +725,21 @@ def test_rayjob_mode_renders_a_rayjob_that_ships_the_code(ready: World):
     assert {"key": "raytrain_eks____init__.py", "path": "raytrain_eks/__init__.py"} in items
     assert not ready.ray.submitted, "KubeRay's submitter submits a RayJob, not raytrain-eks"
     assert ready.store.get("job")["id"] == "ray-train-job"
+
+
+def test_rayjob_scales_the_gpu_group_to_zero_after_the_job_and_back_for_the_next(ready: World):
+    assert ready.submit(mode="rayjob").exit_code == 0
+    scale = ready.tools.commands("eksctl", "scale", "nodegroup")
+    assert [c[c.index("--nodes") + 1] for c in scale] == ["0"]
+    assert not ready.kube.nodes({"role": "gpu-worker"}), "no GPU instance left billing after the RayJob"
+    assert "scaling GPU node group gpu-efa to 0" in ready.said()
+    ready.kube.set_status("ray.io/v1", "RayJob", "ray-train", "default", {"jobDeploymentStatus": "Complete"})
+    assert ready.submit(mode="rayjob").exit_code == 0
+    scale = ready.tools.commands("eksctl", "scale", "nodegroup")
+    assert [c[c.index("--nodes") + 1] for c in scale] == ["0", "2", "0"]
+    ready.up()  # `up` too brings the group back to its size
+    assert len(ready.kube.nodes({"role": "gpu-worker"})) == 2
+    assert ready.store.get("gpu_scaled_to") == 2
 
 
 def test_finished_rayjob_is_replaced_on_resubmit(ready: World):

@@ -489,6 +489,9 @@ def ensure_gpu_nodegroup(d: Deployment, plan: ZonePlan) -> str:
         az = d.state.get("gpu_az") or (seen[0] if seen else plan.candidates[0])
         d.say(f"Node group {name} exists (zone {az})")
         d.state.update(gpu_az=az)
+        if d.state.get("gpu_scaled_to") == 0:
+            d.say(f"It was scaled to 0 after a RayJob: scaling it back to {c.gpu_node_count} nodes")
+            scale_gpu_nodes(d, c.gpu_node_count)
         return az
     if status in _FAILED_NODEGROUP:
         d.say(f"Node group {name} is {status} from an earlier run: removing it first")
@@ -533,6 +536,13 @@ def ensure_gpu_nodegroup(d: Deployment, plan: ZonePlan) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # Add-ons (helm) and the proof that they work
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def scale_gpu_nodes(d: Deployment, nodes: int) -> None:
+    """Set the GPU node group's size; 0 stops the instances' billing while the group, its zone and the cluster
+    stay (``up`` or a RayJob ``submit`` scales it back)."""
+    d.run(eksctl.scale_gpu_nodegroup_argv(d.cfg, nodes), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say)
+    d.state.update(gpu_scaled_to=nodes)
 
 
 def _helm(d: Deployment, argv: list[str], **kwargs: Any) -> Completed:

@@ -33,7 +33,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import raytrain_eks
-from raytrain_eks.deploy import Deployment, NodesNotReady, gpu_node_problems, object_item
+from raytrain_eks.deploy import (
+    Deployment,
+    NodesNotReady,
+    gpu_node_problems,
+    object_item,
+    scale_gpu_nodes,
+    wait_gpu_nodes,
+)
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
 from raytrain_eks.k8s import manifests as m
@@ -438,6 +445,10 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
     cfg = d.cfg
     ns = cfg.ray.namespace
     gpu, _ = check_deployable(cfg)
+    if d.state.get("gpu_scaled_to") == 0:  # a finished RayJob left the GPU group at 0 nodes
+        d.say(f"Scaling GPU node group {cfg.cluster.gpu_nodegroup_name} back to {cfg.cluster.gpu_node_count} nodes")
+        scale_gpu_nodes(d, cfg.cluster.gpu_node_count)
+        wait_gpu_nodes(d, gpu, d.state.get("gpu_az"))
     _, problems = gpu_node_problems(d, gpu, d.state.get("gpu_az"))
     if problems:
         raise NodesNotReady(problems)  # at once: pods would only sit Pending
@@ -491,6 +502,13 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
     d.state.update(job={**d.state.get("job"), "status": final})
     result = _judge(d, submission_id, final, workers)
     result.run_dir = run_dirs[-1] if run_dirs else None
+    if mode == "rayjob":
+        # The RayJob removes its pods, not the GPU instances: scale the group to 0 so they stop billing.
+        d.say(
+            f"RayJob done: scaling GPU node group {cfg.cluster.gpu_nodegroup_name} to 0 (the next submit or up "
+            "scales it back)"
+        )
+        scale_gpu_nodes(d, 0)
     return result
 
 
