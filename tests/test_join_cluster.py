@@ -49,6 +49,12 @@ def test_train_joins_an_existing_cluster(tmp_path, ray_head):
     assert proc.stdout.strip().splitlines()[-1] == f"Run folder: {run.resolve()}"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 5 and summary["world_size"] == 2
+    # A run on a cluster is priced with the configured cluster's hourly cost (reference: $9.5498/h).
+    cost = summary["cost"]
+    assert cost["usd_per_hour"] == pytest.approx(9.5498)
+    assert cost["usd"] == pytest.approx(9.5498 * summary["wall_s"] / 3600, abs=1e-4)
+    assert cost["usd_per_million_tokens"] == pytest.approx(cost["usd"] / summary["tokens"] * 1e6, rel=1e-2)
+    assert "cost: $" in proc.stdout
     # The cluster outlives the job: it was not ours to stop.
     probe = "import ray; ray.init(address='auto', log_to_driver=False); print(int(ray.cluster_resources()['CPU']))"
     alive = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)

@@ -7,6 +7,7 @@ raytrain-eks config show           # the resolved configuration (file + environm
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -90,6 +91,16 @@ def train(
             cfg, address=address, say=progress.say, progress=progress.update, verbose=verbose, resume=resume
         )
     s = result.summary
+    if address is not None:  # on a cluster this tool deploys: what the run cost while it ran
+        from raytrain_eks.plan import run_cost
+
+        s["cost"] = run_cost(cfg, wall_s=s["wall_s"], tokens=s["tokens"])
+        (result.run_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+        if s["cost"] is not None:
+            out.print(
+                f"cost: ${s['cost']['usd']:.2f} at ${s['cost']['usd_per_hour']:.2f}/h, "
+                f"${s['cost']['usd_per_million_tokens']:.2f} per million tokens"
+            )
     mfu = "n/a on CPU" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"
     out.print(
         f"done: {s['steps']} steps, loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}, "

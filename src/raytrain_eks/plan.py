@@ -236,6 +236,26 @@ def helm_releases(cfg: Config) -> list[HelmRelease]:
     ]
 
 
+def run_cost(cfg: Config, *, wall_s: float, tokens: int) -> dict[str, Any] | None:
+    """What a run on the configured cluster cost while it ran: the cluster's hourly cost times the run's wall time,
+    and per million trained tokens. ``None`` when the cluster is not one this tool can price.
+
+    Example: 9.5498 $/h for 600 s and 30 M tokens -> ``{"usd": 1.5916, "usd_per_million_tokens": 0.0531, ...}``.
+    """
+    try:
+        gpu, system = check_deployable(cfg)
+    except UserError:
+        return None
+    hourly = cost_per_hour(cfg, gpu, system)
+    usd = hourly["total_usd"] * wall_s / 3600
+    return {
+        "usd": round(usd, 4),
+        "usd_per_million_tokens": round(usd / tokens * 1e6, 4) if tokens else None,
+        "usd_per_hour": hourly["total_usd"],
+        "basis": f"{hourly['price_region']} on-demand prices x the run's wall time; excludes EBS, data and IPv4",
+    }
+
+
 def cost_per_hour(cfg: Config, gpu: InstanceType, system: InstanceType) -> dict[str, Any]:
     """Hourly on-demand cost, one item per billable thing (us-east-1 prices, infra-facts §7).
 
