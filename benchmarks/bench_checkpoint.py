@@ -28,9 +28,10 @@ Part 2, the share of a run spent checkpointing: the default local job (``local_t
 CPU workers) once, ``summary["checkpoint_s"] / summary["train_s"]`` (the loop's time includes its saves), with
 the default ``checkpoint_every``. Then an **estimate** for the reference preset (``TrainingConfig()``:
 ``checkpoint_every`` 50 of 100 steps): the largest (last) size's measured save time against that model's step
-time on the same 2 processes, measured at batch 1 x 512 and x 1024 tokens per rank and extrapolated linearly to
-the reference's tokens per rank and step (2 x 1024); ``--step-time-s`` replaces it with a known step time, e.g.
-one measured on GPUs. Shown without and with Ray's copy.
+time on the same 2 processes at the reference's shape (2 x 1024 tokens per rank), estimated from steps of
+1 x 512 and 1 x 1024 tokens: linear in tokens, within the bounds t(1 x 1024) .. 2 x t(1 x 1024), both shown.
+``--step-time-s`` replaces it with a known step time, e.g. one measured on GPUs. Shown without and with Ray's
+copy.
 
 Example::
 
@@ -98,22 +99,24 @@ SIZES: dict[str, dict[str, int]] = {
 }
 
 
+def probe_seq_lens() -> list[int]:
+    """Step-time probes (batch 1 per rank): half the reference's sequence length and the whole of it."""
+    from raytrain_eks.config import TrainingConfig
+
+    seq = TrainingConfig().seq_len
+    return [seq // 2, seq]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated, of {', '.join(SIZES)} (default all)")
     p.add_argument("--repeats", type=int, default=3, help="saves, loads and exports per size; median shown (3)")
     p.add_argument("--hot", action="store_true", help="load and export from the page cache (default: from disk)")
     p.add_argument(
-        "--probe-seq-lens",
-        default="512,1024",
-        help="two sequence lengths (batch 1 per rank) whose step times give the step-time line (default 512,1024;\n"
-        "the per-token cost on CPUs grows with length, so shorter probes underestimate the reference's step)",
-    )
-    p.add_argument(
         "--step-time-s",
         type=float,
         default=None,
-        help="step time for the reference estimate instead of the extrapolated CPU one",
+        help="step time for the reference estimate instead of the one measured here (e.g. a GPU step time)",
     )
     p.add_argument("--skip-run", action="store_true", help="skip part 2's training run (the Ray job)")
     p.add_argument("--tmp-dir", type=Path, default=None, help="where checkpoints go (default: the system temp dir)")
@@ -125,10 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--sizes: unknown {unknown}; choose from {', '.join(SIZES)}")
     if args.repeats < 1:
         p.error("--repeats must be at least 1")
-    lens = [int(x) for x in args.probe_seq_lens.split(",")]
-    if len(lens) != 2 or lens[0] == lens[1] or min(lens) < 8:
-        p.error("--probe-seq-lens takes two different lengths of at least 8")
-    args.probe_lens = sorted(lens)
+    args.probe_lens = probe_seq_lens()
     return args
 
 
@@ -176,6 +176,36 @@ def cpu_shares(start: list[int] | None, end: list[int] | None) -> dict[str, floa
         "iowait_pct": 100 * d[4] / total,
         "steal_pct": 100 * d[7] / total,
     }
+
+
+class OutsideCpu:
+    """CPU used by everything but this process and its reaped children (the 2 ranks), in cores, over a window.
+
+    On a 2-core machine the 2 ranks need both cores; anything else running (other users' jobs, kernel threads
+    flushing writes) shows here and slows the figures down. Linux only; ``cores()`` is None elsewhere.
+    """
+
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float] | None:
+        ticks = cpu_ticks()
+        if ticks is None:
+            return None
+        busy = (sum(ticks) - ticks[3] - ticks[4] - ticks[7]) / os.sysconf("SC_CLK_TCK")
+        own = sum(
+            ru.ru_utime + ru.ru_stime
+            for ru in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN))
+        )
+        return time.perf_counter(), busy, own
+
+    def cores(self) -> float | None:
+        end = self._sample()
+        if self._start is None or end is None:
+            return None
+        (t0, busy0, own0), (t1, busy1, own1) = self._start, end
+        return max(0.0, (busy1 - busy0) - (own1 - own0)) / max(1e-9, t1 - t0)
 
 
 def peak_rss_gib() -> float:
@@ -423,6 +453,7 @@ def bench_size(name: str, args: argparse.Namespace, tmp: Path, tokenizer_src: Pa
 
     model_dir = tmp / f"model-{name}"
     load_avg = [os.getloadavg()[0]]
+    outside = OutsideCpu()
     t = time.perf_counter()
     n_params = make_model(name, model_dir, tokenizer_src)
     make_s = time.perf_counter() - t
@@ -463,6 +494,7 @@ def bench_size(name: str, args: argparse.Namespace, tmp: Path, tokenizer_src: Pa
     shutil.rmtree(folder.parent)
     shutil.rmtree(model_dir)
     load_avg.append(os.getloadavg()[0])
+    outside_cores = outside.cores()
 
     save, load, export = statistics.median(res["save_s"]), statistics.median(res["load_s"]), statistics.median(export_s)
     row = {
@@ -490,6 +522,7 @@ def bench_size(name: str, args: argparse.Namespace, tmp: Path, tokenizer_src: Pa
         "ray_copy_s": res["ray_copy_s"],
         "ranks_wall_s": ranks_s,
         "load_average": load_avg,  # 1-minute load average before and after this size
+        "outside_cores": outside_cores,  # mean CPU used by other processes meanwhile
     }
     print(
         f"    checkpoint {row['checkpoint_mb']:8.1f} MB (weights+moments would be {row['expected_mb']:.1f} MB)  "
@@ -504,8 +537,8 @@ def bench_size(name: str, args: argparse.Namespace, tmp: Path, tokenizer_src: Pa
         + "  export "
         + ", ".join(f"{x:.2f}" for x in export_s)
         + f" s;  Ray's copy into storage would add {res['ray_copy_s']:.2f} s;"
-        f"  peak RSS per rank {', '.join(f'{g:.2f}' for g in res['peak_rss_gib'])} GiB;  2-rank wall {ranks_s:.0f} s;"
-        f"  load average {load_avg[0]:.1f} -> {load_avg[1]:.1f}"
+        f"  peak RSS per rank {', '.join(f'{g:.2f}' for g in res['peak_rss_gib'])} GiB;  2-rank wall {ranks_s:.0f} s"
+        + (f";  other processes used {outside_cores:.2f} cores meanwhile" if outside_cores is not None else "")
     )
     return row
 
@@ -556,22 +589,26 @@ def reference_estimate(row: dict[str, Any], args: argparse.Namespace) -> dict[st
     from raytrain_eks.config import TrainingConfig
 
     ref = TrainingConfig()
-    tokens = ref.batch_size * ref.grad_accum_steps * ref.seq_len  # per rank and step
+    per_rank = ref.batch_size * ref.grad_accum_steps  # sequences per rank and step
+    tokens = per_rank * ref.seq_len
+    low = high = None
     if args.step_time_s is not None:
         step_s, source = args.step_time_s, "--step-time-s"
     else:
-        (l1, s1), (l2, s2) = sorted((int(k), v) for k, v in row["probe_step_s"].items())
-        slope = (s2 - s1) / (l2 - l1)
+        # A step of `per_rank` sequences costs at least one of 1 sequence (t_full) and at most `per_rank` of them
+        # (the fixed part, FSDP's gathers and the optimizer, counted once per sequence). The point estimate adds
+        # the per-sequence cost (t_full - t_half) * 2, i.e. linear in tokens, kept inside those bounds.
+        (half, t_half), (full, t_full) = sorted((int(k), v) for k, v in row["probe_step_s"].items())
+        low, high = t_full, per_rank * t_full
+        per_seq = (t_full - t_half) * full / (full - half)
+        step_s = min(high, max(low, t_full + (per_rank - 1) * per_seq))
         source = (
-            f"{row['size']} model on this machine's 2 CPU processes (faster of 2 steps, batch 1): {s1:.2f} s at {l1} "
-            f"and {s2:.2f} s at {l2} tokens per rank"
+            f"{row['size']} model on this machine's 2 CPU processes, faster of 2 steps at batch 1: {t_half:.2f} s at "
+            f"{half} and {t_full:.2f} s at {full} tokens per rank; the reference's {per_rank} x {ref.seq_len} "
+            f"tokens per rank: {step_s:.2f} s linear in tokens, bounds {low:.2f} .. {high:.2f} s"
         )
-        if slope > 0:
-            step_s = s1 + slope * (tokens - l1)
-            source += f", extrapolated linearly to {tokens}"
-        else:  # noise (a busy machine) hid the per-token cost: no extrapolation, a lower bound
-            step_s = max(s1, s2)
-            source += f"; NOT extrapolated to {tokens} (the longer step was not slower: noise), so a lower bound"
+        if t_full <= t_half:
+            source += " (the longer probe was not slower: noise; the point estimate is the lower bound)"
     save = row["save_s"]
     n = checkpoints_in_run(ref.steps, ref.checkpoint_every)
     out = {
@@ -588,6 +625,11 @@ def reference_estimate(row: dict[str, Any], args: argparse.Namespace) -> dict[st
         # The step time at and above which a save costs under 1% of its interval.
         "step_time_for_1pct_s": save * 99 / ref.checkpoint_every,
         "run_share_pct": 100 * n * save / (ref.steps * step_s + n * save),
+        "step_time_bounds_s": [low, high] if low is not None else None,
+        # interval share at the upper and the lower step-time bound
+        "interval_share_range_pct": (
+            [100 * save / (ref.checkpoint_every * t + save) for t in (high, low)] if low is not None else None
+        ),
     }
     if row.get("ray_copy_s") is not None:
         with_copy = save + row["ray_copy_s"]
@@ -665,6 +707,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{e['run_share_pct']:.2f}% of a {e['steps']}-step run ({e['checkpoints_in_run']} saves)"
     )
     print(f"  step time: {e['step_time_source']}")
+    if e["interval_share_range_pct"]:
+        lo, hi = e["interval_share_range_pct"]
+        print(f"  over the step-time bounds the interval share is {lo:.2f}% .. {hi:.2f}%")
     print(
         f"  a save costs under 1% of its interval once a step takes {e['step_time_for_1pct_s']:.2f} s or more "
         f"(save s x 99 / {e['checkpoint_every']})"
@@ -686,11 +731,11 @@ def main(argv: list[str] | None = None) -> int:
             else ""
         )
     )
-    busiest = max([load_avg[0], *(x for r in rows for x in r["load_average"])])
-    if busiest > (os.cpu_count() or 1):
+    busiest = max((r["outside_cores"] for r in rows if r["outside_cores"] is not None), default=None)
+    if busiest is not None and busiest > 0.2:
         print(
-            f"  note: the 1-minute load average reached {busiest:.1f} on {os.cpu_count()} CPUs: other processes shared "
-            "the machine (and its disk), so these figures include their noise; rerun on an idle machine to trust them"
+            f"  note: other processes used up to {busiest:.2f} of the {os.cpu_count()} cores while a size was measured "
+            "(see 'other processes' above): the figures include their noise; rerun on an idle machine to trust them"
         )
     result = {
         "config": {
