@@ -30,6 +30,19 @@ def tokenizer(builtin_model: str):
     return load_tokenizer(builtin_model)
 
 
+@pytest.fixture
+def cfg_for(tmp_path, monkeypatch):
+    """Build a config from env.sh-style variables only (no file from the current folder, no real environment)."""
+    from raytrain_eks.config import load_config
+
+    monkeypatch.chdir(tmp_path)
+
+    def build(**environ: str):
+        return load_config(environ=environ)
+
+    return build
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     """An embedded Ray shared by one test module (startup costs 15-20 s here)."""

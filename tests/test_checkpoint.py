@@ -20,7 +20,7 @@ from raytrain_eks import presets
 from raytrain_eks.cli import main
 from raytrain_eks.config import load_config
 from raytrain_eks.errors import TrainingError, UserError
-from raytrain_eks.train.checkpoint import MARKER, list_checkpoints
+from raytrain_eks.train.checkpoint import MARKER, list_checkpoints, resolve_checkpoint
 from raytrain_eks.train.faults import ENV as FAULT_ENV
 from raytrain_eks.train.launch import run_training
 
@@ -167,7 +167,6 @@ def test_bad_resume_inputs_are_one_clear_message(tmp_path, monkeypatch, capsys, 
             num_key_value_heads=1,
         )
     ).save_pretrained(other)
-    reference_run.run_dir.joinpath("..").resolve()
     tok_src = reference_run.run_dir / "model"
     for f in tok_src.iterdir():
         if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
@@ -183,8 +182,6 @@ def test_bad_resume_inputs_are_one_clear_message(tmp_path, monkeypatch, capsys, 
     (incomplete / "ray" / "checkpoint_00000005").mkdir(parents=True)
     (incomplete / "config.yaml").write_text((reference_run.run_dir / "config.yaml").read_text())
     with pytest.raises(UserError, match="none is complete"):
-        from raytrain_eks.train.checkpoint import resolve_checkpoint
-
         resolve_checkpoint(incomplete)
     newest = Path(list_checkpoints(reference_run.run_dir / "ray")[-1][1])
     assert (newest / MARKER).exists()

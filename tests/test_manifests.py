@@ -14,6 +14,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from schema_errors import schema_errors
 
 from raytrain_eks.config import Config, load_config
 from raytrain_eks.k8s import manifests as m
@@ -45,21 +46,6 @@ def raycluster_schema() -> jsonschema.Draft7Validator:
 @pytest.fixture(scope="module")
 def rayjob_schema() -> jsonschema.Draft7Validator:
     return _schema("rayjob.v1.schema.json")
-
-
-@pytest.fixture
-def cfg_for(tmp_path, monkeypatch):
-    """Build a config from env.sh-style variables only (no file from the current folder, no real environment)."""
-    monkeypatch.chdir(tmp_path)
-
-    def build(**environ: str) -> Config:
-        return load_config(environ=environ)
-
-    return build
-
-
-def _errors(validator: jsonschema.Draft7Validator, doc: dict[str, Any]) -> list[str]:
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
 
 
 def _as_pod(template: dict[str, Any], name: str) -> dict[str, Any]:
@@ -123,10 +109,10 @@ def test_raycluster_and_rayjob_validate_against_kuberay_v1(
     cfg = cfg_for(GPU_NODE_TYPE=itype, GPUS_PER_NODE=str(gpus), NAMESPACE="train")
     for hf_token in (False, True):
         rc = m.raycluster(cfg, hf_token=hf_token)
-        assert _errors(raycluster_schema, rc) == []
+        assert schema_errors(raycluster_schema, rc) == []
         assert (rc["apiVersion"], rc["kind"], rc["metadata"]["name"]) == ("ray.io/v1", "RayCluster", "ray-train")
         job = m.rayjob(cfg, hf_token=hf_token, runtime_env={"pip": ["example==1.0"]})
-        assert _errors(rayjob_schema, job) == []
+        assert schema_errors(rayjob_schema, job) == []
         assert (job["apiVersion"], job["kind"], job["metadata"]["name"]) == ("ray.io/v1", "RayJob", "ray-train")
         for i, template in enumerate(m.pod_templates(rc) + m.pod_templates(job)):
             _strict(_as_pod(template, f"pod-{i}"))
@@ -144,7 +130,7 @@ def test_the_validators_do_reject_bad_documents(cfg_for, raycluster_schema):
     """The checks above would catch a mistake: a worker group without minReplicas, a misspelled pod field."""
     rc = m.raycluster(cfg_for())
     del rc["spec"]["workerGroupSpecs"][0]["minReplicas"]
-    assert any("minReplicas" in e for e in _errors(raycluster_schema, rc))
+    assert any("minReplicas" in e for e in schema_errors(raycluster_schema, rc))
     pod = _as_pod(m.pod_templates(m.raycluster(cfg_for()))[1], "w")
     pod["spec"]["nodeSelectors"] = pod["spec"].pop("nodeSelector")
     with pytest.raises(kubernetes_validate.ValidationError, match="nodeSelectors"):

@@ -16,10 +16,11 @@ import kubernetes_validate
 import pytest
 import typer
 import yaml
+from schema_errors import schema_errors
 from typer.testing import CliRunner
 
 from raytrain_eks.aws import eksctl
-from raytrain_eks.config import Config, load_config
+from raytrain_eks.config import load_config
 from raytrain_eks.deploy_commands import register
 from raytrain_eks.errors import ConfigError
 from raytrain_eks.instances import instance_type
@@ -59,21 +60,6 @@ def schemas() -> dict[str, jsonschema.Draft7Validator]:
     }
 
 
-@pytest.fixture
-def cfg_for(tmp_path, monkeypatch):
-    """A config from env.sh-style variables only (no file from the current folder, no real environment)."""
-    monkeypatch.chdir(tmp_path)
-
-    def build(**environ: str) -> Config:
-        return load_config(environ=environ)
-
-    return build
-
-
-def _errors(validator: jsonschema.Draft7Validator, doc: dict[str, Any]) -> list[str]:
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
-
-
 def _app() -> typer.Typer:
     app = typer.Typer()
 
@@ -96,7 +82,7 @@ def _nodegroups(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def test_cluster_config_validates_and_keeps_eksctls_efa_rules(cfg_for, schemas, itype, gpus, efa):
     cfg = cfg_for(GPU_NODE_TYPE=itype, GPUS_PER_NODE=str(gpus), GPU_AZ="us-east-1c")
     doc = eksctl.cluster_config(cfg, eksctl.planned_zones(cfg))
-    assert _errors(schemas["eksctl"], doc) == []
+    assert schema_errors(schemas["eksctl"], doc) == []
     assert doc["metadata"] == {
         "name": "ray-train-eks",
         "region": "us-east-1",
@@ -128,7 +114,7 @@ def test_the_eksctl_validator_does_reject_unknown_keys(cfg_for, schemas):
     cfg = cfg_for()
     doc = eksctl.cluster_config(cfg, eksctl.planned_zones(cfg))
     doc["managedNodeGroups"][1]["efaEnable"] = True
-    assert any("efaEnable" in e for e in _errors(schemas["eksctl"], doc))
+    assert any("efaEnable" in e for e in schema_errors(schemas["eksctl"], doc))
 
 
 def test_zones_come_from_the_config_or_are_a_stated_assumption(tmp_path, monkeypatch):
@@ -247,10 +233,10 @@ def _validate_written(out: Path, schemas: dict[str, jsonschema.Draft7Validator],
         for doc in loaded:
             kind = doc.get("kind") if isinstance(doc, dict) else None
             if kind == "ClusterConfig":
-                assert _errors(schemas["eksctl"], doc) == [], path
+                assert schema_errors(schemas["eksctl"], doc) == [], path
             elif kind in ("RayCluster", "RayJob"):
                 assert doc["apiVersion"] == "ray.io/v1" and doc["metadata"]["name"]
-                assert _errors(schemas[kind], doc) == [], path
+                assert schema_errors(schemas[kind], doc) == [], path
                 for i, t in enumerate(m.pod_templates(doc)):
                     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"p{i}"}, "spec": t["spec"]}
                     kubernetes_validate.validate(pod, k8s_version, strict=True)

@@ -10,7 +10,7 @@ A checkpoint folder ``checkpoint_<step>`` holds:
 
 Example::
 
-    save_sharded(folder, model=model, optimizer=opt, scheduler=sched, state=TrainerState(step=50, data=...), rank=r)
+    save_sharded(folder, model=model, optimizer=opt, scheduler=sched, step=50, data_position=pos, rank=r, ...)
     latest_complete(run_dir / "ray")          # Path of the newest complete checkpoint, or None
     export_hf(latest_complete(run_dir / "ray"), run_dir / "model")
 """
@@ -57,7 +57,6 @@ class TrainerState:
     step: int
     scheduler: dict[str, Any] = field(default_factory=dict)
     data: dict[str, int] = field(default_factory=dict)
-    rng: Any = None
 
 
 def save_sharded(
@@ -309,7 +308,7 @@ def _export_local(checkpoint: Path, out_dir: Path, dtype: str) -> Path:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to_empty(device="cpu")
-    state = {"model": {k: v for k, v in model.state_dict().items()}}
+    state = {"model": dict(model.state_dict())}
     with warnings.catch_warnings():  # loading in one process, without a process group, is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
