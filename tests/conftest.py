@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -51,3 +54,39 @@ def ray_local():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def moto_url() -> Iterator[str]:
+    """moto's server on a free loopback port, for the whole session (each test resets it through ``aws_env``)."""
+    from moto.server import ThreadedMotoServer
+
+    # werkzeug logs every request, and a traceback for each action moto does not implement.
+    werkzeug = logging.getLogger("werkzeug")
+    level = werkzeug.level
+    werkzeug.setLevel(logging.CRITICAL)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+    werkzeug.setLevel(level)
+
+
+@pytest.fixture
+def aws_env(moto_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
+    """A clean moto state, dummy credentials, every AWS client pointed at moto, no config file or variables."""
+    from raytrain_eks.config import ENV_VARS
+
+    urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST")).close()
+    for name in [*ENV_VARS, *(n for n in os.environ if n.startswith("AWS_"))]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_url)  # botocore's own setting: every service, every region
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # moto answers unimplemented actions with HTTP 500: no retries
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.chdir(tmp_path)
+    return moto_url

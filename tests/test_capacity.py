@@ -13,13 +13,8 @@ response against the real API model.
 from __future__ import annotations
 
 import json
-import logging
-import os
 import subprocess
 import sys
-import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import boto3
 import pytest
@@ -41,7 +36,7 @@ from raytrain_eks.aws.services import (
     offered_zones,
 )
 from raytrain_eks.aws.session import Aws, AwsCredentialsError, AwsError, connect
-from raytrain_eks.config import ENV_VARS, Config, load_config
+from raytrain_eks.config import Config, load_config
 from raytrain_eks.errors import ConfigError
 
 REGION = "us-east-1"
@@ -52,40 +47,6 @@ AMI = "ami-12c6146b"  # one of moto's built-in images (looking one up with Descr
 
 
 # ---------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def moto_url() -> Iterator[str]:
-    """moto's server on a free loopback port, for this module."""
-    from moto.server import ThreadedMotoServer
-
-    # werkzeug logs every request, and a traceback for each action moto does not implement.
-    werkzeug = logging.getLogger("werkzeug")
-    level = werkzeug.level
-    werkzeug.setLevel(logging.CRITICAL)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-    werkzeug.setLevel(level)
-
-
-@pytest.fixture
-def aws_env(moto_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
-    """A clean moto state, dummy credentials, every AWS client pointed at moto, no config file or variables."""
-    urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST")).close()
-    for name in [*ENV_VARS, *(n for n in os.environ if n.startswith("AWS_"))]:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_url)  # botocore's own setting: every service, every region
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # moto answers unimplemented actions with HTTP 500: no retries
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
-    monkeypatch.chdir(tmp_path)
-    return moto_url
 
 
 def _client(service: str, region: str = REGION):

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import boto3
 import jsonschema
 import pytest
 import typer
@@ -57,11 +58,11 @@ CAPACITY_ERROR = (
 
 
 class FakeTools:
-    """A recording :class:`~raytrain_eks.runner.Runner` simulating eksctl, helm and the AWS CLI.
+    """A recording :class:`~raytrain_eks.runner.Runner` simulating eksctl and helm.
 
     ``no_capacity``: zones where the GPU instances cannot launch. ``fail_once``: argv prefix (joined) -> stderr of
     one failure. ``crash_plugins``: releases whose DaemonSet pods never become ready. ``missing``: tools not
-    installed. ``leftover_nat``: NAT gateways that survive ``eksctl delete cluster``.
+    installed.
     """
 
     def __init__(self, kube: FakeKube) -> None:
@@ -75,7 +76,6 @@ class FakeTools:
         self.crash_plugins: set[str] = set()
         self.missing: set[str] = set()
         self.offered = list(ZONES)
-        self.leftover_nat: list[str] = []
 
     def require(self, name: str) -> str:
         if name in self.missing:
@@ -165,12 +165,6 @@ class FakeTools:
             self.releases.pop((ns, name), None)
             self.kube.remove_daemon_set(ns, name)
             return 0, f'release "{name}" uninstalled\n', ""
-        if argv[:3] == ["aws", "ec2", "describe-instance-type-offerings"]:
-            return 0, json.dumps(self.offered), ""
-        if argv[:3] == ["aws", "ec2", "describe-nat-gateways"]:
-            return 0, json.dumps(self.leftover_nat), ""
-        if argv[:2] == ["aws", "ec2"]:
-            return 0, "[]", ""
         raise AssertionError(f"unexpected command: {shlex.join(argv)}")
 
     def _create_nodegroup(self, doc: dict[str, Any]) -> tuple[int, str, str]:
@@ -343,7 +337,8 @@ def cfg() -> Config:
 
 
 @pytest.fixture
-def world(tmp_path: Path, cfg: Config, monkeypatch: pytest.MonkeyPatch) -> World:
+def world(tmp_path: Path, cfg: Config, monkeypatch: pytest.MonkeyPatch, aws_env: str) -> World:
+    """A deployment whose AWS reads (what ``down`` leaves behind) go to moto's server, never to an account."""
     monkeypatch.chdir(tmp_path)  # no raytrain-eks.yaml of the repository is read
     return World(tmp_path, cfg)
 
@@ -780,7 +775,7 @@ def test_down_deletes_everything_in_reverse_order_and_twice_is_safe(ready: World
         "eksctl delete cluster --name",
     ]
     assert [c[-2] for c in ready.tools.commands("eksctl", "delete", "nodegroup")] == ["gpu-efa", "system"]
-    assert ready.tools.commands("aws", "ec2", "describe-nat-gateways"), "NAT gateways are checked after the delete"
+    assert "Nothing billable is left from this deployment." in ready.said()
     assert ready.tools.cluster is None and not ready.kube.nodes()
     assert not ready.store.path.exists() and not ready.store.kubeconfig.exists()
     # The second down: nothing recorded, nothing run.
@@ -806,25 +801,58 @@ def test_down_resumes_after_a_failure(ready: World):
     assert len(ready.tools.commands("eksctl", "delete", "nodegroup")) == 2, "node groups are not deleted twice"
 
 
-def test_down_reports_a_nat_gateway_left_behind(ready: World):
-    ready.tools.leftover_nat = ["nat-0abc123"]
+def _leave_behind(cluster: str) -> dict[str, str]:
+    """In moto: a NAT gateway and its Elastic IP tagged as eksctl's VPC stack tags them, and a managed node's
+    instance tagged as EKS tags it, all of ``cluster``."""
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    vpc = ec2.create_vpc(CidrBlock="10.0.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.0.0.0/24", AvailabilityZone="us-east-1a")["Subnet"]
+    eksctl_tags = [{"Key": "alpha.eksctl.io/cluster-name", "Value": cluster}]
+    eip = ec2.allocate_address(Domain="vpc", TagSpecifications=[{"ResourceType": "elastic-ip", "Tags": eksctl_tags}])[
+        "AllocationId"
+    ]
+    nat = ec2.create_nat_gateway(
+        SubnetId=subnet["SubnetId"],
+        AllocationId=eip,
+        TagSpecifications=[{"ResourceType": "natgateway", "Tags": eksctl_tags}],
+    )["NatGateway"]["NatGatewayId"]
+    node = ec2.run_instances(
+        ImageId="ami-12c6146b",
+        InstanceType="m7i.xlarge",
+        MinCount=1,
+        MaxCount=1,
+        SubnetId=subnet["SubnetId"],
+        TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": "eks:cluster-name", "Value": cluster}]}],
+    )["Instances"][0]["InstanceId"]
+    return {"nat": nat, "eip": eip, "instance": node}
+
+
+def test_down_reports_what_still_costs_money_and_checks_again(ready: World):
+    mine, other = _leave_behind("ray-train-eks"), _leave_behind("someone-elses-cluster")
     with pytest.raises(UserError) as err:
         deploy.down(ready.d, confirm=lambda q: True)
-    assert "nat-0abc123" in err.value.message and "aws ec2 delete-nat-gateway" in err.value.message
-    assert ready.store.get("leftovers")
+    message = err.value.message
+    assert f"NAT gateway {mine['nat']}: `aws ec2 delete-nat-gateway --region us-east-1 --nat-gateway-id" in message
+    assert f"Elastic IP {mine['eip']}: `aws ec2 release-address" in message
+    assert f"instance {mine['instance']}: `aws ec2 terminate-instances" in message
+    assert not any(i in message for i in other.values()), "another cluster's resources are not ours to report"
+    assert ready.store.get("leftovers") and ready.tools.cluster is None
+    # The user deletes them; the next down finds nothing more to delete, looks again, and forgets the deployment.
+    ec2 = boto3.client("ec2", region_name="us-east-1")
+    ec2.delete_nat_gateway(NatGatewayId=mine["nat"])
+    ec2.release_address(AllocationId=mine["eip"])
+    ec2.terminate_instances(InstanceIds=[mine["instance"]])
+    again = deploy.down(StateDeployment(ready), confirm=lambda q: pytest.fail("nothing is left to confirm"))
+    assert again.leftovers == [] and not ready.store.path.exists()
+    assert "Nothing billable is left from this deployment." in ready.said()
 
 
-def test_down_without_aws_cli_says_it_could_not_check(ready: World):
-    real = ready.tools._dispatch
-
-    def no_aws(argv: list[str]) -> tuple[int, str, str]:
-        if argv[0] == "aws":
-            raise MissingToolError("aws")
-        return real(argv)
-
-    ready.tools._dispatch = no_aws  # type: ignore[method-assign]
+def test_down_without_aws_credentials_says_it_could_not_check(ready: World, monkeypatch: pytest.MonkeyPatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
     result = deploy.down(ready.d, confirm=lambda q: True)
-    assert result.leftovers is None and "AWS CLI is not installed" in ready.said()
+    assert result.leftovers is None and ready.tools.cluster is None
+    assert "Could not check for leftover NAT gateways, Elastic IPs or instances: no AWS credentials" in ready.said()
 
 
 def test_down_leaves_a_cluster_it_did_not_create(world: World):
@@ -849,7 +877,9 @@ def test_status_shows_nodes_pods_and_job(ready: World):
     assert "Ray pod ray-train-head-0: Running Ready" in text and "SUCCEEDED" in text
 
 
-def test_a_namespace_of_its_own_is_created_first_and_deleted_last(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_a_namespace_of_its_own_is_created_first_and_deleted_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str
+):
     monkeypatch.chdir(tmp_path)
     w = World(tmp_path, load_config(environ={"NAMESPACE": "training"}, path=None))
     w.up()

@@ -1,7 +1,7 @@
 """The deploy steps of ``up``, ``status`` and ``down``, as functions over one :class:`Deployment`.
 
 A :class:`Deployment` bundles the configuration, the Kubernetes interface (:class:`~raytrain_eks.k8s.cluster.KubeApi`),
-the runner for eksctl/helm/aws (:class:`~raytrain_eks.runner.Runner`) and the :class:`StateStore` that remembers,
+the runner for eksctl and helm (:class:`~raytrain_eks.runner.Runner`) and the :class:`StateStore` that remembers,
 in ``.raytrain-eks/state.json`` of the working folder, the region and zones chosen and everything created. Every
 step looks before it acts, and records what it is about to create *before* creating it, so re-running after a
 failure resumes and ``down`` finds even what a crash left half made. Example::
@@ -34,7 +34,7 @@ from raytrain_eks.instances import InstanceType
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import KubeApi, Node
 from raytrain_eks.plan import HelmRelease, check_deployable, cost_per_hour, helm_releases, to_yaml
-from raytrain_eks.runner import CommandError, Completed, MissingToolError, Runner, require_tool
+from raytrain_eks.runner import CommandError, Completed, Runner, require_tool
 
 STATE_DIR = ".raytrain-eks"
 STATE_FILE = "state.json"
@@ -247,6 +247,7 @@ class Deployment:
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.monotonic
     require_tool: Callable[[str], object] = require_tool
+    find_leftovers: Callable[[Config], list[Any]] | None = None  # None: boto3 (:func:`find_leftovers`)
 
     @property
     def kubeconfig(self) -> str:
@@ -821,7 +822,7 @@ def up(
 @dataclass
 class DownResult:
     deleted: list[str]
-    leftovers: list[str] | None  # None: could not check (no AWS CLI)
+    leftovers: list[str] | None  # None: AWS could not be asked
 
 
 def _delete(d: Deployment, item: dict[str, Any], cluster_exists: bool) -> bool:
@@ -858,44 +859,34 @@ def _delete(d: Deployment, item: dict[str, Any], cluster_exists: bool) -> bool:
     raise ValueError(f"unknown item in the state file: {item}")
 
 
+def find_leftovers(cfg: Config) -> list[Any]:
+    """The real lookup behind :func:`billable_leftovers`: boto3 in the cluster's region (see
+    :func:`raytrain_eks.aws.services.billable_leftovers`)."""
+    from raytrain_eks.aws.services import billable_leftovers as lookup
+    from raytrain_eks.aws.session import connect
+
+    aws = connect(cfg.cluster.region)
+    return lookup(aws, cfg.cluster.region, cfg.cluster.name)
+
+
 def billable_leftovers(d: Deployment) -> list[str] | None:
-    """Things that still cost money after ``down``, each with the command that deletes it; ``None`` when the AWS
-    CLI is not there to ask. Looks for NAT gateways, Elastic IPs and instances tagged with the cluster's name."""
-    c = d.cfg.cluster
-    base = ["aws", "ec2", "--region", c.region, "--output", "json"]
-    queries = [
-        (
-            ["describe-nat-gateways", "--filter", f"Name=tag:alpha.eksctl.io/cluster-name,Values={c.name}",
-             "Name=state,Values=pending,available", "--query", "NatGateways[].NatGatewayId"],
-            "NAT gateway {id}: `aws ec2 delete-nat-gateway --region " + c.region + " --nat-gateway-id {id}`",
-        ),
-        (
-            ["describe-addresses", "--filters", f"Name=tag:alpha.eksctl.io/cluster-name,Values={c.name}",
-             "--query", "Addresses[].AllocationId"],
-            "Elastic IP {id}: `aws ec2 release-address --region " + c.region + " --allocation-id {id}`",
-        ),
-        (
-            ["describe-instances", "--filters", f"Name=tag:eks:cluster-name,Values={c.name}",
-             "Name=instance-state-name,Values=pending,running,stopping,stopped", "--query",
-             "Reservations[].Instances[].InstanceId"],
-            "instance {id}: `aws ec2 terminate-instances --region " + c.region + " --instance-ids {id}`",
-        ),
-    ]  # fmt: skip
-    found: list[str] = []
-    for args, template in queries:
-        argv = [*base[:2], *args, *base[2:]]
-        try:
-            done = d.run(argv, timeout=QUICK_TIMEOUT_S)
-        except MissingToolError:
-            return None
-        found += [template.format(id=i) for i in json.loads(done.stdout or "[]") or []]
-    return found
+    """Things that still cost money after ``down`` (NAT gateways, Elastic IPs, instances tagged with the cluster's
+    name), each with the command that deletes it; ``None`` when AWS could not be asked (the reason is said)."""
+    try:
+        found = (d.find_leftovers or find_leftovers)(d.cfg)
+    except UserError as exc:
+        d.say(f"Could not check for leftover NAT gateways, Elastic IPs or instances: {exc.message}")
+        return None
+    return [x.describe() for x in found]
 
 
 def down(d: Deployment, *, confirm: Callable[[str], bool]) -> DownResult:
     """Delete everything ``up`` and ``submit`` created from this folder, newest first, after one confirmation;
     then check that nothing billable is left. A second ``down`` finds nothing recorded and does nothing."""
     created = d.state.created
+    if not created and d.state.get("leftovers"):
+        # The last down deleted everything it had made but found things still billed: look again.
+        return DownResult(deleted=[], leftovers=_check_leftovers(d))
     if not created:
         d.say(f"Nothing to delete: no deployment is recorded in {d.state.path}.")
         return DownResult(deleted=[], leftovers=[])
@@ -911,6 +902,11 @@ def down(d: Deployment, *, confirm: Callable[[str], bool]) -> DownResult:
             d.say(f"Deleted {describe(item)}")
             deleted.append(describe(item))
         d.state.forget(item)
+    return DownResult(deleted=deleted, leftovers=_check_leftovers(d))
+
+
+def _check_leftovers(d: Deployment) -> list[str] | None:
+    """After the deletes: raise, keeping the state, while something billable is left; else clear the state."""
     leftovers = billable_leftovers(d)
     if leftovers:
         d.state.update(leftovers=leftovers)
@@ -918,11 +914,10 @@ def down(d: Deployment, *, confirm: Callable[[str], bool]) -> DownResult:
             "these still cost money after the cluster was deleted:\n" + "\n".join(f"  - {x}" for x in leftovers),
             hint="Delete them with the commands shown, then run `raytrain-eks down` again to check.",
         )
-    if leftovers is None:
-        d.say("Could not check for leftover NAT gateways or instances: the AWS CLI is not installed.")
     d.state.clear()
-    d.say("Nothing billable is left from this deployment.")
-    return DownResult(deleted=deleted, leftovers=leftovers)
+    if leftovers is not None:
+        d.say("Nothing billable is left from this deployment.")
+    return leftovers
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -359,3 +359,71 @@ def cluster_subnets(aws: Aws, region: str, name: str) -> ClusterSubnets:
         if not to_internet:
             private.setdefault(s["AvailabilityZone"], []).append(s["SubnetId"])
     return ClusterSubnets(name, True, {z: sorted(ids) for z, ids in private.items()})
+
+
+# ---------------------------------------------------------------- what ``down`` may leave behind
+
+CLUSTER_NAME_TAG = "alpha.eksctl.io/cluster-name"
+"""eksctl tags every CloudFormation stack with the cluster's name (``NewStackCollection``'s shared tags), and
+CloudFormation passes stack tags on to the resources it makes: the VPC stack's NAT gateway and its Elastic IP."""
+NODE_CLUSTER_TAG = "eks:cluster-name"
+"""EKS tags the instances of a managed node group with the cluster's name."""
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """Something billable that outlived the cluster: what it is, its id, and the AWS CLI command deleting it."""
+
+    kind: str
+    id: str
+    delete_argv: tuple[str, ...]
+
+    def describe(self) -> str:
+        import shlex
+
+        return f"{self.kind} {self.id}: `{shlex.join(self.delete_argv)}`"
+
+
+def _tagged(item: dict[str, Any], key: str, value: str) -> bool:
+    return any(t.get("Key") == key and t.get("Value") == value for t in item.get("Tags", []))
+
+
+def billable_leftovers(aws: Aws, region: str, cluster: str) -> list[Leftover]:
+    """NAT gateways, Elastic IPs and instances of ``cluster`` in ``region`` that still exist (and so cost money).
+
+    Each is matched by tag, on the server and again here (a filter the server ignores must not report the
+    resources of other clusters). Deleted and deleting NAT gateways and terminated instances are not counted.
+    """
+    ec2 = aws.client("ec2", region)
+    tag_filter = [{"Name": f"tag:{CLUSTER_NAME_TAG}", "Values": [cluster]}]
+    found: list[Leftover] = []
+    with aws_errors(f"looking for what cluster {cluster} left behind in {region}"):
+        pages = ec2.get_paginator("describe_nat_gateways").paginate(
+            Filter=[*tag_filter, {"Name": "state", "Values": ["pending", "available"]}]
+        )
+        for page in pages:
+            for nat in page.get("NatGateways", []):
+                if _tagged(nat, CLUSTER_NAME_TAG, cluster) and nat.get("State") in ("pending", "available"):
+                    argv = ("aws", "ec2", "delete-nat-gateway", "--region", region, "--nat-gateway-id")
+                    found.append(Leftover("NAT gateway", nat["NatGatewayId"], (*argv, nat["NatGatewayId"])))
+        for addr in ec2.describe_addresses(Filters=tag_filter).get("Addresses", []):
+            if _tagged(addr, CLUSTER_NAME_TAG, cluster) and "AllocationId" in addr:
+                argv = ("aws", "ec2", "release-address", "--region", region, "--allocation-id")
+                found.append(Leftover("Elastic IP", addr["AllocationId"], (*argv, addr["AllocationId"])))
+        alive = {"Name": "instance-state-name", "Values": ["pending", "running", "stopping", "stopped"]}
+        seen: set[str] = set()
+        for key in (NODE_CLUSTER_TAG, CLUSTER_NAME_TAG):
+            pages = ec2.get_paginator("describe_instances").paginate(
+                Filters=[{"Name": f"tag:{key}", "Values": [cluster]}, alive]
+            )
+            for page in pages:
+                for reservation in page.get("Reservations", []):
+                    for inst in reservation.get("Instances", []):
+                        iid = inst["InstanceId"]
+                        state = inst.get("State", {}).get("Name")
+                        if iid in seen or not _tagged(inst, key, cluster) or state not in alive["Values"]:
+                            continue
+                        seen.add(iid)
+                        argv = ("aws", "ec2", "terminate-instances", "--region", region, "--instance-ids", iid)
+                        found.append(Leftover("instance", iid, argv))
+    return found
