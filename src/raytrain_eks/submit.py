@@ -187,6 +187,9 @@ def entrypoint_argv() -> list[str]:
     return m.train_argv()
 
 
+CONFIG_MAP_MAX_BYTES = 1 << 20  # Kubernetes rejects a ConfigMap whose data exceeds 1 MiB
+
+
 def code_config_map(cfg: Any, files: Mapping[str, str]) -> tuple[dict[str, Any], list[dict[str, str]]]:
     """The package as a ConfigMap (for a RayJob's submitter pod) and the volume ``items`` that lay its keys out as
     the package tree. Keys are flat (``raytrain_eks__train__loop.py``); ``items`` map them back to paths."""
@@ -196,7 +199,24 @@ def code_config_map(cfg: Any, files: Mapping[str, str]) -> tuple[dict[str, Any],
         data[key] = files[path]
         items.append({"key": key, "path": path})
     meta = {"name": f"{cfg.ray.cluster_name}-code", "namespace": cfg.ray.namespace, "labels": m.labels(cfg)}
-    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}, items
+    doc = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
+    size = config_map_bytes(doc)
+    if size > CONFIG_MAP_MAX_BYTES:
+        largest = sorted(files, key=lambda p: len(files[p].encode("utf-8")), reverse=True)[:3]
+        sizes = ", ".join(f"{p} ({len(files[p].encode('utf-8')):,} bytes)" for p in largest)
+        raise UserError(
+            f"the raytrain_eks package ({len(files)} files) makes ConfigMap {meta['namespace']}/{meta['name']} "
+            f"{size:,} bytes; Kubernetes accepts at most {CONFIG_MAP_MAX_BYTES:,}. Largest files: {sizes}",
+            hint="Submit with --mode raycluster (it copies the package into the head pod instead), "
+            "or move large data files out of the package.",
+        )
+    return doc, items
+
+
+def config_map_bytes(doc: Mapping[str, Any]) -> int:
+    """The ConfigMap's size as compact UTF-8 JSON: at least the sum of its values, which the API server holds to
+    1 MiB, and about what etcd stores. Example: ``config_map_bytes({"data": {"a": "xy"}}) == 19``."""
+    return len(json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
 
 
 def rayjob_manifest(

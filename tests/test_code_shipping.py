@@ -1,0 +1,161 @@
+"""How ``--mode rayjob`` ships the package: the code ConfigMap, and Ray's ``py_modules`` reading it as mounted.
+
+The kubelet does not mount a ConfigMap as plain files. Its atomic writer puts them in a hidden timestamped folder,
+points ``..data`` at it and links each top-level path to ``..data/<path>``::
+
+    MOUNT/..2026_11_30_04_12_01.123456789/raytrain_eks/train/loop.py   (0644, folders 0755)
+    MOUNT/..data -> ..2026_11_30_04_12_01.123456789
+    MOUNT/raytrain_eks -> ..data/raytrain_eks
+
+The integration test builds that layout from the real ConfigMap and lets embedded Ray ship it with the runtime_env
+that ``ray job submit`` gets in the submitter pod, then proves the worker imported Ray's unpacked copy, complete
+and unchanged. The fast tests hold the ConfigMap to Kubernetes' 1 MiB limit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from raytrain_eks import submit as sub
+from raytrain_eks.errors import UserError
+
+KUBELET_TIMESTAMP_DIR = "..2026_11_30_04_12_01.123456789"
+
+
+@pytest.fixture
+def cfg(cfg_for):
+    return cfg_for()
+
+
+def kubelet_config_map_volume(mount: Path, data: dict[str, str], items: list[dict[str, str]]) -> Path:
+    """Lay out ``data`` under ``mount`` as the kubelet does for a ConfigMap volume with ``items``; returns ``mount``."""
+    stamped = mount / KUBELET_TIMESTAMP_DIR
+    for item in items:
+        target = stamped / item["path"]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(data[item["key"]], encoding="utf-8")
+    for folder, _dirs, files in os.walk(stamped):
+        os.chmod(folder, 0o755)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o644)  # the volume's defaultMode
+    (mount / "..data").symlink_to(KUBELET_TIMESTAMP_DIR)
+    for top in sorted({item["path"].split("/")[0] for item in items}):
+        (mount / top).symlink_to(f"..data/{top}")
+    return mount
+
+
+def tree(root: Path) -> set[str]:
+    """Relative paths of every file and folder under ``root``, symlinks listed but not followed."""
+    out = set()
+    for folder, dirs, files in os.walk(root):
+        out.update(os.path.relpath(os.path.join(folder, n), root) for n in dirs + files)
+    return out
+
+
+def test_kubelet_layout_helper_matches_the_mount(cfg, tmp_path: Path):
+    code_map, items = sub.code_config_map(cfg, {"raytrain_eks/__init__.py": "x = 1\n", "raytrain_eks/a/b.py": ""})
+    mount = kubelet_config_map_volume(tmp_path, code_map["data"], items)
+    assert os.readlink(mount / "..data") == KUBELET_TIMESTAMP_DIR
+    assert os.readlink(mount / "raytrain_eks") == "..data/raytrain_eks"
+    assert (mount / "raytrain_eks" / "__init__.py").read_text() == "x = 1\n"
+    assert (mount / "raytrain_eks" / "a" / "b.py").stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in mount.iterdir()) == [KUBELET_TIMESTAMP_DIR, "..data", "raytrain_eks"]
+
+
+@pytest.mark.integration
+def test_ray_ships_the_package_from_the_mounted_config_map(cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import ray
+
+    code_map, items = sub.code_config_map(cfg, sub.package_files())
+    data = code_map["data"]
+    expected = {item["path"]: data[item["key"]] for item in items}
+    assert {"raytrain_eks/train/loop.py", "raytrain_eks/fabric/nccl_log.py"} <= set(expected)
+    mount = kubelet_config_map_volume(tmp_path / "mount", data, items)
+    before = tree(mount)
+    # The path rayjob_manifest's runtime_env names, with the mount folder moved to this test's.
+    (module,) = sub.runtime_env(sub.SUBMITTER_CODE_DIR)["py_modules"]
+    module = module.replace(sub.SUBMITTER_CODE_DIR, str(mount), 1)
+
+    # A job-level runtime_env, as `ray job submit --runtime-env-json` gives it (Ray uploads local paths only there).
+    # No pip key: nothing may be installed here. address="local" never joins another test run's Ray.
+    monkeypatch.chdir(tmp_path)  # the driver's folder goes on the workers' sys.path: one without the package
+    ctx = ray.init(
+        address="local",
+        num_cpus=1,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env={"py_modules": [module]},
+    )
+    try:
+
+        @ray.remote
+        def import_shipped() -> dict:
+            import sys
+
+            preloaded = "raytrain_eks" in sys.modules
+            import raytrain_eks
+            import raytrain_eks.fabric.nccl_log
+            import raytrain_eks.train.loop
+
+            return {
+                "preloaded": preloaded,
+                "package": raytrain_eks.__file__,
+                "modules": [raytrain_eks.train.loop.__file__, raytrain_eks.fabric.nccl_log.__file__],
+            }
+
+        got = ray.get(import_shipped.remote(), timeout=60)
+        runtime_resources = Path(ctx.address_info["session_dir"]) / "runtime_resources"
+    finally:
+        ray.shutdown()
+
+    # Imported from Ray's unpacked copy, not from the editable install (which the worker's sys.path also has).
+    assert not got["preloaded"]
+    package = Path(got["package"]).parent
+    assert package.name == "raytrain_eks" and package.is_relative_to(runtime_resources), got["package"]
+    assert not package.is_relative_to(mount.resolve())
+    assert got["modules"] == [str(package / "train" / "loop.py"), str(package / "fabric" / "nccl_log.py")]
+    # Every file arrived with its content, and nothing else did (no hidden kubelet folders, no links).
+    shipped = {
+        f"raytrain_eks/{p.relative_to(package).as_posix()}"
+        for p in package.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    assert shipped == set(expected)
+    assert not any(p.is_symlink() for p in package.rglob("*"))
+    changed = [p for p, text in expected.items() if (package.parent / p).read_text(encoding="utf-8") != text]
+    assert changed == []
+    assert tree(mount) == before, "Ray wrote into the mount, which is read-only in the submitter pod"
+
+
+def test_the_real_package_fits_a_config_map_with_room_to_grow(cfg):
+    code_map, _ = sub.code_config_map(cfg, sub.package_files())
+    size = sub.config_map_bytes(code_map)
+    assert size >= sum(len(v.encode("utf-8")) for v in code_map["data"].values())
+    # A quarter of the limit kept free, so a growing package fails here before it fails in the cluster.
+    assert size < 0.75 * sub.CONFIG_MAP_MAX_BYTES, f"{size:,} bytes of {sub.CONFIG_MAP_MAX_BYTES:,}"
+
+
+def test_an_oversized_package_is_refused_with_its_largest_files(cfg):
+    files = {
+        "raytrain_eks/__init__.py": "",
+        "raytrain_eks/resources/big.jsonl": "x" * (sub.CONFIG_MAP_MAX_BYTES - 2000),
+        "raytrain_eks/train/loop.py": "y" * 3000,
+    }
+    with pytest.raises(UserError) as err:
+        sub.code_config_map(cfg, files)
+    message = str(err.value)
+    assert f"ConfigMap {cfg.ray.namespace}/{cfg.ray.cluster_name}-code" in message
+    assert "at most 1,048,576" in message
+    assert "raytrain_eks/resources/big.jsonl (1,046,576 bytes)" in message
+    assert "--mode raycluster" in message
+
+
+def test_a_package_just_under_the_limit_is_accepted(cfg):
+    files = {"raytrain_eks/big.py": "x" * (sub.CONFIG_MAP_MAX_BYTES - 1000)}
+    code_map, items = sub.code_config_map(cfg, files)
+    assert sub.config_map_bytes(code_map) <= sub.CONFIG_MAP_MAX_BYTES
+    assert items == [{"key": "raytrain_eks__big.py", "path": "raytrain_eks/big.py"}]
