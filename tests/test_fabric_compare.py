@@ -5,9 +5,11 @@ TCP-socket fallback's log for run B) and synthetic metric records. Covered: the 
 warm-up steps and a resumed run's repeated steps do not count), each run's configuration (env overrides, the
 in-job gate off for TCP, the input config untouched), refusal when both runs use the same transport, when run A is
 not EFA (run B then never starts), when a job failed, when the runs are not the same job, when too few steps are
-left after warm-up, the JSON output, and the EKS command once end to end through the fakes of ``test_deploy``
+left after warm-up, the JSON output, and the EKS command end to end through the fakes of ``test_deploy``
 (FakeKube, the recording tools runner, Ray answering inside the pods): two fresh RayClusters, the second with the
-TCP environment in its worker template, and the metrics read back from the head pod.
+TCP environment in its worker template, and the metrics read back from the head pod; a RayCluster with a running
+Ray job left alone, the confirmation (and ``-y``), and the RayCluster put back with the configured environment
+after the comparison, after a run fails and after Ctrl-C.
 """
 
 from __future__ import annotations
@@ -20,18 +22,20 @@ from typing import Any
 
 import pytest
 import typer
-from test_deploy import FIXTURES, FakeRay, World
+from test_deploy import FIXTURES, FakeRay, World, run_script
 from typer.testing import CliRunner
 
 from raytrain_eks import deploy_commands
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.deploy import apply_state
+from raytrain_eks.deploy import Cancelled, apply_state
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric import commands
+from raytrain_eks.fabric import compare as cmp
 from raytrain_eks.fabric.compare import (
     EFA_RUN,
     TCP_ENV,
     TCP_RUN,
+    ClusterBusy,
     ComparisonRefused,
     RunOutput,
     RunSpec,
@@ -41,6 +45,7 @@ from raytrain_eks.fabric.compare import (
 )
 from raytrain_eks.fabric.nccl_log import analyze_paths
 from raytrain_eks.k8s.cluster import ExecResult
+from raytrain_eks.runner import CommandError
 
 EFA_LOG = FIXTURES / "efa_2node_nccl2.29_ray.log"
 TCP_LOG = FIXTURES / "socket_fallback_nccl2.27_kubectl.log"
@@ -201,23 +206,43 @@ def test_json_output():
 # ------------------------------------------------------------------------------------------------------------------
 
 
+def worker_env(rc: dict[str, Any]) -> dict[str, str | None]:
+    """The environment in a RayCluster's worker pod template."""
+    (group,) = rc["spec"]["workerGroupSpecs"]
+    return {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
+
+
 class EnvAwareRay(FakeRay):
     """:class:`FakeRay` whose workers log what NCCL would choose from the RayCluster's worker env (Socket when
-    ``NCCL_NET=Socket``, else EFA), whose job prints its run folder, and whose head pod holds ``metrics.jsonl``."""
+    ``NCCL_NET=Socket``, else EFA), whose job prints its run folder, and whose head pod holds ``metrics.jsonl``.
+    The job-listing script runs for real against a Ray job client that answers from ``jobs``. ``fail_tcp``: what
+    submitting the TCP run does instead (an exception to raise)."""
 
     def __init__(self, tmp: Path, world: World) -> None:
         super().__init__(tmp)
         self.world = world
         self.step_s = {"efa": 0.5, "socket": 1.25}
+        self.fail_tcp: BaseException | None = None
 
     def _fabric(self, ns: str) -> str:
         rc = self.world.kube.get("ray.io/v1", "RayCluster", self.world.d.cfg.ray.cluster_name, ns)
-        (group,) = rc["spec"]["workerGroupSpecs"]
-        env = {e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]}
-        return "socket" if env.get("NCCL_NET") == "Socket" else "efa"
+        return "socket" if worker_env(rc).get("NCCL_NET") == "Socket" else "efa"
+
+    def list_jobs(self) -> list[Any]:
+        """What Ray's ``JobSubmissionClient.list_jobs`` would return for the jobs submitted so far."""
+        from ray.job_submission import JobDetails, JobStatus, JobType
+
+        return [
+            JobDetails(type=JobType.SUBMISSION, submission_id=sid, status=JobStatus(status), entrypoint="python -m x")
+            for sid, status in self.jobs.items()
+        ]
 
     def __call__(self, ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:
+        if argv[:2] == ["python", "-c"] and argv[2] == cmp._RAY_JOBS:
+            return run_script(argv[2], argv[3:])
         fabric = self._fabric(ns)
+        if fabric == "socket" and self.fail_tcp is not None and argv[:3] == ["ray", "job", "submit"]:
+            raise self.fail_tcp
         self.worker_logs = [EFA_LOG, EFA_LOG] if fabric == "efa" else [TCP_LOG, TCP_LOG]
         if argv[:3] == ["ray", "job", "logs"]:
             super().__call__(ns, pod, argv, stdin)
@@ -237,8 +262,18 @@ def eks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     monkeypatch.chdir(tmp_path)  # no raytrain-eks.yaml of the repository is read
     monkeypatch.delenv("HF_TOKEN", raising=False)
     world = World(tmp_path, load_config(environ={}, path=None))
-    world.ray = EnvAwareRay(tmp_path, world)
+    world.ray = fake_ray = EnvAwareRay(tmp_path, world)
     world.kube.exec_handler = world.ray
+    import ray.job_submission as job_submission
+
+    class Client:  # the dashboard inside the head pod, as the job-listing script sees it
+        def __init__(self, address: str) -> None:
+            assert address == "http://127.0.0.1:8265"
+
+        def list_jobs(self) -> list[Any]:
+            return fake_ray.list_jobs()
+
+    monkeypatch.setattr(job_submission, "JobSubmissionClient", Client)
     world.up()
     world.submit()  # a RayCluster from an earlier job is running (with the EFA env)
     world.lines.clear()
@@ -251,44 +286,121 @@ def eks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     yield world
 
 
-def test_compare_fabric_on_eks_through_the_fakes(eks: World):
+def compare_on_eks(*args: str, input: str | None = None) -> Any:
     app = typer.Typer()
     commands.register(app)
+    return CliRunner().invoke(app, ["compare-fabric", *args], input=input)
+
+
+def raycluster(world: World) -> dict[str, Any] | None:
+    cfg = world.d.cfg
+    return world.kube.get("ray.io/v1", "RayCluster", cfg.ray.cluster_name, cfg.ray.namespace)
+
+
+def job_config(world: World) -> str:
+    cfg = world.d.cfg
+    return world.kube.get("v1", "ConfigMap", cfg.ray.cluster_name + "-config", cfg.ray.namespace)["data"][
+        "raytrain-eks.yaml"
+    ]
+
+
+def assert_restored_to_the_configuration(world: World, output: str) -> None:
+    """What the next ``submit`` finds: a RayCluster whose workers get the configured EFA environment, not run B's
+    TCP overrides, and a job configuration that requires EFA; and the user was told."""
+    env = worker_env(raycluster(world))
+    assert "NCCL_NET" not in env and env["FI_PROVIDER"] == "efa"
+    assert "require: efa" in job_config(world)
+    ns, name = world.d.cfg.ray.namespace, world.d.cfg.ray.cluster_name
+    assert f"Restored RayCluster {ns}/{name} with the configured network environment" in output
+    world.kube.sleep(60)  # its pods come up, and the next submit runs over EFA on them
+    assert world.submit().report.verdict == "efa"
+
+
+def test_compare_fabric_on_eks_through_the_fakes(eks: World):
     deleted_before = len(eks.kube.deleted)
-    out = CliRunner().invoke(app, ["compare-fabric", "--json", "--warmup-steps", "10"])
+    out = compare_on_eks("--json", "--warmup-steps", "10", "-y")
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert data["efa"]["verdict"] == "efa" and data["tcp"]["verdict"] == "socket"
     assert data["speedup"] == pytest.approx(2.5)
     assert data["efa"]["source"].startswith("job raytrain-") and "run folder /home/ray/runs/" in data["tcp"]["source"]
-    # Each run on a fresh RayCluster; the second one's worker template carries the TCP environment.
+    # Each run on a fresh RayCluster, the second one's worker template carrying the TCP environment; then the
+    # RayCluster is replaced once more, with the configured one.
     rc_deletes = [x for x in eks.kube.deleted[deleted_before:] if x[1] == "RayCluster"]
-    assert len(rc_deletes) == 2
-    applied = [o for o in eks.kube.applied if o["kind"] == "RayCluster"][-2:]
-    envs = [
-        {
-            e["name"]: e.get("value")
-            for e in o["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["env"]
-        }
-        for o in applied
-    ]
+    assert len(rc_deletes) == 3
+    envs = [worker_env(o) for o in eks.kube.applied if o["kind"] == "RayCluster"][-3:]
     assert "NCCL_NET" not in envs[0] and envs[0]["FI_PROVIDER"] == "efa"
     assert envs[1]["NCCL_NET"] == "Socket" and envs[1]["FI_PROVIDER"] == "tcp"
+    assert envs[2] == envs[0]
     # The TCP job's own config (mounted ConfigMap) turns the in-job gate off; the EFA job's keeps it on.
     maps = [o for o in eks.kube.applied if o["kind"] == "ConfigMap" and "raytrain-eks.yaml" in o.get("data", {})]
-    assert "require: efa" in maps[-2]["data"]["raytrain-eks.yaml"]
-    assert "require: any" in maps[-1]["data"]["raytrain-eks.yaml"]
+    assert "require: efa" in maps[-3]["data"]["raytrain-eks.yaml"]
+    assert "require: any" in maps[-2]["data"]["raytrain-eks.yaml"]
     # Metrics came from the head pod; two jobs were submitted after the earlier one.
     cats = [c for c in eks.kube.exec_calls if c[2][:1] == ["cat"]]
     assert len(cats) == 2 and all(c[1].endswith("head-0") for c in cats)
     assert len(eks.ray.submitted) == 3
 
 
+def test_compare_fabric_leaves_the_raycluster_with_the_configured_environment(eks: World):
+    out = compare_on_eks("-y")
+    assert out.exit_code == 0, out.output
+    assert "Speed-up EFA / TCP: 2.50x" in out.stdout
+    assert_restored_to_the_configuration(eks, out.stderr)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        CommandError(["ray", "job", "submit"], 1, "connection refused"),
+        KeyboardInterrupt(),
+    ],
+    ids=["run-B-fails", "ctrl-c-in-run-B"],
+)
+def test_compare_fabric_restores_the_raycluster_when_run_b_fails(eks: World, failure: BaseException):
+    eks.ray.fail_tcp = failure
+    out = compare_on_eks("-y")
+    assert out.exit_code != 0
+    if isinstance(failure, CommandError):
+        assert out.exception is failure  # the run's own error reaches the user, not one from the clean-up
+    assert "Speed-up" not in out.stdout
+    assert len(eks.ray.submitted) == 2  # run B never started its job
+    assert_restored_to_the_configuration(eks, out.stderr)
+
+
+def test_compare_fabric_leaves_a_raycluster_with_a_running_job_alone(eks: World):
+    (earlier,) = eks.ray.jobs
+    eks.ray.jobs[earlier] = "RUNNING"  # someone's training on the RayCluster
+    pods_before = {p.name for p in eks.kube.pods(eks.d.cfg.ray.namespace)}
+    deleted_before = len(eks.kube.deleted)
+    out = compare_on_eks("-y")  # not even with --yes
+    assert isinstance(out.exception, ClusterBusy) and out.exit_code == 1
+    msg = str(out.exception)
+    assert f"job {earlier} is RUNNING" in msg and "nothing was deleted" in msg
+    assert "raytrain-eks logs --follow" in msg and f"ray job stop --address http://127.0.0.1:8265 {earlier}" in msg
+    assert raycluster(eks) is not None and eks.kube.deleted[deleted_before:] == []
+    assert {p.name for p in eks.kube.pods(eks.d.cfg.ray.namespace)} == pods_before
+    assert len(eks.ray.submitted) == 1 and eks.ray.jobs[earlier] == "RUNNING"
+
+
+def test_compare_fabric_asks_before_replacing_an_idle_raycluster(eks: World):
+    deleted_before = len(eks.kube.deleted)
+    out = compare_on_eks(input="n\n")
+    assert isinstance(out.exception, Cancelled) and "nothing was deleted" in str(out.exception)
+    assert "no Ray job is running on it" in out.stderr and "Continue?" in out.stderr
+    assert raycluster(eks) is not None and eks.kube.deleted[deleted_before:] == []
+    assert len(eks.ray.submitted) == 1
+
+    out = compare_on_eks("--json", input="y\n")
+    assert out.exit_code == 0, out.output
+    # The question went to stderr; CliRunner echoes the typed answer onto stdout, as a terminal would show it.
+    echoed, _, result = out.stdout.partition("\n")
+    assert echoed.strip() == "y" and json.loads(result)["speedup"] == pytest.approx(2.5)
+
+
 def test_compare_fabric_on_eks_refuses_when_efa_is_missing(eks: World):
     eks.ray.step_s = {"efa": 0.5, "socket": 1.0}
     eks.ray._fabric = lambda ns: "socket"  # type: ignore[method-assign]  # NCCL falls back whatever the env says
-    app = typer.Typer()
-    commands.register(app)
-    out = CliRunner().invoke(app, ["compare-fabric"])
+    out = compare_on_eks("-y")
     assert isinstance(out.exception, ComparisonRefused) and "run A (EFA" in str(out.exception)
     assert len(eks.ray.submitted) == 2  # run B was never submitted

@@ -5,7 +5,7 @@ kubectl logs -l ray.io/node-type=worker | raytrain-eks verify-transport --json
 raytrain-eks verify-transport worker.log --require any          # report only; exit 2 when undecided
 raytrain-eks probe --address auto                               # collective busbw vs the line rate; exit 1 if degraded
 raytrain-eks probe --max-bytes 4M --iters 5 --json              # a quick local run (CPU, gloo)
-raytrain-eks compare-fabric --warmup-steps 10                   # on EKS: the job over EFA, then over TCP; the speed-up
+raytrain-eks compare-fabric --warmup-steps 10 [-y]              # on EKS: the job over EFA, then over TCP; the speed-up
 
 Call :func:`register` once on the top-level Typer app to add the commands.
 """
@@ -183,6 +183,7 @@ def compare_fabric(
         int, typer.Option(help="Timed (logged) steps each run must have after the warm-up.")
     ] = compare.DEFAULT_MIN_SAMPLES,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
     state_dir: Annotated[
         Path, typer.Option("--state-dir", help="Where this deployment's state, kubeconfig and generated files live.")
     ] = Path(".raytrain-eks"),
@@ -191,8 +192,11 @@ def compare_fabric(
     speed-up of EFA in steps/s after warm-up.
 
     Each run gets a fresh RayCluster; its transport is proven from its own NCCL log before anything is compared.
+    A RayCluster with a running Ray job is never touched; an idle one is replaced after one confirmation (-y skips
+    it), and is recreated with the configured network environment afterwards, whatever the outcome.
 
-    Exit status: 0 compared, 1 refused (a run used the wrong transport, failed, or has too few steps).
+    Exit status: 0 compared, 1 refused (a job is running on the RayCluster, a run used the wrong transport, failed,
+    or has too few steps).
     """
     from raytrain_eks.deploy_commands import make_deployment
 
@@ -203,10 +207,11 @@ def compare_fabric(
 
     cfg = load_config(preset=presets.choose(preset), path=config)
     # The token goes from this environment into a Secret through the API: never a file, argv or log line.
-    run_job = compare.eks_runner(
+    with compare.eks_runner(
         cfg,
         lambda run_cfg: dataclasses.replace(make_deployment(run_cfg, state_dir), say=say),
+        confirm=lambda question: yes or typer.confirm(question, default=False, err=True),
         hf_token=os.environ.get("HF_TOKEN") or None,
-    )
-    result = compare.compare_fabric(run_job, warmup_steps=warmup_steps, min_samples=min_samples, say=say)
+    ) as run_job:
+        result = compare.compare_fabric(run_job, warmup_steps=warmup_steps, min_samples=min_samples, say=say)
     typer.echo(result.to_json() if json_output else result.render())

@@ -17,14 +17,22 @@ would count against whichever run happened to checkpoint more. Example::
     print(result.render())                              # ... Speed-up EFA / TCP: 2.62x
 
 On EKS :func:`eks_runner` supplies ``run_job``: a fresh RayCluster with the run's worker environment and a job
-submitted through :func:`raytrain_eks.submit.submit`, whose metrics are read back from the head pod.
+submitted through :func:`raytrain_eks.submit.submit`, whose metrics are read back from the head pod. It refuses to
+touch a RayCluster that a job is running on, asks once before replacing an idle one, and on every way out (success,
+refusal, error, Ctrl-C) puts back a RayCluster with the configured environment, so that the next ``submit`` does not
+reuse pods that run B forced onto TCP sockets::
+
+    with eks_runner(cfg, deployment, confirm=lambda question: True) as run_job:
+        result = compare_fabric(run_job)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shlex
 import statistics
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -310,15 +318,144 @@ def _same_job_notes(efa: RunResult, tcp: RunResult) -> list[str]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def eks_runner(cfg: Config, deployment: Callable[[Config], Deployment], *, hf_token: str | None = None) -> RunJob:
-    """``run_job`` for EKS: for each run, a Deployment on :func:`config_for`'s copy of ``cfg`` (the RayCluster's worker
-    env carries the overrides), a fresh RayCluster (pods keep the env they started with, and their Ray session logs
-    must hold this run's NCCL lines only), :func:`raytrain_eks.submit.submit`, and the run's ``metrics.jsonl`` read
-    back from the head pod."""
+class ClusterBusy(UserError):
+    """A job is running on the RayCluster that the comparison would delete: nothing was changed."""
+
+    exit_code = 1
+
+
+_ACTIVE = ("PENDING", "RUNNING")
+
+# Runs in the head pod: one JSON line per Ray job (submitted jobs and plain drivers), from the dashboard inside it.
+_RAY_JOBS = """\
+import json, sys
+from ray.job_submission import JobSubmissionClient
+for job in JobSubmissionClient(sys.argv[1]).list_jobs():
+    status, kind = (getattr(x, "value", x) for x in (job.status, job.type))
+    line = {"id": job.submission_id or job.job_id, "type": kind, "status": status, "entrypoint": job.entrypoint or ""}
+    print(json.dumps(line))
+"""
+
+
+def ray_jobs(d: Deployment) -> list[dict[str, str]]:
+    """The Ray jobs of ``d``'s RayCluster as its head pod lists them (``id``, ``type``, ``status``, ``entrypoint``);
+    empty when no head pod runs (then no job can). Example: ``[{"id": "raytrain-...", "status": "RUNNING", ...}]``."""
+    from raytrain_eks.submit import DASHBOARD, _head_exec, _ray_pods, _running
+
+    ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
+    heads, _ = _ray_pods(d, ns, name)
+    if not heads or not _running(heads[0]):
+        return []
+    res = _head_exec(d, heads[0], ["python", "-c", _RAY_JOBS, DASHBOARD])
+    if not res.ok:
+        raise UserError(
+            f"cannot tell whether a job is running on RayCluster {ns}/{name}: listing its Ray jobs in "
+            f"{heads[0].name} failed (exit {res.returncode}): {(res.stderr or res.stdout).strip()[-400:]}",
+            hint="Nothing was deleted. `raytrain-eks status` shows the Ray pods; run compare-fabric again once the "
+            "head pod answers.",
+        )
+    jobs = []
+    for line in res.stdout.splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            job = json.loads(line)
+            if isinstance(job, dict) and "status" in job:
+                jobs.append({k: str(v) for k, v in job.items()})
+    return jobs
+
+
+def _claim_raycluster(d: Deployment, confirm: Callable[[str], bool]) -> bool:
+    """Before anything is deleted: refuse when a job is running on the RayCluster, else ask once. Returns whether
+    the RayCluster exists."""
+    from raytrain_eks.deploy import Cancelled
+    from raytrain_eks.submit import DASHBOARD, _ray_pods
+
+    ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
+    if d.kube.get("ray.io/v1", "RayCluster", name, ns) is None:
+        return False
+    busy = [j for j in ray_jobs(d) if j["status"] in _ACTIVE]
+    if busy:
+        job = busy[0]
+        entry = job.get("entrypoint", "")
+        what = f"job {job['id']} is {job['status']} on it" + (f" ({entry[:120]})" if entry else "")
+        if len(busy) > 1:
+            what += f", and {len(busy) - 1} more"
+        (head, *_), _ = _ray_pods(d, ns, name)  # a job runs, so ray_jobs found the head pod
+        stop = ["kubectl", "--kubeconfig", d.kubeconfig, "-n", ns, "exec", head.name, "-c", "ray-head", "--"]
+        stop += ["ray", "job", "stop", "--address", DASHBOARD, job["id"]]
+        raise ClusterBusy(
+            f"RayCluster {ns}/{name} is in use: {what}. compare-fabric deletes the RayCluster, which would kill "
+            "the job; nothing was deleted",
+            hint="Wait until the job ends (`raytrain-eks logs --follow` follows the last job submitted from this "
+            f"folder), or stop it: `{shlex.join(stop)}`; then run compare-fabric again.",
+        )
+    question = (
+        f"compare-fabric deletes RayCluster {ns}/{name} (no Ray job is running on it) and runs the job on fresh "
+        "pods twice, over EFA then over TCP; afterwards the RayCluster is recreated with the configured network "
+        "environment. Continue?"
+    )
+    if not confirm(question):
+        raise Cancelled("cancelled: nothing was deleted")
+    return True
+
+
+def restore_raycluster(d: Deployment, *, hf_token: bool) -> None:
+    """Replace the RayCluster with the one ``submit`` would apply for ``d.cfg`` (the configured network environment
+    and ``fabric.require``): delete the last run's cluster, wait for its pods to go, then apply the namespace, the
+    job's ConfigMap and the RayCluster, as :func:`raytrain_eks.submit.submit` does. Its new pods start on their own.
+    """
+    from raytrain_eks.k8s import manifests as m
+    from raytrain_eks.submit import _apply, restart_raycluster
+
+    cfg = d.cfg
+    ns, name = cfg.ray.namespace, cfg.ray.cluster_name
+    try:
+        restart_raycluster(d)
+        if ns != "default":
+            _apply(d, m.namespace(cfg), f"namespace {ns}")
+        _apply(d, m.job_config_map(cfg), f"ConfigMap {ns}/{m.config_map_name(cfg)} (the job's configuration)")
+        _apply(d, m.raycluster(cfg, hf_token=hf_token), f"RayCluster {ns}/{name}")
+    except UserError as exc:
+        delete = ["kubectl", "--kubeconfig", d.kubeconfig, "-n", ns, "delete", "raycluster", name]
+        raise UserError(
+            f"could not restore RayCluster {ns}/{name} after the comparison: {exc}; it may still run with the last "
+            "run's environment (NCCL over TCP sockets)",
+            hint=f"Delete it (`{shlex.join(delete)}`); the next `raytrain-eks submit` creates it from the "
+            "configuration.",
+        ) from exc
+    d.say(
+        f"Restored RayCluster {ns}/{name} with the configured network environment (fabric.require = "
+        f"{cfg.fabric.require}); its pods are starting, `raytrain-eks status` shows them"
+    )
+
+
+@contextlib.contextmanager
+def eks_runner(
+    cfg: Config,
+    deployment: Callable[[Config], Deployment],
+    *,
+    confirm: Callable[[str], bool],
+    hf_token: str | None = None,
+) -> Iterator[RunJob]:
+    """``run_job`` for EKS, as a context manager: for each run, a Deployment on :func:`config_for`'s copy of ``cfg``
+    (the RayCluster's worker env carries the overrides), a fresh RayCluster (pods keep the env they started with, and
+    their Ray session logs must hold this run's NCCL lines only), :func:`raytrain_eks.submit.submit`, and the run's
+    ``metrics.jsonl`` read back from the head pod.
+
+    On entry, a RayCluster with a PENDING or RUNNING Ray job raises :class:`ClusterBusy`, and an idle one is only
+    replaced when ``confirm`` says yes. Once a run has deleted the RayCluster, every exit restores it with ``cfg``
+    (:func:`restore_raycluster`); when the comparison itself failed, a failed restore is reported through the
+    Deployment's ``say`` and the comparison's error is the one raised. ``deployment`` is called afresh for every use,
+    so each one reads the current state file.
+    """
     from raytrain_eks.submit import read_metrics, restart_raycluster, submit
 
+    existed = _claim_raycluster(deployment(cfg), confirm)
+    touched = False
+
     def run(spec: RunSpec) -> RunOutput:
+        nonlocal touched
         d = deployment(config_for(cfg, spec))
+        touched = True
         restart_raycluster(d)
         result = submit(d, mode="raycluster", hf_token=hf_token)
         if result.run_dir is None and result.job_status == "SUCCEEDED":
@@ -335,4 +472,24 @@ def eks_runner(cfg: Config, deployment: Callable[[Config], Deployment], *, hf_to
             source=f"job {result.submission_id}" + (f", run folder {result.run_dir}" if result.run_dir else ""),
         )
 
-    return run
+    def restore(*, failing: bool) -> None:
+        if not touched:  # nothing was deleted
+            return
+        d = deployment(cfg)
+        if not existed and d.kube.get("ray.io/v1", "RayCluster", d.cfg.ray.cluster_name, d.cfg.ray.namespace) is None:
+            return  # there was none before and no run left one
+        try:
+            restore_raycluster(d, hf_token=bool(hf_token))
+        except UserError as exc:
+            if not failing:
+                raise
+            d.say(f"error: {exc.message}")  # the comparison's own error is the one raised
+            if exc.hint:
+                d.say(exc.hint)
+
+    try:
+        yield run
+    except BaseException:
+        restore(failing=True)
+        raise
+    restore(failing=False)
