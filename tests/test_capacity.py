@@ -29,6 +29,7 @@ from raytrain_eks.aws.services import (
     PROBE_TAG,
     Ec2Reservations,
     Ec2SpotScores,
+    ExistingReservation,
     NoCapacity,
     QuotaLimit,
     ServiceQuotasLimits,
@@ -41,6 +42,7 @@ from raytrain_eks.errors import ConfigError
 
 REGION = "us-east-1"
 G_QUOTA = "L-DB2E81BA"
+STANDARD_QUOTA = "L-1216C47A"
 # moto's offerings data: us-east-1 offers g6.12xlarge in a, b, c, d and f, not in e.
 OFFERED = ["us-east-1a", "us-east-1b", "us-east-1c", "us-east-1d", "us-east-1f"]
 AMI = "ami-12c6146b"  # one of moto's built-in images (looking one up with DescribeImages costs about a second)
@@ -67,9 +69,12 @@ def _services(
     limit: float | None = 192,
     scores: dict[str, int] | None = None,
     reservations: FakeReservations | None = None,
+    standard: float | None = None,
     **more_limits: float,
 ) -> Services:
     limits = {(REGION, G_QUOTA): limit} if limit is not None else {}
+    if standard is not None:
+        limits[(REGION, STANDARD_QUOTA)] = standard
     limits.update({(r.replace("_", "-"), G_QUOTA): v for r, v in more_limits.items()})
     spot = {(REGION, zone_id): s for zone_id, s in (scores or {}).items()}
     return Services(FakeQuotas(limits), FakeSpotScores(spot), reservations or FakeReservations())
@@ -607,10 +612,188 @@ def test_up_places_the_gpu_group_by_the_capacity_check(aws_env):
     from raytrain_eks import deploy
 
     ids = _zone_ids()
-    zones = deploy.placement_zones(load_config(), services=_services(scores={ids["us-east-1d"]: 9}))
+    found = deploy.placement_zones(load_config(), services=_services(scores={ids["us-east-1d"]: 9}))
+    zones = found.zones
     assert sorted(zones) == OFFERED and zones[0] == "us-east-1d", "offered zones only, best spot score first"
+    assert found.reservations == {}
     _run("g6.12xlarge")
     reservations = FakeReservations()
     with pytest.raises(cap.CapacityError, match="quota short in us-east-1"):
         deploy.placement_zones(load_config(), services=_services(limit=96, reservations=reservations))
     assert reservations.calls == [], "nothing created"
+
+
+# ---------------------------------------------------------------- the system node's quota and existing reservations
+
+
+def _reservation(zone: str, available: int = 2, **kw) -> ExistingReservation:
+    kw.setdefault("id", f"cr-0{zone[-1] * 16}")
+    return ExistingReservation(
+        instance_type=kw.pop("instance_type", "g6.12xlarge"),
+        zone=zone,
+        total=kw.pop("total", 2),
+        available=available,
+        **kw,
+    )
+
+
+def _make_cluster() -> None:
+    """An EKS cluster of the configured name (its system node group comes with it)."""
+    ec2 = _client("ec2")
+    vpc = ec2.create_vpc(CidrBlock="10.1.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.1.0.0/24", AvailabilityZone="us-east-1a")["Subnet"]
+    _client("eks").create_cluster(
+        name="ray-train-eks",
+        roleArn="arn:aws:iam::123456789012:role/eks",
+        resourcesVpcConfig={"subnetIds": [subnet["SubnetId"]]},
+    )
+
+
+def test_the_system_node_needs_standard_quota_too(aws_env):
+    _run("m7i.2xlarge")  # 8 vCPUs of the standard quota already in use
+    report = _check(services=_services(limit=192, standard=10))
+    quota = _row(report, "us-east-1a").system_quota
+    assert (quota.code, quota.limit, quota.used, quota.need, quota.short) == (STANDARD_QUOTA, 10, 8, 4, 2)
+    err = report.problem()
+    assert err is not None and err.message.startswith(
+        "quota short in us-east-1: the system node group (4 vCPUs of m7i.xlarge)"
+    )
+    assert f"--quota-code {STANDARD_QUOTA} --desired-value 12 --region us-east-1" in (err.hint or "")
+    assert "(system node)" in "; ".join(_row(report, "us-east-1a").problems)
+    # Enough standard quota: nothing to say. An existing cluster already runs its system node: nothing needed.
+    assert _check(services=_services(limit=192, standard=12)).problem() is None
+    _make_cluster()
+    assert _row(_check(services=_services(limit=192, standard=0)), "us-east-1a").system_quota is None
+
+
+def test_an_existing_reservation_holds_the_nodes_where_the_quota_is_used_up(aws_env):
+    # The G quota of 96 is all held by a reservation of 2 x g6.12xlarge in us-east-1c: no zone but that one can
+    # take the nodes, and there they need no new quota and no probe.
+    held = _reservation("us-east-1c", id="cr-0123456789abcdef0", match="targeted")
+    reservations = FakeReservations(existing={REGION: [held]})
+    report = _check(services=_services(limit=96, reservations=reservations), probe=True)
+    best = report.candidates[0]
+    assert (best.zone, best.covered, best.reservation, best.reserved, best.quota.need) == (
+        "us-east-1c",
+        True,
+        held,
+        2,
+        0,
+    )
+    assert best.quota.held == 96 and best.viable and report.problem() is None
+    assert _row(report, "us-east-1a").problems == [f"quota {G_QUOTA} short by 96 vCPUs"]
+    assert reservations.created == [], "an existing reservation is not probed"
+    assert report.short_quotas() == [], "no increase to ask for: one zone can take the nodes"
+    lines = cap.table_lines(report)
+    assert "2 (cr-0123456789abcdef0)" in lines[2]
+    assert report.to_dict()["candidates"][0]["reservation"] == "cr-0123456789abcdef0"
+
+
+def test_open_reservations_cover_part_of_the_need(aws_env):
+    # One g6.12xlarge free in an open reservation of us-east-1b: that zone needs 48 vCPUs of new quota, not 96.
+    reservations = FakeReservations(existing={REGION: [_reservation("us-east-1b", available=1, total=1)]})
+    report = _check(services=_services(limit=96, reservations=reservations))
+    b, a = _row(report, "us-east-1b"), _row(report, "us-east-1a")
+    assert (b.reservation, b.reserved, b.quota.need, b.quota.used, b.viable) == (None, 1, 48, 48, True)
+    assert (a.quota.need, a.viable) == (96, False)
+    assert report.candidates[0].zone == "us-east-1b"
+
+
+def test_unusable_reservations_are_not_counted_as_capacity(aws_env):
+    windows = _reservation("us-east-1a", platform="Windows")
+    block = _reservation("us-east-1b", kind="capacity-block")
+    other = _reservation("us-east-1c", instance_type="g6.48xlarge")
+    reservations = FakeReservations(existing={REGION: [windows, block, other]})
+    report = _check(services=_services(limit=1000, reservations=reservations))
+    assert all(c.reserved == 0 and c.reservation is None for c in report.candidates)
+
+
+def test_up_targets_the_reservation_that_holds_the_nodes(aws_env):
+    from raytrain_eks import deploy
+
+    held = _reservation("us-east-1d", id="cr-0fedcba9876543210")
+    found = deploy.placement_zones(
+        load_config(), services=_services(limit=96, reservations=FakeReservations(existing={REGION: [held]}))
+    )
+    assert found.zones == ["us-east-1d"] and found.reservations == {"us-east-1d": "cr-0fedcba9876543210"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            {},
+            "no active capacity reservation with this id in us-east-1; yours are listed by `aws ec2 describe-capacity",
+        ),
+        (
+            {"id": "cr-0aaaaaaaaaaaaaaa1", "instance_type": "p5.48xlarge"},
+            "it reserves p5.48xlarge, the GPU node type is g6",
+        ),
+        ({"id": "cr-0aaaaaaaaaaaaaaa1", "zone": "us-east-1b"}, "it is in us-east-1b, cluster.gpu_az is us-east-1a"),
+        ({"id": "cr-0aaaaaaaaaaaaaaa1", "tenancy": "dedicated"}, "its tenancy is dedicated"),
+    ],
+    ids=["unknown", "other-type", "other-zone", "dedicated"],
+)
+def test_a_configured_reservation_that_cannot_hold_the_nodes_is_refused(aws_env, overrides, expected):
+    kw = {"id": "cr-0bbbbbbbbbbbbbbb2", "zone": "us-east-1a", **overrides}
+    reservations = FakeReservations(existing={REGION: [_reservation(kw.pop("zone"), **kw)]})
+    cfg = load_config(
+        environ={"GPU_AZ": "us-east-1a"}, overrides={"cluster": {"capacity_reservation_id": "cr-0aaaaaaaaaaaaaaa1"}}
+    )
+    with pytest.raises(ConfigError) as err:
+        _check(cfg, _services(reservations=reservations))
+    assert len(err.value.problems) == 1 and expected in err.value.problems[0]
+    assert err.value.problems[0].startswith("cluster.capacity_reservation_id = 'cr-0aaaaaaaaaaaaaaa1'")
+    assert reservations.created == []
+
+
+def test_a_configured_reservation_picks_the_zone_and_must_have_room(aws_env):
+    mine = _reservation("us-east-1f", id="cr-0aaaaaaaaaaaaaaa1", available=2)
+    bigger = _reservation("us-east-1b", id="cr-0ccccccccccccccc3", available=4, total=4)
+    cfg = load_config(overrides={"cluster": {"capacity_reservation_id": "cr-0aaaaaaaaaaaaaaa1"}})
+    report = _check(cfg, _services(limit=0, reservations=FakeReservations(existing={REGION: [mine, bigger]})))
+    assert [c.zone for c in report.targets] == ["us-east-1f"] and report.targets[0].covered
+    assert report.problem() is None
+    # One instance of the two already running in it: one short, said so, and the quota cannot make up for it.
+    full = _reservation("us-east-1f", id="cr-0aaaaaaaaaaaaaaa1", available=1)
+    report = _check(cfg, _services(limit=0, reservations=FakeReservations(existing={REGION: [full]})))
+    err = report.problem()
+    assert err is not None and "reservation cr-0aaaaaaaaaaaaaaa1 has 1 of 2 instances free" in err.message
+
+
+def test_ec2_reservations_lists_the_active_ones_but_not_the_probes(offline_aws):
+    ec2 = offline_aws.client("ec2")
+    listed = {
+        "CapacityReservations": [
+            {
+                "CapacityReservationId": "cr-0123456789abcdef0",
+                "InstanceType": "g6.12xlarge",
+                "InstancePlatform": "Linux/UNIX",
+                "AvailabilityZone": "us-east-1c",
+                "Tenancy": "default",
+                "TotalInstanceCount": 2,
+                "AvailableInstanceCount": 1,
+                "InstanceMatchCriteria": "targeted",
+                "State": "active",
+                "ReservationType": "default",
+                "Tags": [{"Key": "team", "Value": "ml"}],
+            },
+            {
+                "CapacityReservationId": "cr-0fffffffffffffff0",
+                "InstanceType": "g6.12xlarge",
+                "AvailabilityZone": "us-east-1a",
+                "TotalInstanceCount": 2,
+                "AvailableInstanceCount": 2,
+                "State": "active",
+                "Tags": [{"Key": PROBE_TAG, "Value": "raytrain-eks-probe-1"}],
+            },
+        ]
+    }
+    with Stubber(ec2) as stub:
+        stub.add_response(
+            "describe_capacity_reservations", listed, {"Filters": [{"Name": "state", "Values": ["active"]}]}
+        )
+        found = Ec2Reservations(offline_aws).active(region=REGION)
+    assert found == [
+        ExistingReservation("cr-0123456789abcdef0", "g6.12xlarge", "us-east-1c", 2, 1, "targeted", "Linux/UNIX")
+    ]

@@ -535,6 +535,41 @@ def test_pinned_zone_is_the_only_one_tried(tmp_path: Path, monkeypatch: pytest.M
     assert len(w.tools.commands("eksctl", "create", "nodegroup")) == 2  # system + the one GPU zone
 
 
+def test_up_launches_into_the_reservation_the_capacity_check_found(world: World):
+    placement = deploy.Placement(["us-east-1b", "us-east-1a"], {"us-east-1b": "cr-0123456789abcdef0"})
+    result = world.up(offered_zones=lambda: placement)
+    assert result.gpu_az == "us-east-1b"
+    doc = yaml.safe_load((world.store.root / "eksctl-nodegroup-gpu-efa.yaml").read_text())
+    schema = json.loads((SHARED / "schemas" / "eksctl" / "clusterconfig.v1alpha5.schema.json").read_text())
+    assert not list(jsonschema.validators.validator_for(schema)(schema).iter_errors(doc))
+    (gpu,) = doc["managedNodeGroups"]
+    assert gpu["capacityReservation"] == {
+        "capacityReservationTarget": {"capacityReservationID": "cr-0123456789abcdef0"}
+    }
+    assert gpu["availabilityZones"] == ["us-east-1b"] and "placement" not in gpu
+    system = yaml.safe_load((world.store.root / "eksctl-nodegroup-system.yaml").read_text())["managedNodeGroups"][0]
+    assert "capacityReservation" not in system, "the system node is not in the GPU reservation"
+    assert "in us-east-1b, into capacity reservation cr-0123456789abcdef0" in world.said()
+
+
+def test_a_configured_zone_is_checked_before_anything_is_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from raytrain_eks.aws.capacity import CapacityError
+
+    monkeypatch.chdir(tmp_path)
+    w = World(tmp_path, load_config(environ={"GPU_AZ": "us-east-1c"}, path=None))
+
+    def quota_short() -> deploy.Placement:
+        raise CapacityError("quota short in us-east-1: 2 x g6.12xlarge need 96 vCPUs ...")
+
+    with pytest.raises(CapacityError, match="quota short"):
+        w.up(offered_zones=quota_short)
+    with pytest.raises(
+        UserError, match="cannot go to us-east-1c now; the capacity check finds room only in us-east-1a"
+    ):
+        w.up(offered_zones=lambda: deploy.Placement(["us-east-1a"]))
+    assert w.tools.calls == [] and w.store.created == []
+
+
 def test_missing_eksctl_stops_up_before_anything(world: World):
     world.tools.missing = {"eksctl"}
     with pytest.raises(MissingToolError, match="eksctl"):

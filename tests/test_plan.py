@@ -110,6 +110,21 @@ def test_cluster_config_validates_and_keeps_eksctls_efa_rules(cfg_for, schemas, 
     assert system["labels"] == {"role": "system"} and "taints" not in system and "efaEnabled" not in system
 
 
+def test_a_configured_capacity_reservation_is_targeted_by_the_gpu_group_only(cfg_for, schemas):
+    cfg = cfg_for(GPU_AZ="us-east-1c").model_copy(deep=True)
+    cfg = cfg.model_copy(
+        update={"cluster": cfg.cluster.model_copy(update={"capacity_reservation_id": "cr-0123456789abcdef0"})}
+    )
+    doc = eksctl.cluster_config(cfg, eksctl.planned_zones(cfg))
+    assert schema_errors(schemas["eksctl"], doc) == []
+    groups = _nodegroups(doc)
+    target = {"capacityReservationTarget": {"capacityReservationID": "cr-0123456789abcdef0"}}
+    assert groups["gpu-efa"]["capacityReservation"] == target and "capacityReservation" not in groups["system"]
+    steps = {s.name: s for s in build_plan(cfg, mode="raycluster", hf_token=False).steps}
+    assert "launched into capacity reservation cr-0123456789abcdef0" in steps["create-cluster"].action
+    assert "standard quota (L-1216C47A) the system node" in steps["preflight"].action
+
+
 def test_the_eksctl_validator_does_reject_unknown_keys(cfg_for, schemas):
     cfg = cfg_for()
     doc = eksctl.cluster_config(cfg, eksctl.planned_zones(cfg))

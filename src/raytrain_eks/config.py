@@ -62,6 +62,8 @@ class ClusterConfig(_Section):
     gpus_per_node: int = Field(4, ge=1, le=16)
     gpu_nodegroup_name: str = "gpu-efa"
     gpu_az: str | None = None
+    # An existing on-demand capacity reservation for the GPU nodes (its zone becomes the GPU zone).
+    capacity_reservation_id: str | None = None
     # Deploy-only settings (eksctl ClusterConfig).
     availability_zones: list[str] = Field(default_factory=list)
     ami_family: Literal["AmazonLinux2023"] = "AmazonLinux2023"
@@ -93,6 +95,13 @@ class ClusterConfig(_Section):
         if v in (None, ""):
             return None
         return _check(re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d[a-z]$"), v, "an availability zone such as us-east-1a")
+
+    @field_validator("capacity_reservation_id")
+    @classmethod
+    def _reservation(cls, v: str | None) -> str | None:
+        if v in (None, ""):
+            return None
+        return _check(re.compile(r"^cr-[0-9a-f]{8,17}$"), v, "a capacity reservation id such as cr-0123456789abcdef0")
 
     @field_validator("availability_zones")
     @classmethod

@@ -17,6 +17,8 @@ SECTION_HELP = {
 
 FIELD_HELP = {
     ("cluster", "gpu_az"): "one availability zone for every GPU node (EFA cannot cross zones); empty = pick at deploy",
+    ("cluster", "capacity_reservation_id"): "an existing on-demand capacity reservation (cr-...) for the GPU nodes; "
+    "its zone becomes the GPU zone; empty = up still uses one that holds every node in the zone it picks",
     ("cluster", "gpus_per_node"): "also Ray's num-gpus and the pod's nvidia.com/gpu request (never typed twice)",
     ("ray", "image"): "pin a tag or a digest (@sha256:...), or follow a moving tag",
     ("cluster", "availability_zones"): "the cluster's subnet zones (2 or more, gpu_az among them); empty = at deploy",

@@ -265,10 +265,21 @@ class Action:
 
 @dataclass(frozen=True)
 class ZonePlan:
-    """``candidates``: GPU zones to try, in order. ``cluster_azs``: the zones given subnets (every candidate)."""
+    """``candidates``: GPU zones to try, in order. ``cluster_azs``: the zones given subnets (every candidate).
+    ``reservations``: zone -> the existing capacity reservation the GPU node group targets there."""
 
     candidates: tuple[str, ...]
     cluster_azs: tuple[str, ...]
+    reservations: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What the placement search found: the zones that can take the GPU node group now, best first, and for each
+    zone an existing capacity reservation holding every GPU node, when there is one."""
+
+    zones: list[str]
+    reservations: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -283,12 +294,13 @@ class UpResult:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def placement_zones(cfg: Config, services: Any | None = None) -> list[str]:
-    """The placement search of ``up``: the configured region's zones that can take the GPU node group, best first.
+def placement_zones(cfg: Config, services: Any | None = None) -> Placement:
+    """The placement search of ``up``: the configured placement's zones that can take the GPU node group, best first.
 
-    The ``capacity`` check through boto3 (offered, EFA, vCPU quota net of running instances, subnets, spot score).
-    Raises its one-message error, before anything is created, when no zone fits (quota short, not offered, no EFA).
-    ``services`` replaces the quota, spot-score and reservation interfaces (tests pass fakes).
+    The ``capacity`` check through boto3 (offered, EFA, vCPU quotas net of running instances and reservations, the
+    system node's quota, existing capacity reservations, subnets, spot score). Raises its one-message error,
+    before anything is created, when no zone fits (quota short, not offered, no EFA, a reservation that cannot hold
+    the nodes). ``services`` replaces the quota, spot-score and reservation interfaces (tests pass fakes).
     """
     from raytrain_eks.aws.capacity import check_capacity
     from raytrain_eks.aws.services import boto3_services
@@ -299,14 +311,30 @@ def placement_zones(cfg: Config, services: Any | None = None) -> list[str]:
     problem = report.problem()
     if problem is not None:
         raise problem
-    return [c.zone for c in report.targets if c.viable and c.zone]
+    usable = [c for c in report.targets if c.viable and c.zone]
+    return Placement(
+        zones=[c.zone for c in usable if c.zone],
+        reservations={c.zone: c.reservation.id for c in usable if c.zone and c.covered and c.reservation},
+    )
 
 
-def choose_zones(cfg: Config, store: StateStore, offered: Callable[[], Sequence[str] | None] | None = None) -> ZonePlan:
-    """The GPU zones to try and the cluster's zones: remembered ones first, then the config's, else the zones EC2
-    says offer the GPU type. Zones that failed before are tried last. Example: ``choose_zones(cfg, store).candidates``.
+def choose_zones(
+    cfg: Config, store: StateStore, offered: Callable[[], Placement | Sequence[str] | None] | None = None
+) -> ZonePlan:
+    """The GPU zones to try and the cluster's zones: remembered ones first, then the config's, else the zones the
+    placement search (``offered``) ranks best. Zones that failed before are tried last.
+
+    ``offered`` runs whenever the GPU node group is not yet recorded as created, so a short quota, a type not
+    offered in the configured zone or a reservation that cannot hold the nodes stops ``up`` before anything is made;
+    the configured or remembered zones are then kept only where the search says the group can go.
+    Example: ``choose_zones(cfg, store).candidates``.
     """
     c = cfg.cluster
+    found: Placement | None = None
+    if offered is not None and not store.has(nodegroup_item(c.gpu_nodegroup_name)):
+        answer = offered()
+        if answer is not None:
+            found = answer if isinstance(answer, Placement) else Placement(list(answer))
     remembered = tuple(store.get("cluster_azs") or ())
     if remembered:
         cluster_azs = remembered
@@ -322,7 +350,7 @@ def choose_zones(cfg: Config, store: StateStore, offered: Callable[[], Sequence[
     elif c.availability_zones:
         pool, cluster_azs = list(c.availability_zones), tuple(c.availability_zones)
     else:
-        zones = list(offered() or []) if offered is not None else []
+        zones = list(found.zones) if found is not None else []
         if not zones:
             raise UserError(
                 f"no availability zone of {c.region} is known to offer {c.gpu_node_type}",
@@ -335,10 +363,22 @@ def choose_zones(cfg: Config, store: StateStore, offered: Callable[[], Sequence[
             cluster_azs = eksctl.planned_zones(
                 cfg.model_copy(update={"cluster": c.model_copy(update={"gpu_az": pool[0]})})
             ).cluster_azs
+    if found is not None:
+        rank = {z: i for i, z in enumerate(found.zones)}
+        fits = sorted((z for z in pool if z in rank), key=rank.__getitem__)
+        if not fits:
+            raise UserError(
+                f"{c.gpu_node_type} cannot go to {', '.join(pool)} now; the capacity check finds room only in "
+                f"{', '.join(found.zones) or 'no zone'} of {c.region}",
+                hint="`raytrain-eks capacity` shows why, zone by zone. Change GPU_AZ / availability_zones, or run "
+                "`raytrain-eks down` and `up` again to build the cluster in other zones.",
+            )
+        pool = fits
     failed = store.get("zone_failures") or {}
     last = store.get("gpu_az")
     ordered = sorted(pool, key=lambda z: (z != last, z in failed))
-    return ZonePlan(tuple(ordered), tuple(cluster_azs))
+    reservations = dict(found.reservations) if found is not None else dict(store.get("reservations") or {})
+    return ZonePlan(tuple(ordered), tuple(cluster_azs), {z: r for z, r in reservations.items() if z in ordered})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -347,7 +387,9 @@ def choose_zones(cfg: Config, store: StateStore, offered: Callable[[], Sequence[
 
 
 def _zones(plan: ZonePlan, gpu_az: str) -> eksctl.Zones:
-    return eksctl.Zones(gpu_az=gpu_az, cluster_azs=plan.cluster_azs, assumed=False)
+    return eksctl.Zones(
+        gpu_az=gpu_az, cluster_azs=plan.cluster_azs, assumed=False, reservation=plan.reservations.get(gpu_az)
+    )
 
 
 def write_eksctl_config(d: Deployment, plan: ZonePlan, gpu_az: str, nodegroup: str | None) -> Path:
@@ -502,7 +544,9 @@ def ensure_gpu_nodegroup(d: Deployment, plan: ZonePlan) -> str:
         path = write_eksctl_config(d, plan, az, name)
         d.state.record(nodegroup_item(name))
         d.state.update(gpu_az=az)
-        d.say(f"Creating node group {name} ({c.gpu_node_count} x {c.gpu_node_type}, EFA) in {az}")
+        held = plan.reservations.get(az) or c.capacity_reservation_id
+        into = f", into capacity reservation {held}" if held else ""
+        d.say(f"Creating node group {name} ({c.gpu_node_count} x {c.gpu_node_type}, EFA) in {az}{into}")
         try:
             done = d.run(_create_nodegroup_argv(path), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say, check=False)
             # eksctl logs the stack's failure reasons on stdout and its final error on stderr: read both.
@@ -778,7 +822,7 @@ def up(
     d: Deployment,
     *,
     confirm: Callable[[str], bool],
-    offered_zones: Callable[[], Sequence[str] | None] | None = None,
+    offered_zones: Callable[[], Placement | Sequence[str] | None] | None = None,
 ) -> UpResult:
     """Create or resume the whole infrastructure; returns the GPU zone and nodes. Asks ``confirm`` once.
 
@@ -800,7 +844,9 @@ def up(
     )
     if not confirm(question):
         raise Cancelled("cancelled: nothing was created")
-    d.state.update(cluster=c.name, region=c.region, cluster_azs=list(plan.cluster_azs))
+    d.state.update(
+        cluster=c.name, region=c.region, cluster_azs=list(plan.cluster_azs), reservations=plan.reservations or None
+    )
     ensure_cluster(d, plan)
     ensure_system_nodegroup(d, plan)
     az = ensure_gpu_nodegroup(d, plan)

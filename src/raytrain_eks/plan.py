@@ -304,15 +304,22 @@ def _steps(cfg: Config, mode: Mode, *, hf_token: bool, gpu: InstanceType, zones:
         Step(
             "preflight",
             f"Check AWS credentials; that {c.region} offers {gpu.name} with EFA in {where}; and that the on-demand "
-            f"{gpu.quota_family} vCPU quota ({quota}) covers {c.gpu_node_count * gpu.vcpu} vCPUs. Nothing is "
-            "created if a check fails.",
+            f"{gpu.quota_family} vCPU quota ({quota}) covers {c.gpu_node_count * gpu.vcpu} vCPUs, net of running "
+            "instances and unused capacity reservations (less what an existing reservation of the GPU type holds "
+            f"there), and the standard quota ({QUOTA_CODES['standard']}) the system node. Nothing is created if a "
+            "check fails.",
         ),
         Step(
             "create-cluster",
             f"Create EKS cluster {c.name} (Kubernetes {c.k8s_version}, OIDC, private subnets in "
             f"{', '.join(zones.cluster_azs)} behind one NAT gateway), node group {eksctl.SYSTEM_NODEGROUP} "
             f"({c.system_node_count} x {c.system_node_type}) and EFA node group {c.gpu_nodegroup_name} "
-            f"({c.gpu_node_count} x {gpu.name} in {zones.gpu_az}, with the cluster placement group eksctl adds).",
+            f"({c.gpu_node_count} x {gpu.name} in {zones.gpu_az}, "
+            + (
+                f"launched into capacity reservation {c.capacity_reservation_id})."
+                if c.capacity_reservation_id
+                else "with the cluster placement group eksctl adds)."
+            ),
             eksctl.create_cluster_argv(),
             [eksctl.CONFIG_FILE],
         ),

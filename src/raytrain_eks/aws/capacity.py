@@ -105,6 +105,7 @@ class Quota:
     source: str
     used: int
     need: int
+    held: int = 0  # the part of ``used`` that unused capacity reservations hold
 
     @property
     def free(self) -> float | None:
@@ -114,7 +115,9 @@ class Quota:
     def short(self) -> int:
         """vCPUs missing (0 when enough, or when the limit is unknown)."""
         free = self.free
-        return 0 if free is None or free >= self.need else math.ceil(self.need - free)
+        if free is None or self.need <= 0 or free >= self.need:
+            return 0
+        return math.ceil(self.need - max(free, 0))
 
     def increase_argv(self) -> list[str]:
         """The AWS CLI command asking for a limit that fits the running instances plus the node group."""
@@ -165,6 +168,15 @@ class Candidate:
     private_subnets: tuple[str, ...] = ()
     target: bool = False
     probe: Probe | None = None
+    system_quota: Quota | None = None
+    reservation: svc.ExistingReservation | None = None
+    reserved: int = 0
+    reservation_problem: str | None = None
+
+    @property
+    def covered(self) -> bool:
+        """An existing capacity reservation here holds every GPU node: no quota, capacity or probe needed."""
+        return self.reservation is not None and self.quota is not None and self.quota.need == 0
 
     @property
     def problems(self) -> list[str]:
@@ -178,6 +190,10 @@ class Candidate:
             out.append("no EFA here")
         if self.quota is not None and self.quota.short:
             out.append(f"quota {self.quota.code} short by {self.quota.short} vCPUs")
+        if self.system_quota is not None and self.system_quota.short:
+            out.append(f"quota {self.system_quota.code} short by {self.system_quota.short} vCPUs (system node)")
+        if self.reservation_problem:
+            out.append(self.reservation_problem)
         if self.cluster and self.zone and not self.private_subnets:
             out.append(f"cluster {self.cluster} has no private subnet here")
         if self.probe is not None and not self.probe.ok:
@@ -196,17 +212,30 @@ class Candidate:
             "zone_id": self.zone_id,
             "offered": self.offered,
             "efa_interfaces": self.efa_interfaces,
-            "quota": None
-            if q is None
-            else {"code": q.code, "limit": q.limit, "source": q.source, "used": q.used, "need": q.need, "free": q.free},
+            "quota": _quota_dict(q),
             "spot_score": self.spot_score,
             "cluster": self.cluster,
             "private_subnets": list(self.private_subnets),
             "target": self.target,
             "probe": None if self.probe is None else {"ok": self.probe.ok, "detail": self.probe.detail},
+            "system_quota": _quota_dict(self.system_quota),
+            "reservation": None if self.reservation is None else self.reservation.id,
+            "reserved_instances": self.reserved,
             "viable": self.viable,
             "problems": self.problems,
         }
+
+
+def _users(q: Quota) -> str:
+    if not q.held:
+        return f"running on-demand instances use {q.used}"
+    return f"running on-demand instances ({q.used - q.held}) and unused capacity reservations ({q.held}) use {q.used}"
+
+
+def _quota_dict(q: Quota | None) -> dict[str, Any] | None:
+    if q is None:
+        return None
+    return {"code": q.code, "limit": q.limit, "source": q.source, "used": q.used, "need": q.need, "free": q.free}
 
 
 def _rank_key(c: Candidate) -> tuple[Any, ...]:
@@ -216,6 +245,7 @@ def _rank_key(c: Candidate) -> tuple[Any, ...]:
         not c.viable,
         not c.offered,  # of the places that cannot take it now, those a quota increase or a retry may fix first
         len(c.problems),
+        not c.covered,  # an existing capacity reservation holds the nodes: nothing left to chance
         probe,  # reserved just now beats not probed
         not (c.cluster and c.private_subnets),  # the existing cluster can take a node group here
         -(c.spot_score or 0),  # spot placement score: a hint of spare capacity
@@ -227,7 +257,8 @@ def _rank_key(c: Candidate) -> tuple[Any, ...]:
 
 
 def rank(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """Best first: usable places, then offered ones that are not; within each, those a probe reserved, in the
+    """Best first: usable places, then offered ones that are not; within each, those an existing capacity
+    reservation covers, those a probe reserved, in the
     existing cluster's private subnets, with the higher spot score, with more free quota, in the configured region;
     then alphabetical. Pure."""
     return sorted(candidates, key=_rank_key)
@@ -255,6 +286,7 @@ class CapacityReport:
     count: int
     vcpus_per_node: int
     family: str
+    system_type: str
     quota_code: str
     config_region: str
     gpu_az: str | None
@@ -278,9 +310,18 @@ class CapacityReport:
         return next((c for c in self.candidates if c.viable), None)
 
     def short_quotas(self) -> list[Quota]:
-        """The regions' quotas that cannot fit the node group, for regions the type is offered in."""
-        offered = {c.region for c in self.candidates if c.offered}
-        return [q for r, q in sorted(self.quotas.items()) if r in offered and q.short]
+        """The regions' quotas that cannot fit the node groups (GPU, then system), for regions offering the type.
+        A region's GPU quota counts as short only when it is short in every zone (reservations differ by zone)."""
+        out: list[Quota] = []
+        for region in sorted({c.region for c in self.candidates if c.offered}):
+            here = [c for c in self.candidates if c.region == region and c.offered]
+            gpu = [c.quota for c in here if c.quota is not None]
+            if gpu and all(q.short for q in gpu):
+                out.append(min(gpu, key=lambda q: q.short))
+            system = next((c.system_quota for c in here if c.system_quota is not None), None)
+            if system is not None and system.short:
+                out.append(system)
+        return out
 
     def problem(self) -> CapacityError | None:
         """None when the configured placement can take the node group, else the error to raise: one message."""
@@ -292,16 +333,27 @@ class CapacityReport:
         where = head.zone or head.region
         alt = next((c for c in self.candidates if c.viable and not c.target), None)
         alt_line = f"Best alternative: {alt.zone or alt.region} (REGION={alt.region} GPU_AZ={alt.zone})." if alt else ""
-        q = head.quota
-        if q is not None and q.short:
+        short = [q for q in (head.quota, head.system_quota) if q is not None and q.short]
+        if short:
             others = [p for p in head.problems if not p.startswith("quota ")]
+            parts = []
+            for q in short:
+                who = (
+                    f"{self.count} x {self.instance_type}"
+                    if q is head.quota
+                    else f"the system node group ({q.need} vCPUs of {self.system_type})"
+                )
+                parts.append(
+                    f"{who} need {q.need} vCPUs of '{QUOTA_NAMES[q.family]}' ({q.code}); the quota is {q.limit:g} "
+                    f"and {_users(q)}, so {q.free:g} are free ({q.short} short)"
+                )
             message = (
-                f"quota short in {q.region}: {self.count} x {self.instance_type} need {q.need} vCPUs of "
-                f"'{QUOTA_NAMES[q.family]}' ({q.code}); the quota is {q.limit:g} and running on-demand instances use "
-                f"{q.used}, so {q.free:g} are free ({q.short} short)"
+                f"quota short in {head.region}: "
+                + "; and ".join(parts)
                 + (f"; also {where}: {'; '.join(others)}" if others else "")
             )
-            hint = "Ask AWS for more (approval takes minutes to days):\n  " + shlex.join(q.increase_argv())
+            commands = "\n  ".join(shlex.join(q.increase_argv()) for q in short)
+            hint = "Ask AWS for more (approval takes minutes to days):\n  " + commands
             return CapacityError(message, hint=f"{hint}\n{alt_line}".strip())
         message = f"{what} cannot go to {where}: {'; '.join(head.problems)}"
         return CapacityError(message, hint=alt_line or "Try other regions: `raytrain-eks capacity --all-regions`.")
@@ -328,7 +380,8 @@ class CapacityReport:
 
 def table_lines(report: CapacityReport) -> list[str]:
     """The ranked table as text lines, with a header line and the quota-increase commands under it. Pure."""
-    header = ["#", "region", "zone", "zone id", "offered", "EFA", "vCPU free/quota", "spot", "private subnet"]
+    header = ["#", "region", "zone", "zone id", "offered", "EFA", "vCPU free/quota", "reserved", "spot"]
+    header += ["private subnet"]
     header += ["probe"] if report.probed else []
     header += ["status"]
     rows: list[list[str]] = []
@@ -345,6 +398,9 @@ def table_lines(report: CapacityReport) -> list[str]:
             "yes" if c.offered else "no",
             efa,
             quota,
+            "-"
+            if c.reservation is None and not c.reserved
+            else f"{c.reserved} ({c.reservation.id if c.reservation else 'open'})",
             "-" if c.spot_score is None else str(c.spot_score),
             subnet,
         ]
@@ -463,6 +519,8 @@ class _Survey:
     quota: Quota | None = None
     spot: svc.SpotSignal | None = None
     cluster: svc.ClusterSubnets | None = None
+    system_quota: Quota | None = None
+    reservations: tuple[svc.ExistingReservation, ...] = ()
 
 
 def resolve_regions(aws: Aws, requested: Sequence[str] | None, all_regions: bool) -> list[str]:
@@ -509,15 +567,45 @@ def _survey(aws: Aws, services: svc.Services, region: str, cfg: Config) -> _Surv
     if info is None or not offered or family is None:
         return _Survey(region, info, zones, offered)
     running = svc.on_demand_instance_types(aws, region)
-    same_family = {t: n for t, n in running.items() if quota_family(t) == family}
-    vcpus = {t: TypeInfo.from_api(d).vcpus for t, d in svc.describe_types(aws, region, same_family).items()}
-    used = sum(n * vcpus.get(t, 0) for t, n in same_family.items())
+    reservations = tuple(services.reservations.active(region=region))
+    cluster = svc.cluster_subnets(aws, region, c.name)
+    system_family = quota_family(c.system_node_type)
+    families = {family, system_family} - {None}
+    kinds = {t for t in [*running, *(r.instance_type for r in reservations)] if quota_family(t) in families}
+    vcpus = {
+        t: TypeInfo.from_api(d).vcpus for t, d in svc.describe_types(aws, region, kinds | {c.system_node_type}).items()
+    }
+    vcpus[c.gpu_node_type] = info.vcpus
+
+    def usage(fam: str) -> tuple[int, int]:
+        """vCPUs the family's quota already holds: running on-demand instances, plus the unused part of active
+        capacity reservations (a reservation takes its quota when made; instances launched into it add none).
+        Returns (used, the reservations' part)."""
+        run = sum(n * vcpus.get(t, 0) for t, n in running.items() if quota_family(t) == fam)
+        held = sum(
+            r.available * vcpus.get(r.instance_type, 0) for r in reservations if quota_family(r.instance_type) == fam
+        )
+        return run + held, held
+
+    # The system node group exists with the cluster: its instances are already among the running ones.
+    system_need = 0 if cluster.found else c.system_node_count * vcpus.get(c.system_node_type, 0)
+    gpu_need = c.gpu_node_count * info.vcpus
     code = QUOTA_CODES[family]
     limit = services.quotas.vcpu_limit(region, code)
-    quota = Quota(region, family, code, limit.value, limit.source, used, c.gpu_node_count * info.vcpus)
+    system_quota = None
+    if system_family == family:
+        gpu_need += system_need
+    elif system_family is not None and system_need:
+        sys_code = QUOTA_CODES[system_family]
+        sys_limit = services.quotas.vcpu_limit(region, sys_code)
+        sys_used, sys_held = usage(system_family)
+        system_quota = Quota(
+            region, system_family, sys_code, sys_limit.value, sys_limit.source, sys_used, system_need, sys_held
+        )
+    gpu_used, gpu_held = usage(family)
+    quota = Quota(region, family, code, limit.value, limit.source, gpu_used, gpu_need, gpu_held)
     spot = services.spot.scores(region, c.gpu_node_type, c.gpu_node_count)
-    cluster = svc.cluster_subnets(aws, region, c.name)
-    return _Survey(region, info, zones, offered, quota, spot, cluster)
+    return _Survey(region, info, zones, offered, quota, spot, cluster, system_quota, reservations)
 
 
 def _check_type(cfg: Config, surveys: list[_Survey]) -> TypeInfo:
@@ -557,6 +645,62 @@ def _check_gpu_az(cfg: Config, surveys: list[_Survey]) -> None:
     )
 
 
+def _check_reservation(cfg: Config, surveys: list[_Survey]) -> svc.ExistingReservation | None:
+    """The configured ``capacity_reservation_id`` as EC2 lists it; ConfigError when it cannot hold the GPU nodes."""
+    c = cfg.cluster
+    rid = c.capacity_reservation_id
+    home = next((s for s in surveys if s.region == c.region), None)
+    if rid is None or home is None or home.quota is None:
+        return None
+    field_ = f"cluster.capacity_reservation_id = {rid!r}"
+    found = next((r for r in home.reservations if r.id == rid), None)
+    if found is None:
+        listing = ["aws", "ec2", "describe-capacity-reservations", "--region", c.region]
+        raise ConfigError(
+            [
+                f"{field_}: no active capacity reservation with this id in {c.region}; yours are listed by "
+                f"`{shlex.join([*listing, '--filters', 'Name=state,Values=active'])}`"
+            ]
+        )
+    problems = []
+    if found.instance_type != c.gpu_node_type:
+        problems.append(f"it reserves {found.instance_type}, the GPU node type is {c.gpu_node_type}")
+    if c.gpu_az and found.zone != c.gpu_az:
+        problems.append(f"it is in {found.zone}, cluster.gpu_az is {c.gpu_az}; leave gpu_az empty or make them agree")
+    if found.unusable_why:
+        problems.append(found.unusable_why)
+    if problems:
+        raise ConfigError([f"{field_}: {'; '.join(problems)}"])
+    return found
+
+
+def _zone_reservation(
+    cfg: Config, survey: _Survey, zone: str
+) -> tuple[svc.ExistingReservation | None, int, str | None]:
+    """For ``zone``: the reservation the GPU node group would target (one holding every node, the configured one
+    first), the instances reservations cover there, and why the configured one cannot hold them (or None)."""
+    c = cfg.cluster
+    mine = [
+        r
+        for r in survey.reservations
+        if r.zone == zone and r.instance_type == c.gpu_node_type and r.unusable_why is None and r.available > 0
+    ]
+    if c.capacity_reservation_id:
+        pinned = next((r for r in mine if r.id == c.capacity_reservation_id), None)
+        if pinned is None:
+            return None, 0, None
+        covered = min(c.gpu_node_count, pinned.available)
+        why = None
+        if pinned.available < c.gpu_node_count:
+            why = f"reservation {pinned.id} has {pinned.available} of {c.gpu_node_count} instances free"
+        return pinned, covered, why
+    whole = sorted((r for r in mine if r.available >= c.gpu_node_count), key=lambda r: (r.available, r.id))
+    if whole:
+        return whole[0], c.gpu_node_count, None
+    # None holds them all: open reservations still take what they can, without being named.
+    return None, min(c.gpu_node_count, sum(r.available for r in mine if r.match == "open")), None
+
+
 def _candidates(cfg: Config, survey: _Survey) -> list[Candidate]:
     c = cfg.cluster
     info = survey.type_info
@@ -567,9 +711,15 @@ def _candidates(cfg: Config, survey: _Survey) -> list[Candidate]:
     if not survey.offered:
         return [Candidate(survey.region, None, None, False, efa, survey.quota, target=in_home and not c.gpu_az)]
     scores = (survey.spot.scores if survey.spot is not None else None) or {}
+    pinned_zone = next((r.zone for r in survey.reservations if r.id == c.capacity_reservation_id and in_home), None)
     out = []
     for zone in sorted(set(survey.zones) | survey.offered):
         zone_id = survey.zones.get(zone)
+        reservation, covered, why = _zone_reservation(cfg, survey, zone)
+        quota = survey.quota
+        if quota is not None and covered and info is not None:
+            quota = replace(quota, need=quota.need - covered * info.vcpus)
+        wanted = pinned_zone or c.gpu_az
         out.append(
             Candidate(
                 region=survey.region,
@@ -577,11 +727,15 @@ def _candidates(cfg: Config, survey: _Survey) -> list[Candidate]:
                 zone_id=zone_id,
                 offered=zone in survey.offered,
                 efa_interfaces=efa,
-                quota=survey.quota,
+                quota=quota,
                 spot_score=scores.get(zone_id) if zone_id else None,
                 cluster=cluster,
                 private_subnets=tuple(private.get(zone, ())),
-                target=in_home and (c.gpu_az is None or c.gpu_az == zone),
+                target=in_home and (wanted is None or wanted == zone),
+                system_quota=survey.system_quota,
+                reservation=reservation,
+                reserved=covered,
+                reservation_problem=why,
             )
         )
     return out
@@ -610,6 +764,7 @@ def check_capacity(
         surveys = list(pool.map(lambda r: _survey(aws, services, r, cfg), names))
     info = _check_type(cfg, surveys)
     _check_gpu_az(cfg, surveys)
+    _check_reservation(cfg, surveys)
     family = quota_family(c.gpu_node_type) or "G"
     candidates = rank([cand for s in surveys for cand in _candidates(cfg, s)])
     notes = _notes(surveys)
@@ -620,6 +775,7 @@ def check_capacity(
         count=c.gpu_node_count,
         vcpus_per_node=info.vcpus,
         family=family,
+        system_type=c.system_node_type,
         quota_code=QUOTA_CODES[family],
         config_region=c.region,
         gpu_az=c.gpu_az,
@@ -664,6 +820,10 @@ def _probe_best(
     for cand in order[:PROBE_LIMIT]:
         if cand.zone is None:  # cannot happen: a usable place is a zone that offers the type
             continue
+        if cand.covered and cand.reservation is not None:  # already held: nothing to probe, nothing to pay
+            say(f"probe: {cand.zone} needs none, reservation {cand.reservation.id} holds the nodes")
+            results[(cand.region, cand.zone)] = Probe(True, f"{cand.reservation.id} (existing reservation)")
+            break
         say(f"probe: reserving {count} x {instance_type} in {cand.zone} for a moment (billed for those seconds)")
         result = probe_zone(
             reservations, region=cand.region, zone=cand.zone, instance_type=instance_type, count=count, say=say

@@ -33,11 +33,13 @@ EKSCTL_EFA_PLUGIN_DAEMONSET = "aws-efa-k8s-device-plugin-daemonset"
 class Zones:
     """``gpu_az``: the one zone of every GPU node. ``cluster_azs``: the cluster's subnets (2 or more, GPU zone
     first). ``assumed``: the config named no zone, so these are placeholders that deploy replaces with zones the
-    EC2 API says offer the GPU type."""
+    EC2 API says offer the GPU type. ``reservation``: the capacity reservation the GPU group targets, found in
+    ``gpu_az`` by the capacity check (else the configured ``capacity_reservation_id``)."""
 
     gpu_az: str
     cluster_azs: tuple[str, ...]
     assumed: bool
+    reservation: str | None = None
 
 
 def planned_zones(cfg: Config) -> Zones:
@@ -89,6 +91,10 @@ def cluster_config(cfg: Config, zones: Zones) -> dict[str, Any]:
         "taints": [dict(GPU_TAINT)],
         "tags": dict(tags),
     }
+    reservation = zones.reservation or c.capacity_reservation_id
+    if reservation:
+        # Launch into the existing reservation (its zone is gpu_az). eksctl then adds no placement group.
+        gpu["capacityReservation"] = {"capacityReservationTarget": {"capacityReservationID": reservation}}
     return {
         "apiVersion": "eksctl.io/v1alpha5",
         "kind": "ClusterConfig",

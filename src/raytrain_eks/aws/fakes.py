@@ -3,9 +3,10 @@
 - :class:`FakeQuotas`: moto's Service Quotas knows only the ``vpc`` service, so EC2's vCPU quotas
   (``L-DB2E81BA``, ``L-417A185B``, ``L-1216C47A``) are values the test states.
 - :class:`FakeSpotScores`: moto has no ``GetSpotPlacementScores``; scores by (region, zone id) as stated.
-- :class:`FakeReservations`: moto has no ``CreateCapacityReservation``/``CancelCapacityReservation``; this keeps
-  every reservation with its state and tags, holds free capacity per zone, and can fail the ways AWS does
-  (no capacity, a create whose answer is lost after the reservation was made, cancels that fail).
+- :class:`FakeReservations`: moto has no ``CreateCapacityReservation``/``CancelCapacityReservation``/
+  ``DescribeCapacityReservations``; this keeps every reservation with its state and tags, holds free capacity per
+  zone, can fail the ways AWS does (no capacity, a create whose answer is lost after the reservation was made,
+  cancels that fail), and lists the account's own reservations as the test states them.
 
 Everything else ``capacity`` reads comes from moto's server. Example::
 
@@ -19,7 +20,7 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from raytrain_eks.aws.services import NoCapacity, QuotaLimit, Reservation, SpotSignal
+from raytrain_eks.aws.services import ExistingReservation, NoCapacity, QuotaLimit, Reservation, SpotSignal
 
 
 class FakeQuotas:
@@ -70,6 +71,7 @@ class FakeReservations:
     ``failing_cancels``: that many cancel calls raise ``cancel_error`` before one succeeds.
     ``on_create``: called with each new reservation before create returns (a test raises from it, e.g.
     KeyboardInterrupt, to stop the caller after the reservation exists).
+    ``existing``: the account's own active reservations, by region (what :meth:`active` lists).
     """
 
     free: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -78,6 +80,7 @@ class FakeReservations:
     cancel_error: type[BaseException] = ConnectionError
     on_create: Callable[[FakeReservation], None] | None = None
     reservations: dict[str, FakeReservation] = field(default_factory=dict)
+    existing: dict[str, list[ExistingReservation]] = field(default_factory=dict)
     calls: list[str] = field(default_factory=list)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
@@ -115,6 +118,9 @@ class FakeReservations:
             for r in self.reservations.values()
             if r.region == region and r.token == token and r.state in ("active", "pending")
         ]
+
+    def active(self, *, region: str) -> list[ExistingReservation]:
+        return list(self.existing.get(region, []))
 
     @property
     def created(self) -> list[FakeReservation]:

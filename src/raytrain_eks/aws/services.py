@@ -5,7 +5,8 @@ instances, subnets, route tables, EKS clusters) are plain functions over boto3 c
 an interface, each with a boto3 implementation here and a stated fake in :mod:`raytrain_eks.aws.fakes`, because
 moto 5.2 does not implement them: the EC2 vCPU quotas (:class:`Quotas`; moto's Service Quotas knows only the
 ``vpc`` service), the spot placement score (:class:`SpotScores`; no ``GetSpotPlacementScores``), and on-demand
-capacity reservations (:class:`Reservations`; no ``CreateCapacityReservation``). Example::
+capacity reservations (:class:`Reservations`; no ``CreateCapacityReservation`` nor
+``DescribeCapacityReservations``). Example::
 
     services = boto3_services(aws)
     services.quotas.vcpu_limit("us-east-1", "L-DB2E81BA").value  # 96.0
@@ -68,6 +69,36 @@ class Reservation:
     state: str
 
 
+@dataclass(frozen=True)
+class ExistingReservation:
+    """An active on-demand capacity reservation of the account: ``available`` of ``total`` instances are free.
+
+    ``match``: ``open`` (matching instances use it by themselves) or ``targeted`` (only instances that name it).
+    ``kind``: EC2's ReservationType (``default``, or ``capacity-block`` for ML capacity blocks).
+    """
+
+    id: str
+    instance_type: str
+    zone: str
+    total: int
+    available: int
+    match: str = "open"
+    platform: str = "Linux/UNIX"
+    tenancy: str = "default"
+    kind: str = "default"
+
+    @property
+    def unusable_why(self) -> str | None:
+        """Why EKS nodes cannot launch into it (None when they can): platform, tenancy or kind."""
+        if self.platform != "Linux/UNIX":
+            return f"its platform is {self.platform}, EKS nodes run Linux/UNIX"
+        if self.tenancy != "default":
+            return f"its tenancy is {self.tenancy}, node groups use default tenancy"
+        if self.kind != "default":
+            return f"it is a {self.kind} reservation, not an on-demand capacity reservation"
+        return None
+
+
 class NoCapacity(Exception):
     """CreateCapacityReservation refused for lack of capacity or quota: a probe result, not a failure."""
 
@@ -102,6 +133,10 @@ class Reservations(Protocol):
 
     def open_ids(self, *, region: str, token: str) -> list[str]:
         """Ids of the reservations tagged with ``token`` that are still active or pending."""
+        ...
+
+    def active(self, *, region: str) -> list[ExistingReservation]:
+        """The account's active capacity reservations in ``region``, of every type, except the probe's own."""
         ...
 
 
@@ -230,6 +265,32 @@ class Ec2Reservations:
             for page in pages:
                 ids += [r["CapacityReservationId"] for r in page.get("CapacityReservations", [])]
         return ids
+
+    def active(self, *, region: str) -> list[ExistingReservation]:
+        ec2 = self._aws.client("ec2", region)
+        found: list[ExistingReservation] = []
+        with aws_errors(f"listing the capacity reservations in {region}"):
+            pages = ec2.get_paginator("describe_capacity_reservations").paginate(
+                Filters=[{"Name": "state", "Values": ["active"]}]
+            )
+            for page in pages:
+                for r in page.get("CapacityReservations", []):
+                    if any(t.get("Key") == PROBE_TAG for t in r.get("Tags", [])):
+                        continue
+                    found.append(
+                        ExistingReservation(
+                            id=r["CapacityReservationId"],
+                            instance_type=r["InstanceType"],
+                            zone=r["AvailabilityZone"],
+                            total=int(r.get("TotalInstanceCount", 0)),
+                            available=int(r.get("AvailableInstanceCount", 0)),
+                            match=r.get("InstanceMatchCriteria", "open"),
+                            platform=r.get("InstancePlatform", "Linux/UNIX"),
+                            tenancy=r.get("Tenancy", "default"),
+                            kind=r.get("ReservationType", "default"),
+                        )
+                    )
+        return found
 
 
 def boto3_services(aws: Aws) -> Services:
