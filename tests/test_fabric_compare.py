@@ -404,3 +404,12 @@ def test_compare_fabric_on_eks_refuses_when_efa_is_missing(eks: World):
     out = compare_on_eks("-y")
     assert isinstance(out.exception, ComparisonRefused) and "run A (EFA" in str(out.exception)
     assert len(eks.ray.submitted) == 2  # run B was never submitted
+
+
+@pytest.mark.parametrize("bad", [["--warmup-steps", "-1"], ["--min-samples", "0"]])
+def test_bad_numbers_are_refused_before_the_cluster_is_touched(eks: World, bad: list[str]):
+    before = raycluster(eks)
+    calls = len(eks.kube.deleted)
+    result = compare_on_eks("-y", *bad)
+    assert result.exit_code == 2 and bad[0] in result.output
+    assert raycluster(eks) == before and len(eks.kube.deleted) == calls, "nothing deleted or replaced"

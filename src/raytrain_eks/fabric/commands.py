@@ -177,10 +177,10 @@ def compare_fabric(
     config: ConfigOpt = None,
     preset: ClusterPresetOpt = "reference",
     warmup_steps: Annotated[
-        int, typer.Option(help="Steps left out of the timing at the start of each run.")
+        int, typer.Option(min=0, help="Steps left out of the timing at the start of each run.")
     ] = compare.DEFAULT_WARMUP_STEPS,
     min_samples: Annotated[
-        int, typer.Option(help="Timed (logged) steps each run must have after the warm-up.")
+        int, typer.Option(min=1, help="Timed (logged) steps each run must have after the warm-up.")
     ] = compare.DEFAULT_MIN_SAMPLES,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
