@@ -415,6 +415,7 @@ def cluster_status(d: Deployment) -> str | None:
             done.stderr,
             hint="Check your AWS credentials (`aws sts get-caller-identity`) and the region.",
         )
+    # eksctl prints the EKS API's Cluster objects with Go's field names (``Name``, ``Status``), in a list.
     data = json.loads(done.stdout or "[]")
     entries = data if isinstance(data, list) else [data]
     for entry in entries:
@@ -432,6 +433,7 @@ def nodegroup_statuses(d: Deployment) -> dict[str, str]:
         if re.search(r"No nodegroups found|not found", done.stderr + done.stdout, re.IGNORECASE):
             return {}
         raise CommandError(done.argv, done.returncode, done.stderr)
+    # A list of eksctl's nodegroup summaries; for managed groups ``Status`` is the EKS API's (ACTIVE, CREATING, ...).
     entries = json.loads(done.stdout or "[]") or []
     return {str(e.get("Name")): str(e.get("Status", "ACTIVE")).upper() for e in entries}
 
