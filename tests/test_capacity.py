@@ -615,7 +615,7 @@ def test_up_places_the_gpu_group_by_the_capacity_check(aws_env):
     found = deploy.placement_zones(load_config(), services=_services(scores={ids["us-east-1d"]: 9}))
     zones = found.zones
     assert sorted(zones) == OFFERED and zones[0] == "us-east-1d", "offered zones only, best spot score first"
-    assert found.reservations == {}
+    assert found.reservations == {} and sorted(found.offered) == OFFERED
     _run("g6.12xlarge")
     reservations = FakeReservations()
     with pytest.raises(cap.CapacityError, match="quota short in us-east-1"):

@@ -570,6 +570,13 @@ def test_a_configured_zone_is_checked_before_anything_is_made(tmp_path: Path, mo
     assert w.tools.calls == [] and w.store.created == []
 
 
+def test_the_clusters_second_zone_also_offers_the_gpu_type(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    w = World(tmp_path, load_config(environ={"GPU_AZ": "us-east-1c"}, path=None))
+    w.up(offered_zones=lambda: deploy.Placement(["us-east-1c"], offered=["us-east-1b", "us-east-1c"]))
+    assert w.tools.cluster["azs"] == ["us-east-1c", "us-east-1b"], "not the alphabetical default us-east-1a"
+
+
 def test_missing_eksctl_stops_up_before_anything(world: World):
     world.tools.missing = {"eksctl"}
     with pytest.raises(MissingToolError, match="eksctl"):

@@ -280,6 +280,7 @@ class Placement:
 
     zones: list[str]
     reservations: dict[str, str] = field(default_factory=dict)
+    offered: list[str] = field(default_factory=list)  # every zone of the region offering the type, best first
 
 
 @dataclass
@@ -315,7 +316,19 @@ def placement_zones(cfg: Config, services: Any | None = None) -> Placement:
     return Placement(
         zones=[c.zone for c in usable if c.zone],
         reservations={c.zone: c.reservation.id for c in usable if c.zone and c.covered and c.reservation},
+        offered=[c.zone for c in report.candidates if c.offered and c.zone and c.region == cfg.cluster.region],
     )
+
+
+def _with_second_zone(cfg: Config, gpu_az: str, found: Placement | None) -> tuple[str, ...]:
+    """``gpu_az`` and a second zone for the cluster (eksctl needs two; the second only holds subnets): the best
+    other zone that offers the GPU type when the placement search ran, else the planned default."""
+    other = next((z for z in (found.offered if found is not None else []) if z != gpu_az), None)
+    if other is not None:
+        return (gpu_az, other)
+    return eksctl.planned_zones(
+        cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"gpu_az": gpu_az})})
+    ).cluster_azs
 
 
 def choose_zones(
@@ -346,7 +359,7 @@ def choose_zones(
                 hint="Choose one of those zones (GPU_AZ), or run `raytrain-eks down` and `up` again for another.",
             )
     elif c.gpu_az:
-        pool, cluster_azs = [c.gpu_az], eksctl.planned_zones(cfg).cluster_azs
+        pool, cluster_azs = [c.gpu_az], _with_second_zone(cfg, c.gpu_az, found)
     elif c.availability_zones:
         pool, cluster_azs = list(c.availability_zones), tuple(c.availability_zones)
     else:
@@ -359,10 +372,8 @@ def choose_zones(
             )
         pool = list(zones)[:MAX_ZONES]  # in the capacity check's order: best first
         cluster_azs = tuple(pool)
-        if len(cluster_azs) < 2:  # eksctl needs two zones for the cluster; the second only holds subnets
-            cluster_azs = eksctl.planned_zones(
-                cfg.model_copy(update={"cluster": c.model_copy(update={"gpu_az": pool[0]})})
-            ).cluster_azs
+        if len(cluster_azs) < 2:
+            cluster_azs = _with_second_zone(cfg, pool[0], found)
     if found is not None:
         rank = {z: i for i, z in enumerate(found.zones)}
         fits = sorted((z for z in pool if z in rank), key=rank.__getitem__)
