@@ -656,7 +656,7 @@ def test_the_system_node_needs_standard_quota_too(aws_env):
     assert (quota.code, quota.limit, quota.used, quota.need, quota.short) == (STANDARD_QUOTA, 10, 8, 4, 2)
     err = report.problem()
     assert err is not None and err.message.startswith(
-        "quota short in us-east-1: the system node group (4 vCPUs of m7i.xlarge)"
+        "quota short in us-east-1: the system node group (m7i.xlarge) needs 4 vCPUs of"
     )
     assert f"--quota-code {STANDARD_QUOTA} --desired-value 12 --region us-east-1" in (err.hint or "")
     assert "(system node)" in "; ".join(_row(report, "us-east-1a").problems)

@@ -339,12 +339,12 @@ class CapacityReport:
             parts = []
             for q in short:
                 who = (
-                    f"{self.count} x {self.instance_type}"
+                    f"{self.count} x {self.instance_type} need"
                     if q is head.quota
-                    else f"the system node group ({q.need} vCPUs of {self.system_type})"
+                    else f"the system node group ({self.system_type}) needs"
                 )
                 parts.append(
-                    f"{who} need {q.need} vCPUs of '{QUOTA_NAMES[q.family]}' ({q.code}); the quota is {q.limit:g} "
+                    f"{who} {q.need} vCPUs of '{QUOTA_NAMES[q.family]}' ({q.code}); the quota is {q.limit:g} "
                     f"and {_users(q)}, so {q.free:g} are free ({q.short} short)"
                 )
             message = (
@@ -422,7 +422,7 @@ def table_lines(report: CapacityReport) -> list[str]:
         *(fmt.format(*r).rstrip() for r in rows),
     ]
     for q in report.short_quotas():
-        lines.append(f"quota short in {q.region} by {q.short} vCPUs; ask for more with:")
+        lines.append(f"quota {q.code} short in {q.region} by {q.short} vCPUs; ask for more with:")
         lines.append(f"  {shlex.join(q.increase_argv())}")
     lines += [f"note: {n}" for n in report.notes]
     return lines
