@@ -38,7 +38,7 @@ from raytrain_eks.aws.services import (
 )
 from raytrain_eks.aws.session import Aws, AwsCredentialsError, AwsError, connect
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.errors import ConfigError
+from raytrain_eks.errors import ConfigError, UserError
 
 REGION = "us-east-1"
 G_QUOTA = "L-DB2E81BA"
@@ -797,3 +797,13 @@ def test_ec2_reservations_lists_the_active_ones_but_not_the_probes(offline_aws):
     assert found == [
         ExistingReservation("cr-0123456789abcdef0", "g6.12xlarge", "us-east-1c", 2, 1, "targeted", "Linux/UNIX")
     ]
+
+
+def test_reservations_that_cannot_be_listed_are_left_out_and_said(aws_env):
+    denied = AwsError("AWS refused DescribeCapacityReservations (UnauthorizedOperation)")
+    report = _check(services=_services(reservations=FakeReservations(active_error=denied)))
+    assert report.problem() is None
+    assert any(n.startswith("existing capacity reservations not counted (AWS refused") for n in report.notes)
+    cfg = load_config(overrides={"cluster": {"capacity_reservation_id": "cr-0aaaaaaaaaaaaaaa1"}})
+    with pytest.raises(UserError, match="could not be listed: AWS refused DescribeCapacityReservations"):
+        _check(cfg, _services(reservations=FakeReservations(active_error=denied)))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from raytrain_eks.aws import services as svc
-from raytrain_eks.aws.session import Aws
+from raytrain_eks.aws.session import Aws, AwsCredentialsError
 from raytrain_eks.config import Config
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.instances import EFA_GPU_TYPES, KNOWN_REGIONS
@@ -521,6 +521,7 @@ class _Survey:
     cluster: svc.ClusterSubnets | None = None
     system_quota: Quota | None = None
     reservations: tuple[svc.ExistingReservation, ...] = ()
+    reservations_note: str = ""
 
 
 def resolve_regions(aws: Aws, requested: Sequence[str] | None, all_regions: bool) -> list[str]:
@@ -567,7 +568,12 @@ def _survey(aws: Aws, services: svc.Services, region: str, cfg: Config) -> _Surv
     if info is None or not offered or family is None:
         return _Survey(region, info, zones, offered)
     running = svc.on_demand_instance_types(aws, region)
-    reservations = tuple(services.reservations.active(region=region))
+    try:
+        reservations, reservations_note = tuple(services.reservations.active(region=region)), ""
+    except AwsCredentialsError:
+        raise
+    except UserError as exc:  # e.g. no ec2:DescribeCapacityReservations: checked without them, and said so
+        reservations, reservations_note = (), exc.message
     cluster = svc.cluster_subnets(aws, region, c.name)
     system_family = quota_family(c.system_node_type)
     families = {family, system_family} - {None}
@@ -605,7 +611,7 @@ def _survey(aws: Aws, services: svc.Services, region: str, cfg: Config) -> _Surv
     gpu_used, gpu_held = usage(family)
     quota = Quota(region, family, code, limit.value, limit.source, gpu_used, gpu_need, gpu_held)
     spot = services.spot.scores(region, c.gpu_node_type, c.gpu_node_count)
-    return _Survey(region, info, zones, offered, quota, spot, cluster, system_quota, reservations)
+    return _Survey(region, info, zones, offered, quota, spot, cluster, system_quota, reservations, reservations_note)
 
 
 def _check_type(cfg: Config, surveys: list[_Survey]) -> TypeInfo:
@@ -653,6 +659,12 @@ def _check_reservation(cfg: Config, surveys: list[_Survey]) -> svc.ExistingReser
     if rid is None or home is None or home.quota is None:
         return None
     field_ = f"cluster.capacity_reservation_id = {rid!r}"
+    if home.reservations_note:
+        raise UserError(
+            f"{field_} is set, but the capacity reservations of {c.region} could not be listed: "
+            f"{home.reservations_note}",
+            hint="Allow ec2:DescribeCapacityReservations for these credentials, or remove capacity_reservation_id.",
+        )
     found = next((r for r in home.reservations if r.id == rid), None)
     if found is None:
         listing = ["aws", "ec2", "describe-capacity-reservations", "--region", c.region]
@@ -795,6 +807,10 @@ def _notes(surveys: list[_Survey]) -> list[str]:
             groups.setdefault(f"spot placement score unavailable ({s.spot.note})", []).append(s.region)
         if s.cluster is not None and s.cluster.found is None:
             groups.setdefault(f"cluster {s.cluster.name} could not be looked up ({s.cluster.note})", []).append(
+                s.region
+            )
+        if s.reservations_note:
+            groups.setdefault(f"existing capacity reservations not counted ({s.reservations_note})", []).append(
                 s.region
             )
         if s.quota is not None and s.quota.limit is None:

@@ -81,6 +81,7 @@ class FakeReservations:
     on_create: Callable[[FakeReservation], None] | None = None
     reservations: dict[str, FakeReservation] = field(default_factory=dict)
     existing: dict[str, list[ExistingReservation]] = field(default_factory=dict)
+    active_error: Exception | None = None  # raised by :meth:`active` (e.g. a permission AWS refused)
     calls: list[str] = field(default_factory=list)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
@@ -120,6 +121,8 @@ class FakeReservations:
         ]
 
     def active(self, *, region: str) -> list[ExistingReservation]:
+        if self.active_error is not None:
+            raise self.active_error
         return list(self.existing.get(region, []))
 
     @property
