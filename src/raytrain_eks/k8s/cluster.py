@@ -186,14 +186,25 @@ class KubernetesApi:
             self._dynamic = DynamicClient(self._api())
         return self._dynamic
 
-    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+    def _call(self, what: str, fn: Callable[[], Any], *, redact: Sequence[str] = ()) -> Any:
+        """``fn()``; a refusal (with the server's message, each of ``redact`` blanked out) or an unreachable
+        server becomes one :class:`KubeApiError` naming ``what``."""
         from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
 
         try:
             return fn()
         except ApiException as exc:
+            message = _api_message(exc)
+            for value in redact:
+                message = message.replace(value, "<redacted>")
+            raise KubeApiError(f"Kubernetes API: {what} failed: {exc.status} {exc.reason}: {message}") from None
+        except HTTPError as exc:  # refused, DNS, TLS, timeout: urllib3 has given up
+            host = self._client.configuration.host if self._client is not None else "the cluster"
             raise KubeApiError(
-                f"Kubernetes API: {what} failed: {exc.status} {exc.reason}: {_api_message(exc)}"
+                f"Kubernetes API: {what} failed: cannot reach {host}: {getattr(exc, 'reason', None) or exc}",
+                hint="Is the cluster up? `raytrain-eks up` creates it and writes the kubeconfig; check that this "
+                "machine can reach its endpoint (VPN, proxy).",
             ) from None
 
     # -- reads -----------------------------------------------------------------------------------------------------
@@ -271,57 +282,55 @@ class KubernetesApi:
         ]
 
     def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
-        from kubernetes.client.exceptions import ApiException
         from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 
-        try:
-            resource = self._dyn().resources.get(api_version=api_version, kind=kind)
-            return resource.get(name=name, namespace=namespace).to_dict()
-        except (NotFoundError, ResourceNotFoundError):
-            return None
-        except ApiException as exc:
-            raise KubeApiError(f"Kubernetes API: get {kind} {name} failed: {exc.status} {exc.reason}") from None
+        def read() -> dict[str, Any] | None:
+            try:
+                resource = self._dyn().resources.get(api_version=api_version, kind=kind)
+                return resource.get(name=name, namespace=namespace).to_dict()
+            except (NotFoundError, ResourceNotFoundError):
+                return None
+
+        return self._call(f"get {kind} {name}", read)
 
     # -- writes ----------------------------------------------------------------------------------------------------
 
     def apply(self, obj: Mapping[str, Any]) -> None:
-        from kubernetes.client.exceptions import ApiException
         from kubernetes.dynamic.exceptions import ResourceNotFoundError
 
         meta = obj.get("metadata", {})
+        what = f"apply {obj['kind']} {meta.get('name')}"
         try:
-            resource = self._dyn().resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+            # Discovery is the dynamic client's first request: a rejected token or a dead endpoint shows here.
+            resource = self._call(
+                what, lambda: self._dyn().resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+            )
         except ResourceNotFoundError:
             raise KubeApiError(
                 f"the cluster does not know {obj['kind']} ({obj['apiVersion']})",
                 hint="Its CRD is missing: run `raytrain-eks up` to install the KubeRay operator.",
             ) from None
-        try:
-            resource.server_side_apply(
-                body=dict(obj),
-                namespace=meta.get("namespace"),
-                field_manager="raytrain-eks",
-                force_conflicts=True,
-            )
-        except ApiException as exc:
-            # Never echo the body: a Secret's value must not reach a log.
-            raise KubeApiError(
-                f"Kubernetes API: apply {obj['kind']} {meta.get('name')} failed: {exc.status} {exc.reason}: "
-                f"{_api_message(exc)}"
-            ) from None
+        # Never echo the body: a Secret's value must not reach a log, not even quoted back by the server.
+        self._call(
+            what,
+            lambda: resource.server_side_apply(
+                body=dict(obj), namespace=meta.get("namespace"), field_manager="raytrain-eks", force_conflicts=True
+            ),
+            redact=_secret_values(obj),
+        )
 
     def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
-        from kubernetes.client.exceptions import ApiException
         from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 
-        try:
-            resource = self._dyn().resources.get(api_version=api_version, kind=kind)
-            resource.delete(name=name, namespace=namespace, body={"propagationPolicy": "Foreground"})
-            return True
-        except (NotFoundError, ResourceNotFoundError):
-            return False
-        except ApiException as exc:
-            raise KubeApiError(f"Kubernetes API: delete {kind} {name} failed: {exc.status} {exc.reason}") from None
+        def remove() -> bool:
+            try:
+                resource = self._dyn().resources.get(api_version=api_version, kind=kind)
+                resource.delete(name=name, namespace=namespace, body={"propagationPolicy": "Foreground"})
+                return True
+            except (NotFoundError, ResourceNotFoundError):
+                return False
+
+        return self._call(f"delete {kind} {name}", remove)
 
     def exec(
         self,
@@ -402,6 +411,14 @@ def _exec_returncode(status_json: str) -> int:
                 return 1
     # "executable file not found" and similar: the command never ran, as a shell would say.
     return 127 if re.search(r"not found|no such file", status.get("message", ""), re.I) else 1
+
+
+def _secret_values(obj: Mapping[str, Any]) -> list[str]:
+    """The values of a Secret (``data`` and ``stringData``), to blank out of any message; none for other kinds."""
+    if obj.get("kind") != "Secret":
+        return []
+    values = [*(obj.get("data") or {}).values(), *(obj.get("stringData") or {}).values()]
+    return [v for v in values if isinstance(v, str) and v]
 
 
 def _api_message(exc: Any) -> str:
