@@ -62,6 +62,8 @@ DASHBOARD = f"http://127.0.0.1:{m.HEAD_PORTS['dashboard']}"
 HEAD_CODE_ROOT = "/tmp/raytrain-eks"  # where the package is unpacked in the head pod (raycluster mode)
 SUBMITTER_CODE_DIR = "/opt/raytrain-eks"  # where the code ConfigMap is mounted in a RayJob's submitter pod
 RAY_SESSION_LOGS = f"{m.RAY_LOG_DIR}/session_latest/logs"
+# The transport gate's NCCL_DEBUG_FILE folder (nccl_log_dir) as the worker pods see it: under their tempdir, /tmp.
+POD_NCCL_LOGS = f"/tmp/{nccl_log_dir('').name}"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 EXEC_TIMEOUT_S = 120
 POLL_S = 10.0
@@ -314,10 +316,18 @@ def _head_exec(d: Deployment, head: Pod, argv: list[str], *, timeout: float = EX
     return d.kube.exec(head.namespace, head.name, argv, timeout=timeout, container="ray-head", **kw)
 
 
+# What `ray job status` prints (Ray 2.x, dashboard/modules/job/cli.py): "Status for job 'ID': RUNNING" while a job
+# is pending or running, but "Job 'ID' succeeded", "Job 'ID' failed" or "Job 'ID' was stopped" once it has ended.
+_ENDED = {"succeeded": "SUCCEEDED", "failed": "FAILED", "was stopped": "STOPPED"}
+
+
 def job_status(d: Deployment, head: Pod, submission_id: str) -> str:
     """``PENDING``, ``RUNNING``, ``SUCCEEDED``, ``FAILED``, ``STOPPED`` or ``UNKNOWN``."""
     res = _head_exec(d, head, ["ray", "job", "status", "--address", DASHBOARD, submission_id])
     text = res.stdout + res.stderr
+    ended = re.search(r"Job '[^']*' (succeeded|failed|was stopped)\b", text)
+    if ended:
+        return _ENDED[ended.group(1)]
     match = re.search(r"Status for job '[^']*': (\w+)", text) or re.search(
         r"\b(PENDING|RUNNING|SUCCEEDED|FAILED|STOPPED)\b", text
     )
@@ -397,7 +407,7 @@ def collect_transport(d: Deployment, workers: list[Pod]) -> TransportReport:
         res = d.kube.exec(
             pod.namespace,
             pod.name,
-            ["python", "-c", _NCCL_LINES, RAY_SESSION_LOGS, str(nccl_log_dir("").parent)],
+            ["python", "-c", _NCCL_LINES, RAY_SESSION_LOGS, POD_NCCL_LOGS],
             timeout=EXEC_TIMEOUT_S * 5,
         )
         for n, line in enumerate(res.stdout.splitlines(), 1):
