@@ -257,7 +257,12 @@ class FakeRay:
                 self.jobs[sid] = self.outcome
             return ExecResult(0, "step 10 loss 2.31\nstep 20 loss 1.87\n")
         if argv[:3] == ["ray", "job", "status"]:
-            return ExecResult(0, f"Status for job '{argv[-1]}': {self.jobs.get(argv[-1], 'PENDING')}\n")
+            # As Ray's job CLI prints it: the status while pending or running, a sentence once the job has ended.
+            sid, status = argv[-1], self.jobs.get(argv[-1], "PENDING")
+            ended = {"SUCCEEDED": "succeeded", "FAILED": "failed", "STOPPED": "was stopped"}
+            if status in ended:
+                return ExecResult(0, f"-----\nJob '{sid}' {ended[status]}\n-----\n")
+            return ExecResult(0, f"Status for job '{sid}': {status}\n")
         if argv[:1] == ["test"]:
             local = self.tmp / "head" / argv[-1].lstrip("/")
             return ExecResult(0 if local.is_file() else 1, "")
