@@ -241,23 +241,15 @@ def make_model(name: str, folder: Path, tokenizer_src: Path) -> int:
 
 def _build(model_path: str) -> tuple[Any, Any, Any]:
     """Model, optimizer and schedule exactly as :func:`raytrain_eks.train.loop.train` builds them (CPU)."""
-    import torch
-
     from raytrain_eks.config import TrainingConfig
-    from raytrain_eks.train.loop import warmup_cosine
+    from raytrain_eks.train.loop import build_optimizer
     from raytrain_eks.train.model import load_model
     from raytrain_eks.train.sharding import apply_fsdp
 
     cfg = TrainingConfig()
     model = load_model(model_path, activation_checkpointing=cfg.activation_checkpointing)
     apply_fsdp(model, precision="bf16")
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, eps=1e-8
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: warmup_cosine(s, warmup=cfg.effective_warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio),
-    )
+    optimizer, scheduler = build_optimizer(model, cfg)
     return model, optimizer, scheduler
 
 

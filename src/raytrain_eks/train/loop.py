@@ -36,6 +36,18 @@ def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> fl
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def build_optimizer(model: torch.nn.Module, cfg: TrainingConfig) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over the (sharded) parameters and its warm-up + cosine schedule, as every launcher trains with them."""
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, eps=1e-8
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: warmup_cosine(s, warmup=cfg.effective_warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio),
+    )
+    return optimizer, scheduler
+
+
 class _RandomCursor:
     """The reference's random token ids as a resumable stream: the position is the step count."""
 
@@ -98,13 +110,7 @@ def train(
     n_params = sum(p.numel() for p in model.parameters())
     model.to(device)
     apply_fsdp(model, precision=cfg.precision)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, eps=1e-8
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: warmup_cosine(s, warmup=cfg.effective_warmup_steps, total=cfg.steps, min_ratio=cfg.min_lr_ratio),
-    )
+    optimizer, scheduler = build_optimizer(model, cfg)
 
     start_step, resumed_from, position = 0, None, None
     resume = ctx.resume_checkpoint()
