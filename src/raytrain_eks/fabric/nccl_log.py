@@ -467,9 +467,7 @@ _RELEVANT_WORDS = (
     b"NET/",
     b"Bootstrap",
     b"Initialized",
-    b"Assigned",
     b"Failed",
-    b"Successfully",
 )
 
 
@@ -675,7 +673,6 @@ class NcclLogAnalyzer:
         self._warnings: Counter[str] = Counter()
         self._providers: Counter[str] = Counter()
         self._ib_devices: dict[str, None] = {}
-        self._ib_no_device = False
         self._ifaces: dict[str, None] = {}
         self._prefixes: dict[str, tuple[str, str, int, str | None]] = {}
         self._lines = 0
@@ -696,9 +693,7 @@ class NcclLogAnalyzer:
             "NET/FastSocket": self._on_socket,
             "Bootstrap": self._on_bootstrap,
             "Initialized": self._on_plugin_misc,
-            "Assigned": self._on_plugin_misc,
             "Failed": self._on_plugin_misc,
-            "Successfully": self._on_plugin_misc,
         }
 
     # -- input ---------------------------------------------------------------------------------------------------
@@ -722,7 +717,7 @@ class NcclLogAnalyzer:
         marks = list(_MARK.finditer(text))
         if not marks:
             if "NCCL version" in text:
-                self._bare_version(text, source, lineno)
+                self._bare_version(text)
             return
         start = 0
         for i, m in enumerate(marks):
@@ -888,23 +883,22 @@ class NcclLogAnalyzer:
         m = _VERSION.match(msg)
         if m:
             self._procs[ctx.proc].version = m.group(1)
-            self._add_version(m.group(1), ref)
+            self._add_version(m.group(1))
 
-    def _bare_version(self, text: str, source: str, lineno: int) -> None:
+    def _bare_version(self, text: str) -> None:
         # Up to 2.21 the version is a bare printf line: no NCCL prefix, at most a Ray prefix naming the pid.
         m = _VERSION.search(text)
         if not m:
             return
-        self._add_version(m.group(1), lambda: LineRef(source, lineno, text.strip()[:_MAX_TEXT]))
+        self._add_version(m.group(1))
         if "pid=" in text:
             ray = _RAY.search(text)
             if ray and len(self._ray_pid_version) < _MAX_PROCS:
                 self._ray_pid_version[(ray.group(1), ray.group(2))] = m.group(1)
 
-    def _add_version(self, version: str, ref: Callable[[], LineRef]) -> None:
+    def _add_version(self, version: str) -> None:
         if version in self._versions or len(self._versions) < _MAX_DISTINCT:
             self._versions[version] += 1
-            self._keep("version:" + version, ref)
 
     def _on_using(self, ctx: _Ctx, msg: str, level: str, ref: Callable[[], LineRef]) -> None:
         for lead in ("Using network ", "Using internal Network "):
@@ -949,13 +943,11 @@ class NcclLogAnalyzer:
             name = m.group(1).strip()[:40]
             if name not in self._plugin.external and len(self._plugin.external) < 8:
                 self._plugin.external.append(name)
-            self._keep("plugin-loaded", ref)
             return
         if "dlerror" in msg or "returned" in msg:
             self._failure(msg, ref)
         if "No plugin found" in msg or "internal" in msg or "Could not find" in msg:
             self._plugin.internal = True
-            self._keep("plugin-internal", ref)
 
     def _on_plugin_misc(self, ctx: _Ctx, msg: str, level: str, ref: Callable[[], LineRef]) -> None:
         if msg.startswith("Failed to initialize") and "NET plugin" in msg:
@@ -964,12 +956,9 @@ class NcclLogAnalyzer:
             proc = self._procs[ctx.proc]
             if len(proc.initialized) < 8:
                 proc.initialized.add(msg[len("Initialized NET plugin ") :].strip()[:40])
-        elif msg.startswith("Successfully loaded external plugin"):
-            self._keep("plugin-loaded", ref)
 
     def _on_ib(self, ctx: _Ctx, msg: str, level: str, ref: Callable[[], LineRef]) -> None:
         if "No device found" in msg:
-            self._ib_no_device = True
             self._keep("ib-no-device", ref)
             return
         m = _IB_USING.search(msg)
