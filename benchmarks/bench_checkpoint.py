@@ -57,21 +57,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from raytrain_eks.train.builtin import _RECIPE as BUILTIN_RECIPE
+
 WORLD_SIZE = 2
 MB = 1e6
 FIRST_STEP_SEQ_LEN = 32  # the step that creates the AdamW moments: short, it is not what is measured
+ARCH_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
 
-# name -> Qwen2Config fields. "tiny" is the built-in model's recipe (raytrain_eks.train.builtin); the others are
-# scaled up with a Qwen-like vocabulary, tied embeddings (as Qwen2.5-0.5B/1.5B) and grouped-query attention.
+# name -> Qwen2Config fields. "tiny" is the built-in model's recipe, read from it; the others are scaled up with
+# a Qwen-like vocabulary, tied embeddings (as Qwen2.5-0.5B/1.5B) and grouped-query attention.
 SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(
-        vocab_size=1024,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),
+    "tiny": {k: BUILTIN_RECIPE[k] for k in ARCH_FIELDS},
     "25m": dict(
         vocab_size=8192,
         hidden_size=512,
