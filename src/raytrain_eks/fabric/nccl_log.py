@@ -202,7 +202,7 @@ class TransportReport:
             if len(self.ranks) > max_ranks:
                 lines.append(f"  ... {len(self.ranks) - max_ranks} more (see --json)")
         if self.evidence:
-            lines += ["", "Evidence:"] + [f"  {e.source}:{e.line}: {e.text}" for e in self.evidence]
+            lines += ["", "Evidence:"] + [f"  {e}" for e in self.evidence]
         if self.warnings:
             lines += ["", "NCCL warnings:"] + [f"  {n}x {w}" for w, n in list(self.warnings.items())[:10]]
         if self.notes:
