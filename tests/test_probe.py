@@ -259,6 +259,17 @@ def test_build_report_render_and_json():
     assert "all_reduce          2 MiB        2000.0         1.049         1.049" in text
     assert "below 64 MiB" in text, "a short run says that latency may hold the figure down"
     data = json.loads(report.to_json())
+    assert list(data)[:9] == [
+        "verdict",
+        "reason",
+        "best_busbw_gbps",
+        "expected_gbps",
+        "expected_source",
+        "ratio",
+        "healthy_ratio",
+        "large_message_bytes",
+        "backend",
+    ], "the verdict's figures lead the JSON, under these names"
     assert (data["verdict"], data["num_nodes"], data["world_size"], data["backend"]) == ("healthy", 2, 2, "gloo")
     assert data["expected_gbps"] == 10 and data["ranks"][1]["node_ip"] == "10.0.0.2"
     assert len(data["results"]) == 4 and data["spec"]["ops"] == ["all_reduce", "all_gather"]

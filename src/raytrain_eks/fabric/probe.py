@@ -359,14 +359,7 @@ class ProbeReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "verdict": self.verdict.verdict,
-            "reason": self.verdict.reason,
-            "best_busbw_gbps": self.verdict.best_busbw_gbps,
-            "expected_gbps": self.verdict.expected_gbps,
-            "expected_source": self.verdict.expected_source,
-            "ratio": self.verdict.ratio,
-            "healthy_ratio": self.verdict.healthy_ratio,
-            "large_message_bytes": self.verdict.large_message_bytes,
+            **asdict(self.verdict),  # verdict, reason, best_busbw_gbps, expected_gbps, ...
             "backend": self.backend,
             "world_size": self.world_size,
             "num_nodes": self.num_nodes,
