@@ -311,11 +311,11 @@ def fake_probe(monkeypatch):
 
     def run(cfg, spec, **kwargs):
         calls.append({"cfg": cfg, "spec": spec, **kwargs})
-        gathered, _ = _gathered(0.001)
+        gathered, measured = _gathered(0.001)
         line_rate, source = expected_line_rate(cfg, kwargs["expected_gbps"])
         return build_report(
-            {**gathered, "ranks": gathered["ranks"]},
-            ProbeSpec(ops=("all_reduce", "all_gather"), min_bytes=MiB, max_bytes=2 * MiB),
+            gathered,
+            measured,
             expected_gbps=line_rate,
             expected_source=source,
             healthy_ratio=kwargs["healthy_ratio"],
