@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric import nccl_log
-from raytrain_eks.fabric.commands import register
+from raytrain_eks.fabric.commands import Require, register
 from raytrain_eks.fabric.nccl_log import (
     REQUIREMENTS,
     VERDICTS,
@@ -158,26 +158,33 @@ def test_ray_folder_reads_gz_skips_binary_and_counts_duplicates_once():
     assert report.inter_node == single.inter_node and report.intra_node == single.intra_node
     assert "Socket" not in report.plugin.networks, "dashboard_agent.log holds NUL bytes: skipped"
     assert any(e.source.endswith(".gz") for e in report.evidence) or report.ranks[7].inter_node
+    gz = [ln for ln in iter_log_lines([FIXTURES / "ray_session_logs"]) if ln.source.endswith(".out.gz")]
+    assert len(gz) == 25 and all("NCCL" in ln.text for ln in gz), "the .gz worker log is decompressed and read"
     assert report.stats["files"] == 13
 
 
 # -- verdict logic and requirements ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("verdict", "codes"),
-    [
-        ("efa", {"efa": 0, "ib": 1, "any": 0}),
-        ("ib", {"efa": 1, "ib": 0, "any": 0}),
-        ("socket", {"efa": 1, "ib": 1, "any": 0}),
-        ("single-node", {"efa": 1, "ib": 1, "any": 0}),
-        ("inconclusive", {"efa": 2, "ib": 2, "any": 2}),
-    ],
-)
+EXIT_CODES = [
+    ("efa", {"efa": 0, "ib": 1, "any": 0}),
+    ("ib", {"efa": 1, "ib": 0, "any": 0}),
+    ("socket", {"efa": 1, "ib": 1, "any": 0}),
+    ("single-node", {"efa": 1, "ib": 1, "any": 0}),
+    ("inconclusive", {"efa": 2, "ib": 2, "any": 2}),
+]
+
+
+@pytest.mark.parametrize(("verdict", "codes"), EXIT_CODES)
 def test_exit_codes_per_verdict_and_requirement(verdict, codes):
     report = TransportReport(verdict=verdict, reason="r")
     assert {req: report.exit_code(req) for req in REQUIREMENTS} == codes
     assert set(VERDICTS) >= {verdict}
+
+
+def test_exit_codes_cover_every_verdict_and_the_command_offers_every_requirement():
+    assert [verdict for verdict, _ in EXIT_CODES] == list(VERDICTS)
+    assert [r.value for r in Require] == list(REQUIREMENTS), "--require's choices are REQUIREMENTS"
 
 
 def test_unknown_requirement_is_a_user_error():
