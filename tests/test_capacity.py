@@ -761,6 +761,18 @@ def test_a_configured_reservation_picks_the_zone_and_must_have_room(aws_env):
     assert err is not None and "reservation cr-0aaaaaaaaaaaaaaa1 has 1 of 2 instances free" in err.message
 
 
+def test_a_configured_reservation_with_no_instance_free_stops_the_check(aws_env):
+    # Every instance of it already running: the node group would be launched into a full reservation. Quota is
+    # plenty, so only the reservation can say why its zone cannot take the nodes.
+    full = _reservation("us-east-1f", id="cr-0aaaaaaaaaaaaaaa1", available=0)
+    cfg = load_config(overrides={"cluster": {"capacity_reservation_id": "cr-0aaaaaaaaaaaaaaa1"}})
+    report = _check(cfg, _services(limit=1000, reservations=FakeReservations(existing={REGION: [full]})))
+    assert [c.zone for c in report.targets] == ["us-east-1f"]
+    assert _row(report, "us-east-1f").problems == ["reservation cr-0aaaaaaaaaaaaaaa1 has 0 of 2 instances free"]
+    err = report.problem()
+    assert err is not None and "reservation cr-0aaaaaaaaaaaaaaa1 has 0 of 2 instances free" in err.message
+
+
 def test_ec2_reservations_lists_the_active_ones_but_not_the_probes(offline_aws):
     ec2 = offline_aws.client("ec2")
     listed = {

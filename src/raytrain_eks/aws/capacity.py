@@ -695,7 +695,7 @@ def _zone_reservation(
     mine = [
         r
         for r in survey.reservations
-        if r.zone == zone and r.instance_type == c.gpu_node_type and r.unusable_why is None and r.available > 0
+        if r.zone == zone and r.instance_type == c.gpu_node_type and r.unusable_why is None
     ]
     if c.capacity_reservation_id:
         pinned = next((r for r in mine if r.id == c.capacity_reservation_id), None)
