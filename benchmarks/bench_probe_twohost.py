@@ -15,6 +15,7 @@ lines first (each probe's table, then a summary), then one JSON line with every 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -72,13 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     with TwoHostCluster() as cluster, tempfile.TemporaryDirectory(prefix="bench-probe-") as tmp:
         print(f"cluster up in {time.perf_counter() - t0:.1f} s: hosts {', '.join(cluster.ips)}")
         for cap in [None, *caps]:
-            if cap:
-                cluster.cap(1, cap)
-            try:
+            with cluster.capped(1, cap) if cap else contextlib.nullcontext():
                 report, table, wall = probe(cluster, args, Path(tmp))
-            finally:
-                if cap:
-                    cluster.uncap(1)
             label = f"capped at {cap}" if cap else "free"
             print(f"\n== {label}: {report['world_size']} ranks on {report['num_nodes']} nodes, {wall:.1f} s")
             print(table)
