@@ -582,6 +582,16 @@ def test_the_clusters_second_zone_also_offers_the_gpu_type(tmp_path: Path, monke
     assert w.tools.cluster["azs"] == ["us-east-1c", "us-east-1b"], "not the alphabetical default us-east-1a"
 
 
+def test_a_pinned_zone_keeps_the_configured_availability_zones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.chdir(tmp_path)
+    azs = ["us-east-1a", "us-east-1b", "us-east-1c"]
+    cfg = load_config(environ={}, path=None, overrides={"cluster": {"gpu_az": "us-east-1b", "availability_zones": azs}})
+    w = World(tmp_path, cfg)
+    result = w.up(offered_zones=lambda: deploy.Placement(["us-east-1b"], offered=["us-east-1b", "us-east-1d"]))
+    assert result.gpu_az == "us-east-1b"
+    assert w.tools.cluster["azs"] == ["us-east-1b", "us-east-1a", "us-east-1c"], "the configured zones, as plan shows"
+
+
 def test_missing_eksctl_stops_up_before_anything(world: World):
     world.tools.missing = {"eksctl"}
     with pytest.raises(MissingToolError, match="eksctl"):

@@ -321,10 +321,11 @@ def placement_zones(cfg: Config, services: Any | None = None) -> Placement:
 
 
 def _with_second_zone(cfg: Config, gpu_az: str, found: Placement | None) -> tuple[str, ...]:
-    """``gpu_az`` and a second zone for the cluster (eksctl needs two; the second only holds subnets): the best
-    other zone that offers the GPU type when the placement search ran, else the planned default."""
+    """``gpu_az`` and the cluster's other zones (eksctl needs two; the others only hold subnets): the configured
+    ``availability_zones`` when there are some, else the best other zone that offers the GPU type when the
+    placement search ran, else the planned default."""
     other = next((z for z in (found.offered if found is not None else []) if z != gpu_az), None)
-    if other is not None:
+    if other is not None and not cfg.cluster.availability_zones:
         return (gpu_az, other)
     return eksctl.planned_zones(
         cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"gpu_az": gpu_az})})
