@@ -95,15 +95,14 @@ def training_config(args: argparse.Namespace) -> Config:
         "num_workers": WORLD_SIZE,
         "log_every": args.log_every or args.steps,
         "output_dir": None,
+        # Not what is measured: no periodic checkpoints (the loop still saves one after the last step, on both
+        # launchers, outside the step time) and no Hugging Face export at the end of the Ray run.
+        "checkpoint_every": 0,
+        "export": False,
     }
     warmup = base.training.warmup_steps
     if warmup is not None and warmup > args.steps:
         updates["warmup_steps"] = args.steps
-    # Not what is measured: no periodic checkpoints (the loop still saves one after the last step, on both
-    # launchers, outside the step time) and no Hugging Face export at the end of the Ray run.
-    for name, value in (("checkpoint_every", 0), ("export", False)):
-        if name in TrainingConfig.model_fields:
-            updates[name] = value
     if args.model:
         updates["model_id"] = args.model
     training = TrainingConfig.model_validate({**base.training.model_dump(mode="json"), **updates})
@@ -279,20 +278,13 @@ def run_ray(cfg: Config, root: Path, *, probe_threads: bool) -> tuple[dict[str, 
             marks["last_record_s"] = time.perf_counter() - t0
             window.stop()
 
-    # address=None means "start an embedded Ray", but ray.init() joins a Ray already running on the machine (or
-    # RAY_ADDRESS) instead, and then refuses num_cpus. RAY_ADDRESS=local makes it start its own, as intended.
-    saved = os.environ.get("RAY_ADDRESS")
-    os.environ["RAY_ADDRESS"] = "local"
+    # address=None: run_training starts a Ray of its own (ray.init(address="local"), whatever RAY_ADDRESS says).
     try:
         result = run_training(cfg, address=None, runs_root=root, say=say, progress=progress)
         marks["done_s"] = time.perf_counter() - t0
         threads = ray_worker_threads() if probe_threads else None
     finally:
         ray.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_ADDRESS", None)
-        else:
-            os.environ["RAY_ADDRESS"] = saved
     summary = dict(result.summary)
     summary.update(marks)
     summary["launcher_wall_s"] = marks["done_s"]
