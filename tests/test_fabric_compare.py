@@ -399,7 +399,6 @@ def test_compare_fabric_asks_before_replacing_an_idle_raycluster(eks: World):
 
 
 def test_compare_fabric_on_eks_refuses_when_efa_is_missing(eks: World):
-    eks.ray.step_s = {"efa": 0.5, "socket": 1.0}
     eks.ray._fabric = lambda ns: "socket"  # type: ignore[method-assign]  # NCCL falls back whatever the env says
     out = compare_on_eks("-y")
     assert isinstance(out.exception, ComparisonRefused) and "run A (EFA" in str(out.exception)
