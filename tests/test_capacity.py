@@ -718,6 +718,22 @@ def test_up_targets_the_reservation_that_holds_the_nodes(aws_env):
     assert found.zones == ["us-east-1d"] and found.reservations == {"us-east-1d": "cr-0fedcba9876543210"}
 
 
+def test_a_reservation_holding_the_gpu_nodes_is_targeted_when_the_system_node_shares_the_quota(aws_env):
+    # A G-family system node (4 vCPUs) adds to the G quota's need, which the reservation does not cover; the
+    # reservation still holds every GPU node, so up must target it and the probe must not reserve more.
+    from raytrain_eks import deploy
+
+    held = _reservation("us-east-1d", id="cr-0fedcba9876543210", match="targeted")
+    cfg = load_config(environ={"SYSTEM_NODE_TYPE": "g5.xlarge"})
+    reservations = FakeReservations(existing={REGION: [held]})
+    report = _check(cfg, _services(limit=100, reservations=reservations), probe=True)
+    d = _row(report, "us-east-1d")
+    assert (d.quota.need, d.quota.free, d.covered, d.viable) == (4, 4, True, True)
+    assert report.candidates[0] is d and reservations.created == [], "held already: nothing probed"
+    found = deploy.placement_zones(cfg, services=_services(limit=100, reservations=reservations))
+    assert found.reservations == {"us-east-1d": "cr-0fedcba9876543210"}
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [

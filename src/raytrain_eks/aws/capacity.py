@@ -155,6 +155,9 @@ class Candidate:
     ``efa_interfaces``: None when EC2 does not know the type in this region, 0 when it has no EFA there.
     ``cluster``: the configured cluster's name when it exists in this region. ``private_subnets``: its private
     subnets in this zone. ``target``: the configuration's own region (and ``gpu_az`` when set).
+    ``reservation``: the existing capacity reservation the GPU group would target here (one holding every node,
+    or the configured one); ``reserved``: the GPU instances reservations hold for it here; ``reservation_problem``:
+    why the configured reservation cannot hold every node.
     """
 
     region: str
@@ -175,8 +178,10 @@ class Candidate:
 
     @property
     def covered(self) -> bool:
-        """An existing capacity reservation here holds every GPU node: no quota, capacity or probe needed."""
-        return self.reservation is not None and self.quota is not None and self.quota.need == 0
+        """An existing capacity reservation here holds every GPU node: no GPU quota, capacity or probe needed.
+
+        Not ``quota.need == 0``: a system node of the GPU type's quota family adds to that need."""
+        return self.reservation is not None and self.reservation_problem is None
 
     @property
     def problems(self) -> list[str]:
