@@ -75,7 +75,6 @@ class FakeTools:
         self.fail_once: dict[str, str] = {}
         self.crash_plugins: set[str] = set()
         self.missing: set[str] = set()
-        self.offered = list(ZONES)
 
     def require(self, name: str) -> str:
         if name in self.missing:
@@ -326,7 +325,7 @@ class World:
         )
 
     def up(self, **kw: Any) -> deploy.UpResult:
-        kw.setdefault("offered_zones", lambda: self.tools.offered)
+        kw.setdefault("offered_zones", lambda: deploy.Placement(list(ZONES)))
         return deploy.up(self.d, confirm=lambda q: True, **kw)
 
     def submit(self, **kw: Any) -> sub.SubmitResult:
@@ -519,14 +518,16 @@ def test_up_does_not_trust_helm_device_plugins_must_be_ready_on_every_node(world
 def test_up_asks_once_and_creates_nothing_when_declined(world: World):
     questions: list[str] = []
     with pytest.raises(Cancelled):
-        deploy.up(world.d, confirm=lambda q: questions.append(q) or False, offered_zones=lambda: ZONES)
+        deploy.up(
+            world.d, confirm=lambda q: questions.append(q) or False, offered_zones=lambda: deploy.Placement(ZONES)
+        )
     assert len(questions) == 1 and "$9.55 per hour" in questions[0]
     assert world.tools.calls == [] and world.store.created == []
 
 
 def test_up_needs_a_zone_source(world: World):
     with pytest.raises(UserError) as err:
-        world.up(offered_zones=lambda: None)
+        world.up(offered_zones=None)
     assert "GPU_AZ" in (err.value.hint or "") and world.tools.calls == []
 
 

@@ -286,7 +286,7 @@ def test_submit_runs_the_job_on_a_real_ray_and_reports_what_it_saw(
         clock=kube.monotonic,
         require_tool=tools.require,
     )
-    deploy.up(d, confirm=lambda q: True, offered_zones=lambda: ZONES)
+    deploy.up(d, confirm=lambda q: True, offered_zones=lambda: deploy.Placement(ZONES))
     lines.clear()
 
     result = sub.submit(d, mode="raycluster")

@@ -332,9 +332,7 @@ def _with_second_zone(cfg: Config, gpu_az: str, found: Placement | None) -> tupl
     ).cluster_azs
 
 
-def choose_zones(
-    cfg: Config, store: StateStore, offered: Callable[[], Placement | Sequence[str] | None] | None = None
-) -> ZonePlan:
+def choose_zones(cfg: Config, store: StateStore, offered: Callable[[], Placement] | None = None) -> ZonePlan:
     """The GPU zones to try and the cluster's zones: remembered ones first, then the config's, else the zones the
     placement search (``offered``) ranks best. Zones that failed before are tried last.
 
@@ -346,9 +344,7 @@ def choose_zones(
     c = cfg.cluster
     found: Placement | None = None
     if offered is not None and not store.has(nodegroup_item(c.gpu_nodegroup_name)):
-        answer = offered()
-        if answer is not None:
-            found = answer if isinstance(answer, Placement) else Placement(list(answer))
+        found = offered()
     remembered = tuple(store.get("cluster_azs") or ())
     if remembered:
         cluster_azs = remembered
@@ -836,7 +832,7 @@ def up(
     d: Deployment,
     *,
     confirm: Callable[[str], bool],
-    offered_zones: Callable[[], Placement | Sequence[str] | None] | None = None,
+    offered_zones: Callable[[], Placement] | None = None,
 ) -> UpResult:
     """Create or resume the whole infrastructure; returns the GPU zone and nodes. Asks ``confirm`` once.
 
