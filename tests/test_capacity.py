@@ -205,6 +205,8 @@ def test_quota_unknown_is_a_note_not_a_failure(aws_env):
         "quota L-DB2E81BA unknown" in n and "aws service-quotas get-service-quota" in n and "--region us-east-1" in n
         for n in report.notes
     )
+    see = f"`aws service-quotas get-service-quota --service-code ec2 --quota-code {G_QUOTA} --region us-east-1`"
+    assert any(n.endswith(f"in us-east-1; see it with {see}") for n in report.notes)
 
 
 # ---------------------------------------------------------------- the command

@@ -137,7 +137,8 @@ class Quota:
 
     def check_argv(self) -> list[str]:
         """The AWS CLI command that shows the quota's value."""
-        return ["aws", "service-quotas", "get-service-quota", "--service-code", "ec2", "--quota-code", self.code]
+        argv = ["aws", "service-quotas", "get-service-quota", "--service-code", "ec2", "--quota-code", self.code]
+        return [*argv, "--region", self.region]
 
 
 @dataclass(frozen=True)
@@ -807,6 +808,7 @@ def check_capacity(
 def _notes(surveys: list[_Survey]) -> list[str]:
     """What could not be read, each reason once with the regions it applies to."""
     groups: dict[str, list[str]] = {}
+    see: dict[str, list[str]] = {}  # a reason's command, in the first region it applies to
     for s in surveys:
         if s.spot is not None and s.spot.scores is None:
             groups.setdefault(f"spot placement score unavailable ({s.spot.note})", []).append(s.region)
@@ -819,14 +821,14 @@ def _notes(surveys: list[_Survey]) -> list[str]:
                 s.region
             )
         if s.quota is not None and s.quota.limit is None:
-            groups.setdefault(f"quota {s.quota.code} unknown ({s.quota.source})", []).append(s.region)
+            what = f"quota {s.quota.code} unknown ({s.quota.source})"
+            groups.setdefault(what, []).append(s.region)
+            see.setdefault(what, s.quota.check_argv())
     notes = []
     for what, regions in groups.items():
         note = f"{what} in {', '.join(regions)}"
-        if what.startswith("quota "):
-            code = what.split()[1]
-            argv = ["aws", "service-quotas", "get-service-quota", "--service-code", "ec2", "--quota-code", code]
-            note += f"; see it with `{shlex.join([*argv, '--region', regions[0]])}`"
+        if what in see:
+            note += f"; see it with `{shlex.join(see[what])}`"
         notes.append(note)
     return notes
 
