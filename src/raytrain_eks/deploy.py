@@ -247,7 +247,6 @@ class Deployment:
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.monotonic
     require_tool: Callable[[str], object] = require_tool
-    find_leftovers: Callable[[Config], list[Any]] | None = None  # None: boto3 (:func:`find_leftovers`)
 
     @property
     def kubeconfig(self) -> str:
@@ -915,21 +914,17 @@ def _delete(d: Deployment, item: dict[str, Any], cluster_exists: bool) -> bool:
     raise ValueError(f"unknown item in the state file: {item}")
 
 
-def find_leftovers(cfg: Config) -> list[Any]:
-    """The real lookup behind :func:`billable_leftovers`: boto3 in the cluster's region (see
-    :func:`raytrain_eks.aws.services.billable_leftovers`)."""
+def billable_leftovers(d: Deployment) -> list[str] | None:
+    """Things that still cost money after ``down`` (NAT gateways, Elastic IPs, instances tagged with the cluster's
+    name), each with the command that deletes it, looked up through boto3 in the cluster's region (see
+    :func:`raytrain_eks.aws.services.billable_leftovers`); ``None`` when AWS could not be asked (the reason is said).
+    """
     from raytrain_eks.aws.services import billable_leftovers as lookup
     from raytrain_eks.aws.session import connect
 
-    aws = connect(cfg.cluster.region)
-    return lookup(aws, cfg.cluster.region, cfg.cluster.name)
-
-
-def billable_leftovers(d: Deployment) -> list[str] | None:
-    """Things that still cost money after ``down`` (NAT gateways, Elastic IPs, instances tagged with the cluster's
-    name), each with the command that deletes it; ``None`` when AWS could not be asked (the reason is said)."""
+    c = d.cfg.cluster
     try:
-        found = (d.find_leftovers or find_leftovers)(d.cfg)
+        found = lookup(connect(c.region), c.region, c.name)
     except UserError as exc:
         d.say(f"Could not check for leftover NAT gateways, Elastic IPs or instances: {exc.message}")
         return None
