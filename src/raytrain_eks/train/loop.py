@@ -228,11 +228,12 @@ def train(
     steady = step_times[min(done - 1, max(2, done // 10)) :] if done else []
     tokens = done * tokens_per_step
     tps = tokens / train_s if done else 0.0
+    last_step = start_step + done  # cfg.steps, unless the transport gate stopped the run early
     summary = {
-        "steps": cfg.steps,
+        "steps": last_step,
         "first_loss": losses.get(start_step + 1),
         "final_loss": losses.get(cfg.steps),
-        "tokens": cfg.steps * tokens_per_step,
+        "tokens": last_step * tokens_per_step,
         "train_s": train_s,
         "tokens_per_s": tps,
         "step_time_s": statistics.median(steady) if steady else None,
