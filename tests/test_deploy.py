@@ -905,6 +905,21 @@ def test_down_reports_what_still_costs_money_and_checks_again(ready: World):
     assert "Nothing billable is left from this deployment." in ready.said()
 
 
+def test_a_second_down_without_aws_credentials_keeps_the_leftovers_it_cannot_check(
+    ready: World, monkeypatch: pytest.MonkeyPatch
+):
+    mine = _leave_behind("ray-train-eks")
+    with pytest.raises(UserError):
+        deploy.down(ready.d, confirm=lambda q: True)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    with pytest.raises(UserError) as err:
+        deploy.down(StateDeployment(ready), confirm=lambda q: pytest.fail("nothing is left to confirm"))
+    assert "AWS could not be asked now whether they are gone" in err.value.message and mine["nat"] in err.value.message
+    assert "Could not check for leftover NAT gateways" in ready.said()
+    assert ready.store.path.exists() and ready.store.get("leftovers"), "the record of what still costs money is kept"
+
+
 def test_down_without_aws_credentials_says_it_could_not_check(ready: World, monkeypatch: pytest.MonkeyPatch):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name)

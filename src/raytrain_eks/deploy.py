@@ -957,8 +957,16 @@ def down(d: Deployment, *, confirm: Callable[[str], bool]) -> DownResult:
 
 
 def _check_leftovers(d: Deployment) -> list[str] | None:
-    """After the deletes: raise, keeping the state, while something billable is left; else clear the state."""
+    """After the deletes: raise, keeping the state, while something billable is left, or while AWS cannot be asked
+    about what the last ``down`` found left; else clear the state."""
     leftovers = billable_leftovers(d)
+    recorded = d.state.get("leftovers")
+    if leftovers is None and recorded:
+        raise UserError(
+            "these still cost money at the last `raytrain-eks down`, and AWS could not be asked now whether they "
+            "are gone:\n" + "\n".join(f"  - {x}" for x in recorded),
+            hint="Fix the AWS access named above, then run `raytrain-eks down` again to check.",
+        )
     if leftovers:
         d.state.update(leftovers=leftovers)
         raise UserError(
