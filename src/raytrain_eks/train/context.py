@@ -165,36 +165,31 @@ class RayContext:
 
 
 class ProcessContext:
-    """Inside a ``torchrun`` process (or a lone process): random data only; rank 0 writes records as JSON lines.
+    """Inside a ``torchrun`` process (or a lone process): random data only, a fresh start; rank 0 writes the metric
+    records (``metrics.jsonl``) and the summary (``summary.json``, with ``summary_extra`` added) into ``out_dir``.
 
     Checkpoints go to ``out_dir/checkpoints`` (a folder all ranks share), in the same format as under Ray.
     """
 
-    def __init__(self, out_dir: Path | None = None, resume_from: Path | None = None) -> None:
+    def __init__(self, out_dir: Path, summary_extra: dict[str, Any] | None = None) -> None:
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.device = _device(int(os.environ.get("LOCAL_RANK", 0)))
         self._out = out_dir
-        self._resume_from = resume_from
-        self.records: list[dict[str, Any]] = []
-        self.summary: dict[str, Any] | None = None
+        self._summary_extra = dict(summary_extra or {})
 
     def data_batches(self, batch_size: int, position: dict[str, int] | None) -> DataCursor:
         raise NotImplementedError("plain processes run the random-data mode only; real data goes through Ray Data")
 
     def emit(self, record: dict[str, Any]) -> None:
         if self.rank == 0:
-            self.records.append(record)
-            if self._out is not None:
-                with (self._out / "metrics.jsonl").open("a") as f:
-                    f.write(json.dumps(record) + "\n")
+            with (self._out / "metrics.jsonl").open("a") as f:
+                f.write(json.dumps(record) + "\n")
 
     def resume_checkpoint(self) -> Path | None:
-        return self._resume_from
+        return None
 
     def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any], keep: int) -> None:
-        if self._out is None:
-            return
         folder = self._out / "checkpoints" / checkpoint_name(step)
         write(folder)
         dist.barrier()
@@ -204,6 +199,4 @@ class ProcessContext:
 
     def finish(self, summary: dict[str, Any]) -> None:
         if self.rank == 0:
-            self.summary = summary
-            if self._out is not None:
-                (self._out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            (self._out / "summary.json").write_text(json.dumps({**summary, **self._summary_extra}, indent=2) + "\n")

@@ -57,26 +57,22 @@ def load_training(path: Path) -> TrainingConfig:
 
 def run(cfg: TrainingConfig, out: Path) -> dict[str, Any] | None:
     """Train in the already-initialised process group; rank 0 returns the summary, the others ``None``."""
-    ctx = ProcessContext(out)
     # The built-in model is built once per node (by local rank 0) before the others look for it in the cache.
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         resolve_model_path(cfg.model_id)
         out.mkdir(parents=True, exist_ok=True)
     # Before training, not after: no collective of ours runs between the loop's last one and the exit.
-    threads: list[Any] = [None] * ctx.world_size
+    threads: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(threads, torch.get_num_threads())
-    model_path = resolve_model_path(cfg.model_id)
-    summary = train(cfg, model_path, ctx, tokenizer_path=model_path)  # as the Ray workers call it
-    if ctx.rank != 0:
-        return None
-    summary = {
-        **summary,
+    launcher = {
         "launcher": "torchrun",
         "torch_num_threads": threads,
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    ctx = ProcessContext(out, summary_extra=launcher)  # rank 0 writes summary.json with these added
+    model_path = resolve_model_path(cfg.model_id)
+    summary = train(cfg, model_path, ctx, tokenizer_path=model_path)  # as the Ray workers call it
+    return {**summary, **launcher} if ctx.rank == 0 else None
 
 
 @record
