@@ -22,12 +22,6 @@ from raytrain_eks.config import BUILTIN_MODEL, RANDOM_DATA
 STEPS = 3
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One model cache for every run of this module: the built-in model is built once, by the first run."""
-    return tmp_path_factory.mktemp("raytrain-eks-cache")
-
-
 def _torchrun(tmp: Path, cache: Path, *, nproc: int, batch_size: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     training = {
         "model_id": BUILTIN_MODEL,
@@ -58,6 +52,7 @@ def _torchrun(tmp: Path, cache: Path, *, nproc: int, batch_size: int) -> tuple[d
         "--out",
         str(out),
     ]
+    # The session's model cache (conftest's builtin_cache): the built-in model is built once for every test.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAYTRAIN_EKS_CACHE": str(cache)}
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180, check=False)
     assert proc.returncode == 0, (
@@ -68,8 +63,8 @@ def _torchrun(tmp: Path, cache: Path, *, nproc: int, batch_size: int) -> tuple[d
     return summary, records
 
 
-def test_two_processes_match_one_process_with_the_whole_batch(tmp_path: Path, cache_dir: Path) -> None:
-    two, two_records = _torchrun(tmp_path, cache_dir, nproc=2, batch_size=2)
+def test_two_processes_match_one_process_with_the_whole_batch(tmp_path: Path, builtin_cache: Path) -> None:
+    two, two_records = _torchrun(tmp_path, builtin_cache, nproc=2, batch_size=2)
     assert two["steps"] == STEPS
     assert two["world_size"] == 2
     assert two["launcher"] == "torchrun"
@@ -78,7 +73,7 @@ def test_two_processes_match_one_process_with_the_whole_batch(tmp_path: Path, ca
     assert math.isfinite(two["step_time_s"]) and two["step_time_s"] > 0
     assert [r["step"] for r in two_records] == list(range(1, STEPS + 1))
 
-    one, one_records = _torchrun(tmp_path, cache_dir, nproc=1, batch_size=4)
+    one, one_records = _torchrun(tmp_path, builtin_cache, nproc=1, batch_size=4)
     assert one["world_size"] == 1
     assert one["tokens"] == two["tokens"]  # the same global batch
     assert one["first_loss"] == pytest.approx(two["first_loss"], rel=1e-4)
