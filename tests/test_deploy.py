@@ -767,7 +767,7 @@ def test_rayjob_mode_renders_a_rayjob_that_ships_the_code(ready: World):
     schema = json.loads((SHARED / "schemas" / "kuberay" / "rayjob.v1.schema.json").read_text())
     jsonschema.Draft7Validator(schema).validate({k: v for k, v in job.items() if k != "status"})
     spec = job["spec"]
-    assert shlex.split(spec["entrypoint"]) == sub.entrypoint_argv()
+    assert shlex.split(spec["entrypoint"]) == m.train_argv()
     env = yaml.safe_load(spec["runtimeEnvYAML"])
     assert env["py_modules"] == [f"{sub.SUBMITTER_CODE_DIR}/raytrain_eks"] and env["pip"]
     submitter = spec["submitterPodTemplate"]["spec"]

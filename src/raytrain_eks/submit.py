@@ -24,7 +24,6 @@ import io
 import json
 import re
 import secrets
-import shlex
 import tarfile
 import time
 from collections.abc import Callable, Mapping
@@ -183,12 +182,6 @@ def runtime_env(code_dir: str) -> dict[str, Any]:
     return {"pip": image_missing_requirements(), "py_modules": [f"{code_dir}/raytrain_eks"]}
 
 
-def entrypoint_argv() -> list[str]:
-    """The driver command: ``train --address auto`` with the mounted config, run as a module because the image has
-    no ``raytrain-eks`` console script (the package arrives through ``py_modules``)."""
-    return m.train_argv()
-
-
 CONFIG_MAP_MAX_BYTES = 1 << 20  # Kubernetes rejects a ConfigMap whose data exceeds 1 MiB
 
 
@@ -224,8 +217,9 @@ def config_map_bytes(doc: Mapping[str, Any]) -> int:
 def rayjob_manifest(
     cfg: Any, *, hf_token: bool, code_map: dict[str, Any], items: list[dict[str, str]]
 ) -> dict[str, Any]:
-    """The RayJob of :func:`raytrain_eks.k8s.manifests.rayjob`, plus the runtime_env and a submitter pod that
-    mounts the code ConfigMap where ``py_modules`` points (``ray job submit`` runs in that pod)."""
+    """The RayJob of :func:`raytrain_eks.k8s.manifests.rayjob` (its entrypoint is the same driver command as
+    :func:`submit_job`'s), plus the runtime_env and a submitter pod that mounts the code ConfigMap where
+    ``py_modules`` points (``ray job submit`` runs in that pod)."""
     doc = m.rayjob(cfg, hf_token=hf_token, runtime_env=runtime_env(SUBMITTER_CODE_DIR))
     submitter = {
         "spec": {
@@ -246,7 +240,7 @@ def rayjob_manifest(
             ],
         }
     }
-    return m.merge(doc, {"spec": {"entrypoint": shlex.join(entrypoint_argv()), "submitterPodTemplate": submitter}})
+    return m.merge(doc, {"spec": {"submitterPodTemplate": submitter}})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -352,7 +346,7 @@ def submit_job(d: Deployment, head: Pod, code_dir: str) -> str:
     env = runtime_env(code_dir)
     argv = [
         "ray", "job", "submit", "--address", DASHBOARD, "--submission-id", submission_id, "--no-wait",
-        "--runtime-env-json", json.dumps(env), "--", *entrypoint_argv(),
+        "--runtime-env-json", json.dumps(env), "--", *m.train_argv(),
     ]  # fmt: skip
     res = _head_exec(d, head, argv)
     if not res.ok:
