@@ -484,6 +484,7 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
     _apply(d, m.job_config_map(cfg), f"ConfigMap {ns}/{m.config_map_name(cfg)} (the job's configuration)")
 
     previous = d.state.get("job") or {}
+    rayjob_id = None  # the Ray job id KubeRay gives a RayJob
     if mode == "raycluster":
         _apply(d, m.raycluster(cfg, hf_token=bool(hf_token)), f"RayCluster {ns}/{cfg.ray.cluster_name}")
         cluster = cfg.ray.cluster_name
@@ -497,7 +498,7 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
         _apply(d, code_map, f"ConfigMap {ns}/{code_map['metadata']['name']} (the raytrain_eks package)")
         doc = rayjob_manifest(cfg, hf_token=bool(hf_token), code_map=code_map, items=items)
         _apply(d, doc, f"RayJob {ns}/{cfg.ray.cluster_name}")
-        cluster, _ = _wait_rayjob_cluster(d, cfg.ray.job_start_deadline_s)
+        cluster, rayjob_id = _wait_rayjob_cluster(d, cfg.ray.job_start_deadline_s)
 
     head, workers = wait_for_ray_pods(d, ns, cluster, cfg.ray.job_start_deadline_s)
 
@@ -508,10 +509,7 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
             submission_id = previous["id"]
             d.say(f"Job {submission_id} from an earlier submit is {status}: following it instead of submitting again")
     if submission_id is None:
-        if mode == "raycluster":
-            submission_id = submit_job(d, head, _upload_package(d, head))
-        else:
-            _, submission_id = _wait_rayjob_cluster(d, cfg.ray.job_start_deadline_s)
+        submission_id = rayjob_id if rayjob_id is not None else submit_job(d, head, _upload_package(d, head))
     d.state.update(job={"id": submission_id, "mode": mode, "namespace": ns, "raycluster": cluster, "status": "RUNNING"})
 
     run_dirs: list[str] = []
