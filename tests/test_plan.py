@@ -125,6 +125,14 @@ def test_a_configured_capacity_reservation_is_targeted_by_the_gpu_group_only(cfg
     assert "standard quota (L-1216C47A) the system node" in steps["preflight"].action
 
 
+def test_preflight_names_the_quota_each_node_group_draws_on(cfg_for):
+    def preflight(**environ: str) -> str:
+        return next(s.action for s in build_plan(cfg_for(**environ)).steps if s.name == "preflight")
+
+    assert "the P quota (L-417A185B) 384 vCPUs" in preflight(GPU_NODE_TYPE="p5.48xlarge", GPUS_PER_NODE="8")
+    assert "the G quota (L-DB2E81BA) the system node" in preflight(SYSTEM_NODE_TYPE="g5.xlarge")
+
+
 def test_the_eksctl_validator_does_reject_unknown_keys(cfg_for, schemas):
     cfg = cfg_for()
     doc = eksctl.cluster_config(cfg, eksctl.planned_zones(cfg))

@@ -40,12 +40,6 @@ class InstanceType:
     def efa_supported(self) -> bool:
         return self.efa_interfaces > 0
 
-    @property
-    def quota_family(self) -> str:
-        """The on-demand vCPU quota family: ``G`` (G and VT), ``P``, or ``standard`` (A, C, D, H, I, M, R, T, Z)."""
-        prefix = self.name[0].upper()
-        return prefix if prefix in ("G", "P") else "standard"
-
 
 def _gpu(
     name: str, gpus: int, model: str, mib: int, vcpu: int, gib: int, gbps: float, efa: int, usd: float | None
@@ -140,6 +134,27 @@ KNOWN_REGIONS: tuple[str, ...] = (
     "us-gov-east-1",
     "us-gov-west-1",
 )
+
+# Quota codes of the on-demand vCPU limits, by family (infra-facts §6).
+QUOTA_CODES = {"G": "L-DB2E81BA", "P": "L-417A185B", "standard": "L-1216C47A"}
+_STANDARD_FAMILIES = frozenset("acdhimrtz")
+_OWN_QUOTA = frozenset({"dl", "f", "hpc", "inf", "mac", "trn", "u", "x"})
+
+
+def quota_family(instance_type: str) -> str | None:
+    """The on-demand vCPU quota family of a type: ``G`` (G and VT), ``P``, ``standard`` (A, C, D, H, I, M, R, T,
+    Z), or None for the families with quotas of their own (DL, F, HPC, Inf, Mac, Trn, U, X).
+    Example: ``quota_family("vt1.3xlarge") == "G"``, ``quota_family("im4gn.large") == "standard"``."""
+    family = instance_type.split(".", 1)[0]
+    letters = family[: next((i for i, ch in enumerate(family) if not ch.isalpha()), len(family))]
+    if not letters or letters in _OWN_QUOTA:
+        return None
+    if letters.startswith("g") or letters == "vt":
+        return "G"
+    if letters.startswith("p"):
+        return "P"
+    return "standard" if letters[0] in _STANDARD_FAMILIES else None
+
 
 # EKS control plane, NAT gateway (infra-facts §7). Extended-support Kubernetes versions cost $0.60 per cluster-hour.
 EKS_CONTROL_PLANE_USD_PER_HOUR = 0.10

@@ -32,7 +32,9 @@ from raytrain_eks.instances import (
     KNOWN_REGIONS,
     NAT_GATEWAY_USD_PER_HOUR,
     PRICE_REGION,
+    QUOTA_CODES,
     InstanceType,
+    quota_family,
 )
 from raytrain_eks.k8s import manifests as m
 
@@ -44,9 +46,6 @@ HELM_FILE = "helm-releases.yaml"
 NAMESPACE_FILE = "namespace.yaml"
 JOB_CONFIG_FILE = "job-config.yaml"
 MANIFEST_FILE: dict[Mode, str] = {"raycluster": "raycluster.yaml", "rayjob": "rayjob.yaml"}
-
-# Quota codes of the on-demand vCPU limits the GPU nodes draw on (infra-facts §6).
-QUOTA_CODES = {"G": "L-DB2E81BA", "P": "L-417A185B", "standard": "L-1216C47A"}
 
 
 @dataclass(frozen=True)
@@ -295,18 +294,23 @@ def cost_per_hour(cfg: Config, gpu: InstanceType, system: InstanceType) -> dict[
     }
 
 
+def _quota(instance: str) -> str:
+    """The on-demand vCPU quota ``instance`` draws on, in words: ``G quota (L-DB2E81BA)``."""
+    family = quota_family(instance)
+    return f"{family} quota ({QUOTA_CODES[family]})" if family else f"own quota of {instance}'s family"
+
+
 def _steps(cfg: Config, mode: Mode, *, hf_token: bool, gpu: InstanceType, zones: eksctl.Zones) -> list[Step]:
     c, r, d = cfg.cluster, cfg.ray, cfg.derived
     ns = r.namespace
-    quota = QUOTA_CODES[gpu.quota_family]
     where = f"zone {zones.gpu_az}" if not zones.assumed else f"one zone of {c.region} (chosen at deploy)"
     steps = [
         Step(
             "preflight",
             f"Check AWS credentials; that {c.region} offers {gpu.name} with EFA in {where}; and that the on-demand "
-            f"{gpu.quota_family} vCPU quota ({quota}) covers {c.gpu_node_count * gpu.vcpu} vCPUs, net of running "
-            "instances and unused capacity reservations (less what an existing reservation of the GPU type holds "
-            f"there), and the standard quota ({QUOTA_CODES['standard']}) the system node. Nothing is created if a "
+            "vCPU quotas hold the nodes, net of running instances and unused capacity reservations: the "
+            f"{_quota(gpu.name)} {c.gpu_node_count * gpu.vcpu} vCPUs (less what an existing reservation of the GPU "
+            f"type holds there), and the {_quota(c.system_node_type)} the system node. Nothing is created if a "
             "check fails.",
         ),
         Step(

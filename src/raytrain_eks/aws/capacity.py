@@ -32,36 +32,18 @@ from raytrain_eks.aws import services as svc
 from raytrain_eks.aws.session import Aws, AwsCredentialsError
 from raytrain_eks.config import Config
 from raytrain_eks.errors import ConfigError, UserError
-from raytrain_eks.instances import EFA_GPU_TYPES, KNOWN_REGIONS
-from raytrain_eks.plan import QUOTA_CODES
+from raytrain_eks.instances import EFA_GPU_TYPES, KNOWN_REGIONS, QUOTA_CODES, quota_family
 
 QUOTA_NAMES = {
     "G": "Running On-Demand G and VT instances",
     "P": "Running On-Demand P instances",
     "standard": "Running On-Demand Standard (A, C, D, H, I, M, R, T, Z) instances",
 }
-_STANDARD_FAMILIES = frozenset("acdhimrtz")
-_OWN_QUOTA = frozenset({"dl", "f", "hpc", "inf", "mac", "trn", "u", "x"})
 
 PROBE_LIMIT = 8
 """At most this many zones are probed in one run; probing stops at the first zone that has the capacity."""
 
 Say = Callable[[str], None]
-
-
-def quota_family(instance_type: str) -> str | None:
-    """The on-demand vCPU quota family of a type: ``G`` (G and VT), ``P``, ``standard`` (A, C, D, H, I, M, R, T,
-    Z), or None for the families with quotas of their own (DL, F, HPC, Inf, Mac, Trn, U, X).
-    Example: ``quota_family("vt1.3xlarge") == "G"``, ``quota_family("im4gn.large") == "standard"``."""
-    family = instance_type.split(".", 1)[0]
-    letters = family[: next((i for i, ch in enumerate(family) if not ch.isalpha()), len(family))]
-    if not letters or letters in _OWN_QUOTA:
-        return None
-    if letters.startswith("g") or letters == "vt":
-        return "G"
-    if letters.startswith("p"):
-        return "P"
-    return "standard" if letters[0] in _STANDARD_FAMILIES else None
 
 
 # ---------------------------------------------------------------- the model (pure)
