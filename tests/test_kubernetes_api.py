@@ -7,7 +7,9 @@ of single objects, and ``Status`` bodies for errors. It keeps a small store (app
 and records every request, so the tests check both what reaches the server and what the caller gets back:
 selectors as query parameters, parsed nodes, pods, events and DaemonSets, the apply PATCH and its path, the
 KubeRay hint for a missing CRD, ``None``/``False`` on 404, and errors that name the call and the server's
-message without a Secret's value. ``exec`` (a websocket) is not covered here.
+message without a Secret's value. ``exec`` speaks a websocket this server does not: its tests replace the
+client's stream object with :class:`ScriptedExecStream`, so what ``exec`` makes of the stream is covered (lines
+split across frames, stderr, the exit status, a connection that breaks), not the wire.
 
 The server binds 127.0.0.1 on a free port, serves one test and stops; the dynamic client's discovery cache
 (a file in the temp folder, named after the server URL) goes to the test's own folder, so no earlier run's
@@ -30,6 +32,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from websocket import WebSocketConnectionClosedException
 
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import DaemonSet, Event, KubeApiError, KubernetesApi, Node, Pod
@@ -763,3 +766,109 @@ def test_a_failed_secret_apply_never_shows_the_token(
         assert 'stringData.token: "<redacted>"' in str(caught.value)
     assert token not in str(caught.value)
     assert token not in (caught.value.hint or "")
+
+
+# -- exec --------------------------------------------------------------------------------------------------------------
+
+
+class ScriptedExecStream:
+    """Stands in for the client's exec websocket (``kubernetes.stream.ws_client.WSClient``): each :meth:`update`
+    delivers the next scripted step, ``("stdout" | "stderr", text)`` or an exception to raise; the exit status
+    (a ``v1.Status``) is read from channel 3 once the steps run out."""
+
+    def __init__(self, steps: list[tuple[str, str] | BaseException], status: str = '{"status": "Success"}') -> None:
+        self.steps = list(steps)
+        self.status = status
+        self.buffers = {"stdout": "", "stderr": ""}
+        self.closed = False
+
+    def is_open(self) -> bool:
+        return bool(self.steps)
+
+    def update(self, timeout: float = 0) -> None:
+        step = self.steps.pop(0)
+        if isinstance(step, BaseException):
+            raise step
+        channel, text = step
+        self.buffers[channel] += text
+
+    def _read(self, channel: str) -> str:
+        text, self.buffers[channel] = self.buffers[channel], ""
+        return text
+
+    def peek_stdout(self) -> bool:
+        return bool(self.buffers["stdout"])
+
+    def read_stdout(self) -> str:
+        return self._read("stdout")
+
+    def peek_stderr(self) -> bool:
+        return bool(self.buffers["stderr"])
+
+    def read_stderr(self) -> str:
+        return self._read("stderr")
+
+    def read_channel(self, channel: int) -> str:
+        assert channel == 3
+        return self.status
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def exec_stream(monkeypatch: pytest.MonkeyPatch) -> list[ScriptedExecStream]:
+    """Replace the client's exec stream; append the stream the next ``exec`` gets to the returned list."""
+    import kubernetes.stream
+
+    streams: list[ScriptedExecStream] = []
+
+    def stream(_fn: Any, pod: str, namespace: str, **kwargs: Any) -> ScriptedExecStream:
+        assert kwargs["command"] == ["ray", "job", "logs"] and kwargs["tty"] is False
+        return streams[-1]
+
+    monkeypatch.setattr(kubernetes.stream, "stream", stream)
+    return streams
+
+
+def test_exec_hands_on_whole_lines_and_returns_output_and_exit_status(
+    kube: KubernetesApi, exec_stream: list[ScriptedExecStream]
+) -> None:
+    failure = {"status": "Failure", "details": {"causes": [{"reason": "ExitCode", "message": "3"}]}}
+    exec_stream.append(
+        ScriptedExecStream(
+            [
+                ("stdout", "step 10 lo"),
+                ("stdout", "ss 2.31\nstep 20"),
+                ("stderr", "warning\n"),
+                ("stdout", " loss 1.87"),
+            ],
+            status=json.dumps(failure),
+        )
+    )
+    lines: list[str] = []
+
+    done = kube.exec("default", HEAD, ["ray", "job", "logs"], timeout=60, on_output=lines.append)
+
+    assert lines == ["step 10 loss 2.31", "step 20 loss 1.87"]
+    assert (done.returncode, done.stdout, done.stderr) == (3, "step 10 loss 2.31\nstep 20 loss 1.87", "warning\n")
+    assert exec_stream[-1].closed
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [WebSocketConnectionClosedException("Connection to remote host was lost."), ConnectionResetError(104, "reset")],
+)
+def test_an_exec_stream_that_breaks_is_one_kube_api_error(
+    kube: KubernetesApi, exec_stream: list[ScriptedExecStream], broken: BaseException
+) -> None:
+    exec_stream.append(ScriptedExecStream([("stdout", "step 10 loss 2.31\n"), broken]))
+
+    with pytest.raises(KubeApiError) as caught:
+        kube.exec("default", HEAD, ["ray", "job", "logs"], timeout=60)
+
+    assert caught.value.message.startswith(f"Kubernetes API: exec in default/{HEAD} failed: the connection broke (")
+    assert type(broken).__name__ in caught.value.message
+    assert "raytrain-eks submit" in (caught.value.hint or "")
+    assert caught.value.__suppress_context__  # no chained websocket traceback under the message
+    assert exec_stream[-1].closed

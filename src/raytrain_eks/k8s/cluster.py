@@ -345,6 +345,7 @@ class KubernetesApi:
     ) -> ExecResult:
         from kubernetes.client.exceptions import ApiException
         from kubernetes.stream import stream
+        from websocket import WebSocketException
 
         self._api()
         kwargs: dict[str, Any] = {"container": container} if container else {}
@@ -388,6 +389,12 @@ class KubernetesApi:
             if on_output is not None and partial:
                 on_output(partial)
             code = _exec_returncode(ws.read_channel(3))
+        except (WebSocketException, OSError) as exc:  # the stream broke: a dropped connection, a reset
+            raise KubeApiError(
+                f"Kubernetes API: exec in {namespace}/{pod} failed: the connection broke ({type(exc).__name__}: {exc})",
+                hint="Run the same raytrain-eks command again; `raytrain-eks submit` follows a job that is still "
+                "running instead of submitting it twice.",
+            ) from None
         finally:
             ws.close()
         return ExecResult(code, "".join(out), "".join(err))
