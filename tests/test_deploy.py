@@ -753,6 +753,26 @@ def test_resubmitting_follows_a_job_still_running_instead_of_submitting_twice(re
     assert second.exit_code == 0 and "following it instead of submitting again" in ready.said()
 
 
+def test_a_broken_log_stream_is_followed_again(ready: World):
+    from raytrain_eks.k8s.cluster import KubeApiError
+
+    answer, broken = ready.kube.exec_handler, []
+
+    def breaks_once(ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult | None:
+        if argv[:3] == ["ray", "job", "logs"] and not broken:
+            broken.append(argv)
+            raise KubeApiError(f"Kubernetes API: exec in {ns}/{pod} failed: the connection broke (reset)")
+        return answer(ns, pod, argv, stdin)
+
+    ready.kube.exec_handler = breaks_once
+    result = ready.submit()
+    assert broken and result.exit_code == 0 and result.job_status == "SUCCEEDED"
+    said = ready.said()
+    assert "The log stream broke: Kubernetes API: exec in default/ray-train-head-0 failed" in said
+    assert "following it again" in said and "step 20 loss 1.87" in said
+    assert len(ready.ray.submitted) == 1, "followed again, not submitted again"
+
+
 def test_package_is_uploaded_once(ready: World):
     ready.submit()
     ready.submit()

@@ -43,7 +43,7 @@ from raytrain_eks.deploy import (
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
 from raytrain_eks.k8s import manifests as m
-from raytrain_eks.k8s.cluster import Pod
+from raytrain_eks.k8s.cluster import KubeApiError, Pod
 from raytrain_eks.plan import check_deployable
 from raytrain_eks.runner import CommandError
 from raytrain_eks.train.fabric_gate import nccl_log_dir
@@ -369,17 +369,15 @@ def follow_job(
     on_output: Callable[[str], None] | None = None,
 ) -> str:
     """Stream the job's logs (to ``on_output``, default ``d.say``) until it ends (following again if the stream
-    drops); return its final status."""
+    drops or breaks); return its final status."""
     start = d.clock()
     while True:
         left = max(timeout - (d.clock() - start), 1.0)
-        _head_exec(
-            d,
-            head,
-            ["ray", "job", "logs", "--address", DASHBOARD, "--follow", submission_id],
-            timeout=left,
-            on_output=on_output or d.say,
-        )
+        argv = ["ray", "job", "logs", "--address", DASHBOARD, "--follow", submission_id]
+        try:
+            _head_exec(d, head, argv, timeout=left, on_output=on_output or d.say)
+        except KubeApiError as exc:  # the exec connection broke; the status read next says whether to go on
+            d.say(f"The log stream broke: {exc.message}")
         status = job_status(d, head, submission_id)
         if status in TERMINAL:
             return status
