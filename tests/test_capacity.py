@@ -560,12 +560,12 @@ def test_quota_family(name, family):
 
 
 def _cand(zone: str, **kw) -> cap.Candidate:
-    quota = kw.pop("quota", cap.Quota(REGION, "G", G_QUOTA, 192, "applied", 0, 96))
+    quota = kw.pop("quota", cap.Quota(REGION, "G", 192, "applied", 0, 96))
     return cap.Candidate(REGION, zone, None, kw.pop("offered", True), kw.pop("efa", 1), quota, **kw)
 
 
 def test_rank_order():
-    short = cap.Quota(REGION, "G", G_QUOTA, 64, "applied", 0, 96)
+    short = cap.Quota(REGION, "G", 64, "applied", 0, 96)
     ranked = cap.rank(
         [
             _cand("z-short", quota=short),

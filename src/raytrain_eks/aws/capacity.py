@@ -82,12 +82,15 @@ class Quota:
 
     region: str
     family: str
-    code: str
     limit: float | None
     source: str
     used: int
     need: int
     held: int = 0  # the part of ``used`` that unused capacity reservations hold
+
+    @property
+    def code(self) -> str:
+        return QUOTA_CODES[self.family]
 
     @property
     def free(self) -> float | None:
@@ -275,7 +278,6 @@ class CapacityReport:
     vcpus_per_node: int
     family: str
     system_type: str
-    quota_code: str
     config_region: str
     gpu_az: str | None
     regions: tuple[str, ...]
@@ -287,6 +289,10 @@ class CapacityReport:
     @property
     def vcpus_needed(self) -> int:
         return self.count * self.vcpus_per_node
+
+    @property
+    def quota_code(self) -> str:
+        return QUOTA_CODES[self.family]
 
     @property
     def targets(self) -> list[Candidate]:
@@ -571,35 +577,30 @@ def _survey(aws: Aws, services: svc.Services, region: str, cfg: Config) -> _Surv
     }
     vcpus[c.gpu_node_type] = info.vcpus
 
-    def usage(fam: str) -> tuple[int, int]:
-        """vCPUs the family's quota already holds: running on-demand instances, plus the unused part of active
-        capacity reservations (a reservation takes its quota when made; instances launched into it add none).
-        Returns (used, the reservations' part)."""
+    def quota(fam: str, need: int) -> Quota:
+        """``fam``'s quota against ``need``. What already holds it: running on-demand instances, plus the unused
+        part of active capacity reservations (a reservation takes its quota when made; instances launched into it
+        add none)."""
+        limit = services.quotas.vcpu_limit(region, QUOTA_CODES[fam])
         run = sum(n * vcpus.get(t, 0) for t, n in running.items() if quota_family(t) == fam)
         held = sum(
             r.available * vcpus.get(r.instance_type, 0) for r in reservations if quota_family(r.instance_type) == fam
         )
-        return run + held, held
+        return Quota(region, fam, limit.value, limit.source, run + held, need, held)
 
     # The system node group exists with the cluster: its instances are already among the running ones.
     system_need = 0 if cluster.found else c.system_node_count * vcpus.get(c.system_node_type, 0)
     gpu_need = c.gpu_node_count * info.vcpus
-    code = QUOTA_CODES[family]
-    limit = services.quotas.vcpu_limit(region, code)
-    system_quota = None
-    if system_family == family:
+    if system_family == family:  # one quota for both node groups
         gpu_need += system_need
-    elif system_family is not None and system_need:
-        sys_code = QUOTA_CODES[system_family]
-        sys_limit = services.quotas.vcpu_limit(region, sys_code)
-        sys_used, sys_held = usage(system_family)
-        system_quota = Quota(
-            region, system_family, sys_code, sys_limit.value, sys_limit.source, sys_used, system_need, sys_held
-        )
-    gpu_used, gpu_held = usage(family)
-    quota = Quota(region, family, code, limit.value, limit.source, gpu_used, gpu_need, gpu_held)
+    gpu_quota = quota(family, gpu_need)
+    system_quota = None
+    if system_family is not None and system_family != family and system_need:
+        system_quota = quota(system_family, system_need)
     spot = services.spot.scores(region, c.gpu_node_type, c.gpu_node_count)
-    return _Survey(region, info, zones, offered, quota, spot, cluster, system_quota, reservations, reservations_note)
+    return _Survey(
+        region, info, zones, offered, gpu_quota, spot, cluster, system_quota, reservations, reservations_note
+    )
 
 
 def _check_type(cfg: Config, surveys: list[_Survey]) -> TypeInfo:
@@ -776,7 +777,6 @@ def check_capacity(
         vcpus_per_node=info.vcpus,
         family=family,
         system_type=c.system_node_type,
-        quota_code=QUOTA_CODES[family],
         config_region=c.region,
         gpu_az=c.gpu_az,
         regions=tuple(names),
