@@ -67,14 +67,12 @@ def plan(
         Path | None,
         typer.Option("--output-dir", "-o", help="Write every file deploy would apply, and plan.json, here."),
     ] = None,
-    mode: Annotated[
-        PlanMode, typer.Option(help="raycluster: a long-lived cluster the job is submitted to; rayjob: one job.")
-    ] = PlanMode.raycluster,
+    mode: ModeOpt = PlanMode.raycluster,
 ) -> None:
     """Show what deploy would create, apply and submit, and its cost per hour. Needs no credentials."""
     from raytrain_eks.plan import Mode, build_plan, write_plan
 
-    cfg = load_config(preset=presets.choose(preset), path=config)
+    cfg = _load(config, preset)
     # Only whether a token is there: its value stays in this process's environment until deploy sends it.
     hf_token = bool(os.environ.get("HF_TOKEN"))
     chosen = cast("Mode", mode.value)
