@@ -2,14 +2,15 @@
 
 Kubernetes is :class:`~raytrain_eks.k8s.fake.FakeKube` (stateful: nodes, DaemonSets that make nodes advertise
 resources, KubeRay creating pods from the RayCluster's own templates, a scheduler recording ``FailedScheduling``).
-eksctl, helm and the AWS CLI are :class:`FakeTools`, a recording runner whose commands change a small simulated
-AWS (cluster, node groups per zone, Helm releases) and the fake cluster the way the real tools would. Inside the
-pods, :class:`FakeRay` answers ``ray job`` commands, and the scripts the steps run in the pods (unpacking the
-package, collecting NCCL lines) really run, against temporary folders and the NCCL fixtures. Covered: the order
-of ``up``, the next zone after a launch failure, resuming after a failure, device plugins proven on every node,
-``up --plan`` creating nothing, allocatable missing -> fail fast with the fix, Pending pods -> events shown on
-timeout, the runtime_env and the token kept out of argv and logs, EFA missing from NCCL's lines -> non-zero exit,
-RayJob mode, ``down`` in reverse order and twice, leftovers, status, logs, and the runner's errors."""
+eksctl and helm are :class:`FakeTools`, a recording runner whose commands change a small simulated AWS (cluster,
+node groups per zone, Helm releases) and the fake cluster the way the real tools would; ``down``'s boto3 look for
+leftovers goes to moto's server. Inside the pods, :class:`FakeRay` answers ``ray job`` commands, and the scripts
+the steps run in the pods (unpacking the package, collecting NCCL lines) really run, against temporary folders and
+the NCCL fixtures. Covered: the order of ``up``, the next zone after a launch failure, resuming after a failure,
+device plugins proven on every node, ``up --plan`` creating nothing, allocatable missing -> fail fast with the fix,
+Pending pods -> events shown on timeout, the runtime_env and the token kept out of argv and logs, EFA missing from
+NCCL's lines -> non-zero exit, RayJob mode, ``down`` in reverse order and twice, leftovers, status, logs, and the
+runner's errors."""
 
 from __future__ import annotations
 
