@@ -999,6 +999,16 @@ def test_logs_come_from_inside_the_head_pod(ready: World):
     assert ready.kube.exec_calls[-1][2][:4] == ["ray", "job", "logs", "--address"]
 
 
+def test_logs_and_metrics_of_a_job_whose_head_pod_is_gone_say_so(ready: World):
+    ready.submit()
+    ready.kube.delete("ray.io/v1", "RayCluster", "ray-train", "default")  # its pods go with it
+    with pytest.raises(UserError, match="the head pod of ray-train is not running, so the job's logs are gone"):
+        sub.logs(ready.d)
+    with pytest.raises(UserError, match="so the job's metrics are gone with it") as err:
+        sub.read_metrics(ready.d, "/tmp/raytrain-eks/runs/x")
+    assert "raytrain-eks status" in (err.value.hint or "")
+
+
 def test_later_commands_use_the_remembered_region_and_zone(ready: World, cfg: Config):
     moved = load_config(environ={"REGION": "us-west-2"}, path=None)
     again = deploy.apply_state(moved, StateStore(ready.store.root))

@@ -593,15 +593,25 @@ def restart_raycluster(d: Deployment) -> None:
         d.sleep(POLL_S)
 
 
+def _last_job_head(d: Deployment, what: str) -> Pod:
+    """The running head pod of the last submitted job's RayCluster; a UserError when it is gone (``what``, the job's
+    logs or metrics, with it)."""
+    job = d.state.get("job") or {}
+    cluster = job.get("raycluster", d.cfg.ray.cluster_name)
+    heads, _ = _ray_pods(d, job.get("namespace", d.cfg.ray.namespace), cluster)
+    if not heads or not _running(heads[0]):
+        raise UserError(
+            f"the head pod of {cluster} is not running, so the job's {what} are gone with it",
+            hint="`raytrain-eks status` shows the pods.",
+        )
+    return heads[0]
+
+
 def read_metrics(d: Deployment, run_dir: str) -> list[dict[str, Any]]:
     """The job's ``metrics.jsonl`` records, read in the head pod of the last submitted job (``run_dir`` is the run
     folder the job's log named). Lines that are not JSON objects are skipped."""
-    job = d.state.get("job") or {}
-    heads, _ = _ray_pods(d, job.get("namespace", d.cfg.ray.namespace), job.get("raycluster", d.cfg.ray.cluster_name))
-    if not heads or not _running(heads[0]):
-        raise UserError("the head pod is not running, so the job's metrics are gone with it")
     argv = ["cat", f"{run_dir.rstrip('/')}/metrics.jsonl"]
-    res = _head_exec(d, heads[0], argv)
+    res = _head_exec(d, _last_job_head(d, "metrics"), argv)
     if not res.ok:
         raise CommandError(argv, res.returncode, res.stderr or res.stdout, hint="Was the run folder removed?")
     records = []
@@ -626,13 +636,7 @@ def logs(d: Deployment, *, follow: bool = False, on_output: Callable[[str], None
     job = d.state.get("job") or {}
     if not job.get("id"):
         raise UserError("no job was submitted from this folder", hint="Run `raytrain-eks submit` first.")
-    heads, _ = _ray_pods(d, job["namespace"], job["raycluster"])
-    if not heads or not _running(heads[0]):
-        raise UserError(
-            f"the head pod of {job['raycluster']} is not running, so the job's logs are gone with it",
-            hint="`raytrain-eks status` shows the pods.",
-        )
     argv = ["ray", "job", "logs", "--address", DASHBOARD, *(["--follow"] if follow else []), job["id"]]
     timeout = d.cfg.ray.job_deadline_s if follow else EXEC_TIMEOUT_S
-    res = _head_exec(d, heads[0], argv, timeout=timeout, on_output=on_output or d.say)
+    res = _head_exec(d, _last_job_head(d, "logs"), argv, timeout=timeout, on_output=on_output or d.say)
     return res.returncode
