@@ -56,7 +56,6 @@ class TypeInfo:
     name: str
     vcpus: int
     gpus: int
-    gpu_model: str | None
     efa_supported: bool
     efa_interfaces: int
 
@@ -69,7 +68,6 @@ class TypeInfo:
             name=item["InstanceType"],
             vcpus=int(item["VCpuInfo"]["DefaultVCpus"]),
             gpus=sum(int(g.get("Count", 0)) for g in gpus),
-            gpu_model=gpus[0].get("Name") if gpus else None,
             efa_supported=efa,
             efa_interfaces=int(net.get("EfaInfo", {}).get("MaximumEfaInterfaces", 0)) if efa else 0,
         )
@@ -640,13 +638,15 @@ def _check_gpu_az(cfg: Config, surveys: list[_Survey]) -> None:
     )
 
 
-def _check_reservation(cfg: Config, surveys: list[_Survey]) -> svc.ExistingReservation | None:
-    """The configured ``capacity_reservation_id`` as EC2 lists it; ConfigError when it cannot hold the GPU nodes."""
+def _check_reservation(cfg: Config, surveys: list[_Survey]) -> None:
+    """Stop when the configured ``capacity_reservation_id`` cannot be checked (UserError), is not one EC2 lists or
+    cannot hold the GPU nodes (ConfigError: type, zone, platform, tenancy, kind). Whether it has room is said zone
+    by zone (:func:`_zone_reservation`)."""
     c = cfg.cluster
     rid = c.capacity_reservation_id
     home = next((s for s in surveys if s.region == c.region), None)
     if rid is None or home is None or home.quota is None:
-        return None
+        return
     field_ = f"cluster.capacity_reservation_id = {rid!r}"
     if home.reservations_note:
         raise UserError(
@@ -672,7 +672,6 @@ def _check_reservation(cfg: Config, surveys: list[_Survey]) -> svc.ExistingReser
         problems.append(found.unusable_why)
     if problems:
         raise ConfigError([f"{field_}: {'; '.join(problems)}"])
-    return found
 
 
 def _zone_reservation(

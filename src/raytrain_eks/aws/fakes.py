@@ -16,7 +16,6 @@ Everything else ``capacity`` reads comes from moto's server. Example::
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -28,12 +27,8 @@ class FakeQuotas:
 
     def __init__(self, limits: Mapping[tuple[str, str], float]) -> None:
         self.limits = dict(limits)
-        self.asked: list[tuple[str, str]] = []
-        self._lock = threading.Lock()
 
     def vcpu_limit(self, region: str, quota_code: str) -> QuotaLimit:
-        with self._lock:
-            self.asked.append((region, quota_code))
         value = self.limits.get((region, quota_code))
         return QuotaLimit(value, "applied" if value is not None else "not stated in the fake")
 
