@@ -119,6 +119,22 @@ def test_cross_field_checks(tmp_path, monkeypatch):
     assert "warmup_steps (9) must not exceed steps (5)" in text
 
 
+def test_optional_zone_and_reservation_empty_means_unset_and_a_bad_value_is_named(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(environ={"GPU_AZ": ""}, overrides={"cluster": {"capacity_reservation_id": ""}})
+    assert (cfg.cluster.gpu_az, cfg.cluster.capacity_reservation_id) == (None, None)
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            environ={"GPU_AZ": "us-east-1"},
+            overrides={"cluster": {"capacity_reservation_id": "cr-XYZ", "availability_zones": ["us-east-1a", "1b"]}},
+        )
+    text = "\n".join(info.value.problems)
+    assert len(info.value.problems) == 3, text
+    assert "cluster.gpu_az = 'us-east-1' (from environment variable GPU_AZ): allowed: an availability zone" in text
+    assert "capacity_reservation_id = 'cr-XYZ' (from flag --capacity-reservation-id): allowed: a capacity" in text
+    assert "allowed: availability zones such as us-east-1a" in text
+
+
 def test_missing_explicit_file_and_bad_yaml(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match="does not exist; create one with `raytrain-eks init"):

@@ -32,6 +32,8 @@ BUILTIN_DATA = "builtin:sample-instructions"
 RANDOM_DATA = "random"
 
 _REGION = re.compile(r"^[a-z]{2}(-gov|-iso[a-z]?)?-[a-z]+-\d$")
+_ZONE = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d[a-z]$")
+_RESERVATION = re.compile(r"^cr-[0-9a-f]{8,17}$")
 _INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9-]+$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _EKS_NAME = re.compile(r"^[0-9A-Za-z][A-Za-z0-9_-]*$")
@@ -47,6 +49,11 @@ def _check(pattern: re.Pattern[str], value: str, allowed: str) -> str:
     if not pattern.match(value):
         raise ValueError(f"allowed: {allowed}")
     return value
+
+
+def _check_optional(pattern: re.Pattern[str], value: str | None, allowed: str) -> str | None:
+    """:func:`_check` for a setting that may be left empty (``None`` or ``""``, both read as not set)."""
+    return _check(pattern, value, allowed) if value else None
 
 
 class ClusterConfig(_Section):
@@ -92,22 +99,18 @@ class ClusterConfig(_Section):
     @field_validator("gpu_az")
     @classmethod
     def _az(cls, v: str | None) -> str | None:
-        if v in (None, ""):
-            return None
-        return _check(re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d[a-z]$"), v, "an availability zone such as us-east-1a")
+        return _check_optional(_ZONE, v, "an availability zone such as us-east-1a")
 
     @field_validator("capacity_reservation_id")
     @classmethod
     def _reservation(cls, v: str | None) -> str | None:
-        if v in (None, ""):
-            return None
-        return _check(re.compile(r"^cr-[0-9a-f]{8,17}$"), v, "a capacity reservation id such as cr-0123456789abcdef0")
+        return _check_optional(_RESERVATION, v, "a capacity reservation id such as cr-0123456789abcdef0")
 
     @field_validator("availability_zones")
     @classmethod
     def _azs(cls, v: list[str]) -> list[str]:
         for az in v:
-            _check(re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d[a-z]$"), az, "availability zones such as us-east-1a")
+            _check(_ZONE, az, "availability zones such as us-east-1a")
         if v and len(set(v)) < 2:
             raise ValueError("give at least 2 different zones (eksctl needs 2 for the cluster), or leave it empty")
         return v
