@@ -130,7 +130,6 @@ def run_training(
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
-    from transformers import AutoConfig
 
     from raytrain_eks.train.checkpoint import (
         check_compatible,
@@ -149,7 +148,7 @@ def run_training(
     training = cfg.training
     # Everything that can be checked before anything is created or started is checked first.
     model_path = resolve_model_path(training.model_id)
-    check_model(model_path)
+    model_config = check_model(model_path)
     data_files = None if training.uses_random_data else list_data_files(_data_source(cfg))
     resume_from = None
     if resume is not None:
@@ -157,7 +156,7 @@ def run_training(
         resume_from = resolve_checkpoint(
             join(storage_root(run_dir, training.storage_path), RAY_DIR) if training.storage_path else run_dir
         )
-        check_compatible(resume_from, AutoConfig.from_pretrained(model_path))
+        check_compatible(resume_from, model_config)
         say(f"resuming {run_dir} from {resume_from}")
     else:
         run_dir = new_run_dir(cfg, runs_root)
@@ -265,8 +264,6 @@ def run_training(
         )
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary["first_loss"] = history[0]["loss"] if history else summary.get("first_loss")
-    if resume_from is not None and summary.get("resumed_from_step") is None:
-        summary["resumed_from_step"] = int(resume_from.rstrip("/").rsplit("_", 1)[-1])
     summary["checkpoints"] = [p for _, p, ok in list_checkpoints(checkpoint_root) if ok]
     if training.export:
         final = latest_complete(checkpoint_root)
