@@ -52,10 +52,9 @@ def checkpoint_name(step: int) -> str:
 
 @dataclass
 class TrainerState:
-    """What besides weights and optimizer moments a resume needs to continue exactly."""
+    """What a resume needs besides the state :func:`load_sharded` restores in place (weights, optimizer, schedule)."""
 
     step: int
-    scheduler: dict[str, Any] = field(default_factory=dict)
     data: dict[str, int] = field(default_factory=dict)
 
 
@@ -142,7 +141,7 @@ def load_sharded(
         torch.set_rng_state(extra["rng"]["cpu"])
         if "cuda" in extra["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["rng"]["cuda"])
-    return TrainerState(step=int(extra["step"]), scheduler=extra["scheduler"], data=extra["data"])
+    return TrainerState(step=int(extra["step"]), data=extra["data"])
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, str, bool]]:
