@@ -203,12 +203,11 @@ def list_data_files(data: str) -> tuple[list[str], str]:
     """
     from pyarrow import fs as pafs
 
-    remote = "://" in data
+    from raytrain_eks.train.checkpoint import _fs, is_remote
+
+    remote = is_remote(data)
     try:
-        if remote:
-            filesystem, root = pafs.FileSystem.from_uri(data)
-        else:
-            filesystem, root = pafs.LocalFileSystem(), str(Path(data).expanduser().resolve())
+        filesystem, root = _fs(data)
         info = filesystem.get_file_info(root)
         if info.type == pafs.FileType.NotFound:
             raise DataError(
