@@ -30,7 +30,7 @@ RANDOM = {"data": "random", "steps": 30, "seq_len": 64, "batch_size": 4, "log_ev
 REAL = {"steps": 16, "seq_len": 64, "batch_size": 4, "log_every": 1, "checkpoint_every": 8}
 
 
-def make_config(tmp_path: Path, **training):
+def make_config(**training):
     return load_config(preset=presets.local_tiny(), path=None, environ={}, overrides={"training": training})
 
 
@@ -49,7 +49,7 @@ def quiet(_: str) -> None:
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, ray_local):
     root = tmp_path_factory.mktemp("reference")
-    return run_training(make_config(root, **RANDOM, output_dir=str(root / "run")), runs_root=root, say=quiet)
+    return run_training(make_config(**RANDOM, output_dir=str(root / "run")), runs_root=root, say=quiet)
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -79,7 +79,7 @@ def test_sigkilled_worker_resumes_and_ends_with_identical_weights(tmp_path, refe
             os.kill(int(pids[-1]), signal.SIGKILL)
             killed.append(int(pids[-1]))
 
-    cfg = make_config(tmp_path, **RANDOM, output_dir=str(tmp_path / "run"))
+    cfg = make_config(**RANDOM, output_dir=str(tmp_path / "run"))
     result = run_training(cfg, runs_root=tmp_path, say=quiet, progress=kill_a_worker)
     assert killed
     assert result.summary["steps"] == 30
@@ -95,7 +95,7 @@ def test_sigkilled_worker_resumes_and_ends_with_identical_weights(tmp_path, refe
 
 def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path, monkeypatch, reference_run):
     monkeypatch.setenv(FAULT_ENV, f"checkpoint:20:1:{tmp_path / 'fired'}")
-    cfg = make_config(tmp_path, **RANDOM, output_dir=str(tmp_path / "run"))
+    cfg = make_config(**RANDOM, output_dir=str(tmp_path / "run"))
     result = run_training(cfg, runs_root=tmp_path, say=quiet)
     assert (tmp_path / "fired").exists(), "the fault point must have fired"
     assert result.summary["resumed_from_step"] == 10
@@ -103,11 +103,9 @@ def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path,
 
 
 def test_resume_run_dir_continues_real_data_exactly(tmp_path, monkeypatch, ray_local):
-    whole = run_training(
-        make_config(tmp_path, **REAL, output_dir=str(tmp_path / "whole")), runs_root=tmp_path, say=quiet
-    )
+    whole = run_training(make_config(**REAL, output_dir=str(tmp_path / "whole")), runs_root=tmp_path, say=quiet)
     monkeypatch.setenv(FAULT_ENV, f"step:12:0:{tmp_path / 'fired'}")
-    cfg = make_config(tmp_path, **REAL, max_failures=0, output_dir=str(tmp_path / "cut"))
+    cfg = make_config(**REAL, max_failures=0, output_dir=str(tmp_path / "cut"))
     with pytest.raises(TrainingError, match="training failed"):
         run_training(cfg, runs_root=tmp_path, say=quiet)
     monkeypatch.delenv(FAULT_ENV)
