@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
-import os
-import socket
 
 import pytest
 import torch
@@ -24,39 +21,27 @@ BUCKET = "raytrain-eks-test"
 
 
 @pytest.fixture(scope="module")
-def s3_and_ray():
-    """moto's S3 on a free loopback port, then a Ray whose workers inherit the endpoint and dummy credentials."""
+def s3_and_ray(moto_url):
+    """The session's moto S3, then a Ray whose workers inherit the endpoint and dummy credentials."""
     import boto3
     import ray
-    from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
     env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ENDPOINT_URL": moto_url,
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_REGION": "us-east-1",
     }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    boto3.client("s3").create_bucket(Bucket=BUCKET)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        yield boto3.client("s3")
-    finally:
-        ray.shutdown()
-        server.stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            yield boto3.client("s3")
+        finally:
+            ray.shutdown()
 
 
 def test_checkpoints_live_in_s3_and_survive_a_kill(tmp_path, monkeypatch, s3_and_ray):
