@@ -619,6 +619,15 @@ def test_up_plan_prints_every_action_and_creates_nothing(tmp_path: Path, monkeyp
     assert not (tmp_path / ".raytrain-eks").exists()
 
 
+def test_up_plan_shows_the_helm_commands_up_runs(world: World):
+    world.up()
+    ran = [
+        shlex.join(c).replace(f"{world.store.root}/", ".raytrain-eks/") for c in world.tools.commands("helm", "upgrade")
+    ]
+    planned = [shlex.join(a.argv or []) for a in deploy.planned_actions(world.d.cfg) if a.name.startswith("helm-")]
+    assert len(ran) == 3 and ran == planned
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # submit
 # ------------------------------------------------------------------------------------------------------------------

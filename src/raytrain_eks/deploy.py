@@ -616,6 +616,13 @@ def release_info(d: Deployment, name: str, namespace: str) -> dict[str, Any] | N
     return None
 
 
+def _install_argv(rel: HelmRelease, values: str, kubeconfig: str) -> list[str]:
+    """``helm upgrade --install`` of ``rel`` with its values file at ``values``: what ``up`` runs and ``up --plan``
+    shows. helm's own wait stops before the runner's ``HELM_TIMEOUT_S``, so its message is the one seen."""
+    argv = [values if a == rel.values_file else a for a in rel.argv()]
+    return [*argv, "--timeout", "10m", "--kubeconfig", kubeconfig]
+
+
 def ensure_release(d: Deployment, rel: HelmRelease) -> None:
     """Install or upgrade one pinned chart, unless that exact chart version is already deployed."""
     info = release_info(d, rel.name, rel.namespace)
@@ -623,13 +630,10 @@ def ensure_release(d: Deployment, rel: HelmRelease) -> None:
         d.say(f"Helm release {rel.name} ({rel.chart} {rel.version}) is installed")
         return
     values = d.state.write_file(rel.values_file, to_yaml([rel.values]))
-    argv = [str(values) if a == rel.values_file else a for a in rel.argv()]
-    argv += ["--timeout", "10m"]
     d.state.record(helm_item(rel))
     d.say(f"Installing {rel.repo_name}/{rel.chart} {rel.version} ({rel.purpose})")
-    _helm(
-        d,
-        argv,
+    d.run(
+        _install_argv(rel, str(values), d.kubeconfig),
         timeout=HELM_TIMEOUT_S,
         hint=f"Run `raytrain-eks up` again; `helm status {rel.name} -n {rel.namespace}` shows the release.",
     )
@@ -813,8 +817,7 @@ def planned_actions(cfg: Config) -> list[Action]:
         ),
     ]
     for rel in helm_releases(cfg):
-        argv = [f"{state}{a}" if a == rel.values_file else a for a in rel.argv()]
-        argv += ["--timeout", "10m", "--kubeconfig", f"{state}{KUBECONFIG_FILE}"]
+        argv = _install_argv(rel, f"{state}{rel.values_file}", f"{state}{KUBECONFIG_FILE}")
         actions.append(Action(f"helm-{rel.name}", f"Install {rel.chart} {rel.version}: {rel.purpose}.", argv))
     actions += [
         Action(
