@@ -1,4 +1,4 @@
-"""The one seam for external programs (eksctl, helm, kubectl, aws): argv lists, a timeout, captured output.
+"""The one seam for external programs (eksctl, helm, kubectl): argv lists, a timeout, captured output.
 
 Nothing here builds a shell string: ``shell=True`` is never used, so no value from a configuration or a user can
 become shell syntax. A failure raises :class:`CommandError`, which names the command, its exit status, the end of
@@ -44,8 +44,6 @@ INSTALL_HINTS: dict[str, str] = {
     "`brew install helm`.",
     "kubectl": "Install kubectl (https://kubernetes.io/docs/tasks/tools/), for example `brew install kubectl`, "
     "or the binary from https://dl.k8s.io/release/stable.txt.",
-    "aws": "Install the AWS CLI v2 (https://docs.aws.amazon.com/cli/latest/userguide/getting-started-install.html) "
-    "and configure credentials with `aws configure` or `aws sso login`.",
 }
 
 
