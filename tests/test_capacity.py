@@ -323,6 +323,9 @@ def test_cli_without_credentials_names_the_ways_to_give_them(aws_env, monkeypatc
 def test_cli_rejects_regions_with_all_regions(aws_env):
     result = _invoke(_services(), "--regions", "us-east-1", "--all-regions")
     assert "not both" in str(result.exception)
+    assert result.exception.exit_code == 2, "bad input"
+    result = _invoke(_services(), "--regions", " , ")
+    assert "--regions is empty" in str(result.exception) and result.exception.exit_code == 2
 
 
 # ---------------------------------------------------------------- --probe

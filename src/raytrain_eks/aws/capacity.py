@@ -254,7 +254,8 @@ def rank(candidates: Sequence[Candidate]) -> list[Candidate]:
 
 
 class RegionError(UserError):
-    """A region given with ``--regions`` that EC2 does not list, or that the account has not enabled."""
+    """Bad ``--regions``/``--all-regions``: a region EC2 does not list, one the account has not enabled, none, or
+    both options at once."""
 
     exit_code = 2
 

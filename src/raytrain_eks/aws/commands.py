@@ -25,7 +25,6 @@ from raytrain_eks import presets
 from raytrain_eks.aws.services import Services
 from raytrain_eks.aws.session import Aws
 from raytrain_eks.config import load_config
-from raytrain_eks.errors import UserError
 from raytrain_eks.options import ClusterPresetOpt, ConfigOpt
 
 
@@ -63,16 +62,16 @@ def register(app: typer.Typer, *, services: Callable[[Aws], Services] | None = N
         quota-increase command. Exit status: 0 when the configured region (and GPU_AZ) can take the node group,
         1 when it cannot, 2 for bad input.
         """
-        from raytrain_eks.aws.capacity import check_capacity, table_lines
+        from raytrain_eks.aws.capacity import RegionError, check_capacity, table_lines
         from raytrain_eks.aws.services import boto3_services
         from raytrain_eks.aws.session import connect
 
         cfg = load_config(preset=presets.choose(preset), path=config)
         names = [r.strip() for r in (regions or "").split(",") if r.strip()]
         if regions is not None and not names:
-            raise UserError("--regions is empty; give names such as us-east-1,us-west-2")
+            raise RegionError("--regions is empty; give names such as us-east-1,us-west-2")
         if names and all_regions:
-            raise UserError("give --regions or --all-regions, not both")
+            raise RegionError("give --regions or --all-regions, not both")
         aws = connect(cfg.cluster.region)
         out = Console(highlight=False, soft_wrap=True)
         err = Console(stderr=True, highlight=False, soft_wrap=True)
