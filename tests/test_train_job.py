@@ -118,6 +118,22 @@ def test_missing_data_or_model_fails_before_anything_is_created(tmp_path, monkey
     assert not (tmp_path / "run").exists()
 
 
+def test_unusable_output_dir_is_one_clear_message(tmp_path, monkeypatch):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    cfg = config(tmp_path, monkeypatch, data="random", output_dir=str(a_file))
+    with pytest.raises(UserError, match="already exists and is not a folder"):
+        run_training(cfg, runs_root=tmp_path, say=lambda _: None)
+    cfg = config(tmp_path, monkeypatch, data="random", output_dir=str(a_file / "run"))
+    with pytest.raises(UserError, match="cannot create the run folder"):
+        run_training(cfg, runs_root=tmp_path, say=lambda _: None)
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    cfg = config(tmp_path, monkeypatch, data="random", output_dir=str(tmp_path / "full"))
+    with pytest.raises(UserError, match="already exists and is not empty"):
+        run_training(cfg, runs_root=tmp_path, say=lambda _: None)
+
+
 def test_required_fabric_not_met_stops_after_the_first_step(tmp_path, monkeypatch, ray_local):
     monkeypatch.chdir(tmp_path)
     cfg = load_config(

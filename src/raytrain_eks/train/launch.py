@@ -43,15 +43,21 @@ def new_run_dir(cfg: Config, root: Path = Path("runs")) -> Path:
     """``runs/<UTC time>-<model name>``, created now; an explicit ``training.output_dir`` is used as given."""
     if cfg.training.output_dir:
         path = Path(cfg.training.output_dir).expanduser()
-        if path.exists() and any(path.iterdir()):
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise UserError(
-                f"--output-dir {str(path)!r} already exists and is not empty",
+                f"--output-dir {str(path)!r} already exists and is not " + ("empty" if path.is_dir() else "a folder"),
                 hint="Pick a new folder (or leave --output-dir out for a fresh one under runs/).",
             )
     else:
         slug = re.sub(r"[^A-Za-z0-9.-]+", "-", cfg.training.model_id.split("/")[-1].split(":")[-1]).strip("-")
         path = root / f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{slug}"
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file where a parent folder should be, no permission
+        raise UserError(
+            f"cannot create the run folder {str(path)!r}: {exc.strerror or exc}",
+            hint="Pick a folder you can write to with --output-dir (or run from one, for runs/).",
+        ) from None
     return path.resolve()
 
 
