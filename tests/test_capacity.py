@@ -408,6 +408,12 @@ def test_probe_retries_a_failed_cancel():
     assert reservations.open == [] and reservations.calls.count(f"cancel {reservations.created[0].id}") == 2
 
 
+def test_probe_cancel_that_succeeds_on_the_third_try_is_checked_not_reported_as_left():
+    reservations = FakeReservations(failing_cancels=2)
+    assert _probe(reservations).ok
+    assert reservations.open == [] and reservations.calls[-1] == "list", "a last look found nothing open"
+
+
 def test_probe_keeps_cancelling_through_ctrl_c_then_raises_it():
     reservations = FakeReservations(failing_cancels=1, cancel_error=KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt):

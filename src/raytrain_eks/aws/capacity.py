@@ -449,19 +449,22 @@ def probe_zone(
 
 
 def _release(reservations: svc.Reservations, *, region: str, token: str, known: list[str], say: Say) -> None:
-    """Cancel ``known`` and every open reservation tagged ``token``, then check none is left; three tries.
+    """Cancel ``known`` and every open reservation tagged ``token``, then check none is left; three tries, and a
+    last look after the third.
 
     A Ctrl-C while cancelling does not stop the cancelling: it is raised again once nothing is left.
     """
     interrupted: KeyboardInterrupt | None = None
     error: Exception | None = None
     cancelled: set[str] = set()
-    for _ in range(3):
+    for attempt in range(4):
         try:
-            todo = [r for r in dict.fromkeys([*known, *reservations.open_ids(region=region, token=token)])]
-            todo = [r for r in todo if r not in cancelled]
+            listed = reservations.open_ids(region=region, token=token)
+            todo = [r for r in dict.fromkeys([*known, *listed]) if r not in cancelled]
             if not todo:
                 break
+            if attempt == 3:  # still open after three tries: said below
+                continue
             for rid in todo:
                 reservations.cancel(region=region, reservation_id=rid)
                 cancelled.add(rid)
@@ -489,9 +492,10 @@ def _release(reservations: svc.Reservations, *, region: str, token: str, known: 
             )
             for r in left
         ]
+        why = f"{type(error).__name__}: {error}" if error else "still open"
         raise ReservationsLeftError(
-            f"could not make sure the probe's capacity reservations in {region} are cancelled "
-            f"({type(error).__name__ if error else 'still open'}: {error}); they are billed until cancelled",
+            f"could not make sure the probe's capacity reservations in {region} are cancelled ({why}); "
+            "they are billed until cancelled",
             hint="Find and cancel them now:\n  " + "\n  ".join([shlex.join(find), *cancel]),
         ) from error
     if interrupted is not None:
