@@ -145,6 +145,25 @@ def test_export_command_writes_a_loadable_model_with_the_trained_weights(tmp_pat
         assert torch.equal(tensor, plain[name]), name
 
 
+def test_export_never_replaces_a_folder_that_is_not_a_model(tmp_path, monkeypatch, reference_run, capsys):
+    keep = tmp_path / "my-project"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("mine")
+    monkeypatch.chdir(keep)
+    for target in (str(keep), "."):
+        with pytest.raises(SystemExit) as info:
+            main(["export", str(reference_run.run_dir), target])
+        assert info.value.code == 1
+        err = capsys.readouterr().err
+        assert "is not a model folder" in err and "Traceback" not in err
+    assert [p.name for p in keep.iterdir()] == ["notes.txt"]
+    # An earlier export is a model folder: exporting again replaces it.
+    again = tmp_path / "again"
+    main(["export", str(reference_run.run_dir), str(again)])
+    main(["export", str(reference_run.run_dir), str(again)])
+    assert (again / "model.safetensors").exists()
+
+
 def test_bad_resume_inputs_are_one_clear_message(tmp_path, monkeypatch, capsys, reference_run):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -290,8 +290,17 @@ def export_hf(checkpoint: str | Path, out_dir: Path, *, dtype: str = "float32") 
     """Gather the sharded weights of ``checkpoint`` into one Hugging Face model folder (safetensors + tokenizer).
 
     ``checkpoint`` may be a run folder or a checkpoint, local or ``s3://``. Runs in a single process with no
-    process group. Returns ``out_dir``.
+    process group. ``out_dir`` is replaced as a whole, so it must be new, empty, or an earlier export (a folder
+    with a ``config.json``); anything else is refused before any work. Returns ``out_dir``.
     """
+    out_dir = out_dir.expanduser().resolve()
+    if out_dir.exists() and (
+        not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "config.json").is_file())
+    ):
+        raise UserError(
+            f"{out_dir} already exists and is not a model folder; the export would replace it",
+            hint="Give a new folder (or an earlier export to overwrite).",
+        )
     with tempfile.TemporaryDirectory(prefix="raytrain-eks-export-") as tmp:
         return _export_local(materialize(resolve_checkpoint(checkpoint), Path(tmp) / "checkpoint"), out_dir, dtype)
 
