@@ -248,14 +248,14 @@ def rayjob_manifest(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _ray_pods(d: Deployment, ns: str, cluster: str) -> tuple[list[Pod], list[Pod]]:
+def ray_pods(d: Deployment, ns: str, cluster: str) -> tuple[list[Pod], list[Pod]]:
     pods = d.kube.pods(ns, {"ray.io/cluster": cluster})
     heads = [p for p in pods if p.labels.get("ray.io/node-type") == "head"]
     workers = [p for p in pods if p.labels.get("ray.io/node-type") == "worker"]
     return heads, workers
 
 
-def _running(p: Pod) -> bool:
+def is_running(p: Pod) -> bool:
     return p.phase == "Running" and p.ready
 
 
@@ -265,9 +265,9 @@ def wait_for_ray_pods(d: Deployment, ns: str, cluster: str, timeout: float) -> t
     start = d.clock()
     last = ""
     while True:
-        heads, workers = _ray_pods(d, ns, cluster)
-        up_workers = [w for w in workers if _running(w)]
-        if heads and _running(heads[0]) and len(up_workers) >= want:
+        heads, workers = ray_pods(d, ns, cluster)
+        up_workers = [w for w in workers if is_running(w)]
+        if heads and is_running(heads[0]) and len(up_workers) >= want:
             d.say(f"Ray pods running: head {heads[0].name}, {len(up_workers)} workers")
             return heads[0], up_workers
         head_state = (heads[0].waiting_reason or heads[0].phase) if heads else "not created"
@@ -293,7 +293,7 @@ def _pods_report(d: Deployment, ns: str, pods: list[Pod], want: int, timeout: fl
     for pod in pods:
         state = pod.waiting_reason or pod.phase
         lines.append(f"  {pod.name}: {state}{' on ' + pod.node_name if pod.node_name else ''}")
-        if _running(pod):
+        if is_running(pod):
             continue
         events = d.kube.pod_events(ns, pod.name)
         shown = [e for e in events if e.type == "Warning"] or events
@@ -306,7 +306,7 @@ def _pods_report(d: Deployment, ns: str, pods: list[Pod], want: int, timeout: fl
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _head_exec(d: Deployment, head: Pod, argv: list[str], *, timeout: float = EXEC_TIMEOUT_S, **kw: Any) -> Any:
+def head_exec(d: Deployment, head: Pod, argv: list[str], *, timeout: float = EXEC_TIMEOUT_S, **kw: Any) -> Any:
     return d.kube.exec(head.namespace, head.name, argv, timeout=timeout, container="ray-head", **kw)
 
 
@@ -317,7 +317,7 @@ _ENDED = {"succeeded": "SUCCEEDED", "failed": "FAILED", "was stopped": "STOPPED"
 
 def job_status(d: Deployment, head: Pod, submission_id: str) -> str:
     """``PENDING``, ``RUNNING``, ``SUCCEEDED``, ``FAILED``, ``STOPPED`` or ``UNKNOWN``."""
-    res = _head_exec(d, head, ["ray", "job", "status", "--address", DASHBOARD, submission_id])
+    res = head_exec(d, head, ["ray", "job", "status", "--address", DASHBOARD, submission_id])
     text = res.stdout + res.stderr
     ended = re.search(r"Job '[^']*' (succeeded|failed|was stopped)\b", text)
     if ended:
@@ -331,10 +331,10 @@ def job_status(d: Deployment, head: Pod, submission_id: str) -> str:
 def _upload_package(d: Deployment, head: Pod) -> str:
     files = package_files()
     dest = f"{HEAD_CODE_ROOT}/{package_digest(files)}"
-    if _head_exec(d, head, ["test", "-f", f"{dest}/raytrain_eks/__init__.py"]).ok:
+    if head_exec(d, head, ["test", "-f", f"{dest}/raytrain_eks/__init__.py"]).ok:
         return dest
     d.say(f"Copying the raytrain_eks package ({len(files)} files) into the head pod")
-    res = _head_exec(d, head, ["python", "-c", _UNPACK, dest], stdin=package_archive(files))
+    res = head_exec(d, head, ["python", "-c", _UNPACK, dest], stdin=package_archive(files))
     if not res.ok:
         raise CommandError(["python", "-c", "<unpack>", dest], res.returncode, res.stderr or res.stdout)
     return dest
@@ -348,7 +348,7 @@ def submit_job(d: Deployment, head: Pod, code_dir: str) -> str:
         "ray", "job", "submit", "--address", DASHBOARD, "--submission-id", submission_id, "--no-wait",
         "--runtime-env-json", json.dumps(env), "--", *m.train_argv(),
     ]  # fmt: skip
-    res = _head_exec(d, head, argv)
+    res = head_exec(d, head, argv)
     if not res.ok:
         raise CommandError(
             argv[:4] + ["..."],
@@ -375,7 +375,7 @@ def follow_job(
         left = max(timeout - (d.clock() - start), 1.0)
         argv = ["ray", "job", "logs", "--address", DASHBOARD, "--follow", submission_id]
         try:
-            _head_exec(d, head, argv, timeout=left, on_output=on_output or d.say)
+            head_exec(d, head, argv, timeout=left, on_output=on_output or d.say)
         except KubeApiError as exc:  # the exec connection broke; the status read next says whether to go on
             d.say(f"The log stream broke: {exc.message}")
         status = job_status(d, head, submission_id)
@@ -457,6 +457,24 @@ def _wait_rayjob_cluster(d: Deployment, timeout: float) -> tuple[str, str]:
         d.sleep(POLL_S)
 
 
+def apply_job_config(d: Deployment, hf_token: str | None) -> None:
+    """What every job of ``d.cfg`` needs first: its namespace (unless ``default``), the Hugging Face token's Secret
+    (when a token is given) and the ConfigMap with the job's configuration."""
+    cfg = d.cfg
+    ns = cfg.ray.namespace
+    if ns != "default":
+        _apply(d, m.namespace(cfg), f"namespace {ns}")
+    if hf_token:
+        _apply(d, m.hf_token_secret(cfg, hf_token), f"Secret {ns}/{cfg.ray.hf_token_secret} (the Hugging Face token)")
+    _apply(d, m.job_config_map(cfg), f"ConfigMap {ns}/{m.config_map_name(cfg)} (the job's configuration)")
+
+
+def apply_raycluster(d: Deployment, *, hf_token: bool) -> None:
+    """The RayCluster rendered from ``d.cfg`` (``hf_token``: its pods read the token from the Secret)."""
+    cfg = d.cfg
+    _apply(d, m.raycluster(cfg, hf_token=hf_token), f"RayCluster {cfg.ray.namespace}/{cfg.ray.cluster_name}")
+
+
 def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = None) -> SubmitResult:
     """Apply the Ray objects, run the job from inside the head pod, stream its logs and judge the fabric.
 
@@ -475,16 +493,12 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
     if problems:
         raise NodesNotReady(problems)  # at once: pods would only sit Pending
 
-    if ns != "default":
-        _apply(d, m.namespace(cfg), f"namespace {ns}")
-    if hf_token:
-        _apply(d, m.hf_token_secret(cfg, hf_token), f"Secret {ns}/{cfg.ray.hf_token_secret} (the Hugging Face token)")
-    _apply(d, m.job_config_map(cfg), f"ConfigMap {ns}/{m.config_map_name(cfg)} (the job's configuration)")
+    apply_job_config(d, hf_token)
 
     previous = d.state.get("job") or {}
     rayjob_id = None  # the Ray job id KubeRay gives a RayJob
     if mode == "raycluster":
-        _apply(d, m.raycluster(cfg, hf_token=bool(hf_token)), f"RayCluster {ns}/{cfg.ray.cluster_name}")
+        apply_raycluster(d, hf_token=bool(hf_token))
         cluster = cfg.ray.cluster_name
     else:
         old = d.kube.get("ray.io/v1", "RayJob", cfg.ray.cluster_name, ns)
@@ -598,8 +612,8 @@ def _last_job_head(d: Deployment, what: str) -> Pod:
     logs or metrics, with it)."""
     job = d.state.get("job") or {}
     cluster = job.get("raycluster", d.cfg.ray.cluster_name)
-    heads, _ = _ray_pods(d, job.get("namespace", d.cfg.ray.namespace), cluster)
-    if not heads or not _running(heads[0]):
+    heads, _ = ray_pods(d, job.get("namespace", d.cfg.ray.namespace), cluster)
+    if not heads or not is_running(heads[0]):
         raise UserError(
             f"the head pod of {cluster} is not running, so the job's {what} are gone with it",
             hint="`raytrain-eks status` shows the pods.",
@@ -611,7 +625,7 @@ def read_metrics(d: Deployment, run_dir: str) -> list[dict[str, Any]]:
     """The job's ``metrics.jsonl`` records, read in the head pod of the last submitted job (``run_dir`` is the run
     folder the job's log named). Lines that are not JSON objects are skipped."""
     argv = ["cat", f"{run_dir.rstrip('/')}/metrics.jsonl"]
-    res = _head_exec(d, _last_job_head(d, "metrics"), argv)
+    res = head_exec(d, _last_job_head(d, "metrics"), argv)
     if not res.ok:
         raise CommandError(argv, res.returncode, res.stderr or res.stdout, hint="Was the run folder removed?")
     records = []
@@ -638,5 +652,5 @@ def logs(d: Deployment, *, follow: bool = False, on_output: Callable[[str], None
         raise UserError("no job was submitted from this folder", hint="Run `raytrain-eks submit` first.")
     argv = ["ray", "job", "logs", "--address", DASHBOARD, *(["--follow"] if follow else []), job["id"]]
     timeout = d.cfg.ray.job_deadline_s if follow else EXEC_TIMEOUT_S
-    res = _head_exec(d, _last_job_head(d, "logs"), argv, timeout=timeout, on_output=on_output or d.say)
+    res = head_exec(d, _last_job_head(d, "logs"), argv, timeout=timeout, on_output=on_output or d.say)
     return res.returncode

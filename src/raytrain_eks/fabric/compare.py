@@ -340,13 +340,13 @@ for job in JobSubmissionClient(sys.argv[1]).list_jobs():
 def ray_jobs(d: Deployment) -> list[dict[str, str]]:
     """The Ray jobs of ``d``'s RayCluster as its head pod lists them (``id``, ``type``, ``status``, ``entrypoint``);
     empty when no head pod runs (then no job can). Example: ``[{"id": "raytrain-...", "status": "RUNNING", ...}]``."""
-    from raytrain_eks.submit import DASHBOARD, _head_exec, _ray_pods, _running
+    from raytrain_eks.submit import DASHBOARD, head_exec, is_running, ray_pods
 
     ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
-    heads, _ = _ray_pods(d, ns, name)
-    if not heads or not _running(heads[0]):
+    heads, _ = ray_pods(d, ns, name)
+    if not heads or not is_running(heads[0]):
         return []
-    res = _head_exec(d, heads[0], ["python", "-c", _RAY_JOBS, DASHBOARD])
+    res = head_exec(d, heads[0], ["python", "-c", _RAY_JOBS, DASHBOARD])
     if not res.ok:
         raise UserError(
             f"cannot tell whether a job is running on RayCluster {ns}/{name}: listing its Ray jobs in "
@@ -367,7 +367,7 @@ def _claim_raycluster(d: Deployment, confirm: Callable[[str], bool]) -> bool:
     """Before anything is deleted: refuse when a job is running on the RayCluster, else ask once. Returns whether
     the RayCluster exists."""
     from raytrain_eks.deploy import Cancelled
-    from raytrain_eks.submit import DASHBOARD, _ray_pods
+    from raytrain_eks.submit import DASHBOARD, ray_pods
 
     ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
     if d.kube.get("ray.io/v1", "RayCluster", name, ns) is None:
@@ -379,7 +379,7 @@ def _claim_raycluster(d: Deployment, confirm: Callable[[str], bool]) -> bool:
         what = f"job {job['id']} is {job['status']} on it" + (f" ({entry[:120]})" if entry else "")
         if len(busy) > 1:
             what += f", and {len(busy) - 1} more"
-        (head, *_), _ = _ray_pods(d, ns, name)  # a job runs, so ray_jobs found the head pod
+        (head, *_), _ = ray_pods(d, ns, name)  # a job runs, so ray_jobs found the head pod
         stop = ["kubectl", "--kubeconfig", d.kubeconfig, "-n", ns, "exec", head.name, "-c", "ray-head", "--"]
         stop += ["ray", "job", "stop", "--address", DASHBOARD, job["id"]]
         raise ClusterBusy(
@@ -403,17 +403,14 @@ def restore_raycluster(d: Deployment, *, hf_token: bool) -> None:
     and ``fabric.require``): delete the last run's cluster, wait for its pods to go, then apply the namespace, the
     job's ConfigMap and the RayCluster, as :func:`raytrain_eks.submit.submit` does. Its new pods start on their own.
     """
-    from raytrain_eks.k8s import manifests as m
-    from raytrain_eks.submit import _apply, restart_raycluster
+    from raytrain_eks.submit import apply_job_config, apply_raycluster, restart_raycluster
 
     cfg = d.cfg
     ns, name = cfg.ray.namespace, cfg.ray.cluster_name
     try:
         restart_raycluster(d)
-        if ns != "default":
-            _apply(d, m.namespace(cfg), f"namespace {ns}")
-        _apply(d, m.job_config_map(cfg), f"ConfigMap {ns}/{m.config_map_name(cfg)} (the job's configuration)")
-        _apply(d, m.raycluster(cfg, hf_token=hf_token), f"RayCluster {ns}/{name}")
+        apply_job_config(d, None)  # the token's Secret, when there is one, is still there from the runs
+        apply_raycluster(d, hf_token=hf_token)
     except UserError as exc:
         delete = ["kubectl", "--kubeconfig", d.kubeconfig, "-n", ns, "delete", "raycluster", name]
         raise UserError(
