@@ -90,13 +90,7 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def train(
-    cfg: TrainingConfig,
-    model_path: str,
-    ctx: WorkerContext,
-    tokenizer_path: str | None = None,
-    fabric_require: str = "any",
-) -> dict[str, Any]:
+def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, fabric_require: str = "any") -> dict[str, Any]:
     """Run the optimizer steps of ``cfg`` on this worker and return the summary (also handed to ``ctx.finish``).
 
     Continues from ``ctx.resume_checkpoint()`` when there is one: weights, optimizer moments, schedule, step and
@@ -144,7 +138,7 @@ def train(
                     step=step,
                     data_position=batches.position,
                     rank=ctx.rank,
-                    tokenizer_path=tokenizer_path,
+                    tokenizer_path=model_path,  # the tokenizer goes into every checkpoint, for export
                 ),
                 maybe_die("checkpoint", step=step, rank=ctx.rank),
             ),
@@ -259,9 +253,7 @@ def ray_worker_entry(job: dict[str, Any]) -> None:
     quiet_libraries()
     cfg = TrainingConfig.model_validate(job["training"])
     ctx = RayContext(job.get("metrics_queue"), job["checkpoint_root"], job.get("resume_from"))
-    train(
-        cfg, job["model_path"], ctx, tokenizer_path=job["model_path"], fabric_require=job.get("fabric_require", "any")
-    )
+    train(cfg, job["model_path"], ctx, fabric_require=job.get("fabric_require", "any"))
 
 
 def quiet_libraries() -> None:

@@ -71,7 +71,7 @@ def run(cfg: TrainingConfig, out: Path) -> dict[str, Any] | None:
     }
     ctx = ProcessContext(out, summary_extra=launcher)  # rank 0 writes summary.json with these added
     model_path = resolve_model_path(cfg.model_id)
-    summary = train(cfg, model_path, ctx, tokenizer_path=model_path)  # as the Ray workers call it
+    summary = train(cfg, model_path, ctx)  # as the Ray workers call it
     return {**summary, **launcher} if ctx.rank == 0 else None
 
 
