@@ -650,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     t_all, ticks0 = time.perf_counter(), cpu_ticks()
     load_avg = os.getloadavg()
     tokenizer_src = ensure_builtin_model()
-    estimate_size = args.size_list[-1] if args.size_list else None
+    estimate_size = args.size_list[-1]  # parse_args refuses an empty --sizes
     print(
         f"benchmark: checkpoints of {', '.join(args.size_list)} with {WORLD_SIZE} gloo processes on "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}, {args.repeats} repeat(s) each (median shown), "
@@ -667,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
             print("part 2: the default local job (local_tiny preset, Ray, 2 CPU workers)")
             try:
                 run = run_default_job(tmp)
-            except Exception as exc:  # part 1's figures still count; the tree around this file is in flux
+            except Exception as exc:  # part 1's figures still count: say what failed and report them
                 run = {"error": f"{type(exc).__name__}: {exc}"}
                 print(f"    FAILED: {run['error']}")
     estimate = reference_estimate(rows[-1], args)
