@@ -393,15 +393,16 @@ def choose_zones(cfg: Config, store: StateStore, offered: Callable[[], Placement
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _zones(plan: ZonePlan, gpu_az: str) -> eksctl.Zones:
-    return eksctl.Zones(
-        gpu_az=gpu_az, cluster_azs=plan.cluster_azs, assumed=False, reservation=plan.reservations.get(gpu_az)
-    )
+def _zones(cfg: Config, plan: ZonePlan, gpu_az: str) -> eksctl.Zones:
+    """The zones to render for a GPU group in ``gpu_az``; its reservation: the configured one, else the one the
+    placement search found holding every GPU node there."""
+    reservation = cfg.cluster.capacity_reservation_id or plan.reservations.get(gpu_az)
+    return eksctl.Zones(gpu_az=gpu_az, cluster_azs=plan.cluster_azs, assumed=False, reservation=reservation)
 
 
 def write_eksctl_config(d: Deployment, plan: ZonePlan, gpu_az: str, nodegroup: str | None) -> Path:
     """The ClusterConfig for one eksctl call: the cluster alone (``nodegroup=None``) or one node group of it."""
-    doc = eksctl.cluster_config(d.cfg, _zones(plan, gpu_az))
+    doc = eksctl.cluster_config(d.cfg, _zones(d.cfg, plan, gpu_az))
     groups = [g for g in doc["managedNodeGroups"] if g["name"] == nodegroup]
     doc = {**doc, "managedNodeGroups": groups}
     name = "eksctl-cluster.yaml" if nodegroup is None else f"eksctl-nodegroup-{nodegroup}.yaml"
@@ -553,7 +554,7 @@ def ensure_gpu_nodegroup(d: Deployment, plan: ZonePlan) -> str:
         path = write_eksctl_config(d, plan, az, name)
         d.state.record(nodegroup_item(name))
         d.state.update(gpu_az=az)
-        held = plan.reservations.get(az) or c.capacity_reservation_id
+        held = _zones(d.cfg, plan, az).reservation
         into = f", into capacity reservation {held}" if held else ""
         d.say(f"Creating node group {name} ({c.gpu_node_count} x {c.gpu_node_type}, EFA) in {az}{into}")
         try:

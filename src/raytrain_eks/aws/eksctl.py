@@ -33,8 +33,8 @@ EKSCTL_EFA_PLUGIN_DAEMONSET = "aws-efa-k8s-device-plugin-daemonset"
 class Zones:
     """``gpu_az``: the one zone of every GPU node. ``cluster_azs``: the cluster's subnets (2 or more, GPU zone
     first). ``assumed``: the config named no zone, so these are placeholders that deploy replaces with zones the
-    EC2 API says offer the GPU type. ``reservation``: the capacity reservation the GPU group targets, found in
-    ``gpu_az`` by the capacity check (else the configured ``capacity_reservation_id``)."""
+    EC2 API says offer the GPU type. ``reservation``: the capacity reservation the GPU group targets (the configured
+    ``capacity_reservation_id``, or one the capacity check found holding every GPU node in ``gpu_az``)."""
 
     gpu_az: str
     cluster_azs: tuple[str, ...]
@@ -54,7 +54,9 @@ def planned_zones(cfg: Config) -> Zones:
     else:
         other = next(ch for ch in string.ascii_lowercase if f"{c.region}{ch}" != gpu_az)
         rest = [f"{c.region}{other}"]
-    return Zones(gpu_az=gpu_az, cluster_azs=(gpu_az, *rest), assumed=c.gpu_az is None)
+    return Zones(
+        gpu_az=gpu_az, cluster_azs=(gpu_az, *rest), assumed=c.gpu_az is None, reservation=c.capacity_reservation_id
+    )
 
 
 def cluster_config(cfg: Config, zones: Zones) -> dict[str, Any]:
@@ -91,10 +93,9 @@ def cluster_config(cfg: Config, zones: Zones) -> dict[str, Any]:
         "taints": [dict(GPU_TAINT)],
         "tags": dict(tags),
     }
-    reservation = zones.reservation or c.capacity_reservation_id
-    if reservation:
+    if zones.reservation:
         # Launch into the existing reservation (its zone is gpu_az). eksctl then adds no placement group.
-        gpu["capacityReservation"] = {"capacityReservationTarget": {"capacityReservationID": reservation}}
+        gpu["capacityReservation"] = {"capacityReservationTarget": {"capacityReservationID": zones.reservation}}
     return {
         "apiVersion": "eksctl.io/v1alpha5",
         "kind": "ClusterConfig",
