@@ -25,7 +25,7 @@ from raytrain_eks.deploy_commands import register
 from raytrain_eks.errors import ConfigError
 from raytrain_eks.instances import instance_type
 from raytrain_eks.k8s import manifests as m
-from raytrain_eks.plan import build_plan, cost_per_hour, helm_releases, write_plan
+from raytrain_eks.plan import build_plan, cost_per_hour, helm_releases, run_cost, write_plan
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 INSTANCES = [("g6.12xlarge", 4, 1), ("g5.48xlarge", 8, 1), ("p4d.24xlarge", 8, 4), ("p5.48xlarge", 8, 32)]
@@ -242,6 +242,14 @@ def test_cost_follows_the_instance_and_says_when_a_price_is_unknown(cfg_for):
     assert plan.cost["total_usd"] == pytest.approx(0.2016 + 0.10 + 0.045)
     direct = cost_per_hour(cfg, instance_type("p5e.48xlarge"), instance_type("m7i.xlarge"))
     assert direct == plan.cost and any("No price known for p5e.48xlarge" in n for n in direct["notes"])
+
+
+def test_run_cost_prices_the_tokens_this_attempt_trained(cfg_for):
+    # A run resumed at step 50 of 100: its summary's tokens count from step 0, but this attempt trained 50 steps.
+    summary = {"wall_s": 1800.0, "train_s": 1500.0, "tokens_per_s": 20_000.0, "tokens": 60_000_000, "steps": 100}
+    cost = run_cost(cfg_for(), summary)
+    assert cost["usd"] == pytest.approx(9.5498 / 2, abs=1e-4)
+    assert cost["usd_per_million_tokens"] == pytest.approx(9.5498 / 2 / 30, abs=1e-4), "30 M tokens, not 60 M"
 
 
 # --- plan --output-dir ------------------------------------------------------------------------------------------------

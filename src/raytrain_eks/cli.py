@@ -94,7 +94,7 @@ def train(
     if address is not None:  # on a cluster this tool deploys: what the run cost while it ran
         from raytrain_eks.plan import run_cost
 
-        s["cost"] = run_cost(cfg, wall_s=s["wall_s"], tokens=s["tokens"])
+        s["cost"] = run_cost(cfg, s)
         (result.run_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
         if s["cost"] is not None:
             out.print(

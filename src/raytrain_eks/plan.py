@@ -15,6 +15,7 @@ from __future__ import annotations
 import difflib
 import json
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -235,9 +236,11 @@ def helm_releases(cfg: Config) -> list[HelmRelease]:
     ]
 
 
-def run_cost(cfg: Config, *, wall_s: float, tokens: int) -> dict[str, Any] | None:
-    """What a run on the configured cluster cost while it ran: the cluster's hourly cost times the run's wall time,
-    and per million trained tokens. ``None`` when the cluster is not one this tool can price.
+def run_cost(cfg: Config, summary: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What a run on the configured cluster cost while it ran, from its ``summary.json`` fields: the cluster's hourly
+    cost times this attempt's ``wall_s``, and per million tokens this attempt trained (``tokens_per_s`` x
+    ``train_s``: on a resumed run ``tokens`` also counts the steps before the resume). ``None`` when the cluster is
+    not one this tool can price.
 
     Example: 9.5498 $/h for 600 s and 30 M tokens -> ``{"usd": 1.5916, "usd_per_million_tokens": 0.0531, ...}``.
     """
@@ -246,7 +249,8 @@ def run_cost(cfg: Config, *, wall_s: float, tokens: int) -> dict[str, Any] | Non
     except UserError:
         return None
     hourly = cost_per_hour(cfg, gpu, system)
-    usd = hourly["total_usd"] * wall_s / 3600
+    usd = hourly["total_usd"] * summary["wall_s"] / 3600
+    tokens = round(summary["tokens_per_s"] * summary["train_s"])
     return {
         "usd": round(usd, 4),
         "usd_per_million_tokens": round(usd / tokens * 1e6, 4) if tokens else None,
