@@ -119,7 +119,7 @@ def test_a_data_error_keeps_its_traceback_in_error_log(tmp_path, monkeypatch, ra
     assert info.value.code == 2
     log = (tmp_path / "run" / "error.log").resolve()
     err = capsys.readouterr().err
-    first = err.strip().splitlines()[0]
+    (first,) = [line for line in err.splitlines() if line.startswith("error:")]
     assert first.startswith(f"error: --data {str(data)!r}: cannot be read: ")
     assert first.endswith(f"(full traceback: {log})")
     assert "Traceback" not in err

@@ -49,6 +49,10 @@ class DataError(UserError):
 
 
 class TrainingError(UserError):
-    """Training started but failed; the message names the failing worker's error."""
+    """Training started but failed; the message names the failing worker's error.
+
+    ``details``: the failed workers' full tracebacks, when they sent them (for the run's error.log).
+    """
 
     exit_code = 1
+    details: str | None = None

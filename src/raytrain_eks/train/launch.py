@@ -205,7 +205,6 @@ def _train_in(
 
     from raytrain_eks.train.checkpoint import export_hf, join, latest_complete, list_checkpoints, storage_root
     from raytrain_eks.train.data import prepare_dataset
-    from raytrain_eks.train.loop import ray_worker_entry
 
     training = cfg.training
 
@@ -240,7 +239,7 @@ def _train_in(
 
     queue = Queue()
     trainer = TorchTrainer(
-        ray_worker_entry,
+        _worker_entry,
         train_loop_config={
             "training": training.model_dump(mode="json"),
             "model_path": model_path,
@@ -274,6 +273,7 @@ def _train_in(
     thread.start()
     records: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
+    worker_tracebacks: list[str] = []
     # Appended, never truncated: a resumed run keeps the steps of every attempt.
     with (run_dir / "metrics.jsonl").open("a") as metrics_file:
         while True:
@@ -282,6 +282,8 @@ def _train_in(
                 break
             if "summary" in record:
                 summary.update(record["summary"])
+            elif "worker_traceback" in record:
+                worker_tracebacks.append(f"--- worker rank {record['rank']} ---\n{record['worker_traceback']}")
             elif "fabric" in record:
                 _write_nccl_lines(run_dir / "nccl", record["nccl_lines"])
                 say(record["fabric"]["report"])
@@ -296,7 +298,9 @@ def _train_in(
 
     if "error" in outcome:
         error = outcome["error"]
-        raise TrainingError(f"training failed: {worker_error(error)}", hint=f"Run folder: {run_dir}") from error
+        failed = TrainingError(f"training failed: {worker_error(error)}", hint=f"Run folder: {run_dir}")
+        failed.details = "\n".join(worker_tracebacks)  # Ray keeps only a snippet of them
+        raise failed from error
     if not summary:
         raise TrainingError("training finished without a summary from rank 0", hint=f"Run folder: {run_dir}")
     fabric = summary.get("fabric") or {}
@@ -327,6 +331,22 @@ def _train_in(
     return RunResult(run_dir=run_dir, summary=summary, records=records)
 
 
+def _worker_entry(job: dict[str, Any]) -> None:
+    """The loop as Ray Train runs it, sending a failing worker's whole traceback to the driver first."""
+    from raytrain_eks.train.loop import ray_worker_entry
+
+    try:
+        ray_worker_entry(job)
+    except Exception:
+        queue = job.get("metrics_queue")
+        if queue is not None:
+            import ray.train
+
+            rank = ray.train.get_context().get_world_rank()
+            queue.put({"worker_traceback": traceback.format_exc(), "rank": rank})
+        raise
+
+
 def _logged(exc: Exception, run_dir: Path) -> Exception:
     """Append the full story of ``exc`` (tracebacks, the workers' included) to ``RUN_DIR/error.log``.
 
@@ -342,6 +362,11 @@ def _logged(exc: Exception, run_dir: Path) -> Exception:
     with log.open("a") as f:
         f.write(f"=== {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC: {headline}\n")
         f.write(error_report(behind))
+        details = getattr(exc, "details", None)
+        if details:
+            f.write("\nThe workers' own tracebacks:\n" + details)
+        if behind is not exc:  # where the one-line message itself was raised
+            f.write("\nReported as:\n" + "".join(traceback.format_exception(exc, chain=False)))
         f.write("\n")
     note = f"(full traceback: {log})"
     if isinstance(exc, UserError):
@@ -381,10 +406,8 @@ def worker_error(exc: BaseException) -> str:
         cause: BaseException = err
         while getattr(cause, "cause", None) is not None:
             cause = cause.cause
-        # Ray Train hands a worker's exception back wrapped, its remote traceback as the text.
-        original = getattr(cause, "_base_exc", None)
-        if isinstance(original, UserError) and str(original).strip():
-            return f"rank {rank}: {str(original).strip().splitlines()[0]}"
+        if isinstance(cause, UserError) and str(cause).strip():
+            return f"rank {rank}: {str(cause).strip().splitlines()[0]}"
         lines = [ln for ln in str(cause).strip().splitlines() if ln.strip()]
         return f"rank {rank}: {lines[-1] if lines else type(cause).__name__}"
     lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
