@@ -16,6 +16,7 @@ from pathlib import Path
 
 import procs
 import pytest
+import ray.util
 
 pytestmark = pytest.mark.integration
 
@@ -43,14 +44,18 @@ def ray_head(tmp_path):
     """
     port = _free_port()
     temp_dir = Path(tempfile.mkdtemp(prefix="rtj-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # Token auth decided here for the head and its clients alike (``ray start`` turns it on by itself when
+    # ~/.ray/auth_token exists).
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    argv = [_bin("ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}"]
+    # The address this machine's Ray nodes and drivers take by default (a driver looks for a raylet on it).
+    ip = ray.util.get_node_ip_address()
+    argv = [_bin("ray"), "start", "--head", "--block", f"--node-ip-address={ip}", f"--port={port}"]
     argv += ["--num-cpus=4", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
     argv += [f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}"]
     log = (temp_dir / "ray-start.out").open("wb")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    client_env = {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    client_env = {**env, "RAY_ADDRESS": f"{ip}:{port}"}
     try:
         _wait_for_head(proc, client_env, temp_dir)
         yield client_env
