@@ -1,14 +1,61 @@
-"""Shared fixtures: one built-in model cache per test session, one embedded Ray per integration module."""
+"""Shared fixtures: one built-in model cache per test session, one embedded Ray per integration module.
+
+And a check at the end of the session: no process the suite started may outlive it. Every process started during
+the session inherits ``RAYTRAIN_EKS_TEST_SESSION`` (Ray's raylets and workers too, and processes whose parent has
+died), so what is left of this session is found by that mark, and never another program's Ray on this machine.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import procs
 import pytest
+
+SESSION_MARK = "RAYTRAIN_EKS_TEST_SESSION"
+LEFTOVER_GRACE_S = 20.0  # a Ray worker notices its raylet is gone within a few seconds
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    os.environ[SESSION_MARK] = f"{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run, naming them, when processes started by this session are still running; then stop them."""
+    mark = os.environ.get(SESSION_MARK)
+    if not mark:
+        return
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while (left := leftover_processes(mark)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not left:
+        return
+    lines = [f"  pid {p.pid}: {p.cmdline[:200]}" for p in left]
+    message = f"{len(left)} process(es) started by this test session outlived it (stopped now):\n" + "\n".join(lines)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(message, red=True)
+    else:
+        print(message)
+    for p in left:
+        p.kill()
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def leftover_processes(mark: str) -> list[procs.Proc]:
+    """Living processes, this one aside, that descend from it or carry this session's mark."""
+    me = os.getpid()
+    found = {p.pid: p for p in procs.descendants(me)}
+    for p in procs.processes():
+        if p.pid != me and p.pid not in found and procs.environ_value(p.pid, SESSION_MARK) == mark:
+            found[p.pid] = p
+    return sorted(found.values(), key=lambda p: p.pid)
 
 
 @pytest.fixture(scope="session", autouse=True)

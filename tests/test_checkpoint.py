@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 from pathlib import Path
 
+import procs
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -20,9 +19,9 @@ from raytrain_eks import presets
 from raytrain_eks.cli import main
 from raytrain_eks.config import load_config
 from raytrain_eks.errors import TrainingError, UserError
-from raytrain_eks.train.checkpoint import MARKER, list_checkpoints, resolve_checkpoint
+from raytrain_eks.train.checkpoint import EXPORT_MARKER, MARKER, list_checkpoints, resolve_checkpoint
 from raytrain_eks.train.faults import ENV as FAULT_ENV
-from raytrain_eks.train.launch import run_training
+from raytrain_eks.train.launch import ERROR_LOG, run_training
 
 pytestmark = pytest.mark.integration
 
@@ -72,12 +71,12 @@ def test_sigkilled_worker_resumes_and_ends_with_identical_weights(tmp_path, refe
 
     def kill_a_worker(record: dict, total: int) -> None:
         if record["step"] >= 14 and not killed:
-            pids = subprocess.run(
-                ["pgrep", "-f", "^ray::RayTrainWorker"], capture_output=True, text=True
-            ).stdout.split()
-            assert pids, "no Ray Train worker process found to kill"
-            os.kill(int(pids[-1]), signal.SIGKILL)
-            killed.append(int(pids[-1]))
+            # This test's own workers only (the embedded Ray is a child of this process), never another Ray's.
+            workers = [p for p in procs.descendants(os.getpid()) if p.cmdline.startswith("ray::RayTrainWorker")]
+            assert workers, "no Ray Train worker process found to kill"
+            victim = max(workers, key=lambda p: p.pid)
+            victim.kill()
+            killed.append(victim.pid)
 
     cfg = make_config(**RANDOM, output_dir=str(tmp_path / "run"))
     result = run_training(cfg, runs_root=tmp_path, say=quiet, progress=kill_a_worker)
@@ -155,13 +154,19 @@ def test_export_never_replaces_a_folder_that_is_not_a_model(tmp_path, monkeypatc
             main(["export", str(reference_run.run_dir), target])
         assert info.value.code == 1
         err = capsys.readouterr().err
-        assert "is not a model folder" in err and "Traceback" not in err
+        assert "is not an earlier export" in err and "Traceback" not in err
     assert [p.name for p in keep.iterdir()] == ["notes.txt"]
-    # An earlier export is a model folder: exporting again replaces it.
+    # An earlier export carries the marker: exporting again replaces it, and the marker says what it holds.
     again = tmp_path / "again"
     main(["export", str(reference_run.run_dir), str(again)])
-    main(["export", str(reference_run.run_dir), str(again)])
-    assert (again / "model.safetensors").exists()
+    (again / "stale.txt").write_text("from the first export")
+    main(["export", str(reference_run.run_dir), str(again), "--dtype", "bfloat16"])
+    assert (again / "model.safetensors").exists() and not (again / "stale.txt").exists()
+    marker = json.loads((again / EXPORT_MARKER).read_text())
+    assert marker["dtype"] == "bfloat16"
+    assert marker["checkpoint"] == list_checkpoints(reference_run.run_dir / "ray")[-1][1]
+    # The model folder a run exports is an export too.
+    assert (reference_run.run_dir / "model" / EXPORT_MARKER).is_file()
 
 
 def test_bad_resume_inputs_are_one_clear_message(tmp_path, monkeypatch, capsys, reference_run):
@@ -202,3 +207,63 @@ def test_bad_resume_inputs_are_one_clear_message(tmp_path, monkeypatch, capsys, 
         resolve_checkpoint(incomplete)
     newest = Path(list_checkpoints(reference_run.run_dir / "ray")[-1][1])
     assert (newest / MARKER).exists()
+
+
+def test_checkpoint_flags_decide_where_and_how_often(tmp_path, monkeypatch, ray_local, capsys):
+    monkeypatch.chdir(tmp_path)
+    store, run = tmp_path / "store", tmp_path / "run"
+    argv = ["train", "--data", "random", "--steps", "12", "--seq-len", "64", "--batch-size", "4"]
+    argv += ["--checkpoint-every", "4", "--keep-checkpoints", "3", "--storage-path", "store", "--output-dir", "run"]
+    main(argv)
+    assert f"Run folder: {run.resolve()}" in capsys.readouterr().out
+    # Every 4 steps, 3 kept (the default keeps 2), under the storage path (a relative one is made absolute).
+    found = list_checkpoints(store / "run" / "ray")
+    assert [(step, ok) for step, _, ok in found] == [(4, True), (8, True), (12, True)]
+    assert not (run / "ray").exists()
+    saved = load_config(path=run / "config.yaml", environ={}).training
+    assert (saved.checkpoint_every, saved.keep_checkpoints) == (4, 3)
+    assert saved.storage_path == str(store.resolve())
+
+
+def test_trainer_state_that_is_not_plain_data_stops_the_resume(tmp_path, ray_local):
+    short = {**RANDOM, "steps": 2, "checkpoint_every": 0, "export": False}
+    run = run_training(make_config(**short, output_dir=str(tmp_path / "run")), runs_root=tmp_path, say=quiet).run_dir
+    (checkpoint,) = [Path(location) for _, location, ok in list_checkpoints(run / "ray") if ok]
+    proof = tmp_path / "code-ran"
+    for state in checkpoint.glob("trainer_rank*.pt"):
+        torch.save({"step": 2, "scheduler": _RunsCode(proof), "data": {}, "rng": {}}, state)
+    cfg = make_config(**{**short, "steps": 4}, max_failures=0)
+    with pytest.raises(TrainingError, match="holds objects other than tensors and plain values") as info:
+        run_training(cfg, runs_root=tmp_path, say=quiet, resume=run)
+    assert not proof.exists(), "the pickled object's code ran"
+    assert info.value.message.endswith(f"(full traceback: {run / ERROR_LOG})")
+
+
+def test_a_worker_error_keeps_its_traceback_in_error_log(tmp_path, builtin_model, ray_local):
+    import shutil
+
+    broken = tmp_path / "broken-model"
+    shutil.copytree(builtin_model, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")  # config and tokenizer still load
+    cfg = make_config(**RANDOM, model_id=str(broken), max_failures=0, output_dir=str(tmp_path / "run"))
+    with pytest.raises(TrainingError, match=r"^training failed: rank \d+: ") as info:
+        run_training(cfg, runs_root=tmp_path, say=quiet)
+    log = tmp_path / "run" / ERROR_LOG
+    assert info.value.message.endswith(f"(full traceback: {log})")
+    assert "\n" not in info.value.message, "the console keeps one line"
+    text = log.read_text()
+    assert text.startswith("=== ") and "training failed: rank" in text.splitlines()[0]
+    # The worker's own traceback, down to the model load in this package's code.
+    assert "Traceback (most recent call last)" in text
+    assert "raytrain_eks/train/model.py" in text and "load_model" in text
+    assert "--- worker rank" in text
+
+
+class _RunsCode:
+    """Unpickling this object runs code (creates a folder); a checkpoint must never make that happen."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (os.mkdir, (str(self.target),))

@@ -41,7 +41,7 @@ from raytrain_eks.k8s.fake import FakeKube, parse_quantity
 from raytrain_eks.runner import CommandError, Completed, MissingToolError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md
 ZONES = ["us-east-1a", "us-east-1b", "us-east-1c"]
 TOKEN = "hf_SECRETtoken1234567890"
 ALLOCATABLE = {"g6.12xlarge": {"cpu": "47", "memory": "185Gi"}, "m7i.xlarge": {"cpu": "3920m", "memory": "14Gi"}}
@@ -547,7 +547,7 @@ def test_up_launches_into_the_reservation_the_capacity_check_found(world: World)
     result = world.up(offered_zones=lambda: placement)
     assert result.gpu_az == "us-east-1b"
     doc = yaml.safe_load((world.store.root / "eksctl-nodegroup-gpu-efa.yaml").read_text())
-    schema = json.loads((SHARED / "schemas" / "eksctl" / "clusterconfig.v1alpha5.schema.json").read_text())
+    schema = json.loads((SCHEMAS / "eksctl" / "clusterconfig.v1alpha5.schema.json").read_text())
     assert not list(jsonschema.validators.validator_for(schema)(schema).iter_errors(doc))
     (gpu,) = doc["managedNodeGroups"]
     assert gpu["capacityReservation"] == {
@@ -794,7 +794,7 @@ def test_rayjob_mode_renders_a_rayjob_that_ships_the_code(ready: World):
     result = ready.submit(mode="rayjob")
     assert result.exit_code == 0
     (job,) = ready.kube.objects("RayJob")
-    schema = json.loads((SHARED / "schemas" / "kuberay" / "rayjob.v1.schema.json").read_text())
+    schema = json.loads((SCHEMAS / "kuberay" / "rayjob.v1.schema.json").read_text())
     jsonschema.Draft7Validator(schema).validate({k: v for k, v in job.items() if k != "status"})
     spec = job["spec"]
     assert shlex.split(spec["entrypoint"]) == m.train_argv()

@@ -19,7 +19,7 @@ from schema_errors import schema_errors
 from raytrain_eks.config import Config, load_config
 from raytrain_eks.k8s import manifests as m
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md
 K8S_VERSION = "1.33"
 
 # (instance type, GPUs, EFA interfaces, pod CPU, pod memory GiB): GPU and EFA follow the instance; CPU and memory
@@ -33,8 +33,8 @@ INSTANCES = [
 
 
 def _schema(name: str) -> jsonschema.Draft7Validator:
-    path = SHARED / "schemas" / "kuberay" / name
-    assert path.exists(), f"{path} is missing: the shared folder must sit beside the repository"
+    path = SCHEMAS / "kuberay" / name
+    assert path.exists(), f"{path} is missing: tests/schemas/ must hold the upstream schemas (see its README.md)"
     return jsonschema.Draft7Validator(json.loads(path.read_text()))
 
 

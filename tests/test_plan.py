@@ -27,7 +27,7 @@ from raytrain_eks.instances import instance_type
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.plan import build_plan, cost_per_hour, helm_releases, run_cost, write_plan
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md
 INSTANCES = [("g6.12xlarge", 4, 1), ("g5.48xlarge", 8, 1), ("p4d.24xlarge", 8, 4), ("p5.48xlarge", 8, 32)]
 RAYCLUSTER_STEPS = [
     "preflight",
@@ -46,8 +46,8 @@ RAYCLUSTER_STEPS = [
 
 
 def _validator(*parts: str) -> jsonschema.Draft7Validator:
-    path = SHARED.joinpath("schemas", *parts)
-    assert path.exists(), f"{path} is missing: the shared folder must sit beside the repository"
+    path = SCHEMAS.joinpath(*parts)
+    assert path.exists(), f"{path} is missing: tests/schemas/ must hold the upstream schemas (see its README.md)"
     return jsonschema.Draft7Validator(json.loads(path.read_text()))
 
 

@@ -108,6 +108,25 @@ def test_unusable_data_starts_no_worker(tmp_path, monkeypatch, ray_local):
     assert not (tmp_path / "run" / "ray").exists()
 
 
+def test_a_data_error_keeps_its_traceback_in_error_log(tmp_path, monkeypatch, ray_local, capsys):
+    from raytrain_eks.cli import main
+
+    data = tmp_path / "broken.parquet"
+    data.write_bytes(b"PAR1" + b"\x00" * 64 + b"PAR1")  # looks like Parquet from outside, cannot be read
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--data", str(data), "--data-format", "text", "--output-dir", "run"])
+    assert info.value.code == 2
+    log = (tmp_path / "run" / "error.log").resolve()
+    err = capsys.readouterr().err
+    (first,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert first.startswith(f"error: --data {str(data)!r}: cannot be read: ")
+    assert first.endswith(f"(full traceback: {log})")
+    assert "Traceback" not in err
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "pyarrow" in text
+
+
 def test_missing_data_or_model_fails_before_anything_is_created(tmp_path, monkeypatch):
     cfg = config(tmp_path, monkeypatch, data=str(tmp_path / "nope.jsonl"), output_dir=str(tmp_path / "run"))
     with pytest.raises(DataError, match="no such file or folder"):

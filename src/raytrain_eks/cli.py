@@ -19,7 +19,7 @@ from rich.console import Console
 from raytrain_eks import deploy_commands, presets
 from raytrain_eks.aws import commands as aws_commands
 from raytrain_eks.config import DEFAULT_CONFIG_FILE, env_file_lines, load_config
-from raytrain_eks.errors import UserError
+from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.fabric import commands as fabric_commands
 from raytrain_eks.options import ConfigOpt, PresetOpt
 
@@ -55,6 +55,16 @@ def train(
     batch_size: Annotated[int | None, typer.Option(help="Samples per worker per micro-batch.")] = None,
     learning_rate: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
     num_workers: Annotated[int | None, typer.Option(help="Training workers; 0 = one per GPU (2 on CPU).")] = None,
+    checkpoint_every: Annotated[
+        int | None, typer.Option(help="Save a checkpoint every N steps (and at the end); 0 = only at the end.")
+    ] = None,
+    keep_checkpoints: Annotated[int | None, typer.Option(help="Complete checkpoints kept (at least 2).")] = None,
+    storage_path: Annotated[
+        str | None,
+        typer.Option(
+            help="Where checkpoints go: s3://bucket/prefix or a folder every node shares (default: run folder)."
+        ),
+    ] = None,
     resume: Annotated[
         Path | None,
         typer.Option(help="Continue this run folder from its newest complete checkpoint, with its config.yaml."),
@@ -73,6 +83,9 @@ def train(
         "batch_size": batch_size,
         "learning_rate": learning_rate,
         "num_workers": num_workers,
+        "checkpoint_every": checkpoint_every,
+        "keep_checkpoints": keep_checkpoints,
+        "storage_path": _storage_path(storage_path),
         "output_dir": str(output_dir) if output_dir else None,
     }
     if resume is not None:
@@ -107,6 +120,20 @@ def train(
         f"{s['tokens_per_s']:.0f} tokens/s, MFU {mfu}, {s['wall_s']:.0f} s"
     )
     out.print(f"Run folder: {result.run_dir}")
+
+
+def _storage_path(value: str | None) -> str | None:
+    """``--storage-path`` as the workers need it: a URI as given, a local folder made absolute."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise ConfigError(
+            [
+                f"training.storage_path = {value!r} (from flag --storage-path): must not be empty; leave the flag out "
+                "to keep the checkpoints in the run folder"
+            ]
+        )
+    return value if "://" in value else str(Path(value).expanduser().resolve())
 
 
 class _Progress:

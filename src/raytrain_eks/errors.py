@@ -19,6 +19,11 @@ class UserError(Exception):
         self.hint = hint
         super().__init__(message if hint is None else f"{message}\n{hint}")
 
+    def extend(self, text: str) -> None:
+        """Add ``text`` to the end of the message, for example where the full traceback was written."""
+        self.message = f"{self.message} {text}"
+        self.args = (self.message if self.hint is None else f"{self.message}\n{self.hint}",)
+
 
 class ConfigError(UserError):
     """The configuration is invalid. Holds every problem found, so they can be fixed in one go."""
@@ -44,6 +49,10 @@ class DataError(UserError):
 
 
 class TrainingError(UserError):
-    """Training started but failed; the message names the failing worker's error."""
+    """Training started but failed; the message names the failing worker's error.
+
+    ``details``: the failed workers' full tracebacks, when they sent them (for the run's error.log).
+    """
 
     exit_code = 1
+    details: str | None = None

@@ -24,6 +24,7 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ import torch
 from raytrain_eks.errors import UserError
 
 MARKER = "complete.json"
+# Written into every exported model folder: only a folder holding it may be replaced by a later export.
+EXPORT_MARKER = ".raytrain-eks-export"
 HF_DIR = "hf"
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 # Architecture fields that must agree between a checkpoint and the model it is loaded into.
@@ -76,13 +79,7 @@ def save_sharded(
     folder.mkdir(parents=True, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(
-        {"step": step, "scheduler": scheduler.state_dict(), "data": dict(data_position), "rng": rng},
-        folder / f"trainer_rank{rank:05d}.pt",
-    )
+    save_trainer_state(folder, rank=rank, step=step, scheduler=scheduler, data_position=data_position)
     if rank == 0:
         hf = folder / HF_DIR
         model.config.save_pretrained(hf)
@@ -90,6 +87,42 @@ def save_sharded(
             from raytrain_eks.train.data import load_tokenizer
 
             load_tokenizer(tokenizer_path).save_pretrained(hf)
+
+
+def _trainer_file(folder: Path, rank: int) -> Path:
+    return folder / f"trainer_rank{rank:05d}.pt"
+
+
+def save_trainer_state(folder: Path, *, rank: int, step: int, scheduler: Any, data_position: dict[str, int]) -> None:
+    """This rank's step, schedule, data position and RNG state: tensors and plain values only (see below)."""
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    state = {"step": int(step), "scheduler": scheduler.state_dict(), "data": dict(data_position), "rng": rng}
+    torch.save(state, _trainer_file(folder, rank))
+
+
+def load_trainer_state(folder: Path, rank: int) -> dict[str, Any]:
+    """This rank's trainer state from ``folder`` (rank 0's when the run had fewer ranks), read as data only.
+
+    Checkpoints may come from shared storage, so the file is unpickled with ``weights_only=True``: tensors,
+    numbers, strings and containers load; any other object (which could run code when unpickled) is refused
+    with a :class:`UserError`.
+    """
+    import pickle
+
+    own = _trainer_file(folder, rank)
+    path = own if own.exists() else _trainer_file(folder, 0)
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        detail = next((ln.strip() for ln in str(exc).splitlines() if "GLOBAL" in ln or "Unsupported" in ln), "")
+        raise UserError(
+            f"{path} holds objects other than tensors and plain values, so it is not loaded"
+            + (f" ({detail})" if detail else ""),
+            hint="A checkpoint written by raytrain-eks holds none: resume only from checkpoints of this tool, "
+            "kept where only you can write.",
+        ) from None
 
 
 def _fs(location: str | Path) -> tuple[Any, str]:
@@ -133,11 +166,10 @@ def load_sharded(
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    own = folder / f"trainer_rank{rank:05d}.pt"
     # A resume on another world size has no file of this rank: take rank 0's step and schedule.
-    extra = torch.load(own if own.exists() else folder / "trainer_rank00000.pt", weights_only=False)
+    extra = load_trainer_state(folder, rank)
     scheduler.load_state_dict(extra["scheduler"])
-    if own.exists():
+    if _trainer_file(folder, rank).exists():
         torch.set_rng_state(extra["rng"]["cpu"])
         if "cuda" in extra["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["rng"]["cuda"])
@@ -291,21 +323,33 @@ def export_hf(checkpoint: str | Path, out_dir: Path, *, dtype: str = "float32") 
 
     ``checkpoint`` may be a run folder or a checkpoint, local or ``s3://``. Runs in a single process with no
     process group. ``out_dir`` is replaced as a whole, so it must be new, empty, or an earlier export (a folder
-    with a ``config.json``); anything else is refused before any work. Returns ``out_dir``.
+    holding :data:`EXPORT_MARKER`, which every export writes); anything else, a downloaded model included, is
+    refused before any work. Returns ``out_dir``.
     """
     out_dir = out_dir.expanduser().resolve()
-    if out_dir.exists() and (
-        not out_dir.is_dir() or (any(out_dir.iterdir()) and not (out_dir / "config.json").is_file())
-    ):
-        raise UserError(
-            f"{out_dir} already exists and is not a model folder; the export would replace it",
-            hint="Give a new folder (or an earlier export to overwrite).",
-        )
+    check_export_target(out_dir)
     with tempfile.TemporaryDirectory(prefix="raytrain-eks-export-") as tmp:
-        return _export_local(materialize(resolve_checkpoint(checkpoint), Path(tmp) / "checkpoint"), out_dir, dtype)
+        source = resolve_checkpoint(checkpoint)
+        return _export_local(materialize(source, Path(tmp) / "checkpoint"), out_dir, dtype, source=source)
 
 
-def _export_local(checkpoint: Path, out_dir: Path, dtype: str) -> Path:
+def check_export_target(out_dir: Path) -> None:
+    """Raise :class:`UserError` unless ``out_dir`` is new, an empty folder, or a folder an earlier export wrote."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        what = "not a folder"
+    elif any(out_dir.iterdir()) and not (out_dir / EXPORT_MARKER).is_file():
+        what = f"not an earlier export (it has no {EXPORT_MARKER})"
+    else:
+        return
+    raise UserError(
+        f"{out_dir} already exists and is {what}; the export replaces the whole folder, so it is left untouched",
+        hint="Give a new folder, or one an earlier `raytrain-eks export` wrote.",
+    )
+
+
+def _export_local(checkpoint: Path, out_dir: Path, dtype: str, *, source: str) -> Path:
     import torch.distributed.checkpoint as dcp
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -329,6 +373,8 @@ def _export_local(checkpoint: Path, out_dir: Path, dtype: str) -> Path:
     model.save_pretrained(staging, safe_serialization=True)
     if (hf / "tokenizer_config.json").exists():
         AutoTokenizer.from_pretrained(hf).save_pretrained(staging)
+    marker = {"checkpoint": str(source), "dtype": dtype, "time": datetime.now(UTC).isoformat(timespec="seconds")}
+    (staging / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     staging.rename(out_dir)

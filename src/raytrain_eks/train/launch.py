@@ -16,6 +16,7 @@ import re
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,6 +30,7 @@ from raytrain_eks.train.faults import ENV as FAULT_ENV
 
 LOCAL_CPU_WORKERS = 2
 RAY_DIR = "ray"  # Ray Train's storage inside the run folder; the checkpoints live there
+ERROR_LOG = "error.log"  # in the run folder: the full tracebacks behind a failure's one-line message
 _DONE = {"done": True}
 
 
@@ -133,21 +135,9 @@ def run_training(
     complete checkpoint, to ``cfg.training.steps``.
     """
     import ray
-    import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
-    from ray.util.queue import Queue
 
-    from raytrain_eks.train.checkpoint import (
-        check_compatible,
-        export_hf,
-        join,
-        latest_complete,
-        list_checkpoints,
-        resolve_checkpoint,
-        storage_root,
-    )
-    from raytrain_eks.train.data import list_data_files, prepare_dataset
-    from raytrain_eks.train.loop import ray_worker_entry
+    from raytrain_eks.train.checkpoint import check_compatible, join, resolve_checkpoint, storage_root
+    from raytrain_eks.train.data import list_data_files
     from raytrain_eks.train.model import check_model, resolve_model_path
 
     t_start = time.perf_counter()
@@ -168,6 +158,55 @@ def run_training(
         run_dir = new_run_dir(cfg, runs_root)
         say(f"run folder: {run_dir}")
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
+
+    ray_was_running = ray.is_initialized()
+    try:
+        return _train_in(
+            run_dir,
+            cfg,
+            address=address,
+            say=say,
+            progress=progress,
+            verbose=verbose,
+            model_path=model_path,
+            data_files=data_files,
+            resume_from=resume_from,
+            t_start=t_start,
+        )
+    except Exception as exc:
+        logged = _logged(exc, run_dir)
+        if logged is exc:
+            raise
+        raise logged from None
+    finally:
+        # A Ray this run started is this run's to stop: its workers and controller go with it, even on failure.
+        if not ray_was_running and ray.is_initialized():
+            ray.shutdown()
+
+
+def _train_in(
+    run_dir: Path,
+    cfg: Config,
+    *,
+    address: str | None,
+    say: Callable[[str], None],
+    progress: Any | None,
+    verbose: bool,
+    model_path: str,
+    data_files: Any,
+    resume_from: str | None,
+    t_start: float,
+) -> RunResult:
+    """Everything of :func:`run_training` after the run folder exists: Ray, data, the trainer, the summary."""
+    import ray
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.util.queue import Queue
+
+    from raytrain_eks.train.checkpoint import export_hf, join, latest_complete, list_checkpoints, storage_root
+    from raytrain_eks.train.data import prepare_dataset
+
+    training = cfg.training
 
     init_ray(address, training.num_workers or LOCAL_CPU_WORKERS, verbose)
     num_workers, use_gpu = resolve_num_workers(training.num_workers, int(ray.cluster_resources().get("GPU", 0)))
@@ -200,7 +239,7 @@ def run_training(
 
     queue = Queue()
     trainer = TorchTrainer(
-        ray_worker_entry,
+        _worker_entry,
         train_loop_config={
             "training": training.model_dump(mode="json"),
             "model_path": model_path,
@@ -234,6 +273,7 @@ def run_training(
     thread.start()
     records: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
+    worker_tracebacks: list[str] = []
     # Appended, never truncated: a resumed run keeps the steps of every attempt.
     with (run_dir / "metrics.jsonl").open("a") as metrics_file:
         while True:
@@ -242,6 +282,8 @@ def run_training(
                 break
             if "summary" in record:
                 summary.update(record["summary"])
+            elif "worker_traceback" in record:
+                worker_tracebacks.append(f"--- worker rank {record['rank']} ---\n{record['worker_traceback']}")
             elif "fabric" in record:
                 _write_nccl_lines(run_dir / "nccl", record["nccl_lines"])
                 say(record["fabric"]["report"])
@@ -255,7 +297,10 @@ def run_training(
     ray.kill(queue.actor)
 
     if "error" in outcome:
-        raise TrainingError(f"training failed: {worker_error(outcome['error'])}", hint=f"Run folder: {run_dir}")
+        error = outcome["error"]
+        failed = TrainingError(f"training failed: {worker_error(error)}", hint=f"Run folder: {run_dir}")
+        failed.details = "\n".join(worker_tracebacks)  # Ray keeps only a snippet of them
+        raise failed from error
     if not summary:
         raise TrainingError("training finished without a summary from rank 0", hint=f"Run folder: {run_dir}")
     fabric = summary.get("fabric") or {}
@@ -286,6 +331,64 @@ def run_training(
     return RunResult(run_dir=run_dir, summary=summary, records=records)
 
 
+def _worker_entry(job: dict[str, Any]) -> None:
+    """The loop as Ray Train runs it, sending a failing worker's whole traceback to the driver first."""
+    from raytrain_eks.train.loop import ray_worker_entry
+
+    try:
+        ray_worker_entry(job)
+    except Exception:
+        queue = job.get("metrics_queue")
+        if queue is not None:
+            import ray.train
+
+            rank = ray.train.get_context().get_world_rank()
+            queue.put({"worker_traceback": traceback.format_exc(), "rank": rank})
+        raise
+
+
+def _logged(exc: Exception, run_dir: Path) -> Exception:
+    """Append the full story of ``exc`` (tracebacks, the workers' included) to ``RUN_DIR/error.log``.
+
+    Returns the exception to raise: ``exc`` itself, its one-line message now naming the log, when it is a
+    :class:`UserError`; a :class:`TrainingError` of one line for anything unexpected. A :class:`UserError` that
+    says all there is to say (no exception behind it) is returned as it is and nothing is written.
+    """
+    behind = (exc.__cause__ or exc.__context__) if isinstance(exc, UserError) else exc
+    if behind is None:
+        return exc
+    log = run_dir / ERROR_LOG
+    headline = exc.message if isinstance(exc, UserError) else f"unexpected error: {_last_line(exc)}"
+    with log.open("a") as f:
+        f.write(f"=== {datetime.now(UTC):%Y-%m-%d %H:%M:%S} UTC: {headline}\n")
+        f.write(error_report(behind))
+        details = getattr(exc, "details", None)
+        if details:
+            f.write("\nThe workers' own tracebacks:\n" + details)
+        if behind is not exc:  # where the one-line message itself was raised
+            f.write("\nReported as:\n" + "".join(traceback.format_exception(exc, chain=False)))
+        f.write("\n")
+    note = f"(full traceback: {log})"
+    if isinstance(exc, UserError):
+        exc.extend(note)
+        return exc
+    return TrainingError(f"{headline} {note}", hint=f"Run folder: {run_dir}")
+
+
+def error_report(exc: BaseException) -> str:
+    """``exc``'s traceback with its causes, then each failed Ray Train worker's own (they carry the remote one)."""
+    parts = ["".join(traceback.format_exception(exc))]
+    failures = getattr(exc, "worker_failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        parts.append(f"--- worker rank {rank} ---\n" + "".join(traceback.format_exception(failure)))
+    return "\n".join(parts)
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[-1]}" if lines else type(exc).__name__
+
+
 def _write_nccl_lines(folder: Path, lines_by_rank: list[list[str]]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for rank, lines in enumerate(lines_by_rank):
@@ -293,12 +396,18 @@ def _write_nccl_lines(folder: Path, lines_by_rank: list[list[str]]) -> None:
 
 
 def worker_error(exc: BaseException) -> str:
+    """One line for a failed Ray Train run: the first failed rank and the last line of its error.
+
+    A :class:`UserError` raised in a worker keeps its message, its first line (the last one is its hint).
+    """
     failures = getattr(exc, "worker_failures", None)
     if failures:
         rank, err = sorted(failures.items())[0]
         cause: BaseException = err
         while getattr(cause, "cause", None) is not None:
             cause = cause.cause
+        if isinstance(cause, UserError) and str(cause).strip():
+            return f"rank {rank}: {str(cause).strip().splitlines()[0]}"
         lines = [ln for ln in str(cause).strip().splitlines() if ln.strip()]
         return f"rank {rank}: {lines[-1] if lines else type(cause).__name__}"
     lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]

@@ -1,0 +1,80 @@
+"""This machine's processes as Linux's /proc shows them: enough for tests to find and stop what they started.
+
+Example::
+
+    [p for p in descendants(os.getpid()) if p.cmdline.startswith("ray::RayTrainWorker")]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Proc:
+    pid: int
+    ppid: int
+    sid: int
+    state: str  # "Z" for a zombie (exited, not yet reaped)
+    cmdline: str
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:  # gone meanwhile, or not ours to read
+        return None
+
+
+def read(pid: int) -> Proc | None:
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    # The command name (field 2) is in parentheses and may itself hold spaces and parentheses.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    raw = _read(f"/proc/{pid}/cmdline") or b""
+    cmdline = raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+    return Proc(pid=pid, ppid=int(fields[1]), sid=int(fields[3]), state=fields[0].decode(), cmdline=cmdline)
+
+
+def processes() -> list[Proc]:
+    """Every living process (zombies left out)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            p = read(int(entry))
+            if p is not None and p.state != "Z":
+                found.append(p)
+    return found
+
+
+def descendants(pid: int) -> list[Proc]:
+    """The living children of ``pid``, their children, and so on."""
+    everyone = processes()
+    children: dict[int, list[Proc]] = {}
+    for p in everyone:
+        children.setdefault(p.ppid, []).append(p)
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child.pid)
+    return found
+
+
+def environ_value(pid: int, name: str) -> str | None:
+    """The value of ``name`` in the environment ``pid`` was started with, or ``None``."""
+    raw = _read(f"/proc/{pid}/environ")
+    prefix = name.encode() + b"="
+    for item in (raw or b"").split(b"\0"):
+        if item.startswith(prefix):
+            return item[len(prefix) :].decode(errors="replace")
+    return None

@@ -1,0 +1,62 @@
+"""The suite's own end-of-session check: a test run fails when a process it started outlives it.
+
+A throw-away test run with this suite's conftest.py starts processes the way a leaking test would (a child left
+running, and a grandchild whose parent exited, so it belongs to no test process any more); the run must fail,
+name both, and leave neither running. A run that cleans up after itself passes.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import procs
+
+LEAKY = """
+import subprocess
+
+
+def test_leaves_processes_behind():
+    subprocess.Popen(["sleep", "307"])  # a child never waited for
+    subprocess.run(["sh", "-c", "sleep 308 &"], check=True)  # an orphan: its shell has exited
+"""
+
+CLEAN = """
+import subprocess
+
+
+def test_cleans_up():
+    proc = subprocess.Popen(["sleep", "309"])
+    proc.kill()
+    proc.wait()
+"""
+
+
+def _run_suite(tmp_path: Path, test_source: str) -> subprocess.CompletedProcess[str]:
+    for name in ("conftest.py", "procs.py"):
+        shutil.copy(Path(__file__).with_name(name), tmp_path / name)
+    (tmp_path / "test_it.py").write_text(test_source)
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_it.py")]
+    return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+
+
+def _sleepers(seconds: str) -> list[procs.Proc]:
+    return [p for p in procs.processes() if p.cmdline == f"sleep {seconds}"]
+
+
+def test_a_process_left_running_fails_the_run_and_is_stopped(tmp_path):
+    proc = _run_suite(tmp_path, LEAKY)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "1 passed" in out
+    assert "2 process(es) started by this test session outlived it (stopped now)" in out
+    assert "sleep 307" in out and "sleep 308" in out
+    assert not _sleepers("307") and not _sleepers("308")
+
+
+def test_a_run_that_stops_what_it_started_passes(tmp_path):
+    proc = _run_suite(tmp_path, CLEAN)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "outlived" not in proc.stdout

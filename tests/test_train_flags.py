@@ -1,0 +1,43 @@
+"""`raytrain-eks train`'s checkpoint flags: bad values are refused with the field named, before anything starts.
+
+That good values reach the run (checkpoints where and as often as asked) is shown by the integration test
+``test_checkpoint_flags_decide_where_and_how_often`` in test_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_eks.cli import main
+
+
+def test_bad_checkpoint_flags_are_named_and_start_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--checkpoint-every", "-1", "--keep-checkpoints", "1", "--output-dir", str(tmp_path / "run")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Invalid configuration: 2 problems" in err
+    assert "training.checkpoint_every = -1 (from flag --checkpoint-every)" in err
+    assert "training.keep_checkpoints = 1 (from flag --keep-checkpoints)" in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
+
+
+def test_empty_storage_path_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--storage-path", " "])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "training.storage_path = ' ' (from flag --storage-path): must not be empty" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_checkpoint_flag_that_is_not_a_number_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--keep-checkpoints", "many"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Invalid value for '--keep-checkpoints'" in err and "Traceback" not in err
