@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 from raytrain_eks import deploy_commands
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.deploy import Cancelled, apply_state
+from raytrain_eks.deploy import Cancelled
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric import commands
 from raytrain_eks.fabric import compare as cmp
@@ -45,6 +45,7 @@ from raytrain_eks.fabric.compare import (
 )
 from raytrain_eks.fabric.nccl_log import analyze_paths
 from raytrain_eks.k8s.cluster import ExecResult
+from raytrain_eks.k8s.manifests import IMAGE_PYTHON
 from raytrain_eks.runner import CommandError
 
 EFA_LOG = FIXTURES / "efa_2node_nccl2.29_ray.log"
@@ -238,7 +239,7 @@ class EnvAwareRay(FakeRay):
         ]
 
     def __call__(self, ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:
-        if argv[:2] == ["python", "-c"] and argv[2] == cmp._RAY_JOBS:
+        if argv[:2] == [IMAGE_PYTHON, "-c"] and argv[2] == cmp._RAY_JOBS:
             return run_script(argv[2], argv[3:])
         fabric = self._fabric(ns)
         if fabric == "socket" and self.fail_tcp is not None and argv[:3] == ["ray", "job", "submit"]:
@@ -278,9 +279,11 @@ def eks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     world.submit()  # a RayCluster from an earlier job is running (with the EFA env)
     world.lines.clear()
 
-    def make_deployment(cfg: Config, state_dir: Path) -> Any:
-        world.d = dataclasses.replace(world.d, cfg=apply_state(cfg, world.store))
-        return world.d
+    def make_deployment(cfg: Config, state_dir: Path, say: Callable[[str], None] | None = None) -> Any:
+        # The real remembering (and its notice, to ``say``); the fakes of the cluster behind it.
+        say = say or world.d.say
+        world.d = dataclasses.replace(world.d, cfg=deploy_commands.remembered_config(cfg, world.store, say))
+        return dataclasses.replace(world.d, say=say)
 
     monkeypatch.setattr(deploy_commands, "make_deployment", make_deployment)
     yield world

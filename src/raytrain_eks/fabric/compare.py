@@ -340,13 +340,14 @@ for job in JobSubmissionClient(sys.argv[1]).list_jobs():
 def ray_jobs(d: Deployment) -> list[dict[str, str]]:
     """The Ray jobs of ``d``'s RayCluster as its head pod lists them (``id``, ``type``, ``status``, ``entrypoint``);
     empty when no head pod runs (then no job can). Example: ``[{"id": "raytrain-...", "status": "RUNNING", ...}]``."""
+    from raytrain_eks.k8s.manifests import IMAGE_PYTHON
     from raytrain_eks.submit import DASHBOARD, head_exec, is_running, ray_pods
 
     ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
     heads, _ = ray_pods(d, ns, name)
     if not heads or not is_running(heads[0]):
         return []
-    res = head_exec(d, heads[0], ["python", "-c", _RAY_JOBS, DASHBOARD])
+    res = head_exec(d, heads[0], [IMAGE_PYTHON, "-c", _RAY_JOBS, DASHBOARD])
     if not res.ok:
         raise UserError(
             f"cannot tell whether a job is running on RayCluster {ns}/{name}: listing its Ray jobs in "
