@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import typer
+import yaml
 from test_deploy import FIXTURES, FakeRay, World, run_script
 from typer.testing import CliRunner
 
@@ -343,6 +344,33 @@ def test_compare_fabric_on_eks_through_the_fakes(eks: World):
     cats = [c for c in eks.kube.exec_calls if c[2][:1] == ["cat"]]
     assert len(cats) == 2 and all(c[1].endswith("head-0") for c in cats)
     assert len(eks.ray.submitted) == 3
+
+
+def test_compare_fabric_json_through_the_console_entry_is_only_json(eks: World, capsys, monkeypatch):
+    # The folder remembers zone us-east-1a and the configuration names none: the notice that says so, and every
+    # progress line, go to stderr; stdout is the JSON alone. ASSUME_YES=1 answers the confirmation, as -y does.
+    from raytrain_eks.cli import main
+
+    monkeypatch.setenv("ASSUME_YES", "1")
+    monkeypatch.setenv("BENCH_WARMUP_STEPS", "20")
+    main(["compare-fabric", "--json"])
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert data["speedup"] == pytest.approx(2.5) and data["warmup_steps"] == 20
+    assert "Using cluster ray-train-eks in us-east-1 (zone us-east-1a) as remembered" in err
+    assert "Restored RayCluster" in err
+
+
+def test_bench_steps_sets_the_steps_of_each_run(eks: World, monkeypatch):
+    monkeypatch.setenv("BENCH_STEPS", "120")
+    out = compare_on_eks("--json", "-y")
+    assert out.exit_code == 0, out.output
+    maps = [o for o in eks.kube.applied if o["kind"] == "ConfigMap" and "raytrain-eks.yaml" in o.get("data", {})]
+    steps = [yaml.safe_load(c["data"]["raytrain-eks.yaml"])["training"]["steps"] for c in maps[-3:]]
+    assert steps == [120, 120, 100], "both runs take BENCH_STEPS; the restored RayCluster keeps the configuration"
+    assert compare_on_eks("--json", "-y", "--steps", "110").exit_code == 0
+    maps = [o for o in eks.kube.applied if o["kind"] == "ConfigMap" and "raytrain-eks.yaml" in o.get("data", {})]
+    assert yaml.safe_load(maps[-2]["data"]["raytrain-eks.yaml"])["training"]["steps"] == 110
 
 
 def test_compare_fabric_leaves_the_raycluster_with_the_configured_environment(eks: World):

@@ -21,7 +21,7 @@ from schema_errors import schema_errors
 from typer.testing import CliRunner
 
 from raytrain_eks.aws import eksctl
-from raytrain_eks.config import load_config
+from raytrain_eks.config import AMI_FAMILIES, load_config
 from raytrain_eks.deploy_commands import register
 from raytrain_eks.errors import ConfigError
 from raytrain_eks.instances import instance_type
@@ -141,6 +141,15 @@ def test_preflight_names_the_quota_each_node_group_draws_on(cfg_for):
 
     assert "the P quota (L-417A185B) 384 vCPUs" in preflight(GPU_NODE_TYPE="p5.48xlarge", GPUS_PER_NODE="8")
     assert "the G quota (L-DB2E81BA) the system node" in preflight(SYSTEM_NODE_TYPE="g5.xlarge")
+
+
+def test_node_ami_family_reaches_both_node_groups_and_is_one_eksctl_accepts(cfg_for, schemas):
+    enum = schemas["eksctl"].schema["definitions"]["ManagedNodeGroup"]["properties"]["amiFamily"]["enum"]
+    assert set(AMI_FAMILIES) <= set(enum), "every family the config allows is one eksctl knows"
+    cfg = cfg_for(NODE_AMI_FAMILY="Bottlerocket")
+    doc = eksctl.cluster_config(cfg, eksctl.planned_zones(cfg))
+    assert {g["amiFamily"] for g in doc["managedNodeGroups"]} == {"Bottlerocket"}
+    assert schema_errors(schemas["eksctl"], doc) == []
 
 
 def test_the_eksctl_validator_does_reject_unknown_keys(cfg_for, schemas):

@@ -217,8 +217,8 @@ def compare_fabric(
 
     cfg = load_config(preset=presets.choose(preset), path=config)
     steps = steps or cfg.fabric.compare_steps
-    if steps is not None and steps != cfg.training.steps:  # validated as any setting is (warm-up within the steps)
-        cfg = load_config(preset=presets.choose(preset), path=config, overrides={"training": {"steps": steps}})
+    if steps is not None:  # checked as any setting is (warmup_steps within the steps); only the two runs take it
+        load_config(preset=presets.choose(preset), path=config, overrides={"training": {"steps": steps}})
     warmup_steps = cfg.fabric.compare_warmup_steps if warmup_steps is None else warmup_steps
     # The token goes from this environment into a Secret through the API: never a file, argv or log line.
     with compare.eks_runner(
@@ -226,6 +226,7 @@ def compare_fabric(
         lambda run_cfg: make_deployment(run_cfg, state_dir, say),
         confirm=lambda question: yes or typer.confirm(question, default=False, err=True),
         hf_token=os.environ.get("HF_TOKEN") or None,
+        steps=steps,
     ) as run_job:
         result = compare.compare_fabric(run_job, warmup_steps=warmup_steps, min_samples=min_samples, say=say)
     typer.echo(result.to_json() if json_output else result.render())

@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import base64
+import gzip
 import hashlib
 import importlib.metadata
 import io
@@ -98,13 +99,14 @@ def package_digest(files: Mapping[str, str]) -> str:
 def package_archive(files: Mapping[str, str]) -> str:
     """The files as a base64 tar.gz (text, to travel on an exec's stdin). Deterministic for the same files."""
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=9) as tar:
+    with tarfile.open(fileobj=buf, mode="w") as tar:
         for name in sorted(files):
             data = files[name].encode("utf-8")
             info = tarfile.TarInfo(name)
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             tar.addfile(info, io.BytesIO(data))
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    # gzip's header holds a time stamp: 0, so that the same files give the same text (a written plan matches).
+    return base64.b64encode(gzip.compress(buf.getvalue(), compresslevel=9, mtime=0)).decode("ascii")
 
 
 def runtime_env(code_dir: str) -> dict[str, Any]:
