@@ -1136,6 +1136,16 @@ def test_cli_submit_exit_code_and_down_twice(ready: World, monkeypatch: pytest.M
     assert "Nothing to delete" in ready.said()
 
 
+@pytest.mark.parametrize(("assume_yes", "asked"), [("1", False), ("", True), ("0", True)])
+def test_assume_yes_of_env_sh_answers_downs_question(ready: World, monkeypatch, assume_yes, asked):
+    monkeypatch.setattr(deploy_commands, "make_deployment", lambda cfg, state_dir, *say: StateDeployment(ready))
+    app = typer.Typer()
+    deploy_commands.register(app)
+    result = CliRunner().invoke(app, ["down"], input="n\n", env={"ASSUME_YES": assume_yes})
+    assert ("Continue?" in result.output) is asked
+    assert (ready.tools.cluster is None) is not asked, "deleted only when ASSUME_YES=1 answered for the user"
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # Small pieces
 # ------------------------------------------------------------------------------------------------------------------
