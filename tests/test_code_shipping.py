@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_eks import submit as sub
 from raytrain_eks.errors import UserError
+from raytrain_eks.k8s import job as shipping
 
 KUBELET_TIMESTAMP_DIR = "..2026_11_30_04_12_01.123456789"
 
@@ -56,7 +56,7 @@ def tree(root: Path) -> set[str]:
 
 
 def test_kubelet_layout_helper_matches_the_mount(cfg, tmp_path: Path):
-    code_map, items = sub.code_config_map(cfg, {"raytrain_eks/__init__.py": "x = 1\n", "raytrain_eks/a/b.py": ""})
+    code_map, items = shipping.code_config_map(cfg, {"raytrain_eks/__init__.py": "x = 1\n", "raytrain_eks/a/b.py": ""})
     mount = kubelet_config_map_volume(tmp_path, code_map["data"], items)
     assert os.readlink(mount / "..data") == KUBELET_TIMESTAMP_DIR
     assert os.readlink(mount / "raytrain_eks") == "..data/raytrain_eks"
@@ -69,15 +69,15 @@ def test_kubelet_layout_helper_matches_the_mount(cfg, tmp_path: Path):
 def test_ray_ships_the_package_from_the_mounted_config_map(cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import ray
 
-    code_map, items = sub.code_config_map(cfg, sub.package_files())
+    code_map, items = shipping.code_config_map(cfg, shipping.package_files())
     data = code_map["data"]
     expected = {item["path"]: data[item["key"]] for item in items}
     assert {"raytrain_eks/train/loop.py", "raytrain_eks/fabric/nccl_log.py"} <= set(expected)
     mount = kubelet_config_map_volume(tmp_path / "mount", data, items)
     before = tree(mount)
     # The path rayjob_manifest's runtime_env names, with the mount folder moved to this test's.
-    (module,) = sub.runtime_env(sub.SUBMITTER_CODE_DIR)["py_modules"]
-    module = module.replace(sub.SUBMITTER_CODE_DIR, str(mount), 1)
+    (module,) = shipping.runtime_env(shipping.SUBMITTER_CODE_DIR)["py_modules"]
+    module = module.replace(shipping.SUBMITTER_CODE_DIR, str(mount), 1)
 
     # A job-level runtime_env, as `ray job submit --runtime-env-json` gives it (Ray uploads local paths only there).
     # No pip key: nothing may be installed here. address="local" never joins another test run's Ray.
@@ -132,21 +132,21 @@ def test_ray_ships_the_package_from_the_mounted_config_map(cfg, tmp_path: Path, 
 
 
 def test_the_real_package_fits_a_config_map_with_room_to_grow(cfg):
-    code_map, _ = sub.code_config_map(cfg, sub.package_files())
-    size = sub.config_map_bytes(code_map)
+    code_map, _ = shipping.code_config_map(cfg, shipping.package_files())
+    size = shipping.config_map_bytes(code_map)
     assert size >= sum(len(v.encode("utf-8")) for v in code_map["data"].values())
     # A quarter of the limit kept free, so a growing package fails here before it fails in the cluster.
-    assert size < 0.75 * sub.CONFIG_MAP_MAX_BYTES, f"{size:,} bytes of {sub.CONFIG_MAP_MAX_BYTES:,}"
+    assert size < 0.75 * shipping.CONFIG_MAP_MAX_BYTES, f"{size:,} bytes of {shipping.CONFIG_MAP_MAX_BYTES:,}"
 
 
 def test_an_oversized_package_is_refused_with_its_largest_files(cfg):
     files = {
         "raytrain_eks/__init__.py": "",
-        "raytrain_eks/resources/big.jsonl": "x" * (sub.CONFIG_MAP_MAX_BYTES - 2000),
+        "raytrain_eks/resources/big.jsonl": "x" * (shipping.CONFIG_MAP_MAX_BYTES - 2000),
         "raytrain_eks/train/loop.py": "y" * 3000,
     }
     with pytest.raises(UserError) as err:
-        sub.code_config_map(cfg, files)
+        shipping.code_config_map(cfg, files)
     message = str(err.value)
     assert f"ConfigMap {cfg.ray.namespace}/{cfg.ray.cluster_name}-code" in message
     assert "at most 1,048,576" in message
@@ -155,7 +155,7 @@ def test_an_oversized_package_is_refused_with_its_largest_files(cfg):
 
 
 def test_a_package_just_under_the_limit_is_accepted(cfg):
-    files = {"raytrain_eks/big.py": "x" * (sub.CONFIG_MAP_MAX_BYTES - 1000)}
-    code_map, items = sub.code_config_map(cfg, files)
-    assert sub.config_map_bytes(code_map) <= sub.CONFIG_MAP_MAX_BYTES
+    files = {"raytrain_eks/big.py": "x" * (shipping.CONFIG_MAP_MAX_BYTES - 1000)}
+    code_map, items = shipping.code_config_map(cfg, files)
+    assert shipping.config_map_bytes(code_map) <= shipping.CONFIG_MAP_MAX_BYTES
     assert items == [{"key": "raytrain_eks__big.py", "path": "raytrain_eks/big.py"}]

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from raytrain_eks import presets
 from raytrain_eks.cli import main
-from raytrain_eks.config import ENV_VARS, Config, load_config
+from raytrain_eks.config import COMMAND_ENV_VARS, ENV_VARS, Config, load_config
 from raytrain_eks.errors import ConfigError
 
 
@@ -29,6 +29,7 @@ def test_reference_defaults_match_the_reference_deployment(tmp_path, monkeypatch
     }
     assert cfg.training.model_id == "Qwen/Qwen2.5-1.5B"
     assert cfg.training.precision == "bf16"
+    assert (cfg.cluster.k8s_version, cfg.cluster.ami_family) == ("1.36", "AmazonLinux2023")  # the reference's
     d = cfg.derived
     assert (d.cluster_gpus, d.world_size, d.workers_per_node, d.ray_gpus_per_worker_pod) == (8, 8, 4, 4)
 
@@ -59,12 +60,31 @@ def test_layers_apply_in_order_file_then_env_then_flags(tmp_path, monkeypatch):
     assert cfg.training.model_id == "builtin:tiny-qwen2"  # preset, untouched by the file
 
 
+# Every variable the reference's scripts/env.sh sets, in its order (AWS_REGION and AWS_DEFAULT_REGION are copies of
+# REGION that it exports for the AWS CLI; boto3 reads them itself).
+REFERENCE_ENV_SH = [
+    "CLUSTER_NAME", "REGION", "K8S_VERSION", "NODE_AMI_FAMILY", "AWS_REGION", "AWS_DEFAULT_REGION", "NAMESPACE",
+    "ASSUME_YES", "SYSTEM_NODE_TYPE", "SYSTEM_NODE_COUNT", "GPU_NODE_TYPE", "GPU_NODE_COUNT", "GPUS_PER_NODE",
+    "GPU_NODEGROUP_NAME", "GPU_AZ", "CAPACITY_RESERVATION_ID", "DLC_IMAGE", "KUBERAY_VERSION", "RAY_VERSION",
+    "RAY_CLUSTER_NAME", "NVIDIA_DEVICE_PLUGIN_VERSION", "EFA_DEVICE_PLUGIN_VERSION", "MODEL_ID", "STEPS", "SEQ_LEN",
+    "BATCH_SIZE", "LEARNING_RATE", "NUM_WORKERS", "BENCH_STEPS", "BENCH_WARMUP_STEPS",
+]  # fmt: skip
+
+
+def test_no_variable_of_the_reference_env_sh_is_ignored():
+    aliases = {"AWS_REGION", "AWS_DEFAULT_REGION"}
+    ignored = [n for n in REFERENCE_ENV_SH if n not in ENV_VARS and n not in COMMAND_ENV_VARS and n not in aliases]
+    assert ignored == []
+
+
 def test_every_env_var_of_the_reference_is_read(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     values = {
         "CLUSTER_NAME": "c1",
         "REGION": "eu-west-1",
         "K8S_VERSION": "1.32",
+        "NODE_AMI_FAMILY": "Bottlerocket",
+        "CAPACITY_RESERVATION_ID": "cr-0123456789abcdef0",
         "SYSTEM_NODE_TYPE": "m7i.2xlarge",
         "SYSTEM_NODE_COUNT": "2",
         "GPU_NODE_TYPE": "p5.48xlarge",
@@ -85,6 +105,11 @@ def test_every_env_var_of_the_reference_is_read(tmp_path, monkeypatch):
         "BATCH_SIZE": "4",
         "LEARNING_RATE": "0.0001",
         "NUM_WORKERS": "16",
+        "CHECKPOINT_EVERY": "25",
+        "KEEP_CHECKPOINTS": "3",
+        "STORAGE_PATH": "s3://bucket/runs",
+        "BENCH_STEPS": "40",
+        "BENCH_WARMUP_STEPS": "5",
     }
     assert set(values) == set(ENV_VARS)
     cfg = load_config(environ=values)
@@ -109,6 +134,19 @@ def test_all_problems_reported_at_once_with_field_value_and_source(tmp_path, mon
     assert "training.optimiser" in text and "unknown setting; allowed here: model_id" in text
 
 
+def test_ami_family_is_one_eksctl_knows_and_has_an_image_for_the_version(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config(environ={"NODE_AMI_FAMILY": "Bottlerocket"}).cluster.ami_family == "Bottlerocket"
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={"NODE_AMI_FAMILY": "WindowsServer2022CoreContainer"})
+    assert "cluster.ami_family = 'WindowsServer2022CoreContainer' (from environment variable NODE_AMI_FAMILY)" in str(
+        info.value
+    )
+    with pytest.raises(ConfigError, match="ami_family 'AmazonLinux2' has no EKS AMI for k8s_version 1.36"):
+        load_config(environ={"NODE_AMI_FAMILY": "AmazonLinux2"})
+    assert load_config(environ={"NODE_AMI_FAMILY": "AmazonLinux2", "K8S_VERSION": "1.32"}).cluster.ami_family
+
+
 def test_cross_field_checks(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as info:
@@ -123,6 +161,10 @@ def test_optional_zone_and_reservation_empty_means_unset_and_a_bad_value_is_name
     monkeypatch.chdir(tmp_path)
     cfg = load_config(environ={"GPU_AZ": ""}, overrides={"cluster": {"capacity_reservation_id": ""}})
     assert (cfg.cluster.gpu_az, cfg.cluster.capacity_reservation_id) == (None, None)
+    # As env.sh exports them when not set: empty is not set, where not set is allowed.
+    empty = load_config(environ={"CAPACITY_RESERVATION_ID": "", "STORAGE_PATH": "", "BENCH_STEPS": ""})
+    assert (empty.cluster.capacity_reservation_id, empty.training.storage_path) == (None, None)
+    assert empty.fabric.compare_steps is None
     with pytest.raises(ConfigError) as info:
         load_config(
             environ={"GPU_AZ": "us-east-1"},

@@ -35,9 +35,11 @@ from raytrain_eks import submit as sub
 from raytrain_eks.config import Config, load_config
 from raytrain_eks.deploy import Cancelled, Deployment, NodesNotReady, StateStore
 from raytrain_eks.errors import UserError
+from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import Event, ExecResult, _exec_returncode
 from raytrain_eks.k8s.fake import FakeKube, parse_quantity
+from raytrain_eks.plan import write_plan
 from raytrain_eks.runner import CommandError, Completed, MissingToolError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
@@ -136,7 +138,8 @@ class FakeTools:
             return 0, "", ""
         if verb == ("eksctl", "get", "nodegroup"):
             if self.cluster is None:
-                return 1, "", "Error: No cluster found"
+                name = self._opt(argv, "--cluster")
+                return 1, "", f"Error: ResourceNotFoundException: No cluster found for name: {name}."
             return 0, json.dumps([{"Name": n, "Status": g["status"]} for n, g in self.nodegroups.items()]), ""
         if verb == ("eksctl", "create", "nodegroup"):
             return self._create_nodegroup(yaml.safe_load(Path(self._opt(argv, "-f")).read_text()))
@@ -266,11 +269,11 @@ class FakeRay:
         if argv[:1] == ["test"]:
             local = self.tmp / "head" / argv[-1].lstrip("/")
             return ExecResult(0 if local.is_file() else 1, "")
-        if argv[:2] == ["python", "-c"] and argv[2] == sub._UNPACK:
+        if argv[:2] == [m.IMAGE_PYTHON, "-c"] and argv[2] == shipping._UNPACK:
             dest = self.tmp / "head" / argv[3].lstrip("/")
             self.unpacked = dest
             return run_script(argv[2], [str(dest)], stdin)
-        if argv[:2] == ["python", "-c"] and argv[2] == sub._NCCL_LINES:
+        if argv[:2] == [m.IMAGE_PYTHON, "-c"] and argv[2] == sub._NCCL_LINES:
             index = int(pod.rsplit("-", 1)[1])
             source = self.worker_logs[index]
             if source.is_file():  # a single log file: stands in for the whole session folder
@@ -644,7 +647,7 @@ def test_submit_runs_the_job_from_the_head_pod_and_checks_efa(ready: World):
     assert head_calls[0][1] == "ray-train-head-0"
     assert argv[argv.index("--address") + 1] == "http://127.0.0.1:8265"
     assert argv[argv.index("--") + 1 :] == [
-        "python",
+        "python3",
         "-m",
         "raytrain_eks.cli",
         "train",
@@ -657,13 +660,13 @@ def test_submit_runs_the_job_from_the_head_pod_and_checks_efa(ready: World):
     names = [p.split("=")[0].split(">")[0].split("[")[0] for p in env["pip"]]
     assert "transformers" in names and "torch" not in names and "ray" not in names and "kubernetes" not in names
     (module,) = env["py_modules"]
-    assert module.startswith(sub.HEAD_CODE_ROOT) and module.endswith("/raytrain_eks")
+    assert module.startswith(shipping.HEAD_CODE_ROOT) and module.endswith("/raytrain_eks")
     # The package really arrived in the "head pod" (the unpack script ran on its stdin).
     assert ready.ray.unpacked is not None and (ready.ray.unpacked / "raytrain_eks" / "__init__.py").is_file()
     assert (ready.ray.unpacked / "raytrain_eks" / "resources" / "sample_instructions.jsonl").is_file()
     # Logs were streamed; NCCL lines were read in every worker pod.
     assert "step 20 loss 1.87" in ready.said()
-    nccl = [c[1] for c in ready.kube.exec_calls if c[2][:2] == ["python", "-c"] and c[2][2] == sub._NCCL_LINES]
+    nccl = [c[1] for c in ready.kube.exec_calls if c[2][:2] == [m.IMAGE_PYTHON, "-c"] and c[2][2] == sub._NCCL_LINES]
     assert nccl == ["ray-train-gpu-workers-worker-0", "ray-train-gpu-workers-worker-1"]
     assert "OK: the job succeeded" in ready.said()
 
@@ -786,7 +789,7 @@ def test_a_broken_log_stream_is_followed_again(ready: World):
 def test_package_is_uploaded_once(ready: World):
     ready.submit()
     ready.submit()
-    unpacks = [c for c in ready.kube.exec_calls if c[2][:2] == ["python", "-c"] and c[2][2] == sub._UNPACK]
+    unpacks = [c for c in ready.kube.exec_calls if c[2][:2] == [m.IMAGE_PYTHON, "-c"] and c[2][2] == shipping._UNPACK]
     assert len(unpacks) == 1 and len(ready.ray.submitted) == 2
 
 
@@ -799,15 +802,53 @@ def test_rayjob_mode_renders_a_rayjob_that_ships_the_code(ready: World):
     spec = job["spec"]
     assert shlex.split(spec["entrypoint"]) == m.train_argv()
     env = yaml.safe_load(spec["runtimeEnvYAML"])
-    assert env["py_modules"] == [f"{sub.SUBMITTER_CODE_DIR}/raytrain_eks"] and env["pip"]
+    assert env["py_modules"] == [f"{shipping.SUBMITTER_CODE_DIR}/raytrain_eks"] and env["pip"]
     submitter = spec["submitterPodTemplate"]["spec"]
-    assert submitter["containers"][0]["volumeMounts"][0]["mountPath"] == sub.SUBMITTER_CODE_DIR
+    assert submitter["containers"][0]["volumeMounts"][0]["mountPath"] == shipping.SUBMITTER_CODE_DIR
     code = next(o for o in ready.kube.objects("ConfigMap") if o["metadata"]["name"] == "ray-train-code")
     assert len(json.dumps(code["data"]).encode()) < 1 << 20, "a ConfigMap holds at most 1 MiB"
     items = submitter["volumes"][0]["configMap"]["items"]
     assert {"key": "raytrain_eks____init__.py", "path": "raytrain_eks/__init__.py"} in items
     assert not ready.ray.submitted, "KubeRay's submitter submits a RayJob, not raytrain-eks"
     assert ready.store.get("job")["id"] == "ray-train-job"
+
+
+def _after_dashdash(argv: list[str]) -> list[str]:
+    return argv[argv.index("--") + 1 :]
+
+
+def test_the_plans_submit_commands_are_what_submit_runs_in_the_head_pod(ready: World, tmp_path: Path):
+    # What `plan -o DIR` writes for --mode raycluster, run as written, must be what `submit` does: unpack the same
+    # package into the same folder, then `ray job submit` with the same runtime_env and entrypoint.
+    plan, _ = write_plan(ready.d.cfg, tmp_path / "plan-out")
+    steps = {s.name: s for s in plan.steps}
+    ready.submit()
+    (_, pod, unpack, stdin), *_ = [c for c in ready.kube.exec_calls if c[2][:2] == [m.IMAGE_PYTHON, "-c"]]
+    assert pod == "ray-train-head-0"
+    assert _after_dashdash(steps["upload-package"].command) == unpack
+    assert (tmp_path / "plan-out" / steps["upload-package"].stdin).read_text() == stdin
+    (sent,) = ready.ray.submitted
+    planned = _after_dashdash(steps["submit"].command)
+    # submit names its job and returns at once (it follows the logs itself); everything else is the same argv.
+    sid = sent.index("--submission-id")
+    assert [a for i, a in enumerate(sent) if i not in (sid, sid + 1) and a != "--no-wait"] == planned
+    env = json.loads(planned[planned.index("--runtime-env-json") + 1])
+    assert env["pip"] and env["py_modules"] == [f"{unpack[-1]}/raytrain_eks"]
+    assert _after_dashdash(planned) == m.train_argv()
+
+
+def test_the_plans_rayjob_is_the_one_submit_applies(ready: World, tmp_path: Path):
+    out = tmp_path / "plan-out"
+    write_plan(ready.d.cfg, out, mode="rayjob")
+    assert ready.submit(mode="rayjob").exit_code == 0
+    (applied,) = [o for o in ready.kube.applied if o["kind"] == "RayJob"]
+    (planned,) = yaml.safe_load_all((out / "rayjob.yaml").read_text())
+    assert planned == applied
+    assert yaml.safe_load(planned["spec"]["runtimeEnvYAML"])["py_modules"] == [
+        f"{shipping.SUBMITTER_CODE_DIR}/raytrain_eks"
+    ]
+    code = next(o for o in ready.kube.applied if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "ray-train-code")
+    assert list(yaml.safe_load_all((out / "code-configmap.yaml").read_text())) == [code]
 
 
 def test_rayjob_scales_the_gpu_group_to_zero_after_the_job_and_back_for_the_next(ready: World):
@@ -833,7 +874,7 @@ def test_finished_rayjob_is_replaced_on_resubmit(ready: World):
 
 
 def test_image_missing_requirements_are_the_pinned_deps_minus_the_image():
-    reqs = sub.image_missing_requirements()
+    reqs = shipping.image_missing_requirements()
     assert "transformers==5.23.0" in reqs and "pydantic==2.14.3" in reqs
     assert not [r for r in reqs if r.startswith(("torch", "ray", "pyarrow", "kubernetes", "boto3", "s3fs"))]
 
@@ -958,6 +999,50 @@ def test_down_without_aws_credentials_says_it_could_not_check(ready: World, monk
     assert "Could not check for leftover NAT gateways, Elastic IPs or instances: no AWS credentials" in ready.said()
 
 
+def test_down_keeps_every_record_when_eksctl_fails_with_another_not_found(ready: World):
+    # A missing AWS profile is "not found" too, but says nothing about the cluster: it is not taken as deleted.
+    ready.tools.fail_once["eksctl get cluster"] = "Error: failed to get shared config profile, dev: not found"
+    created = list(ready.store.created)
+    with pytest.raises(CommandError, match="profile, dev: not found"):
+        deploy.down(ready.d, confirm=lambda q: True)
+    assert ready.store.created == created and ready.tools.cluster is not None
+    assert not ready.tools.commands("eksctl", "delete")
+
+
+def _answer(w: World, prefix: list[str], stdout: str) -> None:
+    """Make the next commands starting with ``prefix`` succeed with ``stdout`` (another eksctl release's output)."""
+    real = w.d.run
+
+    def run(argv: Any, **kw: Any) -> Completed:
+        if list(argv[: len(prefix)]) == prefix:
+            w.tools.calls.append(list(argv))
+            return Completed(tuple(argv), 0, stdout, "")
+        return real(argv, **kw)
+
+    w.d.run = run
+
+
+@pytest.mark.parametrize(
+    ("prefix", "stdout", "what"),
+    [
+        (["eksctl", "get", "cluster"], json.dumps([{"Name": "ray-train-eks"}]), "gave no Status"),
+        (["eksctl", "get", "cluster"], "ray-train-eks  ACTIVE", "printed no JSON list"),
+        (["eksctl", "get", "nodegroup"], json.dumps([{"Name": "gpu-efa"}]), "gave no Status"),
+    ],
+)
+def test_an_answer_without_a_status_is_unknown_not_active(ready: World, prefix, stdout, what):
+    eks_items = [i for i in ready.store.created if i["type"] in ("cluster", "nodegroup")]
+    _answer(ready, prefix, stdout)
+    with pytest.raises(deploy.UnreadableAnswer, match=what) as err:
+        deploy.down(ready.d, confirm=lambda q: True)
+    assert "nothing recorded was forgotten" in err.value.message
+    kept = [i for i in ready.store.created if i["type"] in ("cluster", "nodegroup")]
+    assert kept == eks_items and len(kept) == 3, "the record of the cluster and its node groups is kept"
+    assert not ready.tools.commands("eksctl", "delete")
+    with pytest.raises(deploy.UnreadableAnswer):
+        deploy.status(ready.d)
+
+
 def test_down_leaves_a_cluster_it_did_not_create(world: World):
     world.tools.cluster = {"name": "ray-train-eks", "azs": ZONES}
     world.up()
@@ -1038,7 +1123,7 @@ def test_up_refuses_a_folder_that_belongs_to_another_cluster(ready: World):
 
 
 def test_cli_submit_exit_code_and_down_twice(ready: World, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(deploy_commands, "make_deployment", lambda cfg, state_dir: StateDeployment(ready))
+    monkeypatch.setattr(deploy_commands, "make_deployment", lambda cfg, state_dir, *say: StateDeployment(ready))
     log = FIXTURES / "socket_fallback_nccl2.27_kubectl.log"
     ready.ray.worker_logs = [log, log]
     app = typer.Typer()
@@ -1049,6 +1134,16 @@ def test_cli_submit_exit_code_and_down_twice(ready: World, monkeypatch: pytest.M
     second = cli.invoke(app, ["down"])  # no -y: nothing to confirm when nothing is left
     assert second.exit_code == 0
     assert "Nothing to delete" in ready.said()
+
+
+@pytest.mark.parametrize(("assume_yes", "asked"), [("1", False), ("", True), ("0", True)])
+def test_assume_yes_of_env_sh_answers_downs_question(ready: World, monkeypatch, assume_yes, asked):
+    monkeypatch.setattr(deploy_commands, "make_deployment", lambda cfg, state_dir, *say: StateDeployment(ready))
+    app = typer.Typer()
+    deploy_commands.register(app)
+    result = CliRunner().invoke(app, ["down"], input="n\n", env={"ASSUME_YES": assume_yes})
+    assert ("Continue?" in result.output) is asked
+    assert (ready.tools.cluster is None) is not asked, "deleted only when ASSUME_YES=1 answered for the user"
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -16,18 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import typer
+import yaml
 from test_deploy import FIXTURES, FakeRay, World, run_script
 from typer.testing import CliRunner
 
 from raytrain_eks import deploy_commands
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.deploy import Cancelled, apply_state
+from raytrain_eks.deploy import Cancelled
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric import commands
 from raytrain_eks.fabric import compare as cmp
@@ -45,6 +46,7 @@ from raytrain_eks.fabric.compare import (
 )
 from raytrain_eks.fabric.nccl_log import analyze_paths
 from raytrain_eks.k8s.cluster import ExecResult
+from raytrain_eks.k8s.manifests import IMAGE_PYTHON
 from raytrain_eks.runner import CommandError
 
 EFA_LOG = FIXTURES / "efa_2node_nccl2.29_ray.log"
@@ -238,7 +240,7 @@ class EnvAwareRay(FakeRay):
         ]
 
     def __call__(self, ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:
-        if argv[:2] == ["python", "-c"] and argv[2] == cmp._RAY_JOBS:
+        if argv[:2] == [IMAGE_PYTHON, "-c"] and argv[2] == cmp._RAY_JOBS:
             return run_script(argv[2], argv[3:])
         fabric = self._fabric(ns)
         if fabric == "socket" and self.fail_tcp is not None and argv[:3] == ["ray", "job", "submit"]:
@@ -278,9 +280,11 @@ def eks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
     world.submit()  # a RayCluster from an earlier job is running (with the EFA env)
     world.lines.clear()
 
-    def make_deployment(cfg: Config, state_dir: Path) -> Any:
-        world.d = dataclasses.replace(world.d, cfg=apply_state(cfg, world.store))
-        return world.d
+    def make_deployment(cfg: Config, state_dir: Path, say: Callable[[str], None] | None = None) -> Any:
+        # The real remembering (and its notice, to ``say``); the fakes of the cluster behind it.
+        say = say or world.d.say
+        world.d = dataclasses.replace(world.d, cfg=deploy_commands.remembered_config(cfg, world.store, say))
+        return dataclasses.replace(world.d, say=say)
 
     monkeypatch.setattr(deploy_commands, "make_deployment", make_deployment)
     yield world
@@ -340,6 +344,33 @@ def test_compare_fabric_on_eks_through_the_fakes(eks: World):
     cats = [c for c in eks.kube.exec_calls if c[2][:1] == ["cat"]]
     assert len(cats) == 2 and all(c[1].endswith("head-0") for c in cats)
     assert len(eks.ray.submitted) == 3
+
+
+def test_compare_fabric_json_through_the_console_entry_is_only_json(eks: World, capsys, monkeypatch):
+    # The folder remembers zone us-east-1a and the configuration names none: the notice that says so, and every
+    # progress line, go to stderr; stdout is the JSON alone. ASSUME_YES=1 answers the confirmation, as -y does.
+    from raytrain_eks.cli import main
+
+    monkeypatch.setenv("ASSUME_YES", "1")
+    monkeypatch.setenv("BENCH_WARMUP_STEPS", "20")
+    main(["compare-fabric", "--json"])
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    assert data["speedup"] == pytest.approx(2.5) and data["warmup_steps"] == 20
+    assert "Using cluster ray-train-eks in us-east-1 (zone us-east-1a) as remembered" in err
+    assert "Restored RayCluster" in err
+
+
+def test_bench_steps_sets_the_steps_of_each_run(eks: World, monkeypatch):
+    monkeypatch.setenv("BENCH_STEPS", "120")
+    out = compare_on_eks("--json", "-y")
+    assert out.exit_code == 0, out.output
+    maps = [o for o in eks.kube.applied if o["kind"] == "ConfigMap" and "raytrain-eks.yaml" in o.get("data", {})]
+    steps = [yaml.safe_load(c["data"]["raytrain-eks.yaml"])["training"]["steps"] for c in maps[-3:]]
+    assert steps == [120, 120, 100], "both runs take BENCH_STEPS; the restored RayCluster keeps the configuration"
+    assert compare_on_eks("--json", "-y", "--steps", "110").exit_code == 0
+    maps = [o for o in eks.kube.applied if o["kind"] == "ConfigMap" and "raytrain-eks.yaml" in o.get("data", {})]
+    assert yaml.safe_load(maps[-2]["data"]["raytrain-eks.yaml"])["training"]["steps"] == 110
 
 
 def test_compare_fabric_leaves_the_raycluster_with_the_configured_environment(eks: World):

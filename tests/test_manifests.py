@@ -204,6 +204,15 @@ def test_worker_pod_environment_volumes_and_placement(cfg_for):
     assert container["image"] == _head(m.raycluster(cfg))["template"]["spec"]["containers"][0]["image"] == cfg.ray.image
 
 
+def test_every_ray_pod_runs_ray_stop_before_it_is_killed(cfg_for):
+    # The reference's RayCluster has the hook on the head and on the workers: a worker killed without it loses
+    # its raylet's logs and leaves the head waiting for the node to time out.
+    for doc in (m.raycluster(cfg_for()), m.rayjob(cfg_for())):
+        for template in m.pod_templates(doc):
+            (container,) = template["spec"]["containers"]
+            assert container["lifecycle"] == {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}}
+
+
 def test_explicit_worker_size_wins_over_the_instance_share(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = load_config(environ={}, overrides={"ray": {"worker_cpu": 44, "worker_memory_gib": 170}})
@@ -260,7 +269,7 @@ def test_rayjob_entrypoint_is_a_quoted_argv(cfg_for):
     spec = m.rayjob(cfg_for())["spec"]
     assert spec["entrypoint"] == shlex.join(m.train_argv())
     assert shlex.split(spec["entrypoint"]) == m.train_argv()
-    assert m.train_argv()[:6] == ["python", "-m", "raytrain_eks.cli", "train", "--address", "auto"]
+    assert m.train_argv()[:6] == ["python3", "-m", "raytrain_eks.cli", "train", "--address", "auto"]
     assert m.train_argv()[-1] == f"{m.CONFIG_DIR}/{m.CONFIG_FILE}"
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,20 @@ from schema_errors import schema_errors
 from typer.testing import CliRunner
 
 from raytrain_eks.aws import eksctl
-from raytrain_eks.config import load_config
+from raytrain_eks.config import AMI_FAMILIES, load_config
 from raytrain_eks.deploy_commands import register
 from raytrain_eks.errors import ConfigError
 from raytrain_eks.instances import instance_type
 from raytrain_eks.k8s import manifests as m
-from raytrain_eks.plan import build_plan, cost_per_hour, helm_releases, run_cost, write_plan
+from raytrain_eks.plan import (
+    CODE_CONFIG_MAP_FILE,
+    PACKAGE_ARCHIVE_FILE,
+    build_plan,
+    cost_per_hour,
+    helm_releases,
+    run_cost,
+    write_plan,
+)
 
 SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md
 INSTANCES = [("g6.12xlarge", 4, 1), ("g5.48xlarge", 8, 1), ("p4d.24xlarge", 8, 4), ("p5.48xlarge", 8, 32)]
@@ -40,6 +49,7 @@ RAYCLUSTER_STEPS = [
     "job-config",
     "apply-raycluster",
     "wait-raycluster",
+    "upload-package",
     "submit",
     "check-nccl-transport",
 ]
@@ -86,7 +96,7 @@ def test_cluster_config_validates_and_keeps_eksctls_efa_rules(cfg_for, schemas, 
     assert doc["metadata"] == {
         "name": "ray-train-eks",
         "region": "us-east-1",
-        "version": "1.33",
+        "version": "1.36",
         "tags": {"created-by": "raytrain-eks", "raytrain-eks/cluster": "ray-train-eks"},
     }
     assert doc["iam"]["withOIDC"] is True
@@ -131,6 +141,15 @@ def test_preflight_names_the_quota_each_node_group_draws_on(cfg_for):
 
     assert "the P quota (L-417A185B) 384 vCPUs" in preflight(GPU_NODE_TYPE="p5.48xlarge", GPUS_PER_NODE="8")
     assert "the G quota (L-DB2E81BA) the system node" in preflight(SYSTEM_NODE_TYPE="g5.xlarge")
+
+
+def test_node_ami_family_reaches_both_node_groups_and_is_one_eksctl_accepts(cfg_for, schemas):
+    enum = schemas["eksctl"].schema["definitions"]["ManagedNodeGroup"]["properties"]["amiFamily"]["enum"]
+    assert set(AMI_FAMILIES) <= set(enum), "every family the config allows is one eksctl knows"
+    cfg = cfg_for(NODE_AMI_FAMILY="Bottlerocket")
+    doc = eksctl.cluster_config(cfg, eksctl.planned_zones(cfg))
+    assert {g["amiFamily"] for g in doc["managedNodeGroups"]} == {"Bottlerocket"}
+    assert schema_errors(schemas["eksctl"], doc) == []
 
 
 def test_the_eksctl_validator_does_reject_unknown_keys(cfg_for, schemas):
@@ -230,6 +249,31 @@ def test_reference_cost_is_about_nine_and_a_half_dollars_an_hour(cfg_for):
     assert cost["complete"] is True and cost["price_region"] == "us-east-1"
 
 
+@pytest.mark.parametrize(
+    ("version", "day", "period", "control_plane_usd"),
+    [
+        ("1.36", date(2026, 11, 30), "standard", 0.10),  # the reference's version, newer than EKS's calendar here
+        ("1.34", date(2026, 11, 30), "standard", 0.10),  # standard support ends 2026-12-02
+        ("1.34", date(2026, 12, 3), "extended", 0.60),
+        ("1.33", date(2026, 11, 30), "extended", 0.60),  # standard support ended 2026-07-29
+        ("1.32", date(2026, 11, 30), "extended", 0.60),
+        ("1.31", date(2026, 11, 30), "ended", 0.10),  # extended support ended 2026-11-26
+    ],
+)
+def test_the_control_plane_is_priced_by_the_versions_eks_support(cfg_for, version, day, period, control_plane_usd):
+    cost = build_plan(cfg_for(K8S_VERSION=version), on=day).cost
+    items = {i["name"]: i for i in cost["items"]}
+    plane = items["EKS control plane"]
+    assert plane["usd_per_hour"] == pytest.approx(control_plane_usd)
+    assert plane["what"] == f"cluster on Kubernetes {version}, {period} support"
+    assert cost["total_usd"] == pytest.approx(2 * 4.6016 + 0.2016 + control_plane_usd + 0.045)
+    note = next(n for n in cost["notes"] if f"Kubernetes {version}" in n)
+    if period == "extended":
+        assert "extended support until" in note and "$0.60/h instead of $0.10/h" in note
+    if period == "ended":
+        assert "a new cluster cannot be created with it" in note
+
+
 def test_cost_follows_the_instance_and_says_when_a_price_is_unknown(cfg_for):
     cfg = cfg_for(GPU_NODE_TYPE="p5.48xlarge", GPUS_PER_NODE="8", GPU_NODE_COUNT="4", REGION="eu-west-1")
     cost = build_plan(cfg).cost
@@ -293,6 +337,8 @@ def test_everything_plan_writes_validates(cfg_for, schemas, tmp_path, itype, gpu
         "job-config.yaml",
         manifest,
         "plan.json",
+        # The package the job imports, as the step that ships it reads it.
+        PACKAGE_ARCHIVE_FILE if mode == "raycluster" else CODE_CONFIG_MAP_FILE,
     }
     assert {str(p.relative_to(out)) for p in written} == expected
     assert {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()} == expected
@@ -313,7 +359,7 @@ def test_everything_plan_writes_validates(cfg_for, schemas, tmp_path, itype, gpu
     assert all(set(s) >= {"name", "action"} for s in data["steps"])
     assert set(data["cost_per_hour"]) >= {"total_usd", "items"}
     for step in data["steps"]:
-        for f in step["files"]:
+        for f in [*step["files"], *([step["stdin"]] if "stdin" in step else [])]:
             assert (out / f).is_file(), f"step {step['name']} names a file that was not written: {f}"
 
 

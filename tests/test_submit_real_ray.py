@@ -36,6 +36,7 @@ from raytrain_eks import deploy
 from raytrain_eks import submit as sub
 from raytrain_eks.config import Config, load_config
 from raytrain_eks.deploy import Deployment, StateStore
+from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import ExecResult
 from raytrain_eks.k8s.fake import FakeKube
@@ -258,13 +259,14 @@ def test_submit_runs_the_job_on_a_real_ray_and_reports_what_it_saw(
     nccl_dir = tmp_path / "nccl"  # the transport gate's NCCL_DEBUG_FILE folder: empty on CPU (gloo)
     nccl_dir.mkdir()
     monkeypatch.setattr(sub, "DASHBOARD", ray_head.dashboard)
-    monkeypatch.setattr(sub, "HEAD_CODE_ROOT", str(head_code))
+    monkeypatch.setattr(shipping, "DASHBOARD", ray_head.dashboard)
+    monkeypatch.setattr(shipping, "HEAD_CODE_ROOT", str(head_code))
     monkeypatch.setattr(sub, "RAY_SESSION_LOGS", str(ray_head.session_logs))
     monkeypatch.setattr(sub, "POD_NCCL_LOGS", str(nccl_dir))
     monkeypatch.setattr(m, "CONFIG_DIR", str(tmp_path / "etc"))
-    monkeypatch.setattr(sub, "image_missing_requirements", list)  # no network: this venv has every package
+    monkeypatch.setattr(shipping, "image_missing_requirements", list)  # no network: this venv has every package
     # The copy the job gets says so when imported; the package installed here (editable) does not.
-    real_files = sub.package_files
+    real_files = shipping.package_files
 
     def marked_files() -> dict[str, str]:
         files = dict(real_files())
@@ -299,7 +301,7 @@ def test_submit_runs_the_job_on_a_real_ray_and_reports_what_it_saw(
     assert f"Job {result.submission_id}: SUCCEEDED" in result.summary
 
     # The package was unpacked by the real script into HEAD_CODE_ROOT and named in the runtime_env.
-    unpacks = [c for c in kube.exec_calls if c[2][:3] == ["python", "-c", sub._UNPACK]]
+    unpacks = [c for c in kube.exec_calls if c[2][:3] == [m.IMAGE_PYTHON, "-c", shipping._UNPACK]]
     assert len(unpacks) == 1 and unpacks[0][3], "the tar travelled on the exec's stdin"
     (submit_argv,) = [c[2] for c in kube.exec_calls if c[2][:3] == ["ray", "job", "submit"]]
     env = json.loads(submit_argv[submit_argv.index("--runtime-env-json") + 1])
@@ -328,7 +330,7 @@ def test_submit_runs_the_job_on_a_real_ray_and_reports_what_it_saw(
 
     # The NCCL script read the real session logs of the "worker pods" (this Ray's): gloo on CPU leaves no NCCL
     # lines, so the verdict is inconclusive and the exit code says so instead of claiming a fabric.
-    nccl_calls = [c for c in kube.exec_calls if c[2][:3] == ["python", "-c", sub._NCCL_LINES]]
+    nccl_calls = [c for c in kube.exec_calls if c[2][:3] == [m.IMAGE_PYTHON, "-c", sub._NCCL_LINES]]
     assert [c[1] for c in nccl_calls] == ["ray-train-gpu-workers-worker-0", "ray-train-gpu-workers-worker-1"]
     assert nccl_calls[0][2][3:] == [str(ray_head.session_logs), str(nccl_dir)]
     assert (ray_head.session_logs / f"job-driver-{result.submission_id}.log").is_file()

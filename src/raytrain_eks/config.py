@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -56,12 +56,34 @@ def _check_optional(pattern: re.Pattern[str], value: str | None, allowed: str) -
     return _check(pattern, value, allowed) if value else None
 
 
+# eksctl's amiFamily values for Linux nodes (the enum of ClusterConfig v1alpha5's NodeGroup and ManagedNodeGroup,
+# less the Windows images: Ray and the NVIDIA and EFA drivers run on Linux only).
+AmiFamily = Literal[
+    "AmazonLinux2023",
+    "AmazonLinux2",
+    "UbuntuPro2604",
+    "Ubuntu2604",
+    "UbuntuPro2404",
+    "Ubuntu2404",
+    "UbuntuPro2204",
+    "Ubuntu2204",
+    "UbuntuPro2004",
+    "Ubuntu2004",
+    "Bottlerocket",
+    "BottlerocketFips",
+]
+AMI_FAMILIES: tuple[str, ...] = get_args(AmiFamily)
+# AWS releases no EKS-optimized Amazon Linux 2 AMI for Kubernetes 1.33 and later (EKS user guide, Kubernetes 1.33).
+_LAST_AL2_K8S = (1, 32)
+
+
 class ClusterConfig(_Section):
     """The EKS cluster and its node groups (reference: two g6.12xlarge GPU nodes, one m7i.xlarge system node)."""
 
     name: str = Field("ray-train-eks", max_length=100)
     region: str = "us-east-1"
-    k8s_version: str = "1.33"
+    # The reference's version; newer versions stay longer in EKS standard support ($0.10 instead of $0.60 per hour).
+    k8s_version: str = "1.36"
     system_node_type: str = "m7i.xlarge"
     system_node_count: int = Field(1, ge=1, le=100)
     gpu_node_type: str = "g6.12xlarge"
@@ -73,7 +95,7 @@ class ClusterConfig(_Section):
     capacity_reservation_id: str | None = None
     # Deploy-only settings (eksctl ClusterConfig).
     availability_zones: list[str] = Field(default_factory=list)
-    ami_family: Literal["AmazonLinux2023"] = "AmazonLinux2023"
+    ami_family: AmiFamily = "AmazonLinux2023"
     gpu_volume_gib: int = Field(200, ge=20, le=16384)
 
     @field_validator("name", "gpu_nodegroup_name")
@@ -89,7 +111,7 @@ class ClusterConfig(_Section):
     @field_validator("k8s_version")
     @classmethod
     def _k8s(cls, v: str) -> str:
-        return _check(re.compile(r"^1\.\d{2}$"), v, "a Kubernetes minor version such as 1.33")
+        return _check(re.compile(r"^1\.\d{2}$"), v, "a Kubernetes minor version such as 1.36")
 
     @field_validator("system_node_type", "gpu_node_type")
     @classmethod
@@ -124,6 +146,12 @@ class ClusterConfig(_Section):
             raise ValueError(f"availability_zones {other} are not in region {self.region!r}")
         if self.gpu_az and self.availability_zones and self.gpu_az not in self.availability_zones:
             raise ValueError(f"gpu_az {self.gpu_az!r} must be one of availability_zones {self.availability_zones}")
+        version = tuple(int(x) for x in self.k8s_version.split("."))
+        if self.ami_family == "AmazonLinux2" and version > _LAST_AL2_K8S:
+            raise ValueError(
+                f"ami_family 'AmazonLinux2' has no EKS AMI for k8s_version {self.k8s_version} (none after 1.32); "
+                "use AmazonLinux2023"
+            )
         return self
 
 
@@ -249,6 +277,11 @@ class FabricConfig(_Section):
 
     require: Literal["efa", "ib", "any"] = "efa"
     expected_gbps: float | None = Field(None, gt=0)
+    # compare-fabric: the steps of each of its two runs (empty = training.steps), and the first steps left out of
+    # the timing. The warm-up default is 10, not the reference's 3: metrics are sampled every log_every (10) steps,
+    # and the sample at step 10 still carries NCCL's connection setup.
+    compare_steps: int | None = Field(None, ge=1)
+    compare_warmup_steps: int = Field(10, ge=0)
 
 
 @dataclass(frozen=True)
@@ -304,6 +337,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "GPUS_PER_NODE": ("cluster", "gpus_per_node"),
     "GPU_NODEGROUP_NAME": ("cluster", "gpu_nodegroup_name"),
     "GPU_AZ": ("cluster", "gpu_az"),
+    "CAPACITY_RESERVATION_ID": ("cluster", "capacity_reservation_id"),
+    "NODE_AMI_FAMILY": ("cluster", "ami_family"),
     "DLC_IMAGE": ("ray", "image"),
     "KUBERAY_VERSION": ("addons", "kuberay_version"),
     "RAY_VERSION": ("ray", "version"),
@@ -317,7 +352,17 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "BATCH_SIZE": ("training", "batch_size"),
     "LEARNING_RATE": ("training", "learning_rate"),
     "NUM_WORKERS": ("training", "num_workers"),
+    "CHECKPOINT_EVERY": ("training", "checkpoint_every"),
+    "KEEP_CHECKPOINTS": ("training", "keep_checkpoints"),
+    "STORAGE_PATH": ("training", "storage_path"),
+    "BENCH_STEPS": ("fabric", "compare_steps"),
+    "BENCH_WARMUP_STEPS": ("fabric", "compare_warmup_steps"),
 }
+
+# Variables of the reference's env.sh that are not settings but a command's option: each one is read by the option
+# itself (``ASSUME_YES=1`` answers yes to the confirmation of up, down and compare-fabric, as ``-y`` does). The
+# reference's AWS_REGION and AWS_DEFAULT_REGION are REGION again, for the AWS tools; boto3 reads them itself.
+COMMAND_ENV_VARS: dict[str, str] = {"ASSUME_YES": "--yes (-y) of up, down and compare-fabric"}
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -416,7 +461,10 @@ def load_config(
     env = os.environ if environ is None else environ
     for name, (section, field) in ENV_VARS.items():
         if name in env:
-            _set(tree, section, field, env[name])
+            # env.sh exports its optional settings empty (GPU_AZ=""): empty means not set, where not set is allowed.
+            model = Config.model_fields[section].annotation
+            optional = isinstance(model, type) and model.model_fields[field].default is None
+            _set(tree, section, field, None if optional and env[name] == "" else env[name])
             sources[(section, field)] = f"environment variable {name}"
 
     for section, values in (overrides or {}).items():

@@ -22,7 +22,10 @@ FIELD_HELP = {
     ("cluster", "gpus_per_node"): "also Ray's num-gpus and the pod's nvidia.com/gpu request (never typed twice)",
     ("ray", "image"): "pin a tag or a digest (@sha256:...), or follow a moving tag",
     ("cluster", "availability_zones"): "the cluster's subnet zones (2 or more, gpu_az among them); empty = at deploy",
-    ("cluster", "ami_family"): "node image; AmazonLinux2023 carries the NVIDIA and EFA drivers on GPU instances",
+    ("cluster", "ami_family"): "node image, one of eksctl's Linux families; AmazonLinux2023 carries the NVIDIA and "
+    "EFA drivers on GPU instances (AmazonLinux2 only up to Kubernetes 1.32)",
+    ("fabric", "compare_steps"): "compare-fabric: steps of each of its two runs; empty = training.steps",
+    ("fabric", "compare_warmup_steps"): "compare-fabric: first steps of each run left out of the timing",
     ("cluster", "gpu_volume_gib"): "root volume of each GPU node, GiB (the image alone is tens of GB)",
     ("ray", "worker_cpu"): "CPU request = limit of each GPU worker pod (Guaranteed QoS); empty = 5/6 of the instance",
     ("ray", "worker_memory_gib"): "memory request = limit of each GPU worker pod, GiB; empty = 5/6 of the instance",

@@ -18,11 +18,13 @@ every GPU node advertising ``nvidia.com/gpu`` and ``vpc.amazonaws.com/efa``, not
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shlex
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,7 @@ from raytrain_eks.instances import InstanceType
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import KubeApi, Node
 from raytrain_eks.plan import HelmRelease, check_deployable, cost_per_hour, helm_releases, to_yaml
-from raytrain_eks.runner import CommandError, Completed, Runner, require_tool
+from raytrain_eks.runner import CommandError, Completed, Interrupted, Runner, require_tool
 
 STATE_DIR = ".raytrain-eks"
 STATE_FILE = "state.json"
@@ -60,9 +62,17 @@ _LAUNCH_FAILURE = re.compile(
     r"Availability Zone|AsgInstanceLaunchFailures|NodeCreationFailure|Could not launch On-Demand Instances",
     re.IGNORECASE,
 )
-_NOT_FOUND = re.compile(r"ResourceNotFoundException|No cluster found|not found|does not exist", re.IGNORECASE)
+# Only what eksctl says when the EKS API answered that the thing is not there: the API's error code, or eksctl's own
+# "No cluster found for name: X" / "No nodegroups found". Any other failure (credentials, network, a profile or
+# file "not found") says nothing about the cluster, so it is an error and never taken to mean "gone".
+_CLUSTER_NOT_FOUND = re.compile(r"ResourceNotFoundException|No cluster found for name")
+_NODEGROUPS_NOT_FOUND = re.compile(r"ResourceNotFoundException|No nodegroups? found")
 _FAILED_NODEGROUP = {"CREATE_FAILED", "DEGRADED", "DELETE_FAILED"}
 _BUSY = {"CREATING", "UPDATING", "DELETING", "CREATE_IN_PROGRESS", "DELETE_IN_PROGRESS"}
+
+
+class UnreadableAnswer(UserError):
+    """eksctl answered, but not in a form that says what exists: nothing is assumed, nothing is changed."""
 
 
 class Cancelled(UserError):
@@ -415,7 +425,7 @@ def cluster_status(d: Deployment) -> str | None:
     argv = ["eksctl", "get", "cluster", "--name", c.name, "--region", c.region, "--output", "json"]
     done = d.run(argv, timeout=QUICK_TIMEOUT_S, check=False)
     if not done.ok:
-        if _NOT_FOUND.search(done.stderr + done.stdout):
+        if _CLUSTER_NOT_FOUND.search(done.stderr + done.stdout):
             return None
         raise CommandError(
             done.argv,
@@ -424,12 +434,39 @@ def cluster_status(d: Deployment) -> str | None:
             hint="Check your AWS credentials (`aws sts get-caller-identity`) and the region.",
         )
     # eksctl prints the EKS API's Cluster objects with Go's field names (``Name``, ``Status``), in a list.
-    data = json.loads(done.stdout or "[]")
-    entries = data if isinstance(data, list) else [data]
+    entries = _eksctl_json(done, f"cluster {c.name}")
     for entry in entries:
-        if entry.get("Name", entry.get("name", c.name)) == c.name:
-            return str(entry.get("Status") or entry.get("status") or "ACTIVE").upper()
+        name = entry.get("Name", entry.get("name"))
+        if name is None or name == c.name:  # asked by name: an entry without one is taken as that cluster
+            return _status_of(entry, done, f"cluster {c.name}")
     return None
+
+
+def _eksctl_json(done: Completed, what: str) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(done.stdout or "[]")
+    except json.JSONDecodeError:
+        data = None
+    entries = data if isinstance(data, list) else [data] if isinstance(data, dict) else None
+    if entries is None or not all(isinstance(e, dict) for e in entries):
+        raise UnreadableAnswer(
+            f"cannot tell the state of {what}: `{shlex.join(done.argv)}` printed no JSON list "
+            f"({(done.stdout or '').strip()[:200]!r}); nothing was changed and nothing recorded was forgotten",
+            hint="Run that command yourself to see what eksctl says (an eksctl release that prints another format?), "
+            "then run the same raytrain-eks command again.",
+        )
+    return entries
+
+
+def _status_of(entry: dict[str, Any], done: Completed, what: str) -> str:
+    status = entry.get("Status") or entry.get("status")
+    if not isinstance(status, str) or not status:
+        raise UnreadableAnswer(
+            f"cannot tell the state of {what}: `{shlex.join(done.argv)}` gave no Status for it; it is not taken "
+            "as ACTIVE (nor as gone), so nothing was changed and nothing recorded was forgotten",
+            hint="Run that command yourself to see what eksctl says, then run the same raytrain-eks command again.",
+        )
+    return status.upper()
 
 
 def nodegroup_statuses(d: Deployment) -> dict[str, str]:
@@ -438,12 +475,21 @@ def nodegroup_statuses(d: Deployment) -> dict[str, str]:
     argv = ["eksctl", "get", "nodegroup", "--cluster", c.name, "--region", c.region, "--output", "json"]
     done = d.run(argv, timeout=QUICK_TIMEOUT_S, check=False)
     if not done.ok:
-        if re.search(r"No nodegroups found|not found", done.stderr + done.stdout, re.IGNORECASE):
+        if _NODEGROUPS_NOT_FOUND.search(done.stderr + done.stdout):
             return {}
         raise CommandError(done.argv, done.returncode, done.stderr)
     # A list of eksctl's nodegroup summaries; for managed groups ``Status`` is the EKS API's (ACTIVE, CREATING, ...).
-    entries = json.loads(done.stdout or "[]") or []
-    return {str(e.get("Name")): str(e.get("Status", "ACTIVE")).upper() for e in entries}
+    entries = _eksctl_json(done, f"the node groups of cluster {c.name}")
+    statuses = {}
+    for e in entries:
+        if not e.get("Name"):
+            raise UnreadableAnswer(
+                f"cannot tell which node groups cluster {c.name} has: `{shlex.join(done.argv)}` listed one without "
+                "a Name; nothing was changed and nothing recorded was forgotten",
+                hint="Run that command yourself to see what eksctl says, then run the same raytrain-eks command again.",
+            )
+        statuses[str(e["Name"])] = _status_of(e, done, f"node group {e['Name']}")
+    return statuses
 
 
 def _wait_while_busy(d: Deployment, what: str, status: Callable[[], str | None], timeout: float) -> str | None:
@@ -831,6 +877,21 @@ def planned_actions(cfg: Config) -> list[Action]:
     return actions
 
 
+@contextlib.contextmanager
+def _say_state_when_interrupted(d: Deployment) -> Iterator[None]:
+    """An :class:`~raytrain_eks.runner.Interrupted` (Ctrl-C or SIGTERM during eksctl or helm) leaves with what the
+    state file records, so the user knows what exists before running the command again."""
+    try:
+        yield
+    except Interrupted as exc:
+        recorded = [describe(i) for i in d.state.created]
+        if recorded:
+            state = f"{d.state.path} records (some may be half made): " + "; ".join(recorded) + "."
+        else:
+            state = f"{d.state.path} records nothing created yet."
+        raise exc.with_state(state) from None
+
+
 def up(
     d: Deployment,
     *,
@@ -840,8 +901,15 @@ def up(
     """Create or resume the whole infrastructure; returns the GPU zone and nodes. Asks ``confirm`` once.
 
     Order: preflight -> cluster -> system node group -> GPU node group (zone by zone) -> eksctl's own plugins
-    removed -> pinned charts -> GPU nodes proven ready -> KubeRay Ready. Each step skips what exists.
+    removed -> pinned charts -> GPU nodes proven ready -> KubeRay Ready. Each step skips what exists. Ctrl-C or
+    SIGTERM stops the running eksctl or helm and raises :class:`~raytrain_eks.runner.Interrupted` naming what the
+    state file records.
     """
+    with _say_state_when_interrupted(d):
+        return _up(d, confirm=confirm, offered_zones=offered_zones)
+
+
+def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callable[[], Placement] | None) -> UpResult:
     cfg = d.cfg
     c = cfg.cluster
     gpu, system = check_deployable(cfg)
@@ -937,7 +1005,13 @@ def billable_leftovers(d: Deployment) -> list[str] | None:
 
 def down(d: Deployment, *, confirm: Callable[[str], bool]) -> DownResult:
     """Delete everything ``up`` and ``submit`` created from this folder, newest first, after one confirmation;
-    then check that nothing billable is left. A second ``down`` finds nothing recorded and does nothing."""
+    then check that nothing billable is left. A second ``down`` finds nothing recorded and does nothing. Ctrl-C or
+    SIGTERM stops the running eksctl or helm; what is not deleted yet stays recorded."""
+    with _say_state_when_interrupted(d):
+        return _down(d, confirm=confirm)
+
+
+def _down(d: Deployment, *, confirm: Callable[[str], bool]) -> DownResult:
     created = d.state.created
     if not created and d.state.get("leftovers"):
         # The last down deleted everything it had made but found things still billed: look again.

@@ -30,10 +30,10 @@ from rich.console import Console
 
 from raytrain_eks import presets
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.options import ClusterPresetOpt, ConfigOpt
+from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, YesOpt
 
 if TYPE_CHECKING:
-    from raytrain_eks.deploy import Deployment
+    from raytrain_eks.deploy import Deployment, StateStore
 
 
 class PlanMode(StrEnum):
@@ -54,7 +54,6 @@ def register(app: typer.Typer) -> None:
 StateDirOpt = Annotated[
     Path, typer.Option("--state-dir", help="Where this deployment's state, kubeconfig and generated files live.")
 ]
-YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 ModeOpt = Annotated[
     PlanMode, typer.Option(help="raycluster: a long-lived cluster the job is submitted to; rayjob: one job.")
 ]
@@ -115,22 +114,32 @@ def _load(config: Path | None, preset: str) -> Config:
     return load_config(preset=presets.choose(preset), path=config)
 
 
-def make_deployment(cfg: Config, state_dir: Path) -> Deployment:
-    """The real deployment: the official Kubernetes client on this folder's kubeconfig, and the runner.
+def remembered_config(cfg: Config, store: StateStore, say: Callable[[str], None]) -> Config:
+    """``cfg`` with the cluster, region and zone this folder's state remembers; ``say`` tells when they differ
+    from the configured ones."""
+    from raytrain_eks.deploy import apply_state
 
-    The one place the commands build their collaborators; tests replace it with fakes.
-    """
-    from raytrain_eks import runner
-    from raytrain_eks.deploy import Deployment, StateStore, apply_state
-    from raytrain_eks.k8s.cluster import KubernetesApi
-
-    store = StateStore(state_dir)
     remembered = apply_state(cfg, store)
     was, now = cfg.cluster, remembered.cluster
     if (was.name, was.region, was.gpu_az) != (now.name, now.region, now.gpu_az):
         zone = now.gpu_az or "not chosen yet"
-        _say(f"Using cluster {now.name} in {now.region} (zone {zone}) as remembered in {store.path}")
-    return Deployment(cfg=remembered, kube=KubernetesApi(store.kubeconfig), run=runner.run, state=store, say=_say)
+        say(f"Using cluster {now.name} in {now.region} (zone {zone}) as remembered in {store.path}")
+    return remembered
+
+
+def make_deployment(cfg: Config, state_dir: Path, say: Callable[[str], None] = _say) -> Deployment:
+    """The real deployment: the official Kubernetes client on this folder's kubeconfig, and the runner. ``say``
+    receives every progress line (a command whose stdout is JSON passes one that writes to stderr).
+
+    The one place the commands build their collaborators; tests replace it with fakes.
+    """
+    from raytrain_eks import runner
+    from raytrain_eks.deploy import Deployment, StateStore
+    from raytrain_eks.k8s.cluster import KubernetesApi
+
+    store = StateStore(state_dir)
+    remembered = remembered_config(cfg, store, say)
+    return Deployment(cfg=remembered, kube=KubernetesApi(store.kubeconfig), run=runner.run, state=store, say=say)
 
 
 def _confirm(yes: bool) -> Callable[[str], bool]:

@@ -12,6 +12,7 @@ table lets ``plan`` size pods and price the cluster with no credentials. Example
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import date
 
 from raytrain_eks.errors import UserError
 
@@ -160,6 +161,60 @@ def quota_family(instance_type: str) -> str | None:
 EKS_CONTROL_PLANE_USD_PER_HOUR = 0.10
 EKS_EXTENDED_SUPPORT_USD_PER_HOUR = 0.60
 NAT_GATEWAY_USD_PER_HOUR = 0.045
+
+# The last day of EKS standard support of each Kubernetes minor version. Sources: the EKS user guide, "Understand the
+# Kubernetes version lifecycle on EKS" (docs.aws.amazon.com/eks/latest/userguide/kubernetes-versions.html: standard
+# support for 14 months after the EKS release, then extended support for 12 more months at the extended price), and
+# the dates per version as listed by endoflife.date/amazon-eks (read 2026-11-30). A version newer than the table is
+# taken to be in standard support (it was released on EKS within the last 14 months).
+EKS_STANDARD_SUPPORT_ENDS: dict[str, date] = {
+    "1.29": date(2025, 3, 23),
+    "1.30": date(2025, 7, 23),
+    "1.31": date(2025, 11, 26),
+    "1.32": date(2026, 3, 23),
+    "1.33": date(2026, 7, 29),
+    "1.34": date(2026, 12, 2),
+    "1.35": date(2027, 3, 27),
+}
+EKS_EXTENDED_SUPPORT_MONTHS = 12
+
+
+@dataclass(frozen=True)
+class EksSupport:
+    """Where a Kubernetes version stands on EKS on a day: ``standard``, ``extended`` (billed at the extended price)
+    or ``ended`` (EKS creates no such cluster), and the day the current period ends (``None`` when unknown)."""
+
+    version: str
+    period: str
+    ends: date | None
+
+    @property
+    def control_plane_usd_per_hour(self) -> float:
+        return EKS_EXTENDED_SUPPORT_USD_PER_HOUR if self.period == "extended" else EKS_CONTROL_PLANE_USD_PER_HOUR
+
+
+def _plus_months(day: date, months: int) -> date:
+    month = day.month - 1 + months
+    year, month = day.year + month // 12, month % 12 + 1
+    return date(year, month, min(day.day, 28 if month == 2 else 30 if month in (4, 6, 9, 11) else 31))
+
+
+def eks_support(version: str, on: date) -> EksSupport:
+    """EKS support of Kubernetes ``version`` (``"1.33"``) on day ``on``.
+
+    Example: ``eks_support("1.33", date(2026, 11, 30)).period == "extended"`` ($0.60 per cluster-hour).
+    """
+    standard_end = EKS_STANDARD_SUPPORT_ENDS.get(version)
+    if standard_end is None:
+        newest = max(EKS_STANDARD_SUPPORT_ENDS, key=lambda v: tuple(int(x) for x in v.split(".")))
+        older = tuple(int(x) for x in version.split(".")) < tuple(int(x) for x in newest.split("."))
+        return EksSupport(version, "ended" if older else "standard", None)
+    if on <= standard_end:
+        return EksSupport(version, "standard", standard_end)
+    extended_end = _plus_months(standard_end, EKS_EXTENDED_SUPPORT_MONTHS)
+    if on <= extended_end:
+        return EksSupport(version, "extended", extended_end)
+    return EksSupport(version, "ended", extended_end)
 
 
 class UnknownInstanceTypeError(UserError):

@@ -24,3 +24,7 @@ PresetOpt = Annotated[
 ]
 # Commands about the cluster: the reference deployment unless told otherwise.
 ClusterPresetOpt = Annotated[str, typer.Option(help=f"Starting point under the file: {', '.join(presets.PRESETS)}.")]
+# Commands that ask before they create or delete: -y, or ASSUME_YES=1 as in the reference's env.sh.
+YesOpt = Annotated[
+    bool, typer.Option("--yes", "-y", envvar="ASSUME_YES", help="Do not ask for confirmation (also ASSUME_YES=1).")
+]

@@ -17,6 +17,7 @@ import json
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import date
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,8 +36,10 @@ from raytrain_eks.instances import (
     PRICE_REGION,
     QUOTA_CODES,
     InstanceType,
+    eks_support,
     quota_family,
 )
+from raytrain_eks.k8s import job as job_files
 from raytrain_eks.k8s import manifests as m
 
 Mode = Literal["raycluster", "rayjob"]
@@ -47,6 +50,8 @@ HELM_FILE = "helm-releases.yaml"
 NAMESPACE_FILE = "namespace.yaml"
 JOB_CONFIG_FILE = "job-config.yaml"
 MANIFEST_FILE: dict[Mode, str] = {"raycluster": "raycluster.yaml", "rayjob": "rayjob.yaml"}
+CODE_CONFIG_MAP_FILE = "code-configmap.yaml"  # --mode rayjob: the package, mounted into the submitter pod
+PACKAGE_ARCHIVE_FILE = "raytrain_eks-package.tar.gz.b64"  # --mode raycluster: the package, unpacked in the head pod
 
 
 @dataclass(frozen=True)
@@ -105,14 +110,19 @@ class Step:
     action: str
     command: list[str] | None = None
     files: list[str] = field(default_factory=list)
+    stdin: str | None = None  # a file of the plan folder the command reads on its standard input
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "action": self.action, "command": self.command, "files": self.files}
+        out = {"name": self.name, "action": self.action, "command": self.command, "files": self.files}
+        if self.stdin is not None:
+            out["stdin"] = self.stdin
+        return out
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Everything ``deploy`` would do. ``files`` maps a relative path to the documents written there."""
+    """Everything ``deploy`` would do. ``files`` maps a relative path to the documents written there, ``texts`` a
+    relative path to a file's text (the package archive a command reads on stdin)."""
 
     mode: Mode
     steps: list[Step]
@@ -121,6 +131,7 @@ class Plan:
     files: dict[str, list[dict[str, Any]]]
     assumptions: list[str]
     summary: dict[str, Any]
+    texts: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -131,7 +142,7 @@ class Plan:
             "steps": [s.to_dict() for s in self.steps],
             "helm_releases": [r.to_dict() for r in self.helm_releases],
             "cost_per_hour": self.cost,
-            "files": sorted([*self.files, PLAN_FILE]),
+            "files": sorted([*self.files, *self.texts, PLAN_FILE]),
         }
 
 
@@ -259,12 +270,14 @@ def run_cost(cfg: Config, summary: Mapping[str, Any]) -> dict[str, Any] | None:
     }
 
 
-def cost_per_hour(cfg: Config, gpu: InstanceType, system: InstanceType) -> dict[str, Any]:
-    """Hourly on-demand cost, one item per billable thing (us-east-1 prices, infra-facts §7).
+def cost_per_hour(cfg: Config, gpu: InstanceType, system: InstanceType, *, on: date | None = None) -> dict[str, Any]:
+    """Hourly on-demand cost, one item per billable thing (us-east-1 prices, infra-facts §7), on day ``on`` (default
+    today): the control plane costs more while its Kubernetes version is in EKS extended support.
 
-    Example (reference): 2 x 4.6016 + 0.2016 + 0.10 + 0.045 = 9.5498.
+    Example (reference, Kubernetes 1.36 in standard support): 2 x 4.6016 + 0.2016 + 0.10 + 0.045 = 9.5498.
     """
     c = cfg.cluster
+    support = eks_support(c.k8s_version, on or date.today())
 
     def item(name: str, what: str, count: int, unit: float | None) -> dict[str, Any]:
         usd = None if unit is None else round(count * unit, 6)
@@ -273,16 +286,37 @@ def cost_per_hour(cfg: Config, gpu: InstanceType, system: InstanceType) -> dict[
     items = [
         item("GPU instances", gpu.name, c.gpu_node_count, gpu.usd_per_hour),
         item("system node", system.name, c.system_node_count, system.usd_per_hour),
-        item("EKS control plane", f"cluster on Kubernetes {c.k8s_version}", 1, EKS_CONTROL_PLANE_USD_PER_HOUR),
+        item(
+            "EKS control plane",
+            f"cluster on Kubernetes {c.k8s_version}, {support.period} support",
+            1,
+            support.control_plane_usd_per_hour,
+        ),
         item("NAT gateway", "vpc.nat.gateway: Single", 1, NAT_GATEWAY_USD_PER_HOUR),
     ]
     known = [i["usd_per_hour"] for i in items if i["usd_per_hour"] is not None]
     notes = [
         "Excludes EBS volumes, NAT data processing ($0.045/GB), public IPv4 addresses ($0.005/h each) and data "
         "transfer.",
-        f"The control plane is priced at standard support; a Kubernetes version in extended support costs "
-        f"${EKS_EXTENDED_SUPPORT_USD_PER_HOUR:.2f}/h instead.",
     ]
+    ends = f" until {support.ends.isoformat()}" if support.ends else ""
+    if support.period == "standard":
+        notes.append(
+            f"Kubernetes {c.k8s_version} is in EKS standard support{ends} (${EKS_CONTROL_PLANE_USD_PER_HOUR:.2f}/h); "
+            f"after that, extended support costs ${EKS_EXTENDED_SUPPORT_USD_PER_HOUR:.2f}/h."
+        )
+    elif support.period == "extended":
+        notes.append(
+            f"Kubernetes {c.k8s_version} is in EKS extended support{ends}: the control plane costs "
+            f"${EKS_EXTENDED_SUPPORT_USD_PER_HOUR:.2f}/h instead of ${EKS_CONTROL_PLANE_USD_PER_HOUR:.2f}/h; a "
+            "newer version (K8S_VERSION) costs less."
+        )
+    else:
+        since = f" (its extended support ended {support.ends.isoformat()})" if support.ends else ""
+        notes.append(
+            f"Kubernetes {c.k8s_version} is no longer supported by EKS{since}: a new cluster cannot be created with "
+            "it; choose a newer K8S_VERSION."
+        )
     if c.region != PRICE_REGION:
         notes.append(f"Prices are {PRICE_REGION}'s; {c.region} differs.")
     missing = [i["what"] for i in items if i["usd_per_hour"] is None]
@@ -304,7 +338,9 @@ def _quota(instance: str) -> str:
     return f"{family} quota ({QUOTA_CODES[family]})" if family else f"own quota of {instance}'s family"
 
 
-def _steps(cfg: Config, mode: Mode, *, hf_token: bool, gpu: InstanceType, zones: eksctl.Zones) -> list[Step]:
+def _steps(
+    cfg: Config, mode: Mode, *, hf_token: bool, gpu: InstanceType, zones: eksctl.Zones, code_dir: str
+) -> list[Step]:
     c, r, d = cfg.cluster, cfg.ray, cfg.derived
     ns = r.namespace
     where = f"zone {zones.gpu_az}" if not zones.assumed else f"one zone of {c.region} (chosen at deploy)"
@@ -389,6 +425,7 @@ def _steps(cfg: Config, mode: Mode, *, hf_token: bool, gpu: InstanceType, zones:
         )
     )
     manifest = MANIFEST_FILE[mode]
+    head_exec = ["kubectl", "exec", "--namespace", ns, f"service/{r.cluster_name}-head-svc", "-c", "ray-head"]
     workers = f"{c.gpu_node_count} worker pods (one per GPU node, {d.ray_gpus_per_worker_pod} GPUs each)"
     if mode == "raycluster":
         steps += [
@@ -400,28 +437,33 @@ def _steps(cfg: Config, mode: Mode, *, hf_token: bool, gpu: InstanceType, zones:
             ),
             Step("wait-raycluster", f"Wait until the head and the {c.gpu_node_count} worker pods are running."),
             Step(
+                "upload-package",
+                f"Unpack the raytrain_eks package ({PACKAGE_ARCHIVE_FILE}, a base64 tar.gz read on stdin) into "
+                f"{code_dir} in the head pod: the image has no copy of it, and the job's runtime_env ships it to "
+                "every worker from there (py_modules).",
+                [*head_exec, "-i", "--", *job_files.unpack_argv(code_dir)],
+                [PACKAGE_ARCHIVE_FILE],
+                stdin=PACKAGE_ARCHIVE_FILE,
+            ),
+            Step(
                 "submit",
                 f"Run the job from inside the head pod (the dashboard port stays inside the cluster): "
-                f"{shlex.join(m.train_argv())} on {d.world_size} workers.",
-                [
-                    "kubectl",
-                    "exec",
-                    "--namespace",
-                    ns,
-                    f"service/{r.cluster_name}-head-svc",
-                    "--",
-                    "ray",
-                    "job",
-                    "submit",
-                    "--address",
-                    "http://127.0.0.1:8265",
-                    "--",
-                    *m.train_argv(),
-                ],
+                f"{shlex.join(m.train_argv())} on {d.world_size} workers, with a runtime_env that pip-installs the "
+                "pinned packages the image lacks and ships the package unpacked above.",
+                [*head_exec, "--", *job_files.ray_job_submit_argv(code_dir)],
             ),
         ]
     else:
         steps += [
+            Step(
+                "code-configmap",
+                f"Store the raytrain_eks package as ConfigMap {ns}/{r.cluster_name}-code; the RayJob's submitter pod "
+                f"mounts it at {job_files.SUBMITTER_CODE_DIR}, where the job's runtime_env ships it to every worker "
+                "from (py_modules). Server-side apply: the package is too large for kubectl's last-applied "
+                "annotation.",
+                ["kubectl", "apply", "--server-side", "-f", CODE_CONFIG_MAP_FILE],
+                [CODE_CONFIG_MAP_FILE],
+            ),
             Step(
                 "apply-rayjob",
                 f"Apply RayJob {ns}/{r.cluster_name}: its own RayCluster ({workers}) runs "
@@ -451,15 +493,23 @@ def _steps(cfg: Config, mode: Mode, *, hf_token: bool, gpu: InstanceType, zones:
     return steps
 
 
-def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False) -> Plan:
+def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False, on: date | None = None) -> Plan:
     """Check the config for deploying and build the whole plan in memory. ``hf_token``: a token will be given
-    (the pods then read ``HF_TOKEN`` from the Secret); its value is never an input here."""
+    (the pods then read ``HF_TOKEN`` from the Secret); its value is never an input here. ``on``: the day the cost
+    is for (default today; it decides whether the Kubernetes version is in EKS extended support)."""
     if mode not in MODES:
         raise UserError(f"--mode {mode!r} is not known", hint=f"Choose one of: {', '.join(MODES)}.")
     gpu, system = check_deployable(cfg)
     zones = eksctl.planned_zones(cfg)
     releases = helm_releases(cfg)
-    job = m.raycluster(cfg, hf_token=hf_token) if mode == "raycluster" else m.rayjob(cfg, hf_token=hf_token)
+    shipped = job_files.package_files()
+    texts: dict[str, str] = {}
+    if mode == "raycluster":
+        job = m.raycluster(cfg, hf_token=hf_token)
+        texts[PACKAGE_ARCHIVE_FILE] = job_files.package_archive(shipped)
+    else:
+        code_map, items = job_files.code_config_map(cfg, shipped)
+        job = job_files.rayjob_manifest(cfg, hf_token=hf_token, code_map=code_map, items=items)
     files: dict[str, list[dict[str, Any]]] = {
         eksctl.CONFIG_FILE: [eksctl.cluster_config(cfg, zones)],
         HELM_FILE: [{"releases": [r.to_dict() for r in releases]}],
@@ -467,6 +517,8 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
         MANIFEST_FILE[mode]: [job],
     }
     files.update({r.values_file: [r.values] for r in releases})
+    if mode == "rayjob":
+        files[CODE_CONFIG_MAP_FILE] = [code_map]
     if cfg.ray.namespace != "default":
         files[NAMESPACE_FILE] = [m.namespace(cfg)]
     assumptions = []
@@ -498,12 +550,13 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
     }
     return Plan(
         mode=mode,
-        steps=_steps(cfg, mode, hf_token=hf_token, gpu=gpu, zones=zones),
+        steps=_steps(cfg, mode, hf_token=hf_token, gpu=gpu, zones=zones, code_dir=job_files.head_code_dir(shipped)),
         helm_releases=releases,
-        cost=cost_per_hour(cfg, gpu, system),
+        cost=cost_per_hour(cfg, gpu, system, on=on),
         files=files,
         assumptions=assumptions,
         summary=summary,
+        texts=texts,
     )
 
 
@@ -540,6 +593,10 @@ def write_plan(
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(to_yaml(docs))
+        written.append(path)
+    for rel, text in sorted(plan.texts.items()):
+        path = root / rel
+        path.write_text(text)
         written.append(path)
     path = root / PLAN_FILE
     path.write_text(json.dumps(plan.to_json(), indent=2) + "\n")

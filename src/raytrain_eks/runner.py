@@ -22,8 +22,9 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import IO, Protocol
 
@@ -89,6 +90,61 @@ class CommandError(UserError):
         if self.stderr_tail:
             message += ":\n" + "\n".join(f"  {line}" for line in self.stderr_tail.splitlines())
         super().__init__(message, hint=hint or DEFAULT_HINT)
+
+
+class Interrupted(UserError):
+    """The user stopped raytrain-eks (Ctrl-C, or SIGTERM) while a command ran; the command and every process it
+    started were stopped before this was raised. ``argv``: the command; ``signal_name``: ``Ctrl-C`` or ``SIGTERM``.
+
+    The deploy steps add what their state file records (:meth:`with_state`); the hint says that running the same
+    raytrain-eks command again resumes.
+    """
+
+    exit_code = 130
+
+    def __init__(self, argv: Sequence[str], signal_name: str, *, state: str | None = None) -> None:
+        self.argv = tuple(argv)
+        self.signal_name = signal_name
+        self.state = state
+        message = (
+            f"stopped by {signal_name} while `{shlex.join(self.argv)}` ran; it and every process it started were "
+            "stopped too. What it had already created stays as it was (a CloudFormation stack, for example, may be "
+            "half made)."
+        )
+        if state:
+            message += "\n" + state
+        super().__init__(
+            message,
+            hint="Run the same raytrain-eks command again: it looks at what exists and resumes where it stopped "
+            "(`raytrain-eks status` shows it; `raytrain-eks down` deletes what this folder created).",
+        )
+
+    def with_state(self, state: str) -> Interrupted:
+        """The same interruption, its message extended with ``state`` (what the state file records)."""
+        return Interrupted(self.argv, self.signal_name, state=state)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while a command ran (raised by the handler :func:`_sigterm_raises` installs)."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`_Terminated` (as SIGINT raises KeyboardInterrupt) instead of
+    ending this process at once and leaving the command's own process group running. Signal handlers can only be
+    set in the main thread; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class MissingToolError(UserError):
@@ -158,6 +214,30 @@ def run(
     if not args:
         raise ValueError("run() needs a program to run")
     exe = require_tool(args[0])
+    with _sigterm_raises():
+        try:
+            returncode, out, err = _run_child(exe, args, timeout=timeout, input=input, hint=hint, on_output=on_output)
+        except KeyboardInterrupt:
+            raise Interrupted(args, "Ctrl-C") from None
+        except _Terminated:
+            raise Interrupted(args, "SIGTERM") from None
+    done = Completed(tuple(args), returncode, out, err)
+    if check and returncode != 0:
+        raise CommandError(args, returncode, done.stderr or done.stdout, hint=hint)
+    return done
+
+
+def _run_child(
+    exe: str,
+    args: list[str],
+    *,
+    timeout: float,
+    input: str | None,
+    hint: str | None,
+    on_output: Callable[[str], None] | None,
+) -> tuple[int, str, str]:
+    """Start the command in its own process group and wait for it; whatever ends the wait early (the timeout,
+    Ctrl-C, SIGTERM) stops the whole group before it propagates."""
     try:
         proc = subprocess.Popen(
             [exe, *args[1:]],
@@ -167,7 +247,8 @@ def run(
             text=True,
             encoding="utf-8",
             errors="replace",
-            # Its own process group, so that a timeout stops the children it started too.
+            # Its own process group, so that stopping it stops the children it started too. It also means a Ctrl-C
+            # in the terminal never reaches it: this process stops the group itself.
             start_new_session=True,
         )
     except FileNotFoundError:
@@ -178,27 +259,30 @@ def run(
         threading.Thread(target=_pump, args=(proc.stdout, out.append, on_output), daemon=True),
         threading.Thread(target=_pump, args=(proc.stderr, err.append, on_output), daemon=True),
     ]
-    for t in readers:
-        t.start()
-    if input is not None and proc.stdin is not None:
-        try:
-            proc.stdin.write(input)
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
     try:
-        returncode = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
+        for t in readers:
+            t.start()
+        if input is not None and proc.stdin is not None:
+            try:
+                proc.stdin.write(input)
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            for t in readers:
+                t.join(timeout=5)
+            raise CommandError(args, None, "".join(err), hint=hint, timeout=timeout) from None
+    except BaseException:  # Ctrl-C, SIGTERM, or anything else: never leave the group running
         _stop(proc)
         for t in readers:
             t.join(timeout=5)
-        raise CommandError(args, None, "".join(err), hint=hint, timeout=timeout) from None
+        raise
     for t in readers:
         t.join()
-    done = Completed(tuple(args), returncode, "".join(out), "".join(err))
-    if check and returncode != 0:
-        raise CommandError(args, returncode, done.stderr or done.stdout, hint=hint)
-    return done
+    return returncode, "".join(out), "".join(err)
 
 
 def _pump(stream: IO[str] | None, keep: Callable[[str], None], on_output: Callable[[str], None] | None) -> None:
@@ -211,11 +295,31 @@ def _pump(stream: IO[str] | None, keep: Callable[[str], None], on_output: Callab
     stream.close()
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
+STOP_GRACE_S = 10.0
+"""Seconds a stopped command's process group gets to exit after SIGTERM before it is killed."""
+
+
+def _stop(proc: subprocess.Popen[str], grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM to the command's whole process group, then SIGKILL to whatever of it is left after ``grace``
+    seconds (a grandchild that outlives its parent too). Safe to call twice."""
+    group = proc.pid  # start_new_session: the group id is the child's pid
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not _group_alive(group):
+            return
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)
+    proc.wait()
+
+
+def _group_alive(group: int) -> bool:
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member we may not signal still exists
+        return True
+    return True

@@ -17,21 +17,14 @@ unless the job succeeded over the required fabric. Example::
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import importlib.metadata
-import io
 import json
 import re
 import secrets
-import tarfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import raytrain_eks
 from raytrain_eks.deploy import (
     Deployment,
     NodesNotReady,
@@ -44,43 +37,28 @@ from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import KubeApiError, Pod
+from raytrain_eks.k8s.job import (
+    DASHBOARD,
+    code_config_map,
+    head_code_dir,
+    package_archive,
+    package_files,
+    ray_job_submit_argv,
+    rayjob_manifest,
+    unpack_argv,
+)
 from raytrain_eks.plan import check_deployable
 from raytrain_eks.runner import CommandError
 from raytrain_eks.train.fabric_gate import nccl_log_dir
 
 Mode = Literal["raycluster", "rayjob"]
 
-DIST_NAME = "raytrain-eks"
-# Already in the cluster image (Ray 2.58 with Ray Train/Data, PyTorch): installing another copy would shadow the
-# versions the image was built and tested with. pyarrow comes with Ray Data. kubernetes and boto3 are for the
-# deploy side only.
-IMAGE_PROVIDED = frozenset({"torch", "torchvision", "ray", "pyarrow"})
-DEPLOY_ONLY = frozenset({"kubernetes", "boto3"})
-
-DASHBOARD = f"http://127.0.0.1:{m.HEAD_PORTS['dashboard']}"
-HEAD_CODE_ROOT = "/tmp/raytrain-eks"  # where the package is unpacked in the head pod (raycluster mode)
-SUBMITTER_CODE_DIR = "/opt/raytrain-eks"  # where the code ConfigMap is mounted in a RayJob's submitter pod
 RAY_SESSION_LOGS = f"{m.RAY_LOG_DIR}/session_latest/logs"
 # The transport gate's NCCL_DEBUG_FILE folder (nccl_log_dir) as the worker pods see it: under their tempdir, /tmp.
 POD_NCCL_LOGS = f"/tmp/{nccl_log_dir('').name}"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 EXEC_TIMEOUT_S = 120
 POLL_S = 10.0
-
-# Runs in the head pod: unpack the base64 tar.gz read from stdin into argv[1]. Only paths inside it are written.
-_UNPACK = """\
-import base64, io, os, sys, tarfile
-dest = sys.argv[1]
-data = base64.b64decode(sys.stdin.read())
-with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-    for member in tar.getmembers():
-        target = os.path.realpath(os.path.join(dest, member.name))
-        if not target.startswith(os.path.realpath(dest) + os.sep) or not (member.isfile() or member.isdir()):
-            raise SystemExit(f"refusing to unpack {member.name}")
-    os.makedirs(dest, exist_ok=True)
-    tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-print("unpacked", dest)
-"""
 
 # Runs in a worker pod: print every line holding "NCCL" under the given folders (rotated .gz files too): Ray's
 # session logs, and the per-process NCCL_DEBUG_FILE folder the training job's transport gate uses.
@@ -116,131 +94,6 @@ class SubmitResult:
     summary: list[str] = field(default_factory=list)
     exit_code: int = 0
     run_dir: str | None = None  # the run folder in the head pod, as the job's log said ("Run folder: ...")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# What the job ships
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def image_missing_requirements() -> list[str]:
-    """This package's pinned dependencies minus what the cluster image already has, as pip requirement lines.
-
-    Example (reference): ``["transformers==5.23.0", "tokenizers==0.23.3", ..., "rich==15.0.0"]``.
-    """
-    try:
-        requires = importlib.metadata.requires(DIST_NAME) or []
-    except importlib.metadata.PackageNotFoundError:
-        raise UserError(
-            f"the {DIST_NAME} distribution metadata is missing",
-            hint="Install raytrain-eks (pip install -e .) so that submit knows its pinned dependencies.",
-        ) from None
-    out = []
-    for line in requires:
-        spec, _, marker = line.partition(";")
-        if "extra" in marker:
-            continue
-        name = re.match(r"\s*([A-Za-z0-9._-]+)", spec)
-        if name is None or name.group(1).lower().replace("_", "-") in IMAGE_PROVIDED | DEPLOY_ONLY:
-            continue
-        out.append(spec.replace(" ", ""))
-    return out
-
-
-def package_files(root: Path | None = None) -> dict[str, str]:
-    """Relative path -> text of every source and data file of the ``raytrain_eks`` package (no caches)."""
-    base = Path(root) if root is not None else Path(raytrain_eks.__file__).parent
-    files = {}
-    for path in sorted(base.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".jsonl", ".json", ".yaml"):
-            files[f"raytrain_eks/{path.relative_to(base).as_posix()}"] = path.read_text(encoding="utf-8")
-    return files
-
-
-def package_digest(files: Mapping[str, str]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(files):
-        h.update(name.encode() + b"\0" + files[name].encode() + b"\0")
-    return h.hexdigest()[:12]
-
-
-def package_archive(files: Mapping[str, str]) -> str:
-    """The files as a base64 tar.gz (text, to travel on an exec's stdin). Deterministic for the same files."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=9) as tar:
-        for name in sorted(files):
-            data = files[name].encode("utf-8")
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
-            tar.addfile(info, io.BytesIO(data))
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def runtime_env(code_dir: str) -> dict[str, Any]:
-    """The job's Ray ``runtime_env``: pip installs what the image lacks, ``py_modules`` ships ``raytrain_eks``
-    from ``code_dir`` (a path where ``ray job submit`` runs). No secret is ever put here."""
-    return {"pip": image_missing_requirements(), "py_modules": [f"{code_dir}/raytrain_eks"]}
-
-
-CONFIG_MAP_MAX_BYTES = 1 << 20  # Kubernetes rejects a ConfigMap whose data exceeds 1 MiB
-
-
-def code_config_map(cfg: Any, files: Mapping[str, str]) -> tuple[dict[str, Any], list[dict[str, str]]]:
-    """The package as a ConfigMap (for a RayJob's submitter pod) and the volume ``items`` that lay its keys out as
-    the package tree. Keys are flat (``raytrain_eks__train__loop.py``); ``items`` map them back to paths."""
-    data, items = {}, []
-    for path in sorted(files):
-        key = path.replace("/", "__")
-        data[key] = files[path]
-        items.append({"key": key, "path": path})
-    meta = {"name": f"{cfg.ray.cluster_name}-code", "namespace": cfg.ray.namespace, "labels": m.labels(cfg)}
-    doc = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
-    size = config_map_bytes(doc)
-    if size > CONFIG_MAP_MAX_BYTES:
-        largest = sorted(files, key=lambda p: len(files[p].encode("utf-8")), reverse=True)[:3]
-        sizes = ", ".join(f"{p} ({len(files[p].encode('utf-8')):,} bytes)" for p in largest)
-        raise UserError(
-            f"the raytrain_eks package ({len(files)} files) makes ConfigMap {meta['namespace']}/{meta['name']} "
-            f"{size:,} bytes; Kubernetes accepts at most {CONFIG_MAP_MAX_BYTES:,}. Largest files: {sizes}",
-            hint="Submit with --mode raycluster (it copies the package into the head pod instead), "
-            "or move large data files out of the package.",
-        )
-    return doc, items
-
-
-def config_map_bytes(doc: Mapping[str, Any]) -> int:
-    """The ConfigMap's size as compact UTF-8 JSON: at least the sum of its values, which the API server holds to
-    1 MiB, and about what etcd stores. Example: ``config_map_bytes({"data": {"a": "xy"}}) == 19``."""
-    return len(json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
-
-
-def rayjob_manifest(
-    cfg: Any, *, hf_token: bool, code_map: dict[str, Any], items: list[dict[str, str]]
-) -> dict[str, Any]:
-    """The RayJob of :func:`raytrain_eks.k8s.manifests.rayjob` (its entrypoint is the same driver command as
-    :func:`submit_job`'s), plus the runtime_env and a submitter pod that mounts the code ConfigMap where
-    ``py_modules`` points (``ray job submit`` runs in that pod)."""
-    doc = m.rayjob(cfg, hf_token=hf_token, runtime_env=runtime_env(SUBMITTER_CODE_DIR))
-    submitter = {
-        "spec": {
-            "restartPolicy": "Never",
-            "containers": [
-                {
-                    "name": "ray-job-submitter",
-                    "image": cfg.ray.image,
-                    "resources": {
-                        "requests": {"cpu": "500m", "memory": "512Mi"},
-                        "limits": {"cpu": "1", "memory": "1Gi"},
-                    },
-                    "volumeMounts": [{"name": "raytrain-eks-code", "mountPath": SUBMITTER_CODE_DIR, "readOnly": True}],
-                }
-            ],
-            "volumes": [
-                {"name": "raytrain-eks-code", "configMap": {"name": code_map["metadata"]["name"], "items": items}}
-            ],
-        }
-    }
-    return m.merge(doc, {"spec": {"submitterPodTemplate": submitter}})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -330,24 +183,21 @@ def job_status(d: Deployment, head: Pod, submission_id: str) -> str:
 
 def _upload_package(d: Deployment, head: Pod) -> str:
     files = package_files()
-    dest = f"{HEAD_CODE_ROOT}/{package_digest(files)}"
+    dest = head_code_dir(files)
     if head_exec(d, head, ["test", "-f", f"{dest}/raytrain_eks/__init__.py"]).ok:
         return dest
     d.say(f"Copying the raytrain_eks package ({len(files)} files) into the head pod")
-    res = head_exec(d, head, ["python", "-c", _UNPACK, dest], stdin=package_archive(files))
+    argv = unpack_argv(dest)
+    res = head_exec(d, head, argv, stdin=package_archive(files))
     if not res.ok:
-        raise CommandError(["python", "-c", "<unpack>", dest], res.returncode, res.stderr or res.stdout)
+        raise CommandError([*argv[:2], "<unpack>", dest], res.returncode, res.stderr or res.stdout)
     return dest
 
 
 def submit_job(d: Deployment, head: Pod, code_dir: str) -> str:
     """``ray job submit --no-wait`` in the head pod; returns the submission id."""
     submission_id = time.strftime("raytrain-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
-    env = runtime_env(code_dir)
-    argv = [
-        "ray", "job", "submit", "--address", DASHBOARD, "--submission-id", submission_id, "--no-wait",
-        "--runtime-env-json", json.dumps(env), "--", *m.train_argv(),
-    ]  # fmt: skip
+    argv = ray_job_submit_argv(code_dir, submission_id=submission_id, wait=False)
     res = head_exec(d, head, argv)
     if not res.ok:
         raise CommandError(
@@ -399,7 +249,7 @@ def collect_transport(d: Deployment, workers: list[Pod]) -> TransportReport:
         res = d.kube.exec(
             pod.namespace,
             pod.name,
-            ["python", "-c", _NCCL_LINES, RAY_SESSION_LOGS, POD_NCCL_LOGS],
+            [m.IMAGE_PYTHON, "-c", _NCCL_LINES, RAY_SESSION_LOGS, POD_NCCL_LOGS],
             timeout=EXEC_TIMEOUT_S * 5,
         )
         for n, line in enumerate(res.stdout.splitlines(), 1):

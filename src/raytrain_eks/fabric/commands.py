@@ -13,7 +13,6 @@ Call :func:`register` once on the top-level Typer app to add the commands.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -41,7 +40,7 @@ from raytrain_eks.fabric.probe import (
     parse_size,
     run_probe,
 )
-from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, PresetOpt
+from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, PresetOpt, YesOpt
 
 
 class Require(StrEnum):
@@ -176,14 +175,25 @@ def probe(
 def compare_fabric(
     config: ConfigOpt = None,
     preset: ClusterPresetOpt = "reference",
+    steps: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Steps of each run (default: fabric.compare_steps, BENCH_STEPS, else training.steps)."
+        ),
+    ] = None,
     warmup_steps: Annotated[
-        int, typer.Option(min=0, help="Steps left out of the timing at the start of each run.")
-    ] = compare.DEFAULT_WARMUP_STEPS,
+        int | None,
+        typer.Option(
+            min=0,
+            help="Steps left out of the timing at the start of each run (default: fabric.compare_warmup_steps, "
+            "BENCH_WARMUP_STEPS).",
+        ),
+    ] = None,
     min_samples: Annotated[
         int, typer.Option(min=1, help="Timed (logged) steps each run must have after the warm-up.")
     ] = compare.DEFAULT_MIN_SAMPLES,
     json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    yes: YesOpt = False,
     state_dir: Annotated[
         Path, typer.Option("--state-dir", help="Where this deployment's state, kubeconfig and generated files live.")
     ] = Path(".raytrain-eks"),
@@ -206,12 +216,17 @@ def compare_fabric(
         err.print(line, markup=False)
 
     cfg = load_config(preset=presets.choose(preset), path=config)
+    steps = steps or cfg.fabric.compare_steps
+    if steps is not None:  # checked as any setting is (warmup_steps within the steps); only the two runs take it
+        load_config(preset=presets.choose(preset), path=config, overrides={"training": {"steps": steps}})
+    warmup_steps = cfg.fabric.compare_warmup_steps if warmup_steps is None else warmup_steps
     # The token goes from this environment into a Secret through the API: never a file, argv or log line.
     with compare.eks_runner(
         cfg,
-        lambda run_cfg: dataclasses.replace(make_deployment(run_cfg, state_dir), say=say),
+        lambda run_cfg: make_deployment(run_cfg, state_dir, say),
         confirm=lambda question: yes or typer.confirm(question, default=False, err=True),
         hf_token=os.environ.get("HF_TOKEN") or None,
+        steps=steps,
     ) as run_job:
         result = compare.compare_fabric(run_job, warmup_steps=warmup_steps, min_samples=min_samples, say=say)
     typer.echo(result.to_json() if json_output else result.render())

@@ -92,12 +92,14 @@ RunJob = Callable[[RunSpec], RunOutput]
 """Runs the job once as ``RunSpec`` says (environment overrides and ``fabric.require``) and returns its output."""
 
 
-def config_for(cfg: Config, spec: RunSpec) -> Config:
-    """A copy of ``cfg`` for one run: ``network.env`` with the run's overrides, ``fabric.require`` set; ``cfg`` is
-    not changed. Example: ``config_for(cfg, TCP_RUN).network.env["NCCL_NET"] == "Socket"``."""
+def config_for(cfg: Config, spec: RunSpec, *, steps: int | None = None) -> Config:
+    """A copy of ``cfg`` for one run: ``network.env`` with the run's overrides, ``fabric.require`` set, and
+    ``training.steps`` when ``steps`` is given (checked by the caller); ``cfg`` is not changed. Example:
+    ``config_for(cfg, TCP_RUN).network.env["NCCL_NET"] == "Socket"``."""
     network = cfg.network.model_copy(update={"env": {**cfg.network.env, **spec.env}})
     fabric = cfg.fabric.model_copy(update={"require": spec.require})
-    return cfg.model_copy(update={"network": network, "fabric": fabric})
+    training = cfg.training if steps is None else cfg.training.model_copy(update={"steps": steps})
+    return cfg.model_copy(update={"network": network, "fabric": fabric, "training": training})
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -340,13 +342,14 @@ for job in JobSubmissionClient(sys.argv[1]).list_jobs():
 def ray_jobs(d: Deployment) -> list[dict[str, str]]:
     """The Ray jobs of ``d``'s RayCluster as its head pod lists them (``id``, ``type``, ``status``, ``entrypoint``);
     empty when no head pod runs (then no job can). Example: ``[{"id": "raytrain-...", "status": "RUNNING", ...}]``."""
+    from raytrain_eks.k8s.manifests import IMAGE_PYTHON
     from raytrain_eks.submit import DASHBOARD, head_exec, is_running, ray_pods
 
     ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
     heads, _ = ray_pods(d, ns, name)
     if not heads or not is_running(heads[0]):
         return []
-    res = head_exec(d, heads[0], ["python", "-c", _RAY_JOBS, DASHBOARD])
+    res = head_exec(d, heads[0], [IMAGE_PYTHON, "-c", _RAY_JOBS, DASHBOARD])
     if not res.ok:
         raise UserError(
             f"cannot tell whether a job is running on RayCluster {ns}/{name}: listing its Ray jobs in "
@@ -432,9 +435,11 @@ def eks_runner(
     *,
     confirm: Callable[[str], bool],
     hf_token: str | None = None,
+    steps: int | None = None,
 ) -> Iterator[RunJob]:
     """``run_job`` for EKS, as a context manager: for each run, a Deployment on :func:`config_for`'s copy of ``cfg``
-    (the RayCluster's worker env carries the overrides), a fresh RayCluster (pods keep the env they started with, and
+    (the RayCluster's worker env carries the overrides; ``steps``, when given, is each run's ``training.steps``), a
+    fresh RayCluster (pods keep the env they started with, and
     their Ray session logs must hold this run's NCCL lines only), :func:`raytrain_eks.submit.submit`, and the run's
     ``metrics.jsonl`` read back from the head pod.
 
@@ -451,7 +456,7 @@ def eks_runner(
 
     def run(spec: RunSpec) -> RunOutput:
         nonlocal touched
-        d = deployment(config_for(cfg, spec))
+        d = deployment(config_for(cfg, spec, steps=steps))
         touched = True
         restart_raycluster(d)
         result = submit(d, mode="raycluster", hf_token=hf_token)

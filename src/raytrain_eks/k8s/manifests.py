@@ -39,6 +39,12 @@ CONFIG_FILE = "raytrain-eks.yaml"
 RAY_LOG_DIR = "/tmp/ray"
 HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
 RAYJOB_TTL_S = 60
+# The interpreter every command run inside the image calls: the reference's scripts rely on python3 only (a bare
+# `python` is not promised by the image).
+IMAGE_PYTHON = "python3"
+# Before a Ray pod is killed, a clean `ray stop` lets its raylet and workers (and on the head the GCS and the job's
+# driver) shut down instead of dying mid-write; the reference has it on the head and on the workers.
+RAY_STOP_HOOK: dict[str, Any] = {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}}
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -110,9 +116,10 @@ def train_argv() -> list[str]:
     Every setting travels in the mounted ConfigMap (:func:`job_config_map`), none as a flag, so nothing typed by
     a user is ever spliced into a command line. The module form, because the package reaches the image through
     the job's runtime_env (``py_modules``), which installs no console script. Example:
-    ``["python", "-m", "raytrain_eks.cli", "train", "--address", "auto", "--config", "/etc/raytrain-eks/..."]``.
+    ``["python3", "-m", "raytrain_eks.cli", "train", "--address", "auto", "--config", "/etc/raytrain-eks/..."]``.
     """
-    return ["python", "-m", "raytrain_eks.cli", "train", "--address", "auto", "--config", f"{CONFIG_DIR}/{CONFIG_FILE}"]
+    config = f"{CONFIG_DIR}/{CONFIG_FILE}"
+    return [IMAGE_PYTHON, "-m", "raytrain_eks.cli", "train", "--address", "auto", "--config", config]
 
 
 def worker_pod_size(cfg: Config) -> tuple[int, int]:
@@ -139,8 +146,7 @@ def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
         "ports": [{"name": name, "containerPort": port} for name, port in HEAD_PORTS.items()],
         "env": env,
         "resources": _guaranteed({"cpu": str(cpu), "memory": f"{mem}Gi"}),
-        # A clean `ray stop` lets the GCS and the running job's driver shut down before the pod is killed.
-        "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
+        "lifecycle": copy.deepcopy(RAY_STOP_HOOK),
         "volumeMounts": [
             {"name": "ray-logs", "mountPath": RAY_LOG_DIR},
             {"name": "job-config", "mountPath": CONFIG_DIR, "readOnly": True},
@@ -178,6 +184,7 @@ def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
         "imagePullPolicy": "IfNotPresent",
         "env": env,
         "resources": _guaranteed(resources),
+        "lifecycle": copy.deepcopy(RAY_STOP_HOOK),
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "ray-logs", "mountPath": RAY_LOG_DIR},

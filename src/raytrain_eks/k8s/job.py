@@ -1,0 +1,200 @@
+"""What a training job ships to the cluster and the commands that start it: shared by ``submit`` (which runs them)
+and ``plan`` (which writes them down), so the two can never differ.
+
+The package reaches the cluster image as Ray ``runtime_env`` ``py_modules`` (the image has no copy of it): in
+``--mode raycluster`` unpacked into the head pod from a base64 tar.gz on an exec's stdin, in ``--mode rayjob`` as
+a ConfigMap mounted into the RayJob's submitter pod. ``pip`` installs the pinned dependencies the image lacks.
+Example::
+
+    argv = ray_job_submit_argv(head_code_dir(package_files()))   # what runs in the head pod
+    doc = rayjob_manifest(cfg, hf_token=False, code_map=code_map, items=items)
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import importlib.metadata
+import io
+import json
+import re
+import tarfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import raytrain_eks
+from raytrain_eks.errors import UserError
+from raytrain_eks.k8s import manifests as m
+
+DIST_NAME = "raytrain-eks"
+# Already in the cluster image (Ray 2.58 with Ray Train/Data, PyTorch): installing another copy would shadow the
+# versions the image was built and tested with. pyarrow comes with Ray Data. kubernetes and boto3 are for the
+# deploy side only.
+IMAGE_PROVIDED = frozenset({"torch", "torchvision", "ray", "pyarrow"})
+DEPLOY_ONLY = frozenset({"kubernetes", "boto3"})
+
+DASHBOARD = f"http://127.0.0.1:{m.HEAD_PORTS['dashboard']}"
+HEAD_CODE_ROOT = "/tmp/raytrain-eks"  # where the package is unpacked in the head pod (raycluster mode)
+SUBMITTER_CODE_DIR = "/opt/raytrain-eks"  # where the code ConfigMap is mounted in a RayJob's submitter pod
+
+# Runs in the head pod: unpack the base64 tar.gz read from stdin into argv[1]. Only paths inside it are written.
+_UNPACK = """\
+import base64, io, os, sys, tarfile
+dest = sys.argv[1]
+data = base64.b64decode(sys.stdin.read())
+with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+    for member in tar.getmembers():
+        target = os.path.realpath(os.path.join(dest, member.name))
+        if not target.startswith(os.path.realpath(dest) + os.sep) or not (member.isfile() or member.isdir()):
+            raise SystemExit(f"refusing to unpack {member.name}")
+    os.makedirs(dest, exist_ok=True)
+    tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+print("unpacked", dest)
+"""
+
+
+def image_missing_requirements() -> list[str]:
+    """This package's pinned dependencies minus what the cluster image already has, as pip requirement lines.
+
+    Example (reference): ``["transformers==5.23.0", "tokenizers==0.23.3", ..., "rich==15.0.0"]``.
+    """
+    try:
+        requires = importlib.metadata.requires(DIST_NAME) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise UserError(
+            f"the {DIST_NAME} distribution metadata is missing",
+            hint="Install raytrain-eks (pip install -e .) so that submit knows its pinned dependencies.",
+        ) from None
+    out = []
+    for line in requires:
+        spec, _, marker = line.partition(";")
+        if "extra" in marker:
+            continue
+        name = re.match(r"\s*([A-Za-z0-9._-]+)", spec)
+        if name is None or name.group(1).lower().replace("_", "-") in IMAGE_PROVIDED | DEPLOY_ONLY:
+            continue
+        out.append(spec.replace(" ", ""))
+    return out
+
+
+def package_files(root: Path | None = None) -> dict[str, str]:
+    """Relative path -> text of every source and data file of the ``raytrain_eks`` package (no caches)."""
+    base = Path(root) if root is not None else Path(raytrain_eks.__file__).parent
+    files = {}
+    for path in sorted(base.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix in (".py", ".jsonl", ".json", ".yaml"):
+            files[f"raytrain_eks/{path.relative_to(base).as_posix()}"] = path.read_text(encoding="utf-8")
+    return files
+
+
+def package_digest(files: Mapping[str, str]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(name.encode() + b"\0" + files[name].encode() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def package_archive(files: Mapping[str, str]) -> str:
+    """The files as a base64 tar.gz (text, to travel on an exec's stdin). Deterministic for the same files."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in sorted(files):
+            data = files[name].encode("utf-8")
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    # gzip's header holds a time stamp: 0, so that the same files give the same text (a written plan matches).
+    return base64.b64encode(gzip.compress(buf.getvalue(), compresslevel=9, mtime=0)).decode("ascii")
+
+
+def runtime_env(code_dir: str) -> dict[str, Any]:
+    """The job's Ray ``runtime_env``: pip installs what the image lacks, ``py_modules`` ships ``raytrain_eks``
+    from ``code_dir`` (a path where ``ray job submit`` runs). No secret is ever put here."""
+    return {"pip": image_missing_requirements(), "py_modules": [f"{code_dir}/raytrain_eks"]}
+
+
+CONFIG_MAP_MAX_BYTES = 1 << 20  # Kubernetes rejects a ConfigMap whose data exceeds 1 MiB
+
+
+def code_config_map(cfg: Any, files: Mapping[str, str]) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """The package as a ConfigMap (for a RayJob's submitter pod) and the volume ``items`` that lay its keys out as
+    the package tree. Keys are flat (``raytrain_eks__train__loop.py``); ``items`` map them back to paths."""
+    data, items = {}, []
+    for path in sorted(files):
+        key = path.replace("/", "__")
+        data[key] = files[path]
+        items.append({"key": key, "path": path})
+    meta = {"name": f"{cfg.ray.cluster_name}-code", "namespace": cfg.ray.namespace, "labels": m.labels(cfg)}
+    doc = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
+    size = config_map_bytes(doc)
+    if size > CONFIG_MAP_MAX_BYTES:
+        largest = sorted(files, key=lambda p: len(files[p].encode("utf-8")), reverse=True)[:3]
+        sizes = ", ".join(f"{p} ({len(files[p].encode('utf-8')):,} bytes)" for p in largest)
+        raise UserError(
+            f"the raytrain_eks package ({len(files)} files) makes ConfigMap {meta['namespace']}/{meta['name']} "
+            f"{size:,} bytes; Kubernetes accepts at most {CONFIG_MAP_MAX_BYTES:,}. Largest files: {sizes}",
+            hint="Submit with --mode raycluster (it copies the package into the head pod instead), "
+            "or move large data files out of the package.",
+        )
+    return doc, items
+
+
+def config_map_bytes(doc: Mapping[str, Any]) -> int:
+    """The ConfigMap's size as compact UTF-8 JSON: at least the sum of its values, which the API server holds to
+    1 MiB, and about what etcd stores. Example: ``config_map_bytes({"data": {"a": "xy"}}) == 19``."""
+    return len(json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+
+
+def rayjob_manifest(
+    cfg: Any, *, hf_token: bool, code_map: dict[str, Any], items: list[dict[str, str]]
+) -> dict[str, Any]:
+    """The RayJob of :func:`raytrain_eks.k8s.manifests.rayjob` (its entrypoint is the same driver command as
+    :func:`submit_job`'s), plus the runtime_env and a submitter pod that mounts the code ConfigMap where
+    ``py_modules`` points (``ray job submit`` runs in that pod)."""
+    doc = m.rayjob(cfg, hf_token=hf_token, runtime_env=runtime_env(SUBMITTER_CODE_DIR))
+    submitter = {
+        "spec": {
+            "restartPolicy": "Never",
+            "containers": [
+                {
+                    "name": "ray-job-submitter",
+                    "image": cfg.ray.image,
+                    "resources": {
+                        "requests": {"cpu": "500m", "memory": "512Mi"},
+                        "limits": {"cpu": "1", "memory": "1Gi"},
+                    },
+                    "volumeMounts": [{"name": "raytrain-eks-code", "mountPath": SUBMITTER_CODE_DIR, "readOnly": True}],
+                }
+            ],
+            "volumes": [
+                {"name": "raytrain-eks-code", "configMap": {"name": code_map["metadata"]["name"], "items": items}}
+            ],
+        }
+    }
+    return m.merge(doc, {"spec": {"submitterPodTemplate": submitter}})
+
+
+def head_code_dir(files: Mapping[str, str]) -> str:
+    """Where ``--mode raycluster`` unpacks the package in the head pod: one folder per package content, so a changed
+    package is never mixed with an older one. Example: ``/tmp/raytrain-eks/3f2a9c1d0b7e``."""
+    return f"{HEAD_CODE_ROOT}/{package_digest(files)}"
+
+
+def unpack_argv(dest: str) -> list[str]:
+    """The command, run in the head pod with the :func:`package_archive` text on its stdin, that unpacks it into
+    ``dest``."""
+    return [m.IMAGE_PYTHON, "-c", _UNPACK, dest]
+
+
+def ray_job_submit_argv(code_dir: str, *, submission_id: str | None = None, wait: bool = True) -> list[str]:
+    """``ray job submit`` as run in the head pod: the job's ``runtime_env`` (:func:`runtime_env` of ``code_dir``) and
+    its entrypoint (:func:`raytrain_eks.k8s.manifests.train_argv`). ``submission_id``: Ray makes one when ``None``.
+    ``wait=False`` returns once submitted (``submit`` then follows the logs itself)."""
+    argv = ["ray", "job", "submit", "--address", DASHBOARD]
+    if submission_id is not None:
+        argv += ["--submission-id", submission_id]
+    if not wait:
+        argv.append("--no-wait")
+    return [*argv, "--runtime-env-json", json.dumps(runtime_env(code_dir)), "--", *m.train_argv()]
