@@ -18,7 +18,7 @@ import typer
 from typer.testing import CliRunner
 
 from raytrain_eks.errors import UserError
-from raytrain_eks.fabric import nccl_log
+from raytrain_eks.fabric import nccl_lines
 from raytrain_eks.fabric.commands import Require, register
 from raytrain_eks.fabric.nccl_log import (
     REQUIREMENTS,
@@ -389,8 +389,8 @@ def test_truncated_gzip_keeps_what_was_read(tmp_path):
 
 
 def test_line_numbers_survive_chunk_boundaries_and_long_lines(tmp_path, monkeypatch):
-    monkeypatch.setattr(nccl_log, "_CHUNK", 64)
-    monkeypatch.setattr(nccl_log, "_MAX_LINE", 256)
+    monkeypatch.setattr(nccl_lines, "_CHUNK", 64)
+    monkeypatch.setattr(nccl_lines, "_MAX_LINE", 256)
     text = ["filler"] * 5 + ["x" * 1000] + ["h:1:1 [0] NCCL INFO Using network Socket"] + ["y" * 300 + "NCCL"]
     path = tmp_path / "a.log"
     path.write_text("\n".join(text) + "\n")
@@ -402,7 +402,7 @@ def test_line_numbers_survive_chunk_boundaries_and_long_lines(tmp_path, monkeypa
 def test_iter_log_lines_only_yields_nccl_lines_and_counts_bytes(tmp_path):
     path = tmp_path / "a.log"
     path.write_text("one\ntwo NCCL\r\nthree\n")
-    stats = nccl_log.ReadStats()
+    stats = nccl_lines.ReadStats()
     assert [ln.text for ln in iter_log_lines([path], stats=stats)] == ["two NCCL\r"]
     assert (stats.files, stats.bytes, stats.lines) == (1, 20, 3)
 
@@ -440,7 +440,7 @@ def test_skipping_irrelevant_lines_unread_changes_nothing(name):
 
 def test_relevant_words_cover_every_handler():
     for word in NcclLogAnalyzer()._handlers:
-        assert word.encode().startswith(nccl_log._RELEVANT_WORDS), word
+        assert word.encode().startswith(nccl_lines._RELEVANT_WORDS), word
 
 
 def test_state_stays_bounded_when_the_same_job_repeats():
@@ -457,9 +457,9 @@ def test_state_stays_bounded_when_the_same_job_repeats():
 
 
 def test_state_is_bounded_for_adversarial_input(monkeypatch):
-    monkeypatch.setattr(nccl_log, "_MAX_PROCS", 5)
-    monkeypatch.setattr(nccl_log, "_MAX_COMMS", 5)
-    monkeypatch.setattr(nccl_log, "_MAX_CONNECTIONS", 50)
+    monkeypatch.setattr(nccl_lines, "_MAX_PROCS", 5)
+    monkeypatch.setattr(nccl_lines, "_MAX_COMMS", 5)
+    monkeypatch.setattr(nccl_lines, "_MAX_CONNECTIONS", 50)
     a = NcclLogAnalyzer()
     for i in range(500):
         p = f"host{i}:{i}:{i} [{i % 7}] NCCL INFO "
@@ -469,7 +469,7 @@ def test_state_is_bounded_for_adversarial_input(monkeypatch):
         a.feed(p.replace("INFO", "WARN") + f"warning number {i}")
     report = a.finish()
     assert len(a._procs) <= 6 and len(a._members) <= 5 and len(a._conns) <= 50
-    assert len(report.warnings) <= nccl_log._MAX_DISTINCT and report.verdict in VERDICTS
+    assert len(report.warnings) <= nccl_lines._MAX_DISTINCT and report.verdict in VERDICTS
     assert any("were not tracked" in n for n in report.notes)
 
 
