@@ -77,7 +77,8 @@ FIXTURE_CASES = [
     ("mixed_fallback_cloudwatch.log", "socket", "2.18.3", 2, {"NET/AWS Libfabric": 2, "NET/Socket": 2}),
     ("single_node_nccl2.27.log", "single-node", "2.27.3", 1, {}),
     ("truncated_mid_connections.log", "efa", "2.10.3", 1, {"NET/AWS Libfabric": 3}),
-    ("truncated_before_connections.log", "inconclusive", "2.27.3", 2, {}),
+    # Cut before any connection line, but every process that got that far selected Socket after the plugin failed.
+    ("truncated_before_connections.log", "socket", "2.27.3", 2, {}),
     ("garbage.log", "inconclusive", None, 0, {}),
     ("ray_session_logs", "efa", "2.29.7", 2, {"NET/Libfabric": 8}),
 ]
@@ -494,7 +495,8 @@ def cli() -> typer.Typer:
         ("efa_2node_nccl2.29_ray.log", [], 0),
         ("socket_fallback_nccl2.27_kubectl.log", [], 1),
         ("single_node_nccl2.27.log", [], 1),
-        ("truncated_before_connections.log", [], 2),
+        ("truncated_before_connections.log", [], 1),
+        ("garbage.log", [], 2),
         ("ib_2node_nccl2.21_mpirun.log", ["--require", "ib"], 0),
         ("efa_2node_nccl2.29_ray.log", ["--require", "ib"], 1),
         ("socket_fallback_nccl2.27_kubectl.log", ["--require", "any"], 0),
@@ -511,8 +513,8 @@ def test_command_json(cli):
     result = CliRunner().invoke(cli, ["verify-transport", "--json", str(FIXTURES / "ray_session_logs")])
     assert result.exit_code == 0
     data = json.loads(result.output)
-    assert {"verdict", "nccl_version", "ranks", "hosts", "inter_node", "plugin", "evidence"} <= set(data)
-    assert (data["verdict"], data["require"], data["meets"]) == ("efa", "efa", True)
+    assert {"verdict", "basis", "nccl_version", "ranks", "hosts", "inter_node", "plugin", "evidence"} <= set(data)
+    assert (data["verdict"], data["basis"], data["require"], data["meets"]) == ("efa", "proven", "efa", True)
     assert data["inter_node"] == {"NET/Libfabric": 8} and len(data["ranks"]) == 8
     assert {"source", "line", "text"} == set(data["evidence"][0])
 

@@ -408,6 +408,11 @@ class _Proc:
     provider: str | None = None
     warnings: int = 0
     initialized: set[str] = field(default_factory=set)
+    # What this process said about the networks NCCL could select, for logs without connection lines: the
+    # aws-ofi-nccl plugin failed; IB/RoCE devices were found; no IB device was (so only Socket was left).
+    ofi_failed: bool = False
+    ib_devices: bool = False
+    ib_absent: bool = False
 
 
 class NcclLineReader:
@@ -698,6 +703,7 @@ class NcclLineReader:
         if "disabling GDR" in body or "GDR not supported" in body:
             self._plugin.gdr_disabled = True
         if level == "WARN" or "No eligible providers" in body or "initialization failed" in body:
+            proc.ofi_failed = True
             self._failure(msg, ref)
 
     def _on_plugin(self, ctx: _Ctx, msg: str, level: str, ref: Callable[[], LineRef]) -> None:
@@ -715,8 +721,21 @@ class NcclLineReader:
             self._plugin.internal = True
 
     def _on_plugin_misc(self, ctx: _Ctx, msg: str, level: str, ref: Callable[[], LineRef]) -> None:
-        if msg.startswith("Failed to initialize") and "NET plugin" in msg:
-            self._failure(msg, ref)
+        if msg.startswith("Failed to open libibverbs"):  # 2.18+: no verbs library, so no IB device either
+            self._procs[ctx.proc].ib_absent = True
+            self._keep("ib-no-device", ref)
+        elif msg.startswith("Failed to initialize") and "NET plugin" in msg:
+            # 2.27+: "Failed to initialize NET plugin IB" (no IB device), "... NET plugin Libfabric" (the plugin
+            # failed), "Failed to initialize any NET plugin".
+            name = msg.rsplit("NET plugin", 1)[1].strip()
+            family = _name_family(name)
+            proc = self._procs[ctx.proc]
+            if family == "ib":
+                proc.ib_absent = True
+                self._keep("ib-no-device", ref)
+            else:
+                proc.ofi_failed = proc.ofi_failed or family == "ofi"
+                self._failure(msg, ref)
         elif msg.startswith("Initialized NET plugin "):
             proc = self._procs[ctx.proc]
             if len(proc.initialized) < 8:
@@ -724,6 +743,7 @@ class NcclLineReader:
 
     def _on_ib(self, ctx: _Ctx, msg: str, level: str, ref: Callable[[], LineRef]) -> None:
         if "No device found" in msg:
+            self._procs[ctx.proc].ib_absent = True
             self._keep("ib-no-device", ref)
             return
         m = _IB_USING.search(msg)
@@ -734,8 +754,10 @@ class NcclLineReader:
                     self._ib_devices[d] = None
             self._add_ip(ctx, m.group(3))
             if devices:
+                self._procs[ctx.proc].ib_devices = True
                 self._keep("ib-using", ref)
         elif "Failed to open libibverbs" in msg:
+            self._procs[ctx.proc].ib_absent = True
             self._keep("ib-no-device", ref)
 
     def _on_socket(self, ctx: _Ctx, msg: str, level: str, ref: Callable[[], LineRef]) -> None:

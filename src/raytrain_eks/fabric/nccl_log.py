@@ -24,6 +24,7 @@ from typing import BinaryIO
 
 from raytrain_eks.fabric.nccl_lines import LogInputError, LogLine, ReadStats, iter_log_lines
 from raytrain_eks.fabric.nccl_report import (
+    BASES,
     REQUIREMENTS,
     VERDICTS,
     LineRef,
@@ -34,6 +35,7 @@ from raytrain_eks.fabric.nccl_report import (
 from raytrain_eks.fabric.nccl_verdict import NcclLogAnalyzer
 
 __all__ = [
+    "BASES",
     "REQUIREMENTS",
     "VERDICTS",
     "LineRef",
@@ -48,7 +50,6 @@ __all__ = [
     "analyze_paths",
     "iter_log_lines",
 ]
-
 
 
 def analyze(lines: Iterable[str], *, source: str = "<input>") -> TransportReport:

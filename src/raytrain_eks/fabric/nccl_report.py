@@ -21,6 +21,12 @@ VERDICTS = ("efa", "ib", "socket", "single-node", "inconclusive")
 REQUIREMENTS = ("efa", "ib", "any")
 """What ``--require`` accepts: ``any`` is met by every conclusive verdict (report only)."""
 
+BASES = ("proven", "selected", "none")
+"""What a verdict rests on: ``proven`` by connection lines (``via NET/...`` links between hosts, or every link
+inside one host, or NCCL's ``nNodes 1``); ``selected`` by the network NCCL chose (``Using network``, the OFI
+provider, IB devices found, or a plugin failure and NCCL's fall-back) with no connection line to confirm it;
+``none`` for ``inconclusive``."""
+
 
 # --------------------------------------------------------------------------------------------------------------
 # Report
@@ -88,6 +94,7 @@ class TransportReport:
 
     verdict: str
     reason: str
+    basis: str = "none"
     nccl_version: str | None = None
     nccl_versions: list[str] = field(default_factory=list)
     hosts: list[str] = field(default_factory=list)
@@ -134,6 +141,7 @@ class TransportReport:
     def render(self, require: str | None = None, *, max_ranks: int = 64) -> str:
         """A readable report: verdict and reason, fabric summary, per-rank table, evidence, warnings, notes."""
         lines = [f"NCCL transport: {_VERDICT_TITLES[self.verdict]}", f"  {self.reason}"]
+        lines.append(f"  basis: {self.basis} ({_BASIS_TITLES[self.basis]})")
         if require is not None:
             status = "met" if self.meets(require) else ("undecided" if self.verdict == "inconclusive" else "NOT met")
             lines.append(f"  requirement --require {require}: {status}")
@@ -178,6 +186,12 @@ _VERDICT_TITLES = {
 }
 
 
+_BASIS_TITLES = {
+    "proven": "connection lines show which links crossed hosts, and over which network",
+    "selected": "no connection line confirmed it; it follows from the network NCCL selected",
+    "none": "no line shows or selects a network",
+}
+
 _NEXT_STEPS = {
     "efa": "the inter-node traffic uses EFA; pass --require efa (or any) for this cluster",
     "ib": "NCCL used its own IB verbs transport, not aws-ofi-nccl; on AWS set NCCL_NET_PLUGIN=ofi and check that "
@@ -185,8 +199,8 @@ _NEXT_STEPS = {
     "socket": "check that every worker pod requests vpc.amazonaws.com/efa and sets FI_PROVIDER=efa and "
     "NCCL_NET_PLUGIN=ofi, and read the plugin errors and evidence below",
     "single-node": "no traffic crossed nodes, so the fabric was never used; run with workers on at least two nodes",
-    "inconclusive": "run the job with NCCL_DEBUG=INFO and pass every worker's log (for example a copy of "
-    "/tmp/ray/session_latest/logs from each node)",
+    "inconclusive": "run the job with NCCL_DEBUG=INFO and NCCL_DEBUG_SUBSYS=INIT,NET (or unset, for all) and "
+    "pass every worker's whole log (for example a copy of /tmp/ray/session_latest/logs from each node)",
 }
 
 

@@ -26,6 +26,9 @@ from raytrain_eks.fabric.nccl_lines import (
 )
 from raytrain_eks.fabric.nccl_report import LineRef, RankDetail, TransportReport, _counts
 
+# Network families from weakest to strongest, for "the weakest choice decides".
+_WEAKNESS = ("socket", "other", "ib", "efa")
+
 
 class NcclLogAnalyzer(NcclLineReader):
     """Streaming state machine over NCCL log lines; :meth:`feed` each line, then :meth:`finish` once.
@@ -42,7 +45,6 @@ class NcclLogAnalyzer(NcclLineReader):
         """Decide the verdict from everything fed so far and build the report."""
         self.close()
         return _Decision(self).report()
-
 
 
 class _Decision:
@@ -157,7 +159,7 @@ class _Decision:
             if example is not None:
                 deciding.setdefault(fam, []).append((proc, example))
 
-        verdict, reason, evidence = self._verdict(families, inter, intra, deciding, intra_examples)
+        verdict, basis, reason, evidence = self._verdict(families, inter, intra, deciding, intra_examples)
         if presumed:
             self.notes.append(
                 f"{presumed} NET connection line(s) could not be placed on a host (no communicator or host line); "
@@ -176,8 +178,10 @@ class _Decision:
                 "(an initialized plugin is not necessarily the one in use)"
             )
         if a._dropped:
-            self.notes.append(f"{a._dropped} connection line(s) beyond the first {nccl_lines._MAX_CONNECTIONS} were not tracked")
-        return self._build(verdict, reason, evidence, inter, intra, gdr, per_ctx_inter, per_ctx_intra)
+            self.notes.append(
+                f"{a._dropped} connection line(s) beyond the first {nccl_lines._MAX_CONNECTIONS} were not tracked"
+            )
+        return self._build(verdict, basis, reason, evidence, inter, intra, gdr, per_ctx_inter, per_ctx_intra)
 
     def _verdict(
         self,
@@ -186,7 +190,8 @@ class _Decision:
         intra: Counter[str],
         deciding: dict[str, list[tuple[ProcKey, LineRef]]],
         intra_examples: list[LineRef],
-    ) -> tuple[str, str, list[LineRef]]:
+    ) -> tuple[str, str, str, list[LineRef]]:
+        """(verdict, basis, reason, evidence): connection lines first, then one-node proof, then NCCL's choice."""
         a = self.a
         hosts = {n for n in self.nodes.values() if n}
         multi_comms = [k for k, n in a._comm_nnodes.items() if n > 1] + [
@@ -220,47 +225,109 @@ class _Decision:
                 support = []
             fam = verdict if verdict in ("efa", "ib", "socket") else None
             lines = _spread(deciding.get(fam, []) if fam else [r for v in deciding.values() for r in v], 6)
-            return verdict, reason, _sorted_refs(lines + self._support(support))
-        if multi_comms:
-            return self._from_selected_network(multi_comms)
-        if intra or any(n == 1 for n in a._comm_nnodes.values()):
+            basis = "proven" if fam else "none"
+            return verdict, basis, reason, _sorted_refs(lines + self._support(support))
+        one_node = [n == 1 for n in a._comm_nnodes.values()]
+        # One node is proven by connection lines that all stay inside one host, or by NCCL's own "nNodes 1"; with
+        # several hosts in the log, every communicator must say nNodes 1 (links seen inside each host prove nothing
+        # about the links that were not logged).
+        if not multi_comms and (intra or any(one_node)) and (len(hosts) <= 1 or (one_node and all(one_node))):
             where = f" on host {next(iter(hosts))}" if len(hosts) == 1 else ""
             what = f"{sum(intra.values())} connection line(s) ({_counts(dict(intra))})" if intra else "communicators"
             reason = f"all {what}{where} stay inside one node; no rank talks to another host"
-            return "single-node", reason, _sorted_refs(intra_examples + self._support(["nnodes=1"]))
+            if any(one_node) and not intra:
+                reason = f"NCCL reports every communicator{where} as one node (nNodes 1); no rank talks to another host"
+            return "single-node", "proven", reason, _sorted_refs(intra_examples + self._support(["nnodes=1"]))
+        selected = self._from_selected_network(multi_comms)
+        if selected is not None:
+            return selected
         if not a._nccl_lines:
-            return "inconclusive", "no NCCL set-up lines found: was the job run with NCCL_DEBUG=INFO?", []
-        networks = sorted({n for p in a._procs.values() for n in p.networks})
-        said = f"; NCCL selected network {', '.join(networks)}" if networks else ""
+            return "inconclusive", "none", "no NCCL lines found: was the job run with NCCL_DEBUG=INFO?", []
         reason = (
-            "the log holds no connection or communicator lines (it may end before NCCL connected its peers, "
-            f"or NCCL_DEBUG was below INFO){said}"
+            "the log holds none of the lines that show or select the network: no connection line "
+            "('Channel 00/0 : 0[0] -> 1[0] [send] via NET/...'), no 'Using network <name>', no "
+            "'NET/OFI Selected provider is ...', no 'NET/IB : Using [0]<device>' and no 'NET/IB : No device found' "
+            "(it may end before NCCL chose its network, or NCCL_DEBUG_SUBSYS filtered them out)"
         )
-        return "inconclusive", reason, _sorted_refs(self._support([f"network:{n}" for n in networks] + ["failure"]))
+        if len(hosts) > 1 and intra:
+            reason += f"; the connection lines logged stay inside each of {len(hosts)} hosts, which proves nothing"
+        return "inconclusive", "none", reason, _sorted_refs(self._support(["failure"]))
 
-    def _from_selected_network(self, multi_comms: list[CommKey]) -> tuple[str, str, list[LineRef]]:
-        # Rule of thumb: a communicator that spans nodes must send its inter-node traffic over the one network
-        # NCCL selected for it. Good enough when the per-connection lines were not logged (or cut off).
+    def _choice(self, proc: _Proc) -> tuple[str, str] | None:
+        """The network family this process selected and why, from its set-up lines; None when it did not say."""
+        if proc.networks:
+            fams = {self._network_family(name, proc) for name in proc.networks}
+            fam = min(fams, key=_WEAKNESS.index)
+            return fam, "Using network " + ", ".join(sorted(proc.networks))
+        if proc.provider and not proc.ofi_failed:
+            return _provider_family(proc.provider), f"NET/OFI selected provider {proc.provider}"
+        if proc.ib_devices:
+            return "ib", "NET/IB found IB/RoCE devices"
+        if proc.ofi_failed:
+            return "socket", "the aws-ofi-nccl plugin failed" + (
+                " and no IB device was found" if proc.ib_absent else ""
+            )
+        if proc.ib_absent:
+            return "socket", "no IB device was found, which leaves NCCL's Socket network"
+        return None
+
+    def _network_family(self, name: str, proc: _Proc) -> str:
+        fam = _name_family(name)
+        if fam != "ofi":
+            return fam
+        prov = proc.provider or self.global_provider
+        if prov:
+            return _provider_family(prov)
+        self.assumed_provider = True
+        return "efa"
+
+    def _from_selected_network(self, multi_comms: list[CommKey]) -> tuple[str, str, str, list[LineRef]] | None:
+        # With no connection line, each process's own choice decides what any inter-node link of it would use: a
+        # communicator's inter-node traffic goes over the one network NCCL selected for it. The weakest choice
+        # decides, so that one process on sockets is never hidden by others on EFA.
         a = self.a
         members = {p for k in multi_comms for ps in a._members.get(k, {}).values() for p in ps}
-        fams: Counter[str] = Counter()
-        for p in members or a._procs:
-            for name in a._procs[p].networks:
-                fam = _name_family(name)
-                if fam == "ofi":
-                    prov = a._procs[p].provider
-                    fam = _provider_family(prov) if prov else (self.global_provider or "efa")
-                fams[fam] += 1
-        base = "no per-connection lines were logged, but a communicator spans several nodes"
+        choices: dict[str, list[tuple[ProcKey, str]]] = {}
+        for key in members or a._procs:
+            choice = self._choice(a._procs[key])
+            if choice is not None:
+                choices.setdefault(choice[0], []).append((key, choice[1]))
+        if not choices:
+            if multi_comms:
+                reason = (
+                    "a communicator spans several nodes, but no line says which network NCCL selected for it "
+                    "(no 'Using network <name>', NET/OFI provider or NET/IB line)"
+                )
+                return "inconclusive", "none", reason, _sorted_refs(self._support(["nnodes>1"]))
+            return None
         support = ["nnodes>1"] + [f"network:{n}" for p in a._procs.values() for n in p.networks]
-        if fams["socket"]:
-            return "socket", f"{base} and NCCL selected Socket on some ranks", _sorted_refs(self._support(support))
-        if set(fams) in ({"efa"}, {"ib"}):
+        scope = " for a communicator that spans nodes" if multi_comms else ""
+        base = f"no per-connection lines were logged, so the network NCCL selected{scope} decides"
+        fams = set(choices)
+        if "socket" in fams:
+            why = choices["socket"][0][1]
+            reason = f"{base}: {self._who(choices['socket'])} selected sockets ({why})"
+            if len(fams) > 1:
+                others = "; ".join(f"{f} on {self._who(v)}" for f, v in sorted(choices.items()) if f != "socket")
+                reason += f", the weakest choice, while {others}"
+            return "socket", "selected", reason, _sorted_refs(self._support([*support, "failure", "ib-no-device"]))
+        if fams in ({"efa"}, {"ib"}):
             fam = next(iter(fams))
-            title = {"efa": "aws-ofi-nccl (efa provider)", "ib": "IB"}[fam]
-            support += ["provider:efa"] if fam == "efa" else ["ib-using"]
-            return fam, f"{base} and NCCL selected {title}", _sorted_refs(self._support(support))
-        return "inconclusive", f"{base}; the network NCCL selected is unknown", _sorted_refs(self._support(support))
+            title = {"efa": "aws-ofi-nccl with the efa provider", "ib": "NCCL's IB verbs network (IB/RoCE)"}[fam]
+            reason = f"{base}: {self._who(choices[fam])} selected {title}; no connection line confirmed it"
+            support += ["provider:efa", "network:Libfabric", "network:AWS Libfabric"] if fam == "efa" else ["ib-using"]
+            return fam, "selected", reason, _sorted_refs(self._support(support))
+        mixed = "; ".join(f"{f} on {self._who(v)}" for f, v in sorted(choices.items()))
+        if fams == {"efa", "ib"}:
+            reason = f"{base}, and the processes disagree ({mixed}): analyse the logs of one job at a time"
+        else:
+            reason = f"{base}, but it is a network this tool cannot classify ({mixed})"
+        return "inconclusive", "none", reason, _sorted_refs(self._support(support))
+
+    def _who(self, procs: list[tuple[ProcKey, str]], n: int = 4) -> str:
+        names = [f"{self.nodes.get(k) or '?'} pid {k[1] or '?'}" for k, _ in procs[:n]]
+        more = f" and {len(procs) - n} more" if len(procs) > n else ""
+        return f"{len(procs)} process(es) ({', '.join(names)}{more})"
 
     def _support(self, kinds: Sequence[str]) -> list[LineRef]:
         out: list[LineRef] = []
@@ -274,6 +341,7 @@ class _Decision:
     def _build(
         self,
         verdict: str,
+        basis: str,
         reason: str,
         evidence: list[LineRef],
         inter: Counter[str],
@@ -330,6 +398,7 @@ class _Decision:
         return TransportReport(
             verdict=verdict,
             reason=reason,
+            basis=basis,
             nccl_version=", ".join(versions) if versions else None,
             nccl_versions=versions,
             hosts=sorted({r.host for r in ranks if r.host}),
