@@ -242,7 +242,7 @@ class _Decision:
         if selected is not None:
             return selected
         if not a._nccl_lines:
-            return "inconclusive", "none", "no NCCL lines found: was the job run with NCCL_DEBUG=INFO?", []
+            return "inconclusive", "none", "no NCCL set-up lines found: was the job run with NCCL_DEBUG=INFO?", []
         reason = (
             "the log holds none of the lines that show or select the network: no connection line "
             "('Channel 00/0 : 0[0] -> 1[0] [send] via NET/...'), no 'Using network <name>', no "
