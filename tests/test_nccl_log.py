@@ -18,7 +18,7 @@ import typer
 from typer.testing import CliRunner
 
 from raytrain_eks.errors import UserError
-from raytrain_eks.fabric import nccl_log
+from raytrain_eks.fabric import nccl_lines
 from raytrain_eks.fabric.commands import Require, register
 from raytrain_eks.fabric.nccl_log import (
     REQUIREMENTS,
@@ -77,7 +77,8 @@ FIXTURE_CASES = [
     ("mixed_fallback_cloudwatch.log", "socket", "2.18.3", 2, {"NET/AWS Libfabric": 2, "NET/Socket": 2}),
     ("single_node_nccl2.27.log", "single-node", "2.27.3", 1, {}),
     ("truncated_mid_connections.log", "efa", "2.10.3", 1, {"NET/AWS Libfabric": 3}),
-    ("truncated_before_connections.log", "inconclusive", "2.27.3", 2, {}),
+    # Cut before any connection line, but every process that got that far selected Socket after the plugin failed.
+    ("truncated_before_connections.log", "socket", "2.27.3", 2, {}),
     ("garbage.log", "inconclusive", None, 0, {}),
     ("ray_session_logs", "efa", "2.29.7", 2, {"NET/Libfabric": 8}),
 ]
@@ -389,8 +390,8 @@ def test_truncated_gzip_keeps_what_was_read(tmp_path):
 
 
 def test_line_numbers_survive_chunk_boundaries_and_long_lines(tmp_path, monkeypatch):
-    monkeypatch.setattr(nccl_log, "_CHUNK", 64)
-    monkeypatch.setattr(nccl_log, "_MAX_LINE", 256)
+    monkeypatch.setattr(nccl_lines, "_CHUNK", 64)
+    monkeypatch.setattr(nccl_lines, "_MAX_LINE", 256)
     text = ["filler"] * 5 + ["x" * 1000] + ["h:1:1 [0] NCCL INFO Using network Socket"] + ["y" * 300 + "NCCL"]
     path = tmp_path / "a.log"
     path.write_text("\n".join(text) + "\n")
@@ -402,7 +403,7 @@ def test_line_numbers_survive_chunk_boundaries_and_long_lines(tmp_path, monkeypa
 def test_iter_log_lines_only_yields_nccl_lines_and_counts_bytes(tmp_path):
     path = tmp_path / "a.log"
     path.write_text("one\ntwo NCCL\r\nthree\n")
-    stats = nccl_log.ReadStats()
+    stats = nccl_lines.ReadStats()
     assert [ln.text for ln in iter_log_lines([path], stats=stats)] == ["two NCCL\r"]
     assert (stats.files, stats.bytes, stats.lines) == (1, 20, 3)
 
@@ -440,7 +441,7 @@ def test_skipping_irrelevant_lines_unread_changes_nothing(name):
 
 def test_relevant_words_cover_every_handler():
     for word in NcclLogAnalyzer()._handlers:
-        assert word.encode().startswith(nccl_log._RELEVANT_WORDS), word
+        assert word.encode().startswith(nccl_lines._RELEVANT_WORDS), word
 
 
 def test_state_stays_bounded_when_the_same_job_repeats():
@@ -457,9 +458,9 @@ def test_state_stays_bounded_when_the_same_job_repeats():
 
 
 def test_state_is_bounded_for_adversarial_input(monkeypatch):
-    monkeypatch.setattr(nccl_log, "_MAX_PROCS", 5)
-    monkeypatch.setattr(nccl_log, "_MAX_COMMS", 5)
-    monkeypatch.setattr(nccl_log, "_MAX_CONNECTIONS", 50)
+    monkeypatch.setattr(nccl_lines, "_MAX_PROCS", 5)
+    monkeypatch.setattr(nccl_lines, "_MAX_COMMS", 5)
+    monkeypatch.setattr(nccl_lines, "_MAX_CONNECTIONS", 50)
     a = NcclLogAnalyzer()
     for i in range(500):
         p = f"host{i}:{i}:{i} [{i % 7}] NCCL INFO "
@@ -469,7 +470,7 @@ def test_state_is_bounded_for_adversarial_input(monkeypatch):
         a.feed(p.replace("INFO", "WARN") + f"warning number {i}")
     report = a.finish()
     assert len(a._procs) <= 6 and len(a._members) <= 5 and len(a._conns) <= 50
-    assert len(report.warnings) <= nccl_log._MAX_DISTINCT and report.verdict in VERDICTS
+    assert len(report.warnings) <= nccl_lines._MAX_DISTINCT and report.verdict in VERDICTS
     assert any("were not tracked" in n for n in report.notes)
 
 
@@ -494,7 +495,8 @@ def cli() -> typer.Typer:
         ("efa_2node_nccl2.29_ray.log", [], 0),
         ("socket_fallback_nccl2.27_kubectl.log", [], 1),
         ("single_node_nccl2.27.log", [], 1),
-        ("truncated_before_connections.log", [], 2),
+        ("truncated_before_connections.log", [], 1),
+        ("garbage.log", [], 2),
         ("ib_2node_nccl2.21_mpirun.log", ["--require", "ib"], 0),
         ("efa_2node_nccl2.29_ray.log", ["--require", "ib"], 1),
         ("socket_fallback_nccl2.27_kubectl.log", ["--require", "any"], 0),
@@ -511,8 +513,8 @@ def test_command_json(cli):
     result = CliRunner().invoke(cli, ["verify-transport", "--json", str(FIXTURES / "ray_session_logs")])
     assert result.exit_code == 0
     data = json.loads(result.output)
-    assert {"verdict", "nccl_version", "ranks", "hosts", "inter_node", "plugin", "evidence"} <= set(data)
-    assert (data["verdict"], data["require"], data["meets"]) == ("efa", "efa", True)
+    assert {"verdict", "basis", "nccl_version", "ranks", "hosts", "inter_node", "plugin", "evidence"} <= set(data)
+    assert (data["verdict"], data["basis"], data["require"], data["meets"]) == ("efa", "proven", "efa", True)
     assert data["inter_node"] == {"NET/Libfabric": 8} and len(data["ranks"]) == 8
     assert {"source", "line", "text"} == set(data["evidence"][0])
 

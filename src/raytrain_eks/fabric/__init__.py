@@ -6,11 +6,13 @@ Example::
 
     report = analyze_paths(["/tmp/ray/session_latest/logs"])
     report.verdict  # "efa", "ib", "socket", "single-node" or "inconclusive"
+    report.basis    # "proven" (connection lines), "selected" (the network NCCL chose) or "none"
 """
 
 from __future__ import annotations
 
 from raytrain_eks.fabric.nccl_log import (
+    BASES,
     REQUIREMENTS,
     VERDICTS,
     LineRef,
@@ -25,6 +27,7 @@ from raytrain_eks.fabric.nccl_log import (
 )
 
 __all__ = [
+    "BASES",
     "REQUIREMENTS",
     "VERDICTS",
     "LineRef",

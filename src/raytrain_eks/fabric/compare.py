@@ -254,6 +254,11 @@ def _checked(
     what = spec.describe()
     if report.verdict != spec.fabric:
         raise ComparisonRefused(_wrong_transport(spec, report.verdict, report.reason, other), hint=_hint(spec))
+    if report.basis != "proven":  # a run's own NCCL lines hold connection lines; without them nothing is measured
+        raise ComparisonRefused(
+            f"{what}: its NCCL lines do not prove the transport ({report.verdict} was only selected: {report.reason})",
+            hint="Pass the run's whole NCCL_DEBUG=INFO output, with its connection ('via NET/...') lines.",
+        )
     if out.status != _SUCCEEDED:
         raise ComparisonRefused(
             f"{what} ended {out.status}{f' ({out.source})' if out.source else ''}; only finished runs are compared",

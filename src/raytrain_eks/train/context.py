@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ Batch = dict[str, torch.Tensor]
 class WorkerContext(Protocol):
     rank: int
     world_size: int
+    node: str  # the node this worker runs on; workers with the same name share a machine
     device: torch.device
 
     def data_batches(self, batch_size: int, position: dict[str, int] | None) -> DataCursor:
@@ -107,12 +109,14 @@ class RayContext:
     """
 
     def __init__(self, metrics_queue: Any | None, checkpoint_root: str, resume_from: str | None = None) -> None:
+        import ray
         import ray.train
         import ray.train.torch
 
         ctx = ray.train.get_context()
         self.rank = ctx.get_world_rank()
         self.world_size = ctx.get_world_size()
+        self.node = ray.get_runtime_context().get_node_id()
         self.device = ray.train.torch.get_device()
         self._queue = metrics_queue
         self._root = checkpoint_root
@@ -174,6 +178,9 @@ class ProcessContext:
     def __init__(self, out_dir: Path, summary_extra: dict[str, Any] | None = None) -> None:
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        # torchrun numbers its nodes (GROUP_RANK); a lone process is on the machine it runs on.
+        group = os.environ.get("GROUP_RANK")
+        self.node = f"node-{group}" if group is not None else socket.gethostname()
         self.device = _device(int(os.environ.get("LOCAL_RANK", 0)))
         self._out = out_dir
         self._summary_extra = dict(summary_extra or {})

@@ -308,8 +308,9 @@ def _train_in(
         summary["wall_s"] = time.perf_counter() - t_start
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         raise TrainingError(
-            f"stopped after step 1: the inter-node transport is {fabric['verdict']!r}, "
-            f"but fabric.require is {fabric['require']!r} (report above; NCCL lines in {run_dir / 'nccl'})",
+            f"stopped after step {summary.get('steps')}: the inter-node transport is {fabric['verdict']!r} "
+            f"({fabric.get('basis')}), but fabric.require is {fabric['require']!r}: {fabric.get('note')} "
+            f"(report above; NCCL lines in {run_dir / 'nccl'})",
             hint="Fix the network (EFA device plugin, vpc.amazonaws.com/efa requests, FI_PROVIDER=efa, "
             "NCCL_NET_PLUGIN=ofi), or set fabric.require to 'any' to train over whatever NCCL picks.",
         )

@@ -95,8 +95,9 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, fabric_requi
 
     Continues from ``ctx.resume_checkpoint()`` when there is one: weights, optimizer moments, schedule, step and
     data position are restored, so the steps that follow are those of an uninterrupted run. Unless
-    ``fabric_require`` is ``any``, the transport NCCL chose is checked right after the first step, and the run
-    stops there when it is not the required one.
+    ``fabric_require`` is ``any``, the transport NCCL chose is checked right after the first step (and once more
+    after the second when the first look could not prove it), and the run stops there when it is not the
+    required one.
     """
     torch.manual_seed(cfg.seed)
     device = ctx.device
@@ -207,10 +208,12 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, fabric_requi
                 "resumed_from_step": resumed_from,
             }
             ctx.emit(record)
-        if fabric is None and fabric_require != "any":
-            fabric, nccl_lines = check_transport(fabric_require, rank=ctx.rank, world_size=ctx.world_size)
+        if fabric_require != "any" and (fabric is None or fabric["action"] == "look-again"):
+            fabric, nccl_lines = check_transport(
+                fabric_require, rank=ctx.rank, world_size=ctx.world_size, node=ctx.node, last_look=fabric is not None
+            )
             ctx.emit({"fabric": fabric, "nccl_lines": nccl_lines})
-            if not fabric["met"]:
+            if fabric["action"] == "stop":
                 break
         if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             save(step, record or {"step": step})
