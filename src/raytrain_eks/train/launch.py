@@ -242,6 +242,8 @@ def run_training(
                 break
             if "summary" in record:
                 summary.update(record["summary"])
+            elif "note" in record:  # a line for the user from rank 0, such as the precision chosen
+                say(record["note"])
             elif "fabric" in record:
                 _write_nccl_lines(run_dir / "nccl", record["nccl_lines"])
                 say(record["fabric"]["report"])
