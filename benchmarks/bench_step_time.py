@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="optimizer steps per run (default 30)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sample (default 512)")
     p.add_argument("--batch-size", type=int, default=8, help="samples per worker per step (default 8)")
-    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16", help="default bf16, as the job")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto", help="default auto, as the job")
     p.add_argument(
         "--log-every",
         type=int,

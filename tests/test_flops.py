@@ -36,8 +36,13 @@ def test_qwen2_5_1_5b_figures():
     [
         ("NVIDIA L4", 121),
         ("NVIDIA A100-SXM4-80GB", 312),
+        # CUDA's names for the three H100s: SXM (HBM3), PCIe and NVL have different clocks and power limits.
         ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
         ("NVIDIA H200", 989),
+        ("NVIDIA H200 NVL", 835),
+        ("NVIDIA B200", 2250),
         ("NVIDIA A10G", 70),
         ("NVIDIA L40S", 362),
     ],
@@ -46,7 +51,7 @@ def test_peak_table_knows_the_gpus(name, tflops):
     assert peak_flops_for(name) == tflops * 1e12
 
 
-@pytest.mark.parametrize("name", ["cpu", None, "", "NVIDIA GeForce RTX 4090", "Tesla T4"])
+@pytest.mark.parametrize("name", ["cpu", None, "", "NVIDIA GeForce RTX 4090", "Tesla T4", "NVIDIA GB200", "NVIDIA L40"])
 def test_unknown_devices_get_no_peak(name):
     assert peak_flops_for(name) is None
     assert mfu(tokens_per_s=1000.0, flops_per_token=1e9, peak_flops=peak_flops_for(name), devices=8) is None

@@ -234,7 +234,8 @@ class TrainingConfig(_Section):
     weight_decay: float = Field(0.01, ge=0, le=1)
     max_grad_norm: float = Field(1.0, gt=0)
     num_workers: int = Field(0, ge=0, le=4096)
-    precision: Literal["bf16", "fp32"] = "bf16"
+    # auto: bf16 where the device multiplies bf16 natively, else fp32 (resolved by the workers, train/precision.py)
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
     activation_checkpointing: bool = False
     seed: int = Field(0, ge=0)
     log_every: int = Field(10, ge=1)

@@ -41,7 +41,11 @@ FIELD_HELP = {
     ("training", "text_field"): "the field read by the text format",
     ("training", "batch_size"): "packed samples per worker per micro-batch",
     ("training", "num_workers"): "training workers; 0 = one per GPU in the cluster (2 CPU workers locally)",
-    ("training", "precision"): "bf16 (bf16 compute, fp32 gradient reduction) or fp32",
+    (
+        "training",
+        "precision",
+    ): "auto (bf16 where the GPU or CPU does bf16 natively, else fp32), bf16 (bf16 compute, fp32 gradient "
+    "reduction) or fp32",
     ("training", "warmup_steps"): "linear warm-up before the cosine decay; empty = 5% of the steps",
     ("training", "log_every"): "steps between metric records sent to the driver",
     (

@@ -26,9 +26,11 @@ def local_tiny() -> Config:
             "model_id": BUILTIN_MODEL,
             "data": BUILTIN_DATA,
             "data_format": "instruction",
-            "steps": 150,
+            # 100 steps of 2 x 4 blocks of 128 tokens: the loss falls from ~6.9 to under 2 in well under a minute of
+            # training on 2 cores (fp32; about 0.14 CPU-seconds per worker step for this model).
+            "steps": 100,
             "seq_len": 128,
-            "batch_size": 8,
+            "batch_size": 4,
             "learning_rate": 3e-3,
             "weight_decay": 0.0,
             "log_every": 10,

@@ -36,7 +36,8 @@ class WorkerContext(Protocol):
         ...
 
     def emit(self, record: dict[str, Any]) -> None:
-        """Send one metric record (called on every rank; only rank 0's is kept)."""
+        """Send one metric record (called on every rank; only rank 0's is kept). ``{"note": text}`` is a line for
+        the user, not a metric."""
         ...
 
     def resume_checkpoint(self) -> Path | None:
@@ -189,7 +190,9 @@ class ProcessContext:
         raise NotImplementedError("plain processes run the random-data mode only; real data goes through Ray Data")
 
     def emit(self, record: dict[str, Any]) -> None:
-        if self.rank == 0:
+        if self.rank == 0 and "note" in record:
+            print(record["note"], flush=True)
+        elif self.rank == 0:
             with (self._out / "metrics.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
 

@@ -6,36 +6,42 @@ number of layers, H the hidden size and T the sequence length. The second term i
 value products (forward and backward), which 6 * N leaves out. Example::
 
     fpt = flops_per_token(model.config, seq_len=2048)
-    mfu(tokens_per_s=5_000, flops_per_token=fpt, peak_flops=peak_flops_for("NVIDIA L4"), devices=8)
+    mfu(tokens_per_s=5_000, flops_per_token=fpt, peak_flops=peak_flops_for("NVIDIA L4", "bf16"), devices=8)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Dense bf16 tensor-core peaks per GPU in TFLOPS (no sparsity). Matched against torch.cuda.get_device_name().
-# A10G: AWS's variant of the A10, 70 TFLOPS dense bf16 as published for g5 instances.
-PEAK_BF16_TFLOPS: dict[str, float] = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "A10G": 70.0,
-    "L4": 121.0,
-}
+# Dense bf16 tensor-core peaks per GPU in TFLOPS (no sparsity), matched against torch.cuda.get_device_name().
+# Each row names the words the device name must contain; the first row that matches wins, so the variants of a
+# chip come before its plain name (CUDA calls the H100 SXM "NVIDIA H100 80GB HBM3", the others "NVIDIA H100 PCIe"
+# and "NVIDIA H100 NVL"). A10G: AWS's variant of the A10, 70 TFLOPS dense bf16 as published for g5 instances.
+PEAK_BF16_TFLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("B200",), 2250.0),
+    (("H200", "NVL"), 835.0),
+    (("H200",), 989.0),
+    (("H100", "PCIE"), 756.0),
+    (("H100", "NVL"), 835.0),
+    (("H100",), 989.0),  # SXM
+    (("A100",), 312.0),
+    (("L40S",), 362.0),
+    (("A10G",), 70.0),
+    (("L4",), 121.0),
+)
 
 
-def peak_flops_for(device_name: str | None) -> float | None:
-    """Peak dense bf16 FLOP/s of one device, or ``None`` on CPU or for a GPU the table does not know.
+def peak_flops_for(device_name: str | None, precision: str = "bf16") -> float | None:
+    """Peak dense FLOP/s of one device at ``precision``, or ``None`` on CPU or for a GPU the table does not know.
 
     Names are matched whole-word ("NVIDIA L4" is an L4, "NVIDIA L40S" is not), so no card silently gets another
-    card's peak.
+    card's peak. The table holds bf16 peaks: an fp32 run gets ``None`` (no MFU) rather than a bf16 denominator.
     """
-    if not device_name:
+    if not device_name or precision != "bf16":
         return None
-    words = device_name.upper().replace("-", " ").split()
-    for key, tflops in PEAK_BF16_TFLOPS.items():
-        if key in words:
+    words = set(device_name.upper().replace("-", " ").split())
+    for keys, tflops in PEAK_BF16_TFLOPS:
+        if words.issuperset(keys):
             return tflops * 1e12
     return None
 

@@ -284,6 +284,8 @@ def _train_in(
                 summary.update(record["summary"])
             elif "worker_traceback" in record:
                 worker_tracebacks.append(f"--- worker rank {record['rank']} ---\n{record['worker_traceback']}")
+            elif "note" in record:  # a line for the user from rank 0, such as the precision chosen
+                say(record["note"])
             elif "fabric" in record:
                 _write_nccl_lines(run_dir / "nccl", record["nccl_lines"])
                 say(record["fabric"]["report"])

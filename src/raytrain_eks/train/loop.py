@@ -3,7 +3,8 @@
 Per step: take ``grad_accum_steps`` micro-batches, count the trained tokens across all ranks, run forward and
 backward with the loss normalised by that global count (so any world size computes the same gradient as one
 process with the whole batch), clip, step AdamW and the warm-up + cosine schedule. Every ``log_every`` steps
-(and on the first and last) the global loss and throughput go to the driver as one record.
+(and on the first and last) the global loss and throughput go to the driver as one record; only those steps wait
+for the device, the others queue their work and go on.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from raytrain_eks.config import TrainingConfig
 from raytrain_eks.train.checkpoint import load_sharded, save_sharded
@@ -24,8 +24,12 @@ from raytrain_eks.train.data import IGNORE_INDEX, random_batch
 from raytrain_eks.train.fabric_gate import check_transport
 from raytrain_eks.train.faults import maybe_die
 from raytrain_eks.train.flops import flops_per_token, mfu, peak_flops_for
-from raytrain_eks.train.model import load_model
+from raytrain_eks.train.model import chunked_cross_entropy, load_model, output_projection_deferred
+from raytrain_eks.train.precision import resolve_precision
 from raytrain_eks.train.sharding import apply_fsdp
+
+# fp32 logits the loss holds at once (256 MiB): 441 tokens per chunk at Qwen2.5's 151,936-token vocabulary.
+LOSS_CHUNK_LOGITS = 2**26
 
 
 def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -36,10 +40,25 @@ def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> fl
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainingConfig) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW over the (sharded) parameters and its warm-up + cosine schedule, as every launcher trains with them."""
+def build_optimizer(
+    model: torch.nn.Module, cfg: TrainingConfig, device: torch.device | None = None
+) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over the (sharded) parameters and its warm-up + cosine schedule, as every launcher trains with them.
+
+    Matrices (projections, embeddings) decay by ``weight_decay``; vectors (norm scales, biases) do not. On CUDA the
+    fused AdamW kernel updates all parameters at once.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.learning_rate, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, eps=1e-8
+        [g for g in groups if g["params"]],
+        lr=cfg.learning_rate,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=device is not None and device.type == "cuda",
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -86,6 +105,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def agreed_precision(requested: str, device: torch.device) -> tuple[str, str]:
+    """:func:`resolve_precision` on every rank, then the same answer everywhere: bf16 only if every rank can."""
+    precision, reason = resolve_precision(requested, device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        vote = torch.tensor([1 if precision == "bf16" else 0], device=device)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN)
+        if precision == "bf16" and not int(vote):
+            precision, reason = "fp32", "auto: another rank's device has no native bf16"
+    return precision, reason
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -101,11 +131,14 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, fabric_requi
     """
     torch.manual_seed(cfg.seed)
     device = ctx.device
+    precision, why = agreed_precision(cfg.precision, device)
+    ctx.emit({"note": f"precision: {precision} ({why})"})
     model = load_model(model_path, activation_checkpointing=cfg.activation_checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
+    output_weight = output_projection_deferred(model)
     model.to(device)
-    apply_fsdp(model, precision=cfg.precision)
-    optimizer, scheduler = build_optimizer(model, cfg)
+    apply_fsdp(model, precision=precision)
+    optimizer, scheduler = build_optimizer(model, cfg, device)
 
     start_step, resumed_from, position = 0, None, None
     resume = ctx.resume_checkpoint()
@@ -120,13 +153,14 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, fabric_requi
     )
 
     fpt = flops_per_token(model.config, cfg.seq_len)
-    peak = peak_flops_for(device_name(device)) if device.type == "cuda" else None
+    peak = peak_flops_for(device_name(device), precision) if device.type == "cuda" else None
     tokens_per_step = ctx.world_size * cfg.batch_size * cfg.grad_accum_steps * cfg.seq_len
     checkpoints: list[int] = []
     checkpoint_s = 0.0
+    window_steps, window_tokens = 0, 0  # steps and tokens since the last record; its start is set below
 
     def save(step: int, metrics: dict[str, Any]) -> None:
-        nonlocal checkpoint_s
+        nonlocal checkpoint_s, window_start
         t = time.perf_counter()
         ctx.save_checkpoint(
             step,
@@ -147,55 +181,54 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, fabric_requi
             keep=cfg.keep_checkpoints,
         )
         checkpoints.append(step)
-        checkpoint_s += time.perf_counter() - t
+        spent = time.perf_counter() - t
+        checkpoint_s += spent
+        window_start += spent  # throughput and step time leave checkpoint time out
 
     fabric: dict[str, Any] | None = None
-    step_times: list[float] = []
+    step_times: list[float] = []  # one per logging window: its time over its steps
+    done = 0
     losses: dict[int, float] = {}
-    window_start, window_tokens = time.perf_counter(), 0
-    loop_start = time.perf_counter()
+    loop_start = window_start = time.perf_counter()
     model.train()
     for step in range(start_step + 1, cfg.steps + 1):
         maybe_die("step", step=step, rank=ctx.rank)
-        t0 = time.perf_counter()
         micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
-        counts = torch.tensor(
-            [float((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro], dtype=torch.float64, device=device
-        )
-        global_count = counts.sum().clone()
+        # Counted on the host (labels are CPU tensors), summed across ranks on the device: no wait for the device.
+        count = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro)
+        global_count = torch.tensor(float(count), dtype=torch.float64, device=device)
         dist.all_reduce(global_count)
-        scale = ctx.world_size / max(1.0, float(global_count))
+        scale = (ctx.world_size / global_count.clamp(min=1.0)).float()
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i, mb in enumerate(micro):
             model.set_requires_gradient_sync(i == len(micro) - 1)
             input_ids = mb["input_ids"].to(device, non_blocking=True)
             labels = mb["labels"].to(device, non_blocking=True)
-            logits = model(input_ids=input_ids).logits
-            token_loss = F.cross_entropy(
-                logits[:, :-1].float().reshape(-1, logits.size(-1)),
-                labels[:, 1:].reshape(-1),
-                ignore_index=IGNORE_INDEX,
-                reduction="sum",
+            hidden = model(input_ids=input_ids).logits  # final hidden states: the loss projects them in chunks
+            token_loss = chunked_cross_entropy(
+                hidden[:, :-1], output_weight(), labels[:, 1:], max_logits=LOSS_CHUNK_LOGITS, ignore_index=IGNORE_INDEX
             )
             (token_loss * scale).backward()
             loss_sum += token_loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        _sync(device)
-        step_time = time.perf_counter() - t0
-        step_times.append(step_time)
+        done += 1
+        window_steps += 1
         window_tokens += tokens_per_step
 
         record = None
         if step == start_step + 1 or step % cfg.log_every == 0 or step == cfg.steps:
             dist.all_reduce(loss_sum)
-            loss = float(loss_sum) / max(1.0, float(global_count))
+            loss = float(loss_sum) / max(1.0, float(global_count))  # waits for the device: logging steps only
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            _sync(device)
             losses[step] = loss
-            now = time.perf_counter()
-            tps = window_tokens / (now - window_start)
+            window_s = time.perf_counter() - window_start
+            step_time = window_s / window_steps
+            step_times.append(step_time)
+            tps = window_tokens / window_s
             record = {
                 "step": step,
                 "loss": loss,
@@ -218,11 +251,11 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, fabric_requi
         if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             save(step, record or {"step": step})
         if record is not None:
-            window_start, window_tokens = time.perf_counter(), 0
+            window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
 
     train_s = time.perf_counter() - loop_start
-    done = len(step_times)
-    steady = step_times[min(done - 1, max(2, done // 10)) :] if done else []
+    # Step times are per logging window (first step alone, then log_every steps): leave the first window out.
+    steady = step_times[1:] or step_times
     tokens = done * tokens_per_step
     tps = tokens / train_s if done else 0.0
     last_step = start_step + done  # cfg.steps, unless the transport gate stopped the run early
@@ -235,6 +268,7 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, fabric_requi
         "tokens_per_s": tps,
         "step_time_s": statistics.median(steady) if steady else None,
         "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
+        "precision": precision,
         "flops_per_token": fpt,
         "parameters": n_params,
         "world_size": ctx.world_size,

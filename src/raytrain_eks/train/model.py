@@ -5,12 +5,19 @@ same path as ``Qwen/Qwen2.5-1.5B``. Example::
 
     path = resolve_model_path("builtin:tiny-qwen2")
     model = load_model(path, activation_checkpointing=False)
+    weight = output_projection_deferred(model)         # model(...).logits are now the final hidden states
+    loss = chunked_cross_entropy(model(input_ids=ids).logits[:, :-1], weight(), labels[:, 1:])
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from raytrain_eks.config import BUILTIN_MODEL
 from raytrain_eks.errors import UserError
@@ -53,7 +60,6 @@ def check_model(path: str) -> Any:
 
 def load_model(path: str, *, activation_checkpointing: bool) -> Any:
     """The causal LM in fp32 master weights (FSDP's policy casts for compute), ready to shard."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -61,3 +67,48 @@ def load_model(path: str, *, activation_checkpointing: bool) -> Any:
     if activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def output_projection_deferred(model: Any) -> Callable[[], torch.Tensor]:
+    """Make ``model(...).logits`` the final hidden states, and return a getter of the output projection's weight.
+
+    The loss then projects chunk by chunk (:func:`chunked_cross_entropy`) instead of the model materialising the
+    full logits. Only the projection's ``forward`` changes: its weight, any tying to the embedding and the state
+    dict (checkpoints, export) are untouched. The getter is called after each forward, since sharding swaps the
+    parameter object between its sharded and gathered forms.
+    """
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(model).__name__}: expected an output projection without bias")
+    # A copy, not the view the model hands in: FSDP warns about (in-place ops on) views returned by a sharded root.
+    # It costs tokens x hidden, a few thousandths of the logits it replaces.
+    head.forward = lambda hidden: hidden.clone()
+    return lambda: head.weight
+
+
+def chunked_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    max_logits: int = 2**26,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """``F.cross_entropy(hidden @ weight.T, labels, reduction="sum")`` in fp32, holding at most ``max_logits`` logits.
+
+    Tokens are projected, upcast and scored a chunk at a time, and each chunk's logits are recomputed in backward
+    rather than kept, so neither pass holds the full (tokens x vocabulary) fp32 logits. Labels equal to
+    ``ignore_index`` count for nothing. The value and gradients are those of the plain loss.
+    """
+    hidden, labels = hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1)
+
+    def piece(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(F.linear(h, weight).float(), y, ignore_index=ignore_index, reduction="sum")
+
+    rows = max(1, max_logits // weight.size(0))
+    if rows >= labels.numel():  # one chunk: nothing to save by recomputing
+        return piece(hidden, labels)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, labels.numel(), rows):
+        total = total + checkpoint(piece, hidden[i : i + rows], labels[i : i + rows], use_reentrant=False)
+    return total

@@ -24,10 +24,15 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
 
 
 def mixed_precision(precision: str) -> MixedPrecisionPolicy:
-    """bf16: compute in bf16, reduce gradients in fp32 (fp32 master weights). fp32: no casting at all."""
+    """bf16: compute in bf16, reduce gradients in fp32 (fp32 master weights). fp32: no casting at all.
+
+    ``precision`` is the resolved one (train/precision.py); ``auto`` must have been decided before sharding.
+    """
     if precision == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    return MixedPrecisionPolicy()
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    raise ValueError(f"resolved precision must be bf16 or fp32, not {precision!r}")
 
 
 def apply_fsdp(model: torch.nn.Module, *, precision: str) -> torch.nn.Module:
@@ -37,5 +42,7 @@ def apply_fsdp(model: torch.nn.Module, *, precision: str) -> torch.nn.Module:
     for i, layer in enumerate(layers):
         # The last layer's parameters are needed right after its backward by the root: keep them gathered.
         fully_shard(layer, mp_policy=policy, reshard_after_forward=i < len(layers) - 1)
-    fully_shard(model, mp_policy=policy)
+    # The root (embedding, final norm, output projection) stays gathered after forward: the chunked loss multiplies
+    # by the output projection's weight after the model's forward has returned.
+    fully_shard(model, mp_policy=policy, reshard_after_forward=False)
     return model
