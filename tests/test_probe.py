@@ -7,6 +7,7 @@ test_two_host.py.
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import typer
@@ -374,7 +375,9 @@ def test_command_refuses_bad_options(cli, fake_probe, args, message):
 def test_probe_on_an_embedded_ray(ray_local):
     spec = ProbeSpec(min_bytes=256 << 10, max_bytes=MiB, iters=2, warmup=1)
     cfg = load_config(preset=presets.local_tiny(), path=None, environ={})
+    before = signal.getsignal(signal.SIGINT)
     report = probe.run_probe(cfg, spec, num_workers=2, expected_gbps=1)
+    assert signal.getsignal(signal.SIGINT) is before, "Ctrl-C stops this process again once the probe is done"
     assert report.backend == "gloo" and report.world_size == 2
     assert len(report.nodes) == 1 and report.verdict.verdict == "single-node" and report.exit_code == 2
     assert [(r.op, r.bytes) for r in report.rows][:3] == [

@@ -420,7 +420,13 @@ def run_probe(
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
 
-    from raytrain_eks.train.launch import LOCAL_CPU_WORKERS, init_ray, resolve_num_workers, worker_error
+    from raytrain_eks.train.launch import (
+        LOCAL_CPU_WORKERS,
+        fit_keeping_sigint,
+        init_ray,
+        resolve_num_workers,
+        worker_error,
+    )
 
     t_start = time.perf_counter()
     line_rate, source = expected_line_rate(cfg, expected_gbps)
@@ -450,7 +456,7 @@ def run_probe(
         ),
     )
     try:
-        trainer.fit()
+        fit_keeping_sigint(trainer)
         gathered = queue.get(timeout=60)
     except Exception as exc:
         raise ProbeError(f"the bandwidth probe failed: {worker_error(exc)}") from None

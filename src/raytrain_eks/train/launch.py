@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -69,6 +70,21 @@ def resolve_num_workers(requested: int, cluster_gpus: int) -> tuple[int, bool]:
     if requested:
         return requested, use_gpu
     return (cluster_gpus, True) if use_gpu else (LOCAL_CPU_WORKERS, False)
+
+
+def fit_keeping_sigint(trainer: Any) -> Any:
+    """``trainer.fit()``, then the process's Ctrl-C handler as it was before.
+
+    Ray Train's ``fit`` (run on the main thread) installs a SIGINT handler that aborts its controller and never
+    removes it: a later Ctrl-C would call a controller that is gone instead of stopping this process.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return trainer.fit()
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        return trainer.fit()
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
