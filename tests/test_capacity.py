@@ -620,7 +620,7 @@ def test_aws_errors_become_one_message(offline_aws, code, error, expected):
 
 
 def test_up_places_the_gpu_group_by_the_capacity_check(aws_env):
-    from raytrain_eks import deploy
+    from raytrain_eks.eks import deploy
 
     ids = _zone_ids()
     found = deploy.placement_zones(load_config(), services=_services(scores={ids["us-east-1d"]: 9}))
@@ -720,7 +720,7 @@ def test_unusable_reservations_are_not_counted_as_capacity(aws_env):
 
 
 def test_up_targets_the_reservation_that_holds_the_nodes(aws_env):
-    from raytrain_eks import deploy
+    from raytrain_eks.eks import deploy
 
     held = _reservation("us-east-1d", id="cr-0fedcba9876543210")
     found = deploy.placement_zones(
@@ -732,7 +732,7 @@ def test_up_targets_the_reservation_that_holds_the_nodes(aws_env):
 def test_a_reservation_holding_the_gpu_nodes_is_targeted_when_the_system_node_shares_the_quota(aws_env):
     # A G-family system node (4 vCPUs) adds to the G quota's need, which the reservation does not cover; the
     # reservation still holds every GPU node, so up must target it and the probe must not reserve more.
-    from raytrain_eks import deploy
+    from raytrain_eks.eks import deploy
 
     held = _reservation("us-east-1d", id="cr-0fedcba9876543210", match="targeted")
     cfg = load_config(environ={"SYSTEM_NODE_TYPE": "g5.xlarge"})

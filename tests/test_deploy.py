@@ -30,17 +30,18 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
-from raytrain_eks import deploy, deploy_commands, runner
-from raytrain_eks import submit as sub
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.deploy import Cancelled, Deployment, NodesNotReady, StateStore
+from raytrain_eks.eks import commands as deploy_commands
+from raytrain_eks.eks import deploy, runner
+from raytrain_eks.eks import submit as sub
+from raytrain_eks.eks.deploy import Cancelled, Deployment, NodesNotReady, StateStore
+from raytrain_eks.eks.plan import write_plan
+from raytrain_eks.eks.runner import CommandError, Completed, MissingToolError
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import Event, ExecResult, _exec_returncode
 from raytrain_eks.k8s.fake import FakeKube, parse_quantity
-from raytrain_eks.plan import write_plan
-from raytrain_eks.runner import CommandError, Completed, MissingToolError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
 SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md
@@ -61,7 +62,7 @@ CAPACITY_ERROR = (
 
 
 class FakeTools:
-    """A recording :class:`~raytrain_eks.runner.Runner` simulating eksctl and helm.
+    """A recording :class:`~raytrain_eks.eks.runner.Runner` simulating eksctl and helm.
 
     ``no_capacity``: zones where the GPU instances cannot launch. ``fail_once``: argv prefix (joined) -> stderr of
     one failure. ``crash_plugins``: releases whose DaemonSet pods never become ready. ``missing``: tools not

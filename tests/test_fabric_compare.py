@@ -1,4 +1,4 @@
-"""The EFA-versus-TCP comparison (``raytrain_eks.fabric.compare`` and ``raytrain-eks compare-fabric``); fast, hermetic.
+"""The EFA-versus-TCP comparison (``raytrain_eks.eks.compare`` and ``raytrain-eks compare-fabric``); fast, hermetic.
 
 The logic runs against an injected ``run_job`` that answers with the NCCL fixtures (an EFA job's log for run A, a
 TCP-socket fallback's log for run B) and synthetic metric records. Covered: the speed-up after warm-up (and that
@@ -26,13 +26,10 @@ import yaml
 from test_deploy import FIXTURES, FakeRay, World, run_script
 from typer.testing import CliRunner
 
-from raytrain_eks import deploy_commands
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.deploy import Cancelled
-from raytrain_eks.errors import UserError
-from raytrain_eks.fabric import commands
-from raytrain_eks.fabric import compare as cmp
-from raytrain_eks.fabric.compare import (
+from raytrain_eks.eks import commands as deploy_commands
+from raytrain_eks.eks import compare as cmp
+from raytrain_eks.eks.compare import (
     EFA_RUN,
     TCP_ENV,
     TCP_RUN,
@@ -44,10 +41,13 @@ from raytrain_eks.fabric.compare import (
     config_for,
     throughput,
 )
+from raytrain_eks.eks.deploy import Cancelled
+from raytrain_eks.eks.runner import CommandError
+from raytrain_eks.errors import UserError
+from raytrain_eks.fabric import commands
 from raytrain_eks.fabric.nccl_log import analyze_paths
 from raytrain_eks.k8s.cluster import ExecResult
 from raytrain_eks.k8s.manifests import IMAGE_PYTHON
-from raytrain_eks.runner import CommandError
 
 EFA_LOG = FIXTURES / "efa_2node_nccl2.29_ray.log"
 TCP_LOG = FIXTURES / "socket_fallback_nccl2.27_kubectl.log"

@@ -22,11 +22,8 @@ from typer.testing import CliRunner
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import AMI_FAMILIES, load_config
-from raytrain_eks.deploy_commands import register
-from raytrain_eks.errors import ConfigError
-from raytrain_eks.instances import instance_type
-from raytrain_eks.k8s import manifests as m
-from raytrain_eks.plan import (
+from raytrain_eks.eks.commands import register
+from raytrain_eks.eks.plan import (
     CODE_CONFIG_MAP_FILE,
     PACKAGE_ARCHIVE_FILE,
     build_plan,
@@ -35,6 +32,9 @@ from raytrain_eks.plan import (
     run_cost,
     write_plan,
 )
+from raytrain_eks.errors import ConfigError
+from raytrain_eks.instances import instance_type
+from raytrain_eks.k8s import manifests as m
 
 SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md
 INSTANCES = [("g6.12xlarge", 4, 1), ("g5.48xlarge", 8, 1), ("p4d.24xlarge", 8, 4), ("p5.48xlarge", 8, 32)]
@@ -421,7 +421,7 @@ def test_plan_needs_no_credentials_and_no_cluster_tools(tmp_path):
     """A clean process: no AWS variables or files, an empty PATH, and nothing cloud-side imported."""
     script = (
         "import shutil, sys, typer\n"
-        "from raytrain_eks.deploy_commands import register\n"
+        "from raytrain_eks.eks.commands import register\n"
         "assert not any(shutil.which(t) for t in ('eksctl', 'helm', 'kubectl', 'aws'))\n"
         "app = typer.Typer()\n"
         "app.callback()(lambda: None)\n"

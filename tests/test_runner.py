@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_eks import deploy, runner
 from raytrain_eks.config import load_config
-from raytrain_eks.deploy import Deployment, StateStore
+from raytrain_eks.eks import deploy, runner
+from raytrain_eks.eks.deploy import Deployment, StateStore
 
 # Stands in for eksctl: records its own and a grandchild's pid, then both sleep far longer than any test.
 FAKE_EKSCTL = textwrap.dedent(

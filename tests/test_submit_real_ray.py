@@ -32,10 +32,10 @@ from typing import Any
 import pytest
 from test_deploy import ZONES, FakeTools
 
-from raytrain_eks import deploy
-from raytrain_eks import submit as sub
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.deploy import Deployment, StateStore
+from raytrain_eks.eks import deploy
+from raytrain_eks.eks import submit as sub
+from raytrain_eks.eks.deploy import Deployment, StateStore
 from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import ExecResult

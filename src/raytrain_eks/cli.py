@@ -16,9 +16,10 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from raytrain_eks import deploy_commands, presets
+from raytrain_eks import presets
 from raytrain_eks.aws import commands as aws_commands
 from raytrain_eks.config import DEFAULT_CONFIG_FILE, env_file_lines, load_config
+from raytrain_eks.eks import commands as deploy_commands
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.fabric import commands as fabric_commands
 from raytrain_eks.options import ConfigOpt, PresetOpt
@@ -105,7 +106,7 @@ def train(
         )
     s = result.summary
     if address is not None:  # on a cluster this tool deploys: what the run cost while it ran
-        from raytrain_eks.plan import run_cost
+        from raytrain_eks.eks.plan import run_cost
 
         s["cost"] = run_cost(cfg, s)
         (result.run_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")

@@ -25,8 +25,8 @@ from rich.console import Console
 
 from raytrain_eks import presets
 from raytrain_eks.config import load_config
+from raytrain_eks.eks import compare
 from raytrain_eks.errors import UserError
-from raytrain_eks.fabric import compare
 from raytrain_eks.fabric.nccl_log import LogInputError, analyze_paths
 from raytrain_eks.fabric.probe import (
     DEFAULT_ITERS,
@@ -208,7 +208,7 @@ def compare_fabric(
     Exit status: 0 compared, 1 refused (a job is running on the RayCluster, a run used the wrong transport, failed,
     or has too few steps).
     """
-    from raytrain_eks.deploy_commands import make_deployment
+    from raytrain_eks.eks.commands import make_deployment
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
 

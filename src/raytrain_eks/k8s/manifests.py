@@ -1,6 +1,6 @@
 """RayCluster, RayJob and the core objects beside them, as plain dicts built by pure functions of the config.
 
-Nothing here talks to a cluster or writes a file; YAML is dumped at the edge (:mod:`raytrain_eks.plan`). Every
+Nothing here talks to a cluster or writes a file; YAML is dumped at the edge (:mod:`raytrain_eks.eks.plan`). Every
 number that appears twice comes from one place: Ray's ``num-gpus`` and the pod's ``nvidia.com/gpu`` from
 ``cfg.derived.ray_gpus_per_worker_pod``, the EFA count from the instance table, CPU and memory from the instance
 size unless set. The Hugging Face token is only ever *referenced* (a Secret key); :func:`hf_token_secret` builds

@@ -1,7 +1,7 @@
 """The deploy steps of ``up``, ``status`` and ``down``, as functions over one :class:`Deployment`.
 
 A :class:`Deployment` bundles the configuration, the Kubernetes interface (:class:`~raytrain_eks.k8s.cluster.KubeApi`),
-the runner for eksctl and helm (:class:`~raytrain_eks.runner.Runner`) and the :class:`StateStore` that remembers,
+the runner for eksctl and helm (:class:`~raytrain_eks.eks.runner.Runner`) and the :class:`StateStore` that remembers,
 in ``.raytrain-eks/state.json`` of the working folder, the region and zones chosen and everything created. Every
 step looks before it acts, and records what it is about to create *before* creating it, so re-running after a
 failure resumes and ``down`` finds even what a crash left half made. Example::
@@ -31,12 +31,12 @@ from typing import Any
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
+from raytrain_eks.eks.plan import HelmRelease, check_deployable, cost_per_hour, helm_releases, to_yaml
+from raytrain_eks.eks.runner import CommandError, Completed, Interrupted, Runner, require_tool
 from raytrain_eks.errors import UserError
 from raytrain_eks.instances import InstanceType
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import KubeApi, Node
-from raytrain_eks.plan import HelmRelease, check_deployable, cost_per_hour, helm_releases, to_yaml
-from raytrain_eks.runner import CommandError, Completed, Interrupted, Runner, require_tool
 
 STATE_DIR = ".raytrain-eks"
 STATE_FILE = "state.json"
@@ -879,7 +879,7 @@ def planned_actions(cfg: Config) -> list[Action]:
 
 @contextlib.contextmanager
 def _say_state_when_interrupted(d: Deployment) -> Iterator[None]:
-    """An :class:`~raytrain_eks.runner.Interrupted` (Ctrl-C or SIGTERM during eksctl or helm) leaves with what the
+    """An :class:`~raytrain_eks.eks.runner.Interrupted` (Ctrl-C or SIGTERM during eksctl or helm) leaves with what the
     state file records, so the user knows what exists before running the command again."""
     try:
         yield
@@ -902,7 +902,7 @@ def up(
 
     Order: preflight -> cluster -> system node group -> GPU node group (zone by zone) -> eksctl's own plugins
     removed -> pinned charts -> GPU nodes proven ready -> KubeRay Ready. Each step skips what exists. Ctrl-C or
-    SIGTERM stops the running eksctl or helm and raises :class:`~raytrain_eks.runner.Interrupted` naming what the
+    SIGTERM stops the running eksctl or helm and raises :class:`~raytrain_eks.eks.runner.Interrupted` naming what the
     state file records.
     """
     with _say_state_when_interrupted(d):

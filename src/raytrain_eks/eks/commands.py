@@ -33,7 +33,7 @@ from raytrain_eks.config import Config, load_config
 from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, YesOpt
 
 if TYPE_CHECKING:
-    from raytrain_eks.deploy import Deployment, StateStore
+    from raytrain_eks.eks.deploy import Deployment, StateStore
 
 
 class PlanMode(StrEnum):
@@ -69,7 +69,7 @@ def plan(
     mode: ModeOpt = PlanMode.raycluster,
 ) -> None:
     """Show what deploy would create, apply and submit, and its cost per hour. Needs no credentials."""
-    from raytrain_eks.plan import Mode, build_plan, write_plan
+    from raytrain_eks.eks.plan import Mode, build_plan, write_plan
 
     cfg = _load(config, preset)
     # Only whether a token is there: its value stays in this process's environment until deploy sends it.
@@ -100,7 +100,7 @@ def plan(
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# up / submit / status / logs / down: thin layers over raytrain_eks.deploy and raytrain_eks.submit
+# up / submit / status / logs / down: thin layers over raytrain_eks.eks.deploy and raytrain_eks.eks.submit
 # ------------------------------------------------------------------------------------------------------------------
 
 _out = Console(highlight=False, soft_wrap=True)
@@ -117,7 +117,7 @@ def _load(config: Path | None, preset: str) -> Config:
 def remembered_config(cfg: Config, store: StateStore, say: Callable[[str], None]) -> Config:
     """``cfg`` with the cluster, region and zone this folder's state remembers; ``say`` tells when they differ
     from the configured ones."""
-    from raytrain_eks.deploy import apply_state
+    from raytrain_eks.eks.deploy import apply_state
 
     remembered = apply_state(cfg, store)
     was, now = cfg.cluster, remembered.cluster
@@ -133,8 +133,8 @@ def make_deployment(cfg: Config, state_dir: Path, say: Callable[[str], None] = _
 
     The one place the commands build their collaborators; tests replace it with fakes.
     """
-    from raytrain_eks import runner
-    from raytrain_eks.deploy import Deployment, StateStore
+    from raytrain_eks.eks import runner
+    from raytrain_eks.eks.deploy import Deployment, StateStore
     from raytrain_eks.k8s.cluster import KubernetesApi
 
     store = StateStore(state_dir)
@@ -159,8 +159,8 @@ def up(
     state_dir: StateDirOpt = Path(".raytrain-eks"),
 ) -> None:
     """Create (or resume) the cluster, GPU node group, device plugins and KubeRay; --train then runs the job."""
-    from raytrain_eks import deploy
-    from raytrain_eks.plan import check_deployable, cost_per_hour
+    from raytrain_eks.eks import deploy
+    from raytrain_eks.eks.plan import check_deployable, cost_per_hour
 
     cfg = _load(config, preset)
     if plan_only:
@@ -192,7 +192,7 @@ def submit(
 
 
 def _submit(d: Deployment, mode: PlanMode) -> None:
-    from raytrain_eks.submit import Mode, submit
+    from raytrain_eks.eks.submit import Mode, submit
 
     # The token goes from this environment into a Secret through the API: never a file, argv or log line.
     result = submit(d, mode=cast("Mode", mode.value), hf_token=os.environ.get("HF_TOKEN") or None)
@@ -206,7 +206,7 @@ def status(
     state_dir: StateDirOpt = Path(".raytrain-eks"),
 ) -> None:
     """Show what this folder deployed, the GPU nodes' resources and the Ray pods and job."""
-    from raytrain_eks.deploy import status as deploy_status
+    from raytrain_eks.eks.deploy import status as deploy_status
 
     for line in deploy_status(make_deployment(_load(config, preset), state_dir)):
         _say(line)
@@ -219,7 +219,7 @@ def logs(
     state_dir: StateDirOpt = Path(".raytrain-eks"),
 ) -> None:
     """Print the last submitted job's output (read inside the head pod)."""
-    from raytrain_eks.submit import logs as job_logs
+    from raytrain_eks.eks.submit import logs as job_logs
 
     code = job_logs(make_deployment(_load(config, preset), state_dir), follow=follow)
     if code:
@@ -233,6 +233,6 @@ def down(
     state_dir: StateDirOpt = Path(".raytrain-eks"),
 ) -> None:
     """Delete everything up and submit created (newest first), then check that nothing billable is left."""
-    from raytrain_eks.deploy import down as deploy_down
+    from raytrain_eks.eks.deploy import down as deploy_down
 
     deploy_down(make_deployment(_load(config, preset), state_dir), confirm=_confirm(yes))

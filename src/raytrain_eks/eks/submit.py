@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from raytrain_eks.deploy import (
+from raytrain_eks.eks.deploy import (
     Deployment,
     NodesNotReady,
     gpu_node_problems,
@@ -33,6 +33,8 @@ from raytrain_eks.deploy import (
     scale_gpu_nodes,
     wait_gpu_nodes,
 )
+from raytrain_eks.eks.plan import check_deployable
+from raytrain_eks.eks.runner import CommandError
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
 from raytrain_eks.k8s import manifests as m
@@ -47,8 +49,6 @@ from raytrain_eks.k8s.job import (
     rayjob_manifest,
     unpack_argv,
 )
-from raytrain_eks.plan import check_deployable
-from raytrain_eks.runner import CommandError
 from raytrain_eks.train.fabric_gate import nccl_log_dir
 
 Mode = Literal["raycluster", "rayjob"]
