@@ -620,17 +620,17 @@ def test_aws_errors_become_one_message(offline_aws, code, error, expected):
 
 
 def test_up_places_the_gpu_group_by_the_capacity_check(aws_env):
-    from raytrain_eks.eks import deploy
+    from raytrain_eks.eks import nodegroups
 
     ids = _zone_ids()
-    found = deploy.placement_zones(load_config(), services=_services(scores={ids["us-east-1d"]: 9}))
+    found = nodegroups.placement_zones(load_config(), services=_services(scores={ids["us-east-1d"]: 9}))
     zones = found.zones
     assert sorted(zones) == OFFERED and zones[0] == "us-east-1d", "offered zones only, best spot score first"
     assert found.reservations == {} and sorted(found.offered) == OFFERED
     _run("g6.12xlarge")
     reservations = FakeReservations()
     with pytest.raises(cap.CapacityError, match="quota short in us-east-1"):
-        deploy.placement_zones(load_config(), services=_services(limit=96, reservations=reservations))
+        nodegroups.placement_zones(load_config(), services=_services(limit=96, reservations=reservations))
     assert reservations.calls == [], "nothing created"
 
 
@@ -720,10 +720,10 @@ def test_unusable_reservations_are_not_counted_as_capacity(aws_env):
 
 
 def test_up_targets_the_reservation_that_holds_the_nodes(aws_env):
-    from raytrain_eks.eks import deploy
+    from raytrain_eks.eks import nodegroups
 
     held = _reservation("us-east-1d", id="cr-0fedcba9876543210")
-    found = deploy.placement_zones(
+    found = nodegroups.placement_zones(
         load_config(), services=_services(limit=96, reservations=FakeReservations(existing={REGION: [held]}))
     )
     assert found.zones == ["us-east-1d"] and found.reservations == {"us-east-1d": "cr-0fedcba9876543210"}
@@ -732,7 +732,7 @@ def test_up_targets_the_reservation_that_holds_the_nodes(aws_env):
 def test_a_reservation_holding_the_gpu_nodes_is_targeted_when_the_system_node_shares_the_quota(aws_env):
     # A G-family system node (4 vCPUs) adds to the G quota's need, which the reservation does not cover; the
     # reservation still holds every GPU node, so up must target it and the probe must not reserve more.
-    from raytrain_eks.eks import deploy
+    from raytrain_eks.eks import nodegroups
 
     held = _reservation("us-east-1d", id="cr-0fedcba9876543210", match="targeted")
     cfg = load_config(environ={"SYSTEM_NODE_TYPE": "g5.xlarge"})
@@ -741,7 +741,7 @@ def test_a_reservation_holding_the_gpu_nodes_is_targeted_when_the_system_node_sh
     d = _row(report, "us-east-1d")
     assert (d.quota.need, d.quota.free, d.covered, d.viable) == (4, 4, True, True)
     assert report.candidates[0] is d and reservations.created == [], "held already: nothing probed"
-    found = deploy.placement_zones(cfg, services=_services(limit=100, reservations=reservations))
+    found = nodegroups.placement_zones(cfg, services=_services(limit=100, reservations=reservations))
     assert found.reservations == {"us-east-1d": "cr-0fedcba9876543210"}
 
 

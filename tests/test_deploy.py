@@ -31,12 +31,13 @@ import yaml
 from typer.testing import CliRunner
 
 from raytrain_eks.config import Config, load_config
+from raytrain_eks.eks import addons, lifecycle, nodegroups, runner, state
 from raytrain_eks.eks import commands as deploy_commands
-from raytrain_eks.eks import deploy, runner
 from raytrain_eks.eks import submit as sub
-from raytrain_eks.eks.deploy import Cancelled, Deployment, NodesNotReady, StateStore
+from raytrain_eks.eks.addons import NodesNotReady
 from raytrain_eks.eks.plan import write_plan
 from raytrain_eks.eks.runner import CommandError, Completed, MissingToolError
+from raytrain_eks.eks.state import Cancelled, Deployment, StateStore
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
@@ -329,9 +330,9 @@ class World:
             require_tool=self.tools.require,
         )
 
-    def up(self, **kw: Any) -> deploy.UpResult:
-        kw.setdefault("offered_zones", lambda: deploy.Placement(list(ZONES)))
-        return deploy.up(self.d, confirm=lambda q: True, **kw)
+    def up(self, **kw: Any) -> lifecycle.UpResult:
+        kw.setdefault("offered_zones", lambda: nodegroups.Placement(list(ZONES)))
+        return lifecycle.up(self.d, confirm=lambda q: True, **kw)
 
     def submit(self, **kw: Any) -> sub.SubmitResult:
         return sub.submit(self.d, **kw)
@@ -517,14 +518,14 @@ def test_up_does_not_trust_helm_device_plugins_must_be_ready_on_every_node(world
     text = str(err.value)
     assert "vpc.amazonaws.com/efa=0, a worker pod needs 1" in text and "CrashLoopBackOff" in text
     assert "raytrain-eks up" in (err.value.hint or "")
-    assert world.kube.time >= deploy.GPU_READY_TIMEOUT_S  # it waited (in simulated time) before giving up
+    assert world.kube.time >= addons.GPU_READY_TIMEOUT_S  # it waited (in simulated time) before giving up
 
 
 def test_up_asks_once_and_creates_nothing_when_declined(world: World):
     questions: list[str] = []
     with pytest.raises(Cancelled):
-        deploy.up(
-            world.d, confirm=lambda q: questions.append(q) or False, offered_zones=lambda: deploy.Placement(ZONES)
+        lifecycle.up(
+            world.d, confirm=lambda q: questions.append(q) or False, offered_zones=lambda: nodegroups.Placement(ZONES)
         )
     assert len(questions) == 1 and "$9.55 per hour" in questions[0]
     assert world.tools.calls == [] and world.store.created == []
@@ -547,7 +548,7 @@ def test_pinned_zone_is_the_only_one_tried(tmp_path: Path, monkeypatch: pytest.M
 
 
 def test_up_launches_into_the_reservation_the_capacity_check_found(world: World):
-    placement = deploy.Placement(["us-east-1b", "us-east-1a"], {"us-east-1b": "cr-0123456789abcdef0"})
+    placement = nodegroups.Placement(["us-east-1b", "us-east-1a"], {"us-east-1b": "cr-0123456789abcdef0"})
     result = world.up(offered_zones=lambda: placement)
     assert result.gpu_az == "us-east-1b"
     doc = yaml.safe_load((world.store.root / "eksctl-nodegroup-gpu-efa.yaml").read_text())
@@ -569,7 +570,7 @@ def test_a_configured_zone_is_checked_before_anything_is_made(tmp_path: Path, mo
     monkeypatch.chdir(tmp_path)
     w = World(tmp_path, load_config(environ={"GPU_AZ": "us-east-1c"}, path=None))
 
-    def quota_short() -> deploy.Placement:
+    def quota_short() -> nodegroups.Placement:
         raise CapacityError("quota short in us-east-1: 2 x g6.12xlarge need 96 vCPUs ...")
 
     with pytest.raises(CapacityError, match="quota short"):
@@ -577,14 +578,14 @@ def test_a_configured_zone_is_checked_before_anything_is_made(tmp_path: Path, mo
     with pytest.raises(
         UserError, match="cannot go to us-east-1c now; the capacity check finds room only in us-east-1a"
     ):
-        w.up(offered_zones=lambda: deploy.Placement(["us-east-1a"]))
+        w.up(offered_zones=lambda: nodegroups.Placement(["us-east-1a"]))
     assert w.tools.calls == [] and w.store.created == []
 
 
 def test_the_clusters_second_zone_also_offers_the_gpu_type(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.chdir(tmp_path)
     w = World(tmp_path, load_config(environ={"GPU_AZ": "us-east-1c"}, path=None))
-    w.up(offered_zones=lambda: deploy.Placement(["us-east-1c"], offered=["us-east-1b", "us-east-1c"]))
+    w.up(offered_zones=lambda: nodegroups.Placement(["us-east-1c"], offered=["us-east-1b", "us-east-1c"]))
     assert w.tools.cluster["azs"] == ["us-east-1c", "us-east-1b"], "not the alphabetical default us-east-1a"
 
 
@@ -593,7 +594,7 @@ def test_a_pinned_zone_keeps_the_configured_availability_zones(tmp_path: Path, m
     azs = ["us-east-1a", "us-east-1b", "us-east-1c"]
     cfg = load_config(environ={}, path=None, overrides={"cluster": {"gpu_az": "us-east-1b", "availability_zones": azs}})
     w = World(tmp_path, cfg)
-    result = w.up(offered_zones=lambda: deploy.Placement(["us-east-1b"], offered=["us-east-1b", "us-east-1d"]))
+    result = w.up(offered_zones=lambda: nodegroups.Placement(["us-east-1b"], offered=["us-east-1b", "us-east-1d"]))
     assert result.gpu_az == "us-east-1b"
     assert w.tools.cluster["azs"] == ["us-east-1b", "us-east-1a", "us-east-1c"], "the configured zones, as plan shows"
 
@@ -628,7 +629,7 @@ def test_up_plan_shows_the_helm_commands_up_runs(world: World):
     ran = [
         shlex.join(c).replace(f"{world.store.root}/", ".raytrain-eks/") for c in world.tools.commands("helm", "upgrade")
     ]
-    planned = [shlex.join(a.argv or []) for a in deploy.planned_actions(world.d.cfg) if a.name.startswith("helm-")]
+    planned = [shlex.join(a.argv or []) for a in lifecycle.planned_actions(world.d.cfg) if a.name.startswith("helm-")]
     assert len(ran) == 3 and ran == planned
 
 
@@ -890,7 +891,7 @@ def test_down_deletes_everything_in_reverse_order_and_twice_is_safe(ready: World
     created = ready.store.created
     first = len(ready.tools.calls)
     questions: list[str] = []
-    result = deploy.down(ready.d, confirm=lambda q: questions.append(q) or True)
+    result = lifecycle.down(ready.d, confirm=lambda q: questions.append(q) or True)
     assert len(questions) == 1 and "RayCluster default/ray-train" in questions[0]
     assert len(result.deleted) == len(created) and result.leftovers == []
     kinds = [k for (_, k, _, _) in ready.kube.deleted if k != "DaemonSet"]
@@ -910,7 +911,7 @@ def test_down_deletes_everything_in_reverse_order_and_twice_is_safe(ready: World
     assert not ready.store.path.exists() and not ready.store.kubeconfig.exists()
     # The second down: nothing recorded, nothing run.
     calls = len(ready.tools.calls)
-    again = deploy.down(StateDeployment(ready), confirm=lambda q: pytest.fail("no question when nothing is left"))
+    again = lifecycle.down(StateDeployment(ready), confirm=lambda q: pytest.fail("no question when nothing is left"))
     assert again.deleted == [] and len(ready.tools.calls) == calls
     assert "Nothing to delete" in ready.said()
 
@@ -924,9 +925,9 @@ def StateDeployment(w: World) -> Deployment:  # noqa: N802 - reads like a constr
 def test_down_resumes_after_a_failure(ready: World):
     ready.tools.fail_once["eksctl delete cluster"] = "Error: DELETE_FAILED: eksctl-ray-train-eks-cluster"
     with pytest.raises(CommandError):
-        deploy.down(ready.d, confirm=lambda q: True)
+        lifecycle.down(ready.d, confirm=lambda q: True)
     assert [i["type"] for i in ready.store.created] == ["cluster"]
-    deploy.down(ready.d, confirm=lambda q: True)
+    lifecycle.down(ready.d, confirm=lambda q: True)
     assert len(ready.tools.commands("eksctl", "delete", "cluster")) == 2
     assert len(ready.tools.commands("eksctl", "delete", "nodegroup")) == 2, "node groups are not deleted twice"
 
@@ -960,7 +961,7 @@ def _leave_behind(cluster: str) -> dict[str, str]:
 def test_down_reports_what_still_costs_money_and_checks_again(ready: World):
     mine, other = _leave_behind("ray-train-eks"), _leave_behind("someone-elses-cluster")
     with pytest.raises(UserError) as err:
-        deploy.down(ready.d, confirm=lambda q: True)
+        lifecycle.down(ready.d, confirm=lambda q: True)
     message = err.value.message
     assert f"NAT gateway {mine['nat']}: `aws ec2 delete-nat-gateway --region us-east-1 --nat-gateway-id" in message
     assert f"Elastic IP {mine['eip']}: `aws ec2 release-address" in message
@@ -972,7 +973,7 @@ def test_down_reports_what_still_costs_money_and_checks_again(ready: World):
     ec2.delete_nat_gateway(NatGatewayId=mine["nat"])
     ec2.release_address(AllocationId=mine["eip"])
     ec2.terminate_instances(InstanceIds=[mine["instance"]])
-    again = deploy.down(StateDeployment(ready), confirm=lambda q: pytest.fail("nothing is left to confirm"))
+    again = lifecycle.down(StateDeployment(ready), confirm=lambda q: pytest.fail("nothing is left to confirm"))
     assert again.leftovers == [] and not ready.store.path.exists()
     assert "Nothing billable is left from this deployment." in ready.said()
 
@@ -982,11 +983,11 @@ def test_a_second_down_without_aws_credentials_keeps_the_leftovers_it_cannot_che
 ):
     mine = _leave_behind("ray-train-eks")
     with pytest.raises(UserError):
-        deploy.down(ready.d, confirm=lambda q: True)
+        lifecycle.down(ready.d, confirm=lambda q: True)
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name)
     with pytest.raises(UserError) as err:
-        deploy.down(StateDeployment(ready), confirm=lambda q: pytest.fail("nothing is left to confirm"))
+        lifecycle.down(StateDeployment(ready), confirm=lambda q: pytest.fail("nothing is left to confirm"))
     assert "AWS could not be asked now whether they are gone" in err.value.message and mine["nat"] in err.value.message
     assert "Could not check for leftover NAT gateways" in ready.said()
     assert ready.store.path.exists() and ready.store.get("leftovers"), "the record of what still costs money is kept"
@@ -995,7 +996,7 @@ def test_a_second_down_without_aws_credentials_keeps_the_leftovers_it_cannot_che
 def test_down_without_aws_credentials_says_it_could_not_check(ready: World, monkeypatch: pytest.MonkeyPatch):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name)
-    result = deploy.down(ready.d, confirm=lambda q: True)
+    result = lifecycle.down(ready.d, confirm=lambda q: True)
     assert result.leftovers is None and ready.tools.cluster is None
     assert "Could not check for leftover NAT gateways, Elastic IPs or instances: no AWS credentials" in ready.said()
 
@@ -1005,7 +1006,7 @@ def test_down_keeps_every_record_when_eksctl_fails_with_another_not_found(ready:
     ready.tools.fail_once["eksctl get cluster"] = "Error: failed to get shared config profile, dev: not found"
     created = list(ready.store.created)
     with pytest.raises(CommandError, match="profile, dev: not found"):
-        deploy.down(ready.d, confirm=lambda q: True)
+        lifecycle.down(ready.d, confirm=lambda q: True)
     assert ready.store.created == created and ready.tools.cluster is not None
     assert not ready.tools.commands("eksctl", "delete")
 
@@ -1034,33 +1035,33 @@ def _answer(w: World, prefix: list[str], stdout: str) -> None:
 def test_an_answer_without_a_status_is_unknown_not_active(ready: World, prefix, stdout, what):
     eks_items = [i for i in ready.store.created if i["type"] in ("cluster", "nodegroup")]
     _answer(ready, prefix, stdout)
-    with pytest.raises(deploy.UnreadableAnswer, match=what) as err:
-        deploy.down(ready.d, confirm=lambda q: True)
+    with pytest.raises(state.UnreadableAnswer, match=what) as err:
+        lifecycle.down(ready.d, confirm=lambda q: True)
     assert "nothing recorded was forgotten" in err.value.message
     kept = [i for i in ready.store.created if i["type"] in ("cluster", "nodegroup")]
     assert kept == eks_items and len(kept) == 3, "the record of the cluster and its node groups is kept"
     assert not ready.tools.commands("eksctl", "delete")
-    with pytest.raises(deploy.UnreadableAnswer):
-        deploy.status(ready.d)
+    with pytest.raises(state.UnreadableAnswer):
+        lifecycle.status(ready.d)
 
 
 def test_down_leaves_a_cluster_it_did_not_create(world: World):
     world.tools.cluster = {"name": "ray-train-eks", "azs": ZONES}
     world.up()
     assert "was not created from this folder" in world.said()
-    deploy.down(world.d, confirm=lambda q: True)
+    lifecycle.down(world.d, confirm=lambda q: True)
     assert not world.tools.commands("eksctl", "delete", "cluster") and world.tools.cluster is not None
 
 
 def test_declining_down_deletes_nothing(ready: World):
     with pytest.raises(Cancelled):
-        deploy.down(ready.d, confirm=lambda q: False)
+        lifecycle.down(ready.d, confirm=lambda q: False)
     assert len(ready.store.created) == 6 and ready.tools.cluster is not None
 
 
 def test_status_shows_nodes_pods_and_job(ready: World):
     ready.submit()
-    text = "\n".join(deploy.status(ready.d))
+    text = "\n".join(lifecycle.status(ready.d))
     assert "Cluster ray-train-eks in us-east-1, GPU zone us-east-1a" in text and "EKS cluster: ACTIVE" in text
     assert "Node group gpu-efa: ACTIVE" in text and "nvidia.com/gpu=4 vpc.amazonaws.com/efa=1 Ready" in text
     assert "Ray pod ray-train-head-0: Running Ready" in text and "SUCCEEDED" in text
@@ -1076,12 +1077,12 @@ def test_a_namespace_of_its_own_is_created_first_and_deleted_last(
     objects = [i for i in w.store.created if i["type"] == "object"]
     assert [o["kind"] for o in objects] == ["Namespace", "ConfigMap", "RayCluster"]
     assert all(o["namespace"] == "training" for o in objects[1:]) and objects[0]["namespace"] is None
-    deploy.down(w.d, confirm=lambda q: True)
+    lifecycle.down(w.d, confirm=lambda q: True)
     assert [k for (_, k, _, _) in w.kube.deleted if k != "DaemonSet"] == ["RayCluster", "ConfigMap", "Namespace"]
 
 
 def test_status_without_a_deployment(world: World):
-    assert "Nothing deployed from this folder" in deploy.status(world.d)[0]
+    assert "Nothing deployed from this folder" in lifecycle.status(world.d)[0]
 
 
 def test_logs_come_from_inside_the_head_pod(ready: World):
@@ -1106,9 +1107,9 @@ def test_logs_and_metrics_of_a_job_whose_head_pod_is_gone_say_so(ready: World):
 
 def test_later_commands_use_the_remembered_region_and_zone(ready: World, cfg: Config):
     moved = load_config(environ={"REGION": "us-west-2"}, path=None)
-    again = deploy.apply_state(moved, StateStore(ready.store.root))
+    again = state.apply_state(moved, StateStore(ready.store.root))
     assert (again.cluster.region, again.cluster.gpu_az) == ("us-east-1", "us-east-1a")
-    assert deploy.apply_state(cfg, StateStore(ready.store.root / "elsewhere")) is cfg
+    assert state.apply_state(cfg, StateStore(ready.store.root / "elsewhere")) is cfg
 
 
 def test_up_refuses_a_folder_that_belongs_to_another_cluster(ready: World):
@@ -1179,5 +1180,5 @@ def test_quantities_and_events():
 
 def test_launch_failure_reason_is_the_line_that_says_why():
     text = CAPACITY_ERROR.format(az="us-east-1a")
-    assert deploy.launch_failure(text).startswith("Nodegroup gpu-efa failed to stabilize")
-    assert deploy.launch_failure("Error: AccessDenied") is None
+    assert nodegroups.launch_failure(text).startswith("Nodegroup gpu-efa failed to stabilize")
+    assert nodegroups.launch_failure("Error: AccessDenied") is None

@@ -41,8 +41,8 @@ from raytrain_eks.eks.compare import (
     config_for,
     throughput,
 )
-from raytrain_eks.eks.deploy import Cancelled
 from raytrain_eks.eks.runner import CommandError
+from raytrain_eks.eks.state import Cancelled
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric import commands
 from raytrain_eks.fabric.nccl_log import analyze_paths

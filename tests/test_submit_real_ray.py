@@ -33,9 +33,9 @@ import pytest
 from test_deploy import ZONES, FakeTools
 
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.eks import deploy
+from raytrain_eks.eks import lifecycle, nodegroups
 from raytrain_eks.eks import submit as sub
-from raytrain_eks.eks.deploy import Deployment, StateStore
+from raytrain_eks.eks.state import Deployment, StateStore
 from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import ExecResult
@@ -288,7 +288,7 @@ def test_submit_runs_the_job_on_a_real_ray_and_reports_what_it_saw(
         clock=kube.monotonic,
         require_tool=tools.require,
     )
-    deploy.up(d, confirm=lambda q: True, offered_zones=lambda: deploy.Placement(ZONES))
+    lifecycle.up(d, confirm=lambda q: True, offered_zones=lambda: nodegroups.Placement(ZONES))
     lines.clear()
 
     result = sub.submit(d, mode="raycluster")

@@ -33,7 +33,7 @@ from raytrain_eks.config import Config, load_config
 from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, YesOpt
 
 if TYPE_CHECKING:
-    from raytrain_eks.eks.deploy import Deployment, StateStore
+    from raytrain_eks.eks.state import Deployment, StateStore
 
 
 class PlanMode(StrEnum):
@@ -100,7 +100,7 @@ def plan(
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# up / submit / status / logs / down: thin layers over raytrain_eks.eks.deploy and raytrain_eks.eks.submit
+# up / submit / status / logs / down: thin layers over raytrain_eks.eks.lifecycle and raytrain_eks.eks.submit
 # ------------------------------------------------------------------------------------------------------------------
 
 _out = Console(highlight=False, soft_wrap=True)
@@ -117,7 +117,7 @@ def _load(config: Path | None, preset: str) -> Config:
 def remembered_config(cfg: Config, store: StateStore, say: Callable[[str], None]) -> Config:
     """``cfg`` with the cluster, region and zone this folder's state remembers; ``say`` tells when they differ
     from the configured ones."""
-    from raytrain_eks.eks.deploy import apply_state
+    from raytrain_eks.eks.state import apply_state
 
     remembered = apply_state(cfg, store)
     was, now = cfg.cluster, remembered.cluster
@@ -134,7 +134,7 @@ def make_deployment(cfg: Config, state_dir: Path, say: Callable[[str], None] = _
     The one place the commands build their collaborators; tests replace it with fakes.
     """
     from raytrain_eks.eks import runner
-    from raytrain_eks.eks.deploy import Deployment, StateStore
+    from raytrain_eks.eks.state import Deployment, StateStore
     from raytrain_eks.k8s.cluster import KubernetesApi
 
     store = StateStore(state_dir)
@@ -159,13 +159,13 @@ def up(
     state_dir: StateDirOpt = Path(".raytrain-eks"),
 ) -> None:
     """Create (or resume) the cluster, GPU node group, device plugins and KubeRay; --train then runs the job."""
-    from raytrain_eks.eks import deploy
+    from raytrain_eks.eks import lifecycle, nodegroups
     from raytrain_eks.eks.plan import check_deployable, cost_per_hour
 
     cfg = _load(config, preset)
     if plan_only:
         _say(f"up would do, for cluster {cfg.cluster.name} in {cfg.cluster.region} (nothing is created now):")
-        for i, action in enumerate(deploy.planned_actions(cfg), 1):
+        for i, action in enumerate(lifecycle.planned_actions(cfg), 1):
             _say(f"{i:>2}. {action.name}: {action.what}")
             if action.argv:
                 _say(f"    $ {shlex.join(action.argv)}")
@@ -176,7 +176,7 @@ def up(
         _say(f"Cost while it runs: about ${cost['total_usd']:.2f} per hour ({cost['price_region']} on-demand).")
         return
     d = make_deployment(cfg, state_dir)
-    deploy.up(d, confirm=_confirm(yes), offered_zones=lambda: deploy.placement_zones(d.cfg))
+    lifecycle.up(d, confirm=_confirm(yes), offered_zones=lambda: nodegroups.placement_zones(d.cfg))
     if train:
         _submit(d, mode)
 
@@ -206,7 +206,7 @@ def status(
     state_dir: StateDirOpt = Path(".raytrain-eks"),
 ) -> None:
     """Show what this folder deployed, the GPU nodes' resources and the Ray pods and job."""
-    from raytrain_eks.eks.deploy import status as deploy_status
+    from raytrain_eks.eks.lifecycle import status as deploy_status
 
     for line in deploy_status(make_deployment(_load(config, preset), state_dir)):
         _say(line)
@@ -233,6 +233,6 @@ def down(
     state_dir: StateDirOpt = Path(".raytrain-eks"),
 ) -> None:
     """Delete everything up and submit created (newest first), then check that nothing billable is left."""
-    from raytrain_eks.eks.deploy import down as deploy_down
+    from raytrain_eks.eks.lifecycle import down as deploy_down
 
     deploy_down(make_deployment(_load(config, preset), state_dir), confirm=_confirm(yes))

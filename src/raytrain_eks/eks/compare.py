@@ -41,7 +41,7 @@ from raytrain_eks.fabric.nccl_log import TransportReport, analyze
 
 if TYPE_CHECKING:
     from raytrain_eks.config import Config
-    from raytrain_eks.eks.deploy import Deployment
+    from raytrain_eks.eks.state import Deployment
 
 TCP_ENV = {"NCCL_NET": "Socket", "FI_PROVIDER": "tcp"}
 """What run B adds to the workers' environment: NCCL's own TCP socket transport, libfabric's tcp provider."""
@@ -374,7 +374,7 @@ def ray_jobs(d: Deployment) -> list[dict[str, str]]:
 def _claim_raycluster(d: Deployment, confirm: Callable[[str], bool]) -> bool:
     """Before anything is deleted: refuse when a job is running on the RayCluster, else ask once. Returns whether
     the RayCluster exists."""
-    from raytrain_eks.eks.deploy import Cancelled
+    from raytrain_eks.eks.state import Cancelled
     from raytrain_eks.eks.submit import DASHBOARD, ray_pods
 
     ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name

@@ -25,16 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from raytrain_eks.eks.deploy import (
-    Deployment,
-    NodesNotReady,
-    gpu_node_problems,
-    object_item,
-    scale_gpu_nodes,
-    wait_gpu_nodes,
-)
+from raytrain_eks.eks.addons import NodesNotReady, gpu_node_problems, wait_gpu_nodes
+from raytrain_eks.eks.nodegroups import scale_gpu_nodes
 from raytrain_eks.eks.plan import check_deployable
 from raytrain_eks.eks.runner import CommandError
+from raytrain_eks.eks.state import Deployment, object_item
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
 from raytrain_eks.k8s import manifests as m

@@ -1,0 +1,213 @@
+"""The cluster's add-ons, installed with helm, and the proof that they work.
+
+The NVIDIA and EFA device plugins and the KubeRay operator are pinned Helm releases. helm's exit status is not taken
+as proof: the plugins' DaemonSets must be Ready on every GPU node, and every GPU node must advertise
+``nvidia.com/gpu`` and ``vpc.amazonaws.com/efa``; KubeRay's operator must run and its RayCluster CRD exist.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from raytrain_eks.aws import eksctl
+from raytrain_eks.eks.nodegroups import GPU_NODE_SELECTOR, QUICK_TIMEOUT_S
+from raytrain_eks.eks.plan import HelmRelease, to_yaml
+from raytrain_eks.eks.runner import Completed
+from raytrain_eks.eks.state import Deployment, helm_item
+from raytrain_eks.eks.wait import POLL_S
+from raytrain_eks.errors import UserError
+from raytrain_eks.instances import InstanceType
+from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.cluster import Node
+
+HELM_TIMEOUT_S = 15 * 60
+GPU_READY_TIMEOUT_S = 15 * 60
+
+DEVICE_PLUGIN_RELEASES = ("nvidia-device-plugin", "aws-efa-k8s-device-plugin")
+KUBERAY_RELEASE = "kuberay-operator"
+RAYCLUSTER_CRD = "rayclusters.ray.io"
+
+
+class NodesNotReady(UserError):
+    """The GPU nodes do not advertise what the worker pods request; each problem names its fix."""
+
+    def __init__(self, problems: Sequence[str], *, waited_s: float | None = None) -> None:
+        self.problems = list(problems)
+        head = "The GPU nodes are not ready for the Ray workers"
+        if waited_s is not None:
+            head += f" after {waited_s:.0f} s"
+        lines = [head + ":"] + [f"  - {p}" for p in self.problems]
+        super().__init__(
+            "\n".join(lines),
+            hint="Run `raytrain-eks up` again: it reinstalls the device plugins and waits until every GPU node "
+            "advertises nvidia.com/gpu and vpc.amazonaws.com/efa. `raytrain-eks status` shows the nodes.",
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Add-ons (helm) and the proof that they work
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def helm(d: Deployment, argv: list[str], **kwargs: Any) -> Completed:
+    return d.run([*argv, "--kubeconfig", d.kubeconfig], **kwargs)
+
+
+def release_info(d: Deployment, name: str, namespace: str) -> dict[str, Any] | None:
+    """``helm list`` entry of a release (``status``, ``chart`` = ``<chart>-<version>``), or ``None``."""
+    done = helm(
+        d,
+        ["helm", "list", "--all", "--namespace", namespace, "--filter", f"^{name}$", "--output", "json"],
+        timeout=QUICK_TIMEOUT_S,
+    )
+    for entry in json.loads(done.stdout or "[]") or []:
+        if entry.get("name") == name:
+            return dict(entry)
+    return None
+
+
+def install_argv(rel: HelmRelease, values: str, kubeconfig: str) -> list[str]:
+    """``helm upgrade --install`` of ``rel`` with its values file at ``values``: what ``up`` runs and ``up --plan``
+    shows. helm's own wait stops before the runner's ``HELM_TIMEOUT_S``, so its message is the one seen."""
+    argv = [values if a == rel.values_file else a for a in rel.argv()]
+    return [*argv, "--timeout", "10m", "--kubeconfig", kubeconfig]
+
+
+def ensure_release(d: Deployment, rel: HelmRelease) -> None:
+    """Install or upgrade one pinned chart, unless that exact chart version is already deployed."""
+    info = release_info(d, rel.name, rel.namespace)
+    if info and info.get("status") == "deployed" and info.get("chart") == f"{rel.chart}-{rel.version}":
+        d.say(f"Helm release {rel.name} ({rel.chart} {rel.version}) is installed")
+        return
+    values = d.state.write_file(rel.values_file, to_yaml([rel.values]))
+    d.state.record(helm_item(rel))
+    d.say(f"Installing {rel.repo_name}/{rel.chart} {rel.version} ({rel.purpose})")
+    d.run(
+        install_argv(rel, str(values), d.kubeconfig),
+        timeout=HELM_TIMEOUT_S,
+        hint=f"Run `raytrain-eks up` again; `helm status {rel.name} -n {rel.namespace}` shows the release.",
+    )
+
+
+def remove_eksctl_device_plugins(d: Deployment) -> None:
+    """Delete the plugin DaemonSets eksctl applies by itself: only the pinned charts may advertise GPUs and EFA."""
+    for name in (eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET, eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET):
+        if d.kube.delete("apps/v1", "DaemonSet", name, "kube-system"):
+            d.say(f"Removed eksctl's own DaemonSet kube-system/{name} (the pinned chart replaces it)")
+
+
+def _quantity(value: str | None) -> int:
+    try:
+        return int(value or "0")
+    except ValueError:
+        return 0
+
+
+def gpu_node_problems(d: Deployment, gpu: InstanceType, zone: str | None) -> tuple[list[Node], list[str]]:
+    """The GPU nodes, and everything that keeps a worker pod from running on them, each with its fix.
+
+    Checked: the number of nodes, Ready, the ``nvidia.com/gpu.present`` label, one zone, allocatable
+    ``nvidia.com/gpu`` and ``vpc.amazonaws.com/efa`` at least what a worker pod requests, and a Ready pod of each
+    device-plugin DaemonSet on every GPU node. Empty problems: the nodes are ready for the workers.
+    """
+    cfg = d.cfg
+    want_gpu, want_efa = cfg.derived.ray_gpus_per_worker_pod, gpu.efa_interfaces
+    nodes = d.kube.nodes(GPU_NODE_SELECTOR)
+    problems: list[str] = []
+    if len(nodes) < cfg.cluster.gpu_node_count:
+        problems.append(
+            f"{len(nodes)} of {cfg.cluster.gpu_node_count} GPU nodes (label role=gpu-worker) have joined the cluster; "
+            f"check node group {cfg.cluster.gpu_nodegroup_name} with `eksctl get nodegroup --cluster "
+            f"{cfg.cluster.name} --region {cfg.cluster.region}`"
+        )
+    for node in nodes:
+        if not node.ready:
+            problems.append(f"node {node.name} is not Ready; `kubectl describe node {node.name}` says why")
+        if node.labels.get("nvidia.com/gpu.present") != "true":
+            problems.append(
+                f"node {node.name} lacks the label nvidia.com/gpu.present=true, so the NVIDIA device plugin does not "
+                f"run there; fix: `kubectl label node {node.name} nvidia.com/gpu.present=true`"
+            )
+        if zone and node.zone and node.zone != zone:
+            problems.append(f"node {node.name} is in {node.zone}, not {zone}: EFA traffic cannot cross zones")
+        have_gpu = _quantity(node.allocatable.get(m.GPU_RESOURCE))
+        if have_gpu < want_gpu:
+            problems.append(
+                f"node {node.name} advertises {m.GPU_RESOURCE}={have_gpu}, a worker pod needs {want_gpu}: the NVIDIA "
+                "device plugin is not running there (fix: `raytrain-eks up` reinstalls it)"
+            )
+        have_efa = _quantity(node.allocatable.get(m.EFA_RESOURCE))
+        if have_efa < want_efa:
+            problems.append(
+                f"node {node.name} advertises {m.EFA_RESOURCE}={have_efa}, a worker pod needs {want_efa}: the EFA "
+                "device plugin is not running there or the node group is not EFA-enabled (fix: `raytrain-eks up` "
+                "reinstalls the plugin; the node group needs efaEnabled: true)"
+            )
+    problems += _plugin_problems(d, nodes)
+    return nodes, problems
+
+
+def _plugin_problems(d: Deployment, nodes: list[Node]) -> list[str]:
+    problems = []
+    for release in DEVICE_PLUGIN_RELEASES:
+        sets = d.kube.daemon_sets("kube-system", {"app.kubernetes.io/instance": release})
+        if not sets:
+            problems.append(f"no DaemonSet of Helm release {release} in kube-system (fix: `raytrain-eks up`)")
+            continue
+        for ds in sets:
+            pods = d.kube.pods("kube-system", ds.pod_selector)
+            for node in nodes:
+                on_node = [p for p in pods if p.node_name == node.name]
+                if not any(p.ready for p in on_node):
+                    state = ", ".join(f"{p.name} {p.waiting_reason or p.phase}" for p in on_node) or "no pod"
+                    problems.append(
+                        f"DaemonSet kube-system/{ds.name} has no Ready pod on node {node.name} ({state}); "
+                        f"`kubectl -n kube-system describe daemonset {ds.name}` says why"
+                    )
+    return problems
+
+
+def wait_gpu_nodes(
+    d: Deployment, gpu: InstanceType, zone: str | None, timeout: float = GPU_READY_TIMEOUT_S
+) -> list[Node]:
+    """Wait until :func:`gpu_node_problems` finds nothing; raise :class:`NodesNotReady` with every problem."""
+    start = d.clock()
+    last: list[str] | None = None
+    while True:
+        nodes, problems = gpu_node_problems(d, gpu, zone)
+        if not problems:
+            d.say(
+                f"{len(nodes)} GPU nodes ready: each advertises {m.GPU_RESOURCE} and {m.EFA_RESOURCE}, device "
+                "plugins Ready on every one"
+            )
+            return nodes
+        if d.clock() - start >= timeout:
+            raise NodesNotReady(problems, waited_s=d.clock() - start)
+        if problems != last:
+            d.say(
+                f"Waiting for the GPU nodes: {problems[0]}"
+                + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+            )
+            last = problems
+        d.sleep(POLL_S)
+
+
+def wait_kuberay(d: Deployment, timeout: float = GPU_READY_TIMEOUT_S) -> None:
+    """Wait for the RayCluster CRD and a Ready KubeRay operator pod."""
+    start = d.clock()
+    while True:
+        crd = d.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", RAYCLUSTER_CRD)
+        pods = d.kube.pods("kuberay-system", {"app.kubernetes.io/instance": KUBERAY_RELEASE})
+        if crd is not None and any(p.ready for p in pods):
+            d.say("KubeRay operator is Ready")
+            return
+        if d.clock() - start >= timeout:
+            state = ", ".join(f"{p.name} {p.waiting_reason or p.phase}" for p in pods) or "no operator pod"
+            crd_state = "present" if crd else "missing"
+            raise UserError(
+                f"the KubeRay operator is not Ready after {timeout:.0f} s (CRD {crd_state}; {state})",
+                hint="`kubectl -n kuberay-system describe pods` says why; then run `raytrain-eks up` again.",
+            )
+        d.sleep(POLL_S)

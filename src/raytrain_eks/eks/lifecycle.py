@@ -1,0 +1,358 @@
+"""The deploy steps of ``up``, ``status`` and ``down``, as functions over one :class:`Deployment`.
+
+A :class:`Deployment` bundles the configuration, the Kubernetes interface (:class:`~raytrain_eks.k8s.cluster.KubeApi`),
+the runner for eksctl and helm (:class:`~raytrain_eks.eks.runner.Runner`) and the :class:`StateStore` that remembers,
+in ``.raytrain-eks/state.json`` of the working folder, the region and zones chosen and everything created. Every
+step looks before it acts, and records what it is about to create *before* creating it, so re-running after a
+failure resumes and ``down`` finds even what a crash left half made. Example::
+
+    d = Deployment(cfg, kube=KubernetesApi(store.kubeconfig), run=runner.run, state=StateStore(".raytrain-eks"))
+    up(d, confirm=lambda question: True)        # cluster -> node groups -> device plugins -> KubeRay
+    down(d, confirm=lambda question: True)      # everything up and submit created, in reverse order
+
+``up``: the cluster (eksctl, private subnets behind one NAT gateway), the system node group, the EFA GPU node group
+in one zone (the next zone when one cannot launch the instances, after removing the failed group), the pinned
+device-plugin and KubeRay charts (helm), and then the proof: the plugins' DaemonSets Ready on every GPU node and
+every GPU node advertising ``nvidia.com/gpu`` and ``vpc.amazonaws.com/efa``, not merely helm's exit status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raytrain_eks.aws import eksctl
+from raytrain_eks.config import Config
+from raytrain_eks.eks.addons import (
+    HELM_TIMEOUT_S,
+    ensure_release,
+    gpu_node_problems,
+    helm,
+    install_argv,
+    release_info,
+    remove_eksctl_device_plugins,
+    wait_gpu_nodes,
+    wait_kuberay,
+)
+from raytrain_eks.eks.nodegroups import (
+    CLUSTER_TIMEOUT_S,
+    NODEGROUP_TIMEOUT_S,
+    Placement,
+    choose_zones,
+    cluster_status,
+    create_nodegroup_argv,
+    delete_nodegroup_argv,
+    ensure_cluster,
+    ensure_gpu_nodegroup,
+    ensure_system_nodegroup,
+    kubeconfig_argv,
+    nodegroup_statuses,
+)
+from raytrain_eks.eks.plan import check_deployable, cost_per_hour, helm_releases
+from raytrain_eks.eks.runner import Interrupted
+from raytrain_eks.eks.state import KUBECONFIG_FILE, STATE_DIR, Cancelled, Deployment, describe
+from raytrain_eks.errors import UserError
+from raytrain_eks.k8s import manifests as m
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing ``up`` does, for ``up --plan``: a name, what it does, and the command when it is one."""
+
+    name: str
+    what: str
+    argv: list[str] | None = None
+
+
+@dataclass
+class UpResult:
+    gpu_az: str
+    gpu_nodes: list[str]
+    created: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# up
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_state_matches(d: Deployment) -> None:
+    c, s = d.cfg.cluster, d.state
+    if s.created and (s.get("cluster"), s.get("region")) != (c.name, c.region):
+        raise UserError(
+            f"this folder's {s.path} belongs to cluster {s.get('cluster')} in {s.get('region')}, not {c.name} in "
+            f"{c.region}",
+            hint="Run `raytrain-eks down` for that cluster first, or work in another folder.",
+        )
+
+
+def planned_actions(cfg: Config) -> list[Action]:
+    """What ``up`` does when nothing exists yet, in order, for ``up --plan``. Needs no credentials, creates nothing."""
+    gpu, _ = check_deployable(cfg)
+    c = cfg.cluster
+    if c.gpu_az:
+        zones = f"zone {c.gpu_az}"
+    elif c.availability_zones:
+        zones = f"the first of {', '.join(c.availability_zones)} that can launch it"
+    else:
+        zones = f"the first zone of {c.region} offering {gpu.name} that can launch it (EC2 is asked at deploy)"
+    state = f"{STATE_DIR}/"
+    actions = [
+        Action("preflight", f"Check the configuration, that eksctl and helm are installed, and the zones ({zones})."),
+        Action(
+            "create-cluster",
+            f"Create EKS cluster {c.name} (Kubernetes {c.k8s_version}, private subnets behind one NAT gateway) "
+            "without node groups.",
+            eksctl.create_cluster_argv(f"{state}eksctl-cluster.yaml"),
+        ),
+        Action(
+            "kubeconfig",
+            "Write the cluster's kubeconfig into this folder; helm and the Kubernetes client use only that file.",
+            kubeconfig_argv(cfg, f"{state}{KUBECONFIG_FILE}"),
+        ),
+        Action(
+            "nodegroup-system",
+            f"Create node group {eksctl.SYSTEM_NODEGROUP} ({c.system_node_count} x {c.system_node_type}).",
+            create_nodegroup_argv(Path(f"{state}eksctl-nodegroup-{eksctl.SYSTEM_NODEGROUP}.yaml")),
+        ),
+        Action(
+            "nodegroup-gpu",
+            f"Create EFA node group {c.gpu_nodegroup_name} ({c.gpu_node_count} x {gpu.name}) in {zones}; when a "
+            "zone cannot launch the instances, say why, remove the failed group and try the next zone.",
+            create_nodegroup_argv(Path(f"{state}eksctl-nodegroup-{c.gpu_nodegroup_name}.yaml")),
+        ),
+        Action(
+            "remove-eksctl-device-plugins",
+            "Delete the device-plugin DaemonSets eksctl installs by itself, so only the pinned charts run.",
+        ),
+    ]
+    for rel in helm_releases(cfg):
+        argv = install_argv(rel, f"{state}{rel.values_file}", f"{state}{KUBECONFIG_FILE}")
+        actions.append(Action(f"helm-{rel.name}", f"Install {rel.chart} {rel.version}: {rel.purpose}.", argv))
+    actions += [
+        Action(
+            "check-gpu-nodes",
+            f"Wait until both device-plugin DaemonSets are Ready on every GPU node and each node advertises "
+            f"{m.GPU_RESOURCE}={cfg.derived.ray_gpus_per_worker_pod} and {m.EFA_RESOURCE}={gpu.efa_interfaces}.",
+        ),
+        Action("check-kuberay", "Wait for the RayCluster CRD and a Ready KubeRay operator pod."),
+    ]
+    return actions
+
+
+@contextlib.contextmanager
+def _say_state_when_interrupted(d: Deployment) -> Iterator[None]:
+    """An :class:`~raytrain_eks.eks.runner.Interrupted` (Ctrl-C or SIGTERM during eksctl or helm) leaves with what the
+    state file records, so the user knows what exists before running the command again."""
+    try:
+        yield
+    except Interrupted as exc:
+        recorded = [describe(i) for i in d.state.created]
+        if recorded:
+            state = f"{d.state.path} records (some may be half made): " + "; ".join(recorded) + "."
+        else:
+            state = f"{d.state.path} records nothing created yet."
+        raise exc.with_state(state) from None
+
+
+def up(
+    d: Deployment,
+    *,
+    confirm: Callable[[str], bool],
+    offered_zones: Callable[[], Placement] | None = None,
+) -> UpResult:
+    """Create or resume the whole infrastructure; returns the GPU zone and nodes. Asks ``confirm`` once.
+
+    Order: preflight -> cluster -> system node group -> GPU node group (zone by zone) -> eksctl's own plugins
+    removed -> pinned charts -> GPU nodes proven ready -> KubeRay Ready. Each step skips what exists. Ctrl-C or
+    SIGTERM stops the running eksctl or helm and raises :class:`~raytrain_eks.eks.runner.Interrupted` naming what the
+    state file records.
+    """
+    with _say_state_when_interrupted(d):
+        return _up(d, confirm=confirm, offered_zones=offered_zones)
+
+
+def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callable[[], Placement] | None) -> UpResult:
+    cfg = d.cfg
+    c = cfg.cluster
+    gpu, system = check_deployable(cfg)
+    for tool in ("eksctl", "helm"):
+        d.require_tool(tool)
+    _check_state_matches(d)
+    plan = choose_zones(cfg, d.state, offered_zones)
+    cost = cost_per_hour(cfg, gpu, system)["total_usd"]
+    question = (
+        f"Create (or resume) cluster {c.name} in {c.region}: {c.gpu_node_count} x {gpu.name} in "
+        f"{' or '.join(plan.candidates)}, {c.system_node_count} x {system.name}, a NAT gateway; about "
+        f"${cost:.2f} per hour until `raytrain-eks down`. Continue?"
+    )
+    if not confirm(question):
+        raise Cancelled("cancelled: nothing was created")
+    d.state.update(
+        cluster=c.name, region=c.region, cluster_azs=list(plan.cluster_azs), reservations=plan.reservations or None
+    )
+    ensure_cluster(d, plan)
+    ensure_system_nodegroup(d, plan)
+    az = ensure_gpu_nodegroup(d, plan)
+    remove_eksctl_device_plugins(d)
+    for rel in helm_releases(cfg):
+        ensure_release(d, rel)
+    nodes = wait_gpu_nodes(d, gpu, az)
+    wait_kuberay(d)
+    d.state.update(phase="up")
+    d.say(f"Ready: cluster {c.name} in {c.region}, GPU nodes in {az}. Next: `raytrain-eks submit`.")
+    return UpResult(gpu_az=az, gpu_nodes=[n.name for n in nodes], created=[describe(i) for i in d.state.created])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# down
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DownResult:
+    deleted: list[str]
+    leftovers: list[str] | None  # None: AWS could not be asked
+
+
+def _delete(d: Deployment, item: dict[str, Any], cluster_exists: bool) -> bool:
+    """Delete one created item if it still exists; ``True`` when something was deleted."""
+    kind = item["type"]
+    if kind == "object":
+        return cluster_exists and d.kube.delete(item["apiVersion"], item["kind"], item["name"], item.get("namespace"))
+    if kind == "helm":
+        if not cluster_exists:
+            return False
+        if release_info(d, item["name"], item["namespace"]) is None:
+            return False
+        helm(d, ["helm", "uninstall", item["name"], "--namespace", item["namespace"], "--wait"], timeout=HELM_TIMEOUT_S)
+        return True
+    if kind == "nodegroup":
+        if not cluster_exists or item["name"] not in nodegroup_statuses(d):
+            return False
+        d.run(delete_nodegroup_argv(d.cfg, item["name"]), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say)
+        return True
+    if kind == "cluster":
+        if not cluster_exists:
+            return False
+        c = d.cfg.cluster
+        d.run(
+            ["eksctl", "delete", "cluster", "--name", c.name, "--region", c.region, "--wait"],
+            timeout=CLUSTER_TIMEOUT_S,
+            on_output=d.say,
+            hint="Run `raytrain-eks down` again; if it keeps failing, the CloudFormation console shows which "
+            f"resource of the stacks eksctl-{c.name}-* could not be deleted.",
+        )
+        return True
+    raise ValueError(f"unknown item in the state file: {item}")
+
+
+def billable_leftovers(d: Deployment) -> list[str] | None:
+    """Things that still cost money after ``down`` (NAT gateways, Elastic IPs, instances tagged with the cluster's
+    name), each with the command that deletes it, looked up through boto3 in the cluster's region (see
+    :func:`raytrain_eks.aws.services.billable_leftovers`); ``None`` when AWS could not be asked (the reason is said).
+    """
+    from raytrain_eks.aws.services import billable_leftovers as lookup
+    from raytrain_eks.aws.session import connect
+
+    c = d.cfg.cluster
+    try:
+        found = lookup(connect(c.region), c.region, c.name)
+    except UserError as exc:
+        d.say(f"Could not check for leftover NAT gateways, Elastic IPs or instances: {exc.message}")
+        return None
+    return [x.describe() for x in found]
+
+
+def down(d: Deployment, *, confirm: Callable[[str], bool]) -> DownResult:
+    """Delete everything ``up`` and ``submit`` created from this folder, newest first, after one confirmation;
+    then check that nothing billable is left. A second ``down`` finds nothing recorded and does nothing. Ctrl-C or
+    SIGTERM stops the running eksctl or helm; what is not deleted yet stays recorded."""
+    with _say_state_when_interrupted(d):
+        return _down(d, confirm=confirm)
+
+
+def _down(d: Deployment, *, confirm: Callable[[str], bool]) -> DownResult:
+    created = d.state.created
+    if not created and d.state.get("leftovers"):
+        # The last down deleted everything it had made but found things still billed: look again.
+        return DownResult(deleted=[], leftovers=_check_leftovers(d))
+    if not created:
+        d.say(f"Nothing to delete: no deployment is recorded in {d.state.path}.")
+        return DownResult(deleted=[], leftovers=[])
+    listing = "\n".join(f"  - {describe(i)}" for i in reversed(created))
+    if not confirm(f"Delete, in this order:\n{listing}\nContinue?"):
+        raise Cancelled("cancelled: nothing was deleted")
+    for tool in ("eksctl", "helm"):
+        d.require_tool(tool)
+    exists = cluster_status(d) is not None
+    deleted = []
+    for item in reversed(created):
+        if _delete(d, item, exists):
+            d.say(f"Deleted {describe(item)}")
+            deleted.append(describe(item))
+        d.state.forget(item)
+    return DownResult(deleted=deleted, leftovers=_check_leftovers(d))
+
+
+def _check_leftovers(d: Deployment) -> list[str] | None:
+    """After the deletes: raise, keeping the state, while something billable is left, or while AWS cannot be asked
+    about what the last ``down`` found left; else clear the state."""
+    leftovers = billable_leftovers(d)
+    recorded = d.state.get("leftovers")
+    if leftovers is None and recorded:
+        raise UserError(
+            "these still cost money at the last `raytrain-eks down`, and AWS could not be asked now whether they "
+            "are gone:\n" + "\n".join(f"  - {x}" for x in recorded),
+            hint="Fix the AWS access named above, then run `raytrain-eks down` again to check.",
+        )
+    if leftovers:
+        d.state.update(leftovers=leftovers)
+        raise UserError(
+            "these still cost money after the cluster was deleted:\n" + "\n".join(f"  - {x}" for x in leftovers),
+            hint="Delete them with the commands shown, then run `raytrain-eks down` again to check.",
+        )
+    d.state.clear()
+    if leftovers is not None:
+        d.say("Nothing billable is left from this deployment.")
+    return leftovers
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# status
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def status(d: Deployment) -> list[str]:
+    """Readable lines: what this folder deployed, the cluster, the GPU nodes and the Ray pods and job."""
+    s, c = d.state, d.cfg.cluster
+    if not s.created and not s.get("cluster"):
+        return [f"Nothing deployed from this folder ({s.path} does not exist). Start with `raytrain-eks up`."]
+    lines = [f"Cluster {c.name} in {c.region}, GPU zone {s.get('gpu_az') or 'not chosen yet'}"]
+    lines += [f"  created: {describe(i)}" for i in s.created]
+    cluster = cluster_status(d)
+    lines.append(f"EKS cluster: {cluster or 'does not exist'}")
+    if cluster != "ACTIVE":
+        return lines
+    for name, st in sorted(nodegroup_statuses(d).items()):
+        lines.append(f"Node group {name}: {st}")
+    gpu, _ = check_deployable(d.cfg)
+    nodes, problems = gpu_node_problems(d, gpu, s.get("gpu_az"))
+    for node in nodes:
+        lines.append(
+            f"GPU node {node.name} ({node.zone or '?'}): {m.GPU_RESOURCE}={node.allocatable.get(m.GPU_RESOURCE, 0)} "
+            f"{m.EFA_RESOURCE}={node.allocatable.get(m.EFA_RESOURCE, 0)} {'Ready' if node.ready else 'NotReady'}"
+        )
+    lines += [f"  problem: {p}" for p in problems]
+    job = s.get("job") or {}
+    ns = job.get("namespace", d.cfg.ray.namespace)
+    cluster_name = job.get("raycluster", d.cfg.ray.cluster_name)
+    pods = d.kube.pods(ns, {"ray.io/cluster": cluster_name})
+    for pod in pods:
+        lines.append(f"Ray pod {pod.name}: {pod.waiting_reason or pod.phase}{' Ready' if pod.ready else ''}")
+    if job.get("id"):
+        lines.append(f"Last job {job['id']} ({job.get('mode')}): {job.get('status', 'unknown')}")
+    return lines

@@ -1,0 +1,407 @@
+"""Zones, the EKS cluster and its node groups, through eksctl.
+
+The placement search picks the GPU zone (capacity, quotas, reservations); the cluster gets private subnets in every
+candidate zone behind one NAT gateway; the system node group comes first, then the EFA GPU node group in one zone,
+moving to the next candidate zone when EC2 cannot launch the instances there (after removing the failed group).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raytrain_eks.aws import eksctl
+from raytrain_eks.config import Config
+from raytrain_eks.eks.plan import to_yaml
+from raytrain_eks.eks.runner import CommandError, Completed
+from raytrain_eks.eks.state import Deployment, StateStore, UnreadableAnswer, cluster_item, nodegroup_item
+from raytrain_eks.errors import UserError
+from raytrain_eks.k8s import manifests as m
+
+# Seconds. eksctl's CloudFormation stacks take 15-20 minutes for a cluster and 5-15 for a node group.
+CLUSTER_TIMEOUT_S = 45 * 60
+NODEGROUP_TIMEOUT_S = 40 * 60
+QUICK_TIMEOUT_S = 120
+GPU_NODE_SELECTOR = {"role": m.GPU_NODE_LABELS["role"]}
+MAX_ZONES = 3  # zones given subnets (and so GPU zones to try) when the config names none
+
+# What eksctl prints when EC2 cannot start the instances in a zone: no capacity, or no offering of the type there.
+_LAUNCH_FAILURE = re.compile(
+    r"InsufficientInstanceCapacity|InsufficientCapacity|Unsupported|not supported in (your requested )?"
+    r"Availability Zone|AsgInstanceLaunchFailures|NodeCreationFailure|Could not launch On-Demand Instances",
+    re.IGNORECASE,
+)
+# Only what eksctl says when the EKS API answered that the thing is not there: the API's error code, or eksctl's own
+# "No cluster found for name: X" / "No nodegroups found". Any other failure (credentials, network, a profile or
+# file "not found") says nothing about the cluster, so it is an error and never taken to mean "gone".
+_CLUSTER_NOT_FOUND = re.compile(r"ResourceNotFoundException|No cluster found for name")
+_NODEGROUPS_NOT_FOUND = re.compile(r"ResourceNotFoundException|No nodegroups? found")
+_FAILED_NODEGROUP = {"CREATE_FAILED", "DEGRADED", "DELETE_FAILED"}
+_BUSY = {"CREATING", "UPDATING", "DELETING", "CREATE_IN_PROGRESS", "DELETE_IN_PROGRESS"}
+
+
+@dataclass(frozen=True)
+class ZonePlan:
+    """``candidates``: GPU zones to try, in order. ``cluster_azs``: the zones given subnets (every candidate).
+    ``reservations``: zone -> the existing capacity reservation the GPU node group targets there."""
+
+    candidates: tuple[str, ...]
+    cluster_azs: tuple[str, ...]
+    reservations: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What the placement search found: the zones that can take the GPU node group now, best first, and for each
+    zone an existing capacity reservation holding every GPU node, when there is one."""
+
+    zones: list[str]
+    reservations: dict[str, str] = field(default_factory=dict)
+    offered: list[str] = field(default_factory=list)  # every zone of the region offering the type, best first
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Zones
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def placement_zones(cfg: Config, services: Any | None = None) -> Placement:
+    """The placement search of ``up``: the configured placement's zones that can take the GPU node group, best first.
+
+    The ``capacity`` check through boto3 (offered, EFA, vCPU quotas net of running instances and reservations, the
+    system node's quota, existing capacity reservations, subnets, spot score). Raises its one-message error,
+    before anything is created, when no zone fits (quota short, not offered, no EFA, a reservation that cannot hold
+    the nodes). ``services`` replaces the quota, spot-score and reservation interfaces (tests pass fakes).
+    """
+    from raytrain_eks.aws.capacity import check_capacity
+    from raytrain_eks.aws.services import boto3_services
+    from raytrain_eks.aws.session import connect
+
+    aws = connect(cfg.cluster.region)
+    report = check_capacity(cfg, aws, services or boto3_services(aws), regions=[cfg.cluster.region])
+    problem = report.problem()
+    if problem is not None:
+        raise problem
+    usable = [c for c in report.targets if c.viable and c.zone]
+    return Placement(
+        zones=[c.zone for c in usable if c.zone],
+        reservations={c.zone: c.reservation.id for c in usable if c.zone and c.covered and c.reservation},
+        offered=[c.zone for c in report.candidates if c.offered and c.zone and c.region == cfg.cluster.region],
+    )
+
+
+def _with_second_zone(cfg: Config, gpu_az: str, found: Placement | None) -> tuple[str, ...]:
+    """``gpu_az`` and the cluster's other zones (eksctl needs two; the others only hold subnets): the configured
+    ``availability_zones`` when there are some, else the best other zone that offers the GPU type when the
+    placement search ran, else the planned default."""
+    other = next((z for z in (found.offered if found is not None else []) if z != gpu_az), None)
+    if other is not None and not cfg.cluster.availability_zones:
+        return (gpu_az, other)
+    return eksctl.planned_zones(
+        cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"gpu_az": gpu_az})})
+    ).cluster_azs
+
+
+def choose_zones(cfg: Config, store: StateStore, offered: Callable[[], Placement] | None = None) -> ZonePlan:
+    """The GPU zones to try and the cluster's zones: remembered ones first, then the config's, else the zones the
+    placement search (``offered``) ranks best. Zones that failed before are tried last.
+
+    ``offered`` runs whenever the GPU node group is not yet recorded as created, so a short quota, a type not
+    offered in the configured zone or a reservation that cannot hold the nodes stops ``up`` before anything is made;
+    the configured or remembered zones are then kept only where the search says the group can go.
+    Example: ``choose_zones(cfg, store).candidates``.
+    """
+    c = cfg.cluster
+    found: Placement | None = None
+    if offered is not None and not store.has(nodegroup_item(c.gpu_nodegroup_name)):
+        found = offered()
+    remembered = tuple(store.get("cluster_azs") or ())
+    if remembered:
+        cluster_azs = remembered
+        pool = [c.gpu_az] if c.gpu_az else list(remembered)
+        outside = [z for z in pool if z not in remembered]
+        if outside:
+            raise UserError(
+                f"cluster.gpu_az = {outside[0]!r}: the cluster has subnets only in {', '.join(remembered)}",
+                hint="Choose one of those zones (GPU_AZ), or run `raytrain-eks down` and `up` again for another.",
+            )
+    elif c.gpu_az:
+        pool, cluster_azs = [c.gpu_az], _with_second_zone(cfg, c.gpu_az, found)
+    elif c.availability_zones:
+        pool, cluster_azs = list(c.availability_zones), tuple(c.availability_zones)
+    else:
+        zones = list(found.zones) if found is not None else []
+        if not zones:
+            raise UserError(
+                f"no availability zone of {c.region} is known to offer {c.gpu_node_type}",
+                hint="Set cluster.gpu_az (GPU_AZ=...) or cluster.availability_zones in the configuration, or see "
+                "`raytrain-eks capacity --all-regions` for where the type can go.",
+            )
+        pool = list(zones)[:MAX_ZONES]  # in the capacity check's order: best first
+        cluster_azs = tuple(pool)
+        if len(cluster_azs) < 2:
+            cluster_azs = _with_second_zone(cfg, pool[0], found)
+    if found is not None:
+        rank = {z: i for i, z in enumerate(found.zones)}
+        fits = sorted((z for z in pool if z in rank), key=rank.__getitem__)
+        if not fits:
+            raise UserError(
+                f"{c.gpu_node_type} cannot go to {', '.join(pool)} now; the capacity check finds room only in "
+                f"{', '.join(found.zones) or 'no zone'} of {c.region}",
+                hint="`raytrain-eks capacity` shows why, zone by zone. Change GPU_AZ / availability_zones, or run "
+                "`raytrain-eks down` and `up` again to build the cluster in other zones.",
+            )
+        pool = fits
+    failed = store.get("zone_failures") or {}
+    last = store.get("gpu_az")
+    ordered = sorted(pool, key=lambda z: (z != last, z in failed))
+    reservations = dict(found.reservations) if found is not None else dict(store.get("reservations") or {})
+    return ZonePlan(tuple(ordered), tuple(cluster_azs), {z: r for z, r in reservations.items() if z in ordered})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# eksctl
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _zones(cfg: Config, plan: ZonePlan, gpu_az: str) -> eksctl.Zones:
+    """The zones to render for a GPU group in ``gpu_az``; its reservation: the configured one, else the one the
+    placement search found holding every GPU node there."""
+    reservation = cfg.cluster.capacity_reservation_id or plan.reservations.get(gpu_az)
+    return eksctl.Zones(gpu_az=gpu_az, cluster_azs=plan.cluster_azs, assumed=False, reservation=reservation)
+
+
+def write_eksctl_config(d: Deployment, plan: ZonePlan, gpu_az: str, nodegroup: str | None) -> Path:
+    """The ClusterConfig for one eksctl call: the cluster alone (``nodegroup=None``) or one node group of it."""
+    doc = eksctl.cluster_config(d.cfg, _zones(d.cfg, plan, gpu_az))
+    groups = [g for g in doc["managedNodeGroups"] if g["name"] == nodegroup]
+    doc = {**doc, "managedNodeGroups": groups}
+    name = "eksctl-cluster.yaml" if nodegroup is None else f"eksctl-nodegroup-{nodegroup}.yaml"
+    return d.state.write_file(name, to_yaml([doc]))
+
+
+def cluster_status(d: Deployment) -> str | None:
+    """The EKS cluster's status (``ACTIVE``, ``CREATING``, ...) or ``None`` when it does not exist."""
+    c = d.cfg.cluster
+    argv = ["eksctl", "get", "cluster", "--name", c.name, "--region", c.region, "--output", "json"]
+    done = d.run(argv, timeout=QUICK_TIMEOUT_S, check=False)
+    if not done.ok:
+        if _CLUSTER_NOT_FOUND.search(done.stderr + done.stdout):
+            return None
+        raise CommandError(
+            done.argv,
+            done.returncode,
+            done.stderr,
+            hint="Check your AWS credentials (`aws sts get-caller-identity`) and the region.",
+        )
+    # eksctl prints the EKS API's Cluster objects with Go's field names (``Name``, ``Status``), in a list.
+    entries = _eksctl_json(done, f"cluster {c.name}")
+    for entry in entries:
+        name = entry.get("Name", entry.get("name"))
+        if name is None or name == c.name:  # asked by name: an entry without one is taken as that cluster
+            return _status_of(entry, done, f"cluster {c.name}")
+    return None
+
+
+def _eksctl_json(done: Completed, what: str) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(done.stdout or "[]")
+    except json.JSONDecodeError:
+        data = None
+    entries = data if isinstance(data, list) else [data] if isinstance(data, dict) else None
+    if entries is None or not all(isinstance(e, dict) for e in entries):
+        raise UnreadableAnswer(
+            f"cannot tell the state of {what}: `{shlex.join(done.argv)}` printed no JSON list "
+            f"({(done.stdout or '').strip()[:200]!r}); nothing was changed and nothing recorded was forgotten",
+            hint="Run that command yourself to see what eksctl says (an eksctl release that prints another format?), "
+            "then run the same raytrain-eks command again.",
+        )
+    return entries
+
+
+def _status_of(entry: dict[str, Any], done: Completed, what: str) -> str:
+    status = entry.get("Status") or entry.get("status")
+    if not isinstance(status, str) or not status:
+        raise UnreadableAnswer(
+            f"cannot tell the state of {what}: `{shlex.join(done.argv)}` gave no Status for it; it is not taken "
+            "as ACTIVE (nor as gone), so nothing was changed and nothing recorded was forgotten",
+            hint="Run that command yourself to see what eksctl says, then run the same raytrain-eks command again.",
+        )
+    return status.upper()
+
+
+def nodegroup_statuses(d: Deployment) -> dict[str, str]:
+    """Node group name -> status (``ACTIVE``, ``CREATING``, ``CREATE_FAILED``, ...)."""
+    c = d.cfg.cluster
+    argv = ["eksctl", "get", "nodegroup", "--cluster", c.name, "--region", c.region, "--output", "json"]
+    done = d.run(argv, timeout=QUICK_TIMEOUT_S, check=False)
+    if not done.ok:
+        if _NODEGROUPS_NOT_FOUND.search(done.stderr + done.stdout):
+            return {}
+        raise CommandError(done.argv, done.returncode, done.stderr)
+    # A list of eksctl's nodegroup summaries; for managed groups ``Status`` is the EKS API's (ACTIVE, CREATING, ...).
+    entries = _eksctl_json(done, f"the node groups of cluster {c.name}")
+    statuses = {}
+    for e in entries:
+        if not e.get("Name"):
+            raise UnreadableAnswer(
+                f"cannot tell which node groups cluster {c.name} has: `{shlex.join(done.argv)}` listed one without "
+                "a Name; nothing was changed and nothing recorded was forgotten",
+                hint="Run that command yourself to see what eksctl says, then run the same raytrain-eks command again.",
+            )
+        statuses[str(e["Name"])] = _status_of(e, done, f"node group {e['Name']}")
+    return statuses
+
+
+def _wait_while_busy(d: Deployment, what: str, status: Callable[[], str | None], timeout: float) -> str | None:
+    deadline = d.clock() + timeout
+    current = status()
+    while current in _BUSY:
+        if d.clock() > deadline:
+            raise UserError(
+                f"{what} is still {current} after {timeout:.0f} s", hint="Run `raytrain-eks up` again later."
+            )
+        d.say(f"{what} is {current}; waiting")
+        d.sleep(30)
+        current = status()
+    return current
+
+
+def ensure_cluster(d: Deployment, plan: ZonePlan) -> None:
+    """Create the EKS cluster (no node groups) unless it exists; write this folder's kubeconfig for it."""
+    c = d.cfg.cluster
+    item = cluster_item(d.cfg)
+    status = _wait_while_busy(d, f"cluster {c.name}", lambda: cluster_status(d), CLUSTER_TIMEOUT_S)
+    if status is None:
+        path = write_eksctl_config(d, plan, plan.candidates[0], None)
+        d.state.record(item)
+        d.say(f"Creating EKS cluster {c.name} in {c.region} (zones {', '.join(plan.cluster_azs)}); about 15-20 minutes")
+        d.run(
+            eksctl.create_cluster_argv(str(path)),
+            timeout=CLUSTER_TIMEOUT_S,
+            on_output=d.say,
+            hint="Run `raytrain-eks up` again to resume, or `raytrain-eks down` to delete what was created.",
+        )
+    elif status != "ACTIVE":
+        raise UserError(
+            f"cluster {c.name} in {c.region} is {status}",
+            hint="Run `raytrain-eks down` to delete it, then `raytrain-eks up`.",
+        )
+    elif d.state.has(item):
+        d.say(f"Cluster {c.name} exists")
+    else:
+        d.say(
+            f"Cluster {c.name} already exists in {c.region} and was not created from this folder: using it as it is "
+            "(`down` will not delete it)"
+        )
+    d.run(kubeconfig_argv(d.cfg, d.kubeconfig), timeout=QUICK_TIMEOUT_S)
+
+
+def kubeconfig_argv(cfg: Config, path: str) -> list[str]:
+    c = cfg.cluster
+    return ["eksctl", "utils", "write-kubeconfig", "--cluster", c.name, "--region", c.region, "--kubeconfig", path]
+
+
+def create_nodegroup_argv(path: Path) -> list[str]:
+    # The NVIDIA flag stops eksctl's own static plugin; the pinned chart replaces it (infra-facts §1).
+    return ["eksctl", "create", "nodegroup", "-f", str(path), "--install-nvidia-plugin=false"]
+
+
+def delete_nodegroup_argv(cfg: Config, name: str) -> list[str]:
+    c = cfg.cluster
+    return ["eksctl", "delete", "nodegroup", "--cluster", c.name, "--region", c.region, "--name", name, "--wait"]
+
+
+def ensure_system_nodegroup(d: Deployment, plan: ZonePlan) -> None:
+    name = eksctl.SYSTEM_NODEGROUP
+    status = _wait_while_busy(d, f"node group {name}", lambda: nodegroup_statuses(d).get(name), NODEGROUP_TIMEOUT_S)
+    if status == "ACTIVE":
+        d.say(f"Node group {name} exists")
+        return
+    if status in _FAILED_NODEGROUP:
+        d.say(f"Node group {name} is {status}: removing it before creating it again")
+        d.run(delete_nodegroup_argv(d.cfg, name), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say)
+    path = write_eksctl_config(d, plan, plan.candidates[0], name)
+    d.state.record(nodegroup_item(name))
+    d.say(f"Creating node group {name} ({d.cfg.cluster.system_node_count} x {d.cfg.cluster.system_node_type})")
+    d.run(create_nodegroup_argv(path), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say)
+
+
+def launch_failure(text: str) -> str | None:
+    """The line of eksctl's output that says EC2 could not launch the instances, or ``None`` for another error."""
+    for line in text.splitlines():
+        if _LAUNCH_FAILURE.search(line):
+            return line.strip()[:400]
+    return None
+
+
+def ensure_gpu_nodegroup(d: Deployment, plan: ZonePlan) -> str:
+    """Create the EFA GPU node group in the first zone that can launch it; return that zone.
+
+    A zone that cannot launch the instances (no capacity, no offering) is reported with eksctl's reason, the failed
+    node group is removed, and the next zone is tried. Any other failure stops here (re-running resumes).
+    """
+    c = d.cfg.cluster
+    name = c.gpu_nodegroup_name
+    status = _wait_while_busy(d, f"node group {name}", lambda: nodegroup_statuses(d).get(name), NODEGROUP_TIMEOUT_S)
+    if status == "ACTIVE":
+        seen = sorted({n.zone for n in d.kube.nodes(GPU_NODE_SELECTOR) if n.zone})
+        az = d.state.get("gpu_az") or (seen[0] if seen else plan.candidates[0])
+        d.say(f"Node group {name} exists (zone {az})")
+        d.state.update(gpu_az=az)
+        if d.state.get("gpu_scaled_to") == 0:
+            d.say(f"It was scaled to 0 after a RayJob: scaling it back to {c.gpu_node_count} nodes")
+            scale_gpu_nodes(d, c.gpu_node_count)
+        return az
+    if status in _FAILED_NODEGROUP:
+        d.say(f"Node group {name} is {status} from an earlier run: removing it first")
+        d.run(delete_nodegroup_argv(d.cfg, name), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say)
+    failures: dict[str, str] = dict(d.state.get("zone_failures") or {})
+    for i, az in enumerate(plan.candidates):
+        path = write_eksctl_config(d, plan, az, name)
+        d.state.record(nodegroup_item(name))
+        d.state.update(gpu_az=az)
+        held = _zones(d.cfg, plan, az).reservation
+        into = f", into capacity reservation {held}" if held else ""
+        d.say(f"Creating node group {name} ({c.gpu_node_count} x {c.gpu_node_type}, EFA) in {az}{into}")
+        try:
+            done = d.run(create_nodegroup_argv(path), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say, check=False)
+            # eksctl logs the stack's failure reasons on stdout and its final error on stderr: read both.
+            reason = None if done.ok else launch_failure(f"{done.stderr}\n{done.stdout}")
+            if not done.ok and reason is None:
+                raise CommandError(done.argv, done.returncode, done.stderr or done.stdout)
+        except CommandError as exc:
+            if not exc.timed_out:
+                raise
+            reason = f"no Ready instances after {NODEGROUP_TIMEOUT_S // 60} minutes"
+        if reason is not None:
+            failures[az] = reason
+            d.state.update(zone_failures=failures, gpu_az=None)
+            following = plan.candidates[i + 1] if i + 1 < len(plan.candidates) else None
+            next_step = f"trying {following} next" if following else "no zone left to try"
+            d.say(f"{c.gpu_node_type} could not launch in {az}: {reason}")
+            d.say(f"Removing the failed node group {name}; {next_step}")
+            d.run(delete_nodegroup_argv(d.cfg, name), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say)
+            continue
+        failures.pop(az, None)
+        d.state.update(zone_failures=failures or None, gpu_az=az)
+        return az
+    d.state.forget(nodegroup_item(name))
+    tried = "; ".join(f"{az}: {why}" for az, why in failures.items())
+    raise UserError(
+        f"{c.gpu_node_type} could not launch in any zone tried ({tried})",
+        hint="Ask AWS for capacity (an On-Demand Capacity Reservation), try later, or choose another region or "
+        "instance type; the cluster itself is kept (`raytrain-eks down` deletes it).",
+    )
+
+
+def scale_gpu_nodes(d: Deployment, nodes: int) -> None:
+    """Set the GPU node group's size; 0 stops the instances' billing while the group, its zone and the cluster
+    stay (``up`` or a RayJob ``submit`` scales it back)."""
+    d.run(eksctl.scale_gpu_nodegroup_argv(d.cfg, nodes), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say)
+    d.state.update(gpu_scaled_to=nodes)

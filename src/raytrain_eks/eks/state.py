@@ -1,0 +1,206 @@
+"""What ``up`` created and where: the :class:`StateStore` under ``.raytrain-eks/`` of the working folder, and the
+:class:`Deployment` every step of the EKS path works on.
+
+Every step records what it is about to create *before* creating it, so re-running after a failure resumes and
+``down`` finds even what a crash left half made. Example::
+
+    store = StateStore(".raytrain-eks")
+    store.record(cluster_item(cfg))
+    [describe(item) for item in store.created]   # ["EKS cluster ray-train-eks (us-east-1) with its VPC ..."]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from raytrain_eks.config import Config
+from raytrain_eks.eks.plan import HelmRelease
+from raytrain_eks.eks.runner import Runner, require_tool
+from raytrain_eks.errors import UserError
+from raytrain_eks.k8s.cluster import KubeApi
+
+STATE_DIR = ".raytrain-eks"
+STATE_FILE = "state.json"
+KUBECONFIG_FILE = "kubeconfig"
+
+
+class UnreadableAnswer(UserError):
+    """eksctl answered, but not in a form that says what exists: nothing is assumed, nothing is changed."""
+
+
+class Cancelled(UserError):
+    """The user answered no to the confirmation: nothing was changed."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# State
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class StateStore:
+    """What this working folder deployed: ``state.json`` (plus the kubeconfig and generated files) under ``root``.
+
+    ``created`` is the ordered list of things raytrain-eks created, each recorded before it is created; ``down``
+    deletes them in reverse. Example: ``StateStore(".raytrain-eks").get("gpu_az")``.
+    """
+
+    def __init__(self, root: str | Path = STATE_DIR) -> None:
+        self.root = Path(root)
+        self.path = self.root / STATE_FILE
+        self.data: dict[str, Any] = {}
+        if self.path.exists():
+            try:
+                self.data = json.loads(self.path.read_text())
+            except ValueError:
+                raise UserError(
+                    f"{self.path} is not valid JSON",
+                    hint="Restore it, or move it away if nothing is deployed from this folder.",
+                ) from None
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.root / KUBECONFIG_FILE
+
+    @property
+    def created(self) -> list[dict[str, Any]]:
+        return list(self.data.get("created", []))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+    def update(self, **values: Any) -> None:
+        for key, value in values.items():
+            if value is None:
+                self.data.pop(key, None)
+            else:
+                self.data[key] = value
+        self.save()
+
+    def has(self, item: dict[str, Any]) -> bool:
+        return item in self.data.get("created", [])
+
+    def record(self, item: dict[str, Any]) -> None:
+        """Remember ``item`` as created by raytrain-eks (idempotent)."""
+        if not self.has(item):
+            self.data.setdefault("created", []).append(item)
+            self.save()
+
+    def forget(self, item: dict[str, Any]) -> None:
+        if self.has(item):
+            self.data["created"].remove(item)
+            self.save()
+
+    def write_file(self, name: str, text: str) -> Path:
+        """Write a generated file (eksctl config, Helm values) under ``root``; :meth:`clear` removes it again."""
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        files = self.data.setdefault("files", [])
+        if name not in files:
+            files.append(name)
+            self.save()
+        return path
+
+    def save(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, self.path)  # never a half-written state file
+
+    def clear(self) -> None:
+        """Forget the deployment (after ``down``): remove the state, the kubeconfig and the files written here, and
+        nothing else (``--state-dir`` may point at a folder that holds other files too)."""
+        names = [*self.data.get("files", []), KUBECONFIG_FILE, STATE_FILE]
+        self.data = {}
+        for name in names:
+            path = self.root / name
+            path.unlink(missing_ok=True)
+            for parent in path.relative_to(self.root).parents:
+                folder = self.root / parent
+                if folder != self.root and folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+        if self.root.is_dir() and not any(self.root.iterdir()):
+            self.root.rmdir()
+
+
+def cluster_item(cfg: Config) -> dict[str, Any]:
+    return {"type": "cluster", "name": cfg.cluster.name, "region": cfg.cluster.region}
+
+
+def nodegroup_item(name: str) -> dict[str, Any]:
+    return {"type": "nodegroup", "name": name}
+
+
+def helm_item(rel: HelmRelease) -> dict[str, Any]:
+    return {"type": "helm", "name": rel.name, "namespace": rel.namespace}
+
+
+def object_item(obj: dict[str, Any]) -> dict[str, Any]:
+    meta = obj["metadata"]
+    return {
+        "type": "object",
+        "apiVersion": obj["apiVersion"],
+        "kind": obj["kind"],
+        "name": meta["name"],
+        "namespace": meta.get("namespace") if obj["kind"] != "Namespace" else None,
+    }
+
+
+def describe(item: dict[str, Any]) -> str:
+    """A created item as words: ``EKS cluster ray-train-eks (us-east-1)``."""
+    kind = item["type"]
+    if kind == "cluster":
+        return f"EKS cluster {item['name']} ({item['region']}) with its VPC and NAT gateway"
+    if kind == "nodegroup":
+        return f"node group {item['name']}"
+    if kind == "helm":
+        return f"Helm release {item['namespace']}/{item['name']}"
+    where = f"{item['namespace']}/" if item.get("namespace") else ""
+    return f"{item['kind']} {where}{item['name']}"
+
+
+def apply_state(cfg: Config, store: StateStore) -> Config:
+    """``cfg`` with the cluster name, region and GPU zone remembered by ``up``, so later commands (``submit``,
+    ``status``, ``down``) act on the cluster that was created even when the shell's REGION or GPU_AZ changed."""
+    remembered = {k: store.get(s) for k, s in (("name", "cluster"), ("region", "region"), ("gpu_az", "gpu_az"))}
+    remembered = {k: v for k, v in remembered.items() if v}
+    if not remembered:
+        return cfg
+    cluster = cfg.cluster.model_copy(update=remembered)
+    if cluster.gpu_az and cluster.availability_zones and cluster.gpu_az not in cluster.availability_zones:
+        cluster = cluster.model_copy(update={"availability_zones": []})
+    return cfg.model_copy(update={"cluster": cluster})
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The deployment
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+@dataclass
+class Deployment:
+    """Everything a step needs. ``say`` prints one progress line; ``sleep`` and ``clock`` are injectable so the
+    tests' fake cluster can run the waits in simulated time; ``require_tool`` checks that a program is installed."""
+
+    cfg: Config
+    kube: KubeApi
+    run: Runner
+    state: StateStore
+    say: Callable[[str], None] = _quiet
+    sleep: Callable[[float], None] = time.sleep
+    clock: Callable[[], float] = time.monotonic
+    require_tool: Callable[[str], object] = require_tool
+
+    @property
+    def kubeconfig(self) -> str:
+        return str(self.state.kubeconfig)
