@@ -22,16 +22,10 @@ from typer.testing import CliRunner
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import AMI_FAMILIES, load_config
+from raytrain_eks.eks.addons import helm_releases
 from raytrain_eks.eks.commands import register
-from raytrain_eks.eks.plan import (
-    CODE_CONFIG_MAP_FILE,
-    PACKAGE_ARCHIVE_FILE,
-    build_plan,
-    cost_per_hour,
-    helm_releases,
-    run_cost,
-    write_plan,
-)
+from raytrain_eks.eks.plan import CODE_CONFIG_MAP_FILE, PACKAGE_ARCHIVE_FILE, build_plan, write_plan
+from raytrain_eks.eks.pricing import cost_per_hour, run_cost
 from raytrain_eks.errors import ConfigError
 from raytrain_eks.instances import instance_type
 from raytrain_eks.k8s import manifests as m

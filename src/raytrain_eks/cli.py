@@ -106,7 +106,7 @@ def train(
         )
     s = result.summary
     if address is not None:  # on a cluster this tool deploys: what the run cost while it ran
-        from raytrain_eks.eks.plan import run_cost
+        from raytrain_eks.eks.pricing import run_cost
 
         s["cost"] = run_cost(cfg, s)
         (result.run_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")

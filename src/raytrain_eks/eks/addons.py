@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from raytrain_eks.aws import eksctl
+from raytrain_eks.config import Config
 from raytrain_eks.eks.nodegroups import GPU_NODE_SELECTOR, QUICK_TIMEOUT_S
-from raytrain_eks.eks.plan import HelmRelease, to_yaml
 from raytrain_eks.eks.runner import Completed
-from raytrain_eks.eks.state import Deployment, helm_item
+from raytrain_eks.eks.state import Deployment
 from raytrain_eks.eks.wait import POLL_S
 from raytrain_eks.errors import UserError
 from raytrain_eks.instances import InstanceType
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import Node
+from raytrain_eks.k8s.manifests import to_yaml
 
 HELM_TIMEOUT_S = 15 * 60
 GPU_READY_TIMEOUT_S = 15 * 60
@@ -28,6 +30,98 @@ GPU_READY_TIMEOUT_S = 15 * 60
 DEVICE_PLUGIN_RELEASES = ("nvidia-device-plugin", "aws-efa-k8s-device-plugin")
 KUBERAY_RELEASE = "kuberay-operator"
 RAYCLUSTER_CRD = "rayclusters.ray.io"
+
+
+@dataclass(frozen=True)
+class HelmRelease:
+    """One pinned Helm chart: installed with ``helm upgrade --install`` (idempotent) from its repository URL."""
+
+    name: str
+    namespace: str
+    repo_name: str
+    repo_url: str
+    chart: str
+    version: str
+    values: dict[str, Any]
+    purpose: str
+
+    @property
+    def values_file(self) -> str:
+        return f"helm/{self.name}.values.yaml"
+
+    def argv(self) -> list[str]:
+        return [
+            "helm",
+            "upgrade",
+            "--install",
+            self.name,
+            self.chart,
+            "--repo",
+            self.repo_url,
+            "--version",
+            self.version,
+            "--namespace",
+            self.namespace,
+            "--create-namespace",
+            "--values",
+            self.values_file,
+            "--wait",
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "namespace": self.namespace,
+            "repo": {"name": self.repo_name, "url": self.repo_url},
+            "chart": f"{self.repo_name}/{self.chart}",
+            "version": self.version,
+            "purpose": self.purpose,
+            "values": self.values,
+        }
+
+
+def helm_releases(cfg: Config) -> list[HelmRelease]:
+    """The three pinned charts (infra-facts §1), device plugins first so GPUs and EFA exist before any Ray pod."""
+    a = cfg.addons
+    return [
+        HelmRelease(
+            name="nvidia-device-plugin",
+            namespace="kube-system",
+            repo_name="nvdp",
+            repo_url="https://nvidia.github.io/k8s-device-plugin",
+            chart="nvidia-device-plugin",
+            version=a.nvidia_device_plugin_version,
+            # The chart's default affinity (nvidia.com/gpu.present=true, set on the GPU node group) and its
+            # default toleration of the nvidia.com/gpu taint are what we need; nothing to override.
+            values={},
+            purpose="advertises nvidia.com/gpu on the GPU nodes",
+        ),
+        HelmRelease(
+            name="aws-efa-k8s-device-plugin",
+            namespace="kube-system",
+            repo_name="eks",
+            repo_url="https://aws.github.io/eks-charts",
+            chart="aws-efa-k8s-device-plugin",
+            version=a.efa_device_plugin_version,
+            # The chart tolerates only CriticalAddonsOnly; without this it would never run on the tainted GPU nodes.
+            values={"tolerations": [dict(m.GPU_TOLERATION)]},
+            purpose="advertises vpc.amazonaws.com/efa on the GPU nodes",
+        ),
+        HelmRelease(
+            name="kuberay-operator",
+            namespace="kuberay-system",
+            repo_name="kuberay",
+            repo_url="https://ray-project.github.io/kuberay-helm/",
+            chart="kuberay-operator",
+            version=a.kuberay_version,
+            values={"nodeSelector": dict(m.SYSTEM_NODE_LABELS)},
+            purpose="installs the RayCluster/RayJob CRDs and runs the operator on the system node",
+        ),
+    ]
+
+
+def helm_item(rel: HelmRelease) -> dict[str, Any]:
+    return {"type": "helm", "name": rel.name, "namespace": rel.namespace}
 
 
 class NodesNotReady(UserError):

@@ -160,7 +160,7 @@ def up(
 ) -> None:
     """Create (or resume) the cluster, GPU node group, device plugins and KubeRay; --train then runs the job."""
     from raytrain_eks.eks import lifecycle, nodegroups
-    from raytrain_eks.eks.plan import check_deployable, cost_per_hour
+    from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
 
     cfg = _load(config, preset)
     if plan_only:

@@ -31,6 +31,7 @@ from raytrain_eks.eks.addons import (
     ensure_release,
     gpu_node_problems,
     helm,
+    helm_releases,
     install_argv,
     release_info,
     remove_eksctl_device_plugins,
@@ -51,7 +52,7 @@ from raytrain_eks.eks.nodegroups import (
     kubeconfig_argv,
     nodegroup_statuses,
 )
-from raytrain_eks.eks.plan import check_deployable, cost_per_hour, helm_releases
+from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
 from raytrain_eks.eks.runner import Interrupted
 from raytrain_eks.eks.state import KUBECONFIG_FILE, STATE_DIR, Cancelled, Deployment, describe
 from raytrain_eks.errors import UserError

@@ -17,11 +17,11 @@ from typing import Any
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
-from raytrain_eks.eks.plan import to_yaml
 from raytrain_eks.eks.runner import CommandError, Completed
 from raytrain_eks.eks.state import Deployment, StateStore, UnreadableAnswer, cluster_item, nodegroup_item
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.manifests import to_yaml
 
 # Seconds. eksctl's CloudFormation stacks take 15-20 minutes for a cluster and 5-15 for a node group.
 CLUSTER_TIMEOUT_S = 45 * 60

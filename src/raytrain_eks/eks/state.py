@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_eks.config import Config
-from raytrain_eks.eks.plan import HelmRelease
 from raytrain_eks.eks.runner import Runner, require_tool
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s.cluster import KubeApi
@@ -135,10 +134,6 @@ def cluster_item(cfg: Config) -> dict[str, Any]:
 
 def nodegroup_item(name: str) -> dict[str, Any]:
     return {"type": "nodegroup", "name": name}
-
-
-def helm_item(rel: HelmRelease) -> dict[str, Any]:
-    return {"type": "helm", "name": rel.name, "namespace": rel.namespace}
 
 
 def object_item(obj: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from raytrain_eks.eks.addons import NodesNotReady, gpu_node_problems, wait_gpu_nodes
 from raytrain_eks.eks.nodegroups import scale_gpu_nodes
-from raytrain_eks.eks.plan import check_deployable
+from raytrain_eks.eks.pricing import check_deployable
 from raytrain_eks.eks.runner import CommandError
 from raytrain_eks.eks.state import Deployment, object_item
 from raytrain_eks.errors import UserError

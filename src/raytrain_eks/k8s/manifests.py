@@ -268,3 +268,20 @@ def pod_templates(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The pod templates in a RayCluster or RayJob (head first), e.g. to validate them as core ``Pod`` objects."""
     spec = doc["spec"].get("rayClusterSpec", doc["spec"])
     return [spec["headGroupSpec"]["template"], *(g["template"] for g in spec["workerGroupSpecs"])]
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the ConfigMap's embedded YAML) as ``|`` blocks, readable in review."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def to_yaml(docs: list[dict[str, Any]]) -> str:
+    """Documents as YAML, ``---`` between them, keys in the order they were built."""
+    return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, default_flow_style=False)

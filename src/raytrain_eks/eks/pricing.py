@@ -1,0 +1,176 @@
+"""The cluster's instance types, checked against what deploying needs, and what the cluster costs.
+
+Example::
+
+    gpu, system = check_deployable(cfg)              # ConfigError listing every problem at once
+    cost_per_hour(cfg, gpu, system)["total_usd"]     # 9.5498 for the reference cluster (us-east-1 prices)
+    run_cost(cfg, summary)                           # a finished run's cost, from its summary.json
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from datetime import date
+from typing import Any
+
+from raytrain_eks.aws import eksctl
+from raytrain_eks.config import Config
+from raytrain_eks.errors import ConfigError, UserError
+from raytrain_eks.instances import (
+    EFA_GPU_TYPES,
+    EKS_CONTROL_PLANE_USD_PER_HOUR,
+    EKS_EXTENDED_SUPPORT_USD_PER_HOUR,
+    INSTANCE_TYPES,
+    KNOWN_REGIONS,
+    NAT_GATEWAY_USD_PER_HOUR,
+    PRICE_REGION,
+    InstanceType,
+    eks_support,
+)
+
+
+def check_deployable(cfg: Config) -> tuple[InstanceType, InstanceType]:
+    """The GPU and system instance types, after checking what only deploying needs; every problem at once.
+
+    Raises :class:`ConfigError` for a region outside the known list, an instance type that is unknown, has no GPU
+    or no EFA, ``gpus_per_node`` that differs from the instance's GPUs, a worker pod larger than its node, or more
+    training workers than GPUs. Example: ``check_deployable(cfg)[0].efa_interfaces``.
+    """
+    c, problems = cfg.cluster, []
+    if c.region not in KNOWN_REGIONS:
+        close = difflib.get_close_matches(c.region, KNOWN_REGIONS, n=3)
+        hint = f"did you mean {' or '.join(close)}?" if close else f"known: {', '.join(KNOWN_REGIONS)}"
+        problems.append(f"cluster.region = {c.region!r}: not a region where raytrain-eks knows EKS runs; {hint}")
+    gpu = INSTANCE_TYPES.get(c.gpu_node_type)
+    if gpu is None:
+        problems.append(
+            f"cluster.gpu_node_type = {c.gpu_node_type!r}: unknown instance type; EFA GPU types: "
+            f"{', '.join(EFA_GPU_TYPES)}"
+        )
+    elif not gpu.gpus:
+        problems.append(
+            f"cluster.gpu_node_type = {c.gpu_node_type!r}: has no GPU; use one of {', '.join(EFA_GPU_TYPES)}"
+        )
+    elif not gpu.efa_supported:
+        problems.append(
+            f"cluster.gpu_node_type = {c.gpu_node_type!r}: does not support EFA, so NCCL would fall back to TCP "
+            f"sockets between nodes; use an EFA type such as {', '.join(EFA_GPU_TYPES[:4])}"
+        )
+    if gpu is not None and gpu.gpus and c.gpus_per_node != gpu.gpus:
+        problems.append(
+            f"cluster.gpus_per_node = {c.gpus_per_node} (GPUS_PER_NODE): {gpu.name} has {gpu.gpus} GPUs and each "
+            f"worker pod takes a whole node; set GPUS_PER_NODE={gpu.gpus}"
+        )
+    if gpu is not None:
+        cpu, mem = cfg.ray.worker_cpu, cfg.ray.worker_memory_gib
+        if cpu is not None and cpu >= gpu.vcpu:
+            problems.append(
+                f"ray.worker_cpu = {cpu}: must be below the {gpu.vcpu} vCPUs of {gpu.name} (the kubelet and "
+                "DaemonSets need some); leave it empty for 5/6 of the node"
+            )
+        if mem is not None and mem >= gpu.memory_gib:
+            problems.append(
+                f"ray.worker_memory_gib = {mem}: must be below the {gpu.memory_gib} GiB of {gpu.name}; "
+                "leave it empty for 5/6 of the node"
+            )
+    system = INSTANCE_TYPES.get(c.system_node_type)
+    if system is None:
+        known = ", ".join(name for name, it in INSTANCE_TYPES.items() if not it.gpus)
+        problems.append(f"cluster.system_node_type = {c.system_node_type!r}: unknown instance type; known: {known}")
+    if c.gpu_nodegroup_name == eksctl.SYSTEM_NODEGROUP:
+        problems.append(f"cluster.gpu_nodegroup_name = {c.gpu_nodegroup_name!r}: taken by the system node group")
+    d = cfg.derived
+    if d.world_size > d.cluster_gpus:
+        problems.append(
+            f"training.num_workers = {cfg.training.num_workers}: more than the {d.cluster_gpus} GPUs of the cluster "
+            "(one worker per GPU); use 0 for one per GPU"
+        )
+    if problems or gpu is None or system is None:  # each None case has added a problem
+        raise ConfigError(problems)
+    return gpu, system
+
+
+def cost_per_hour(cfg: Config, gpu: InstanceType, system: InstanceType, *, on: date | None = None) -> dict[str, Any]:
+    """Hourly on-demand cost, one item per billable thing (us-east-1 prices, infra-facts §7), on day ``on`` (default
+    today): the control plane costs more while its Kubernetes version is in EKS extended support.
+
+    Example (reference, Kubernetes 1.36 in standard support): 2 x 4.6016 + 0.2016 + 0.10 + 0.045 = 9.5498.
+    """
+    c = cfg.cluster
+    support = eks_support(c.k8s_version, on or date.today())
+
+    def item(name: str, what: str, count: int, unit: float | None) -> dict[str, Any]:
+        usd = None if unit is None else round(count * unit, 6)
+        return {"name": name, "what": what, "count": count, "unit_usd_per_hour": unit, "usd_per_hour": usd}
+
+    items = [
+        item("GPU instances", gpu.name, c.gpu_node_count, gpu.usd_per_hour),
+        item("system node", system.name, c.system_node_count, system.usd_per_hour),
+        item(
+            "EKS control plane",
+            f"cluster on Kubernetes {c.k8s_version}, {support.period} support",
+            1,
+            support.control_plane_usd_per_hour,
+        ),
+        item("NAT gateway", "vpc.nat.gateway: Single", 1, NAT_GATEWAY_USD_PER_HOUR),
+    ]
+    known = [i["usd_per_hour"] for i in items if i["usd_per_hour"] is not None]
+    notes = [
+        "Excludes EBS volumes, NAT data processing ($0.045/GB), public IPv4 addresses ($0.005/h each) and data "
+        "transfer.",
+    ]
+    ends = f" until {support.ends.isoformat()}" if support.ends else ""
+    if support.period == "standard":
+        notes.append(
+            f"Kubernetes {c.k8s_version} is in EKS standard support{ends} (${EKS_CONTROL_PLANE_USD_PER_HOUR:.2f}/h); "
+            f"after that, extended support costs ${EKS_EXTENDED_SUPPORT_USD_PER_HOUR:.2f}/h."
+        )
+    elif support.period == "extended":
+        notes.append(
+            f"Kubernetes {c.k8s_version} is in EKS extended support{ends}: the control plane costs "
+            f"${EKS_EXTENDED_SUPPORT_USD_PER_HOUR:.2f}/h instead of ${EKS_CONTROL_PLANE_USD_PER_HOUR:.2f}/h; a "
+            "newer version (K8S_VERSION) costs less."
+        )
+    else:
+        since = f" (its extended support ended {support.ends.isoformat()})" if support.ends else ""
+        notes.append(
+            f"Kubernetes {c.k8s_version} is no longer supported by EKS{since}: a new cluster cannot be created with "
+            "it; choose a newer K8S_VERSION."
+        )
+    if c.region != PRICE_REGION:
+        notes.append(f"Prices are {PRICE_REGION}'s; {c.region} differs.")
+    missing = [i["what"] for i in items if i["usd_per_hour"] is None]
+    if missing:
+        notes.append(f"No price known for {', '.join(missing)}: the total leaves it out.")
+    return {
+        "total_usd": round(sum(known), 4),
+        "complete": not missing,
+        "currency": "USD",
+        "price_region": PRICE_REGION,
+        "items": items,
+        "notes": notes,
+    }
+
+
+def run_cost(cfg: Config, summary: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What a run on the configured cluster cost while it ran, from its ``summary.json`` fields: the cluster's hourly
+    cost times this attempt's ``wall_s``, and per million tokens this attempt trained (``tokens_per_s`` x
+    ``train_s``: on a resumed run ``tokens`` also counts the steps before the resume). ``None`` when the cluster is
+    not one this tool can price.
+
+    Example: 9.5498 $/h for 600 s and 30 M tokens -> ``{"usd": 1.5916, "usd_per_million_tokens": 0.0531, ...}``.
+    """
+    try:
+        gpu, system = check_deployable(cfg)
+    except UserError:
+        return None
+    hourly = cost_per_hour(cfg, gpu, system)
+    usd = hourly["total_usd"] * summary["wall_s"] / 3600
+    tokens = round(summary["tokens_per_s"] * summary["train_s"])
+    return {
+        "usd": round(usd, 4),
+        "usd_per_million_tokens": round(usd / tokens * 1e6, 4) if tokens else None,
+        "usd_per_hour": hourly["total_usd"],
+        "basis": f"{hourly['price_region']} on-demand prices x the run's wall time; excludes EBS, data and IPv4",
+    }
