@@ -4,7 +4,7 @@ bad input refused with one clear message before anything is created.
 
 AWS is moto's server on a loopback port (real instance types, zone offerings, regions, zones, instances, VPCs,
 EKS clusters), reached through boto3 with dummy credentials; never a real account. What moto 5.2 lacks sits
-behind the interfaces of :mod:`raytrain_eks.aws.services` and is faked in :mod:`raytrain_eks.aws.fakes`: EC2
+behind the interfaces of :mod:`raytrain_eks.aws.services` and is faked in fake_aws.py: EC2
 vCPU quotas (moto's Service Quotas knows only ``vpc``), spot placement scores and capacity reservations. The
 boto3 implementations of those three are checked with botocore's Stubber, which validates every request and
 response against the real API model.
@@ -20,11 +20,11 @@ import boto3
 import pytest
 import typer
 from botocore.stub import Stubber
+from fake_aws import FakeQuotas, FakeReservations, FakeSpotScores
 from typer.testing import CliRunner
 
 from raytrain_eks.aws import capacity as cap
 from raytrain_eks.aws.commands import register
-from raytrain_eks.aws.fakes import FakeQuotas, FakeReservations, FakeSpotScores
 from raytrain_eks.aws.services import (
     PROBE_TAG,
     Ec2Reservations,

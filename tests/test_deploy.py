@@ -1,6 +1,6 @@
 """The step logic of ``up``, ``submit``, ``status``, ``logs`` and ``down``, against fakes; fast and hermetic.
 
-Kubernetes is :class:`~raytrain_eks.k8s.fake.FakeKube` (stateful: nodes, DaemonSets that make nodes advertise
+Kubernetes is FakeKube (fake_kube.py) (stateful: nodes, DaemonSets that make nodes advertise
 resources, KubeRay creating pods from the RayCluster's own templates, a scheduler recording ``FailedScheduling``).
 eksctl and helm are :class:`FakeTools`, a recording runner whose commands change a small simulated AWS (cluster,
 node groups per zone, Helm releases) and the fake cluster the way the real tools would; ``down``'s boto3 look for
@@ -28,6 +28,7 @@ import jsonschema
 import pytest
 import typer
 import yaml
+from fake_kube import FakeKube, parse_quantity
 from typer.testing import CliRunner
 
 from raytrain_eks.config import Config, load_config
@@ -42,7 +43,6 @@ from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import Event, ExecResult, _exec_returncode
-from raytrain_eks.k8s.fake import FakeKube, parse_quantity
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
 SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md

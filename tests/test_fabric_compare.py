@@ -44,7 +44,6 @@ from raytrain_eks.eks.compare import (
 from raytrain_eks.eks.runner import CommandError
 from raytrain_eks.eks.state import Cancelled
 from raytrain_eks.errors import UserError
-from raytrain_eks.fabric import commands
 from raytrain_eks.fabric.nccl_log import analyze_paths
 from raytrain_eks.k8s.cluster import ExecResult
 from raytrain_eks.k8s.manifests import IMAGE_PYTHON
@@ -294,7 +293,7 @@ def eks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
 
 def compare_on_eks(*args: str, input: str | None = None) -> Any:
     app = typer.Typer()
-    commands.register(app)
+    deploy_commands.register(app)
     return CliRunner().invoke(app, ["compare-fabric", *args], input=input)
 
 

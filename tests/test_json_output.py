@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
+from fake_aws import FakeQuotas, FakeReservations, FakeSpotScores
 
-from raytrain_eks.aws.fakes import FakeQuotas, FakeReservations, FakeSpotScores
 from raytrain_eks.cli import main
 
 NCCL = Path(__file__).parent / "fixtures" / "nccl"

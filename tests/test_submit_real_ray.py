@@ -1,6 +1,6 @@
 """``submit`` and ``logs`` against a real Ray: the commands they run in the pods run for real on this machine.
 
-Kubernetes stays :class:`~raytrain_eks.k8s.fake.FakeKube` (GPU nodes, device plugins, KubeRay's pods Running, set up
+Kubernetes stays FakeKube (fake_kube.py) (GPU nodes, device plugins, KubeRay's pods Running, set up
 by the fake ``up`` of ``test_deploy``), but its ``exec`` runs the argv here as a subprocess: every "pod" is this
 machine. A Ray head of this module's own (dashboard and job server, its own ``--temp-dir`` and ports) plays the head
 pod's Ray; the constants naming places in the pods point at this test's folders. What is checked is what a user sees:
@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fake_kube import FakeKube
 from test_deploy import ZONES, FakeTools
 
 from raytrain_eks.config import Config, load_config
@@ -39,7 +40,6 @@ from raytrain_eks.eks.state import Deployment, StateStore
 from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import ExecResult
-from raytrain_eks.k8s.fake import FakeKube
 from raytrain_eks.presets import local_tiny
 
 pytestmark = pytest.mark.integration

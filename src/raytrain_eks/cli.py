@@ -22,7 +22,7 @@ from raytrain_eks.config import DEFAULT_CONFIG_FILE, env_file_lines, load_config
 from raytrain_eks.eks import commands as deploy_commands
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.fabric import commands as fabric_commands
-from raytrain_eks.options import ConfigOpt, PresetOpt
+from raytrain_eks.options import AddressOpt, ConfigOpt, PresetOpt, VerboseOpt
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Fine-tune LLMs with Ray Train + FSDP on EKS (or locally)."
@@ -41,9 +41,7 @@ err = Console(stderr=True, highlight=False, soft_wrap=True)
 def train(
     config: ConfigOpt = None,
     preset: PresetOpt = None,
-    address: Annotated[
-        str | None, typer.Option(help="Join a running Ray cluster ('auto' or HOST:PORT) instead of starting one here.")
-    ] = None,
+    address: AddressOpt = None,
     output_dir: Annotated[Path | None, typer.Option(help="Run folder (default: runs/<time>-<model>).")] = None,
     model: Annotated[str | None, typer.Option(help="Hugging Face hub id, model folder, or builtin:tiny-qwen2.")] = None,
     data: Annotated[
@@ -70,7 +68,7 @@ def train(
         Path | None,
         typer.Option(help="Continue this run folder from its newest complete checkpoint, with its config.yaml."),
     ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's and the workers' logs.")] = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Fine-tune a causal LM with Ray Train + FSDP2. With no arguments: a local run of the built-in tiny model."""
     from raytrain_eks.train.launch import run_training

@@ -28,3 +28,14 @@ ClusterPresetOpt = Annotated[str, typer.Option(help=f"Starting point under the f
 YesOpt = Annotated[
     bool, typer.Option("--yes", "-y", envvar="ASSUME_YES", help="Do not ask for confirmation (also ASSUME_YES=1).")
 ]
+
+StateDirOpt = Annotated[
+    Path, typer.Option("--state-dir", help="Where this deployment's state, kubeconfig and generated files live.")
+]
+# Commands that run Ray jobs: train here, or on a Ray cluster that is already running.
+AddressOpt = Annotated[
+    str | None, typer.Option(help="Join a running Ray cluster ('auto' or HOST:PORT) instead of starting one here.")
+]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's and the workers' logs.")]
+# Commands whose result can be read by programs: stdout then holds only JSON, progress goes to stderr.
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON (stdout holds only the JSON).")]

@@ -25,12 +25,12 @@ from raytrain_eks import presets
 from raytrain_eks.aws.services import Services
 from raytrain_eks.aws.session import Aws
 from raytrain_eks.config import load_config
-from raytrain_eks.options import ClusterPresetOpt, ConfigOpt
+from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, JsonOpt
 
 
 def register(app: typer.Typer, *, services: Callable[[Aws], Services] | None = None) -> None:
     """Add ``capacity`` to ``app``. ``services`` makes the quota, spot-score and reservation interfaces from the
-    session; the default is the boto3 ones (tests pass the fakes of :mod:`raytrain_eks.aws.fakes`)."""
+    session; the default is the boto3 ones (tests pass the fakes of tests/fake_aws.py)."""
 
     def capacity(
         config: ConfigOpt = None,
@@ -52,7 +52,7 @@ def register(app: typer.Typer, *, services: Callable[[Aws], Services] | None = N
                 "cancel it at once, until one succeeds: proof EC2 has the instances now, billed for those seconds.",
             ),
         ] = False,
-        json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+        json_output: JsonOpt = False,
     ) -> None:
         """Check where the GPU node group can get capacity: offerings, EFA, vCPU quota, spot score, subnets.
 

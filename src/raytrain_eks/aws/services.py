@@ -2,7 +2,7 @@
 
 Reads that moto's server implements with real data (instance types, offerings per zone, regions, zones,
 instances, subnets, route tables, EKS clusters) are plain functions over boto3 clients. Three things sit behind
-an interface, each with a boto3 implementation here and a stated fake in :mod:`raytrain_eks.aws.fakes`, because
+an interface, each with a boto3 implementation here and a stated fake in the tests (tests/fake_aws.py), because
 moto 5.2 does not implement them: the EC2 vCPU quotas (:class:`Quotas`; moto's Service Quotas knows only the
 ``vpc`` service), the spot placement score (:class:`SpotScores`; no ``GetSpotPlacementScores``), and on-demand
 capacity reservations (:class:`Reservations`; no ``CreateCapacityReservation`` nor

@@ -7,6 +7,7 @@ raytrain-eks up [--plan] [--train] [-y]       # cluster, node groups, device plu
 raytrain-eks submit [--mode rayjob]           # run the job in the cluster; exit 1 unless EFA carried it
 raytrain-eks status | logs [--follow]         # what is deployed; the last job's output
 raytrain-eks down [-y]                        # delete everything up and submit created, newest first
+raytrain-eks compare-fabric [-y]              # the job over EFA, then over TCP: the speed-up of EFA
 
 ``plan`` and ``up --plan`` are pure: no AWS credentials, and none of eksctl, helm or kubectl, are needed. The
 other commands remember the cluster, region and zone in ``.raytrain-eks/state.json`` of the working folder.
@@ -30,7 +31,8 @@ from rich.console import Console
 
 from raytrain_eks import presets
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, YesOpt
+from raytrain_eks.eks import compare
+from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, JsonOpt, StateDirOpt, YesOpt
 
 if TYPE_CHECKING:
     from raytrain_eks.eks.state import Deployment, StateStore
@@ -42,18 +44,16 @@ class PlanMode(StrEnum):
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``plan``, ``up``, ``submit``, ``status``, ``logs`` and ``down`` to ``app``."""
+    """Add ``plan``, ``up``, ``submit``, ``status``, ``logs``, ``down`` and ``compare-fabric`` to ``app``."""
     app.command()(plan)
     app.command()(up)
     app.command()(submit)
     app.command()(status)
     app.command()(logs)
     app.command()(down)
+    app.command("compare-fabric")(compare_fabric)
 
 
-StateDirOpt = Annotated[
-    Path, typer.Option("--state-dir", help="Where this deployment's state, kubeconfig and generated files live.")
-]
 ModeOpt = Annotated[
     PlanMode, typer.Option(help="raycluster: a long-lived cluster the job is submitted to; rayjob: one job.")
 ]
@@ -236,3 +236,59 @@ def down(
     from raytrain_eks.eks.lifecycle import down as deploy_down
 
     deploy_down(make_deployment(_load(config, preset), state_dir), confirm=_confirm(yes))
+
+
+def compare_fabric(
+    config: ConfigOpt = None,
+    preset: ClusterPresetOpt = "reference",
+    steps: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Steps of each run (default: fabric.compare_steps, BENCH_STEPS, else training.steps)."
+        ),
+    ] = None,
+    warmup_steps: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Steps left out of the timing at the start of each run (default: fabric.compare_warmup_steps, "
+            "BENCH_WARMUP_STEPS).",
+        ),
+    ] = None,
+    min_samples: Annotated[
+        int, typer.Option(min=1, help="Timed (logged) steps each run must have after the warm-up.")
+    ] = compare.DEFAULT_MIN_SAMPLES,
+    json_output: JsonOpt = False,
+    yes: YesOpt = False,
+    state_dir: StateDirOpt = Path(".raytrain-eks"),
+) -> None:
+    """Run the training job on EKS twice, over EFA then over TCP (NCCL_NET=Socket FI_PROVIDER=tcp), and print the
+    speed-up of EFA in steps/s after warm-up.
+
+    Each run gets a fresh RayCluster; its transport is proven from its own NCCL log before anything is compared.
+    A RayCluster with a running Ray job is never touched; an idle one is replaced after one confirmation (-y skips
+    it), and is recreated with the configured network environment afterwards, whatever the outcome.
+
+    Exit status: 0 compared, 1 refused (a job is running on the RayCluster, a run used the wrong transport, failed,
+    or has too few steps).
+    """
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def say(line: str) -> None:  # progress on stderr, so that stdout holds only the result (--json)
+        err.print(line, markup=False)
+
+    cfg = load_config(preset=presets.choose(preset), path=config)
+    steps = steps or cfg.fabric.compare_steps
+    if steps is not None:  # checked as any setting is (warmup_steps within the steps); only the two runs take it
+        load_config(preset=presets.choose(preset), path=config, overrides={"training": {"steps": steps}})
+    warmup_steps = cfg.fabric.compare_warmup_steps if warmup_steps is None else warmup_steps
+    # The token goes from this environment into a Secret through the API: never a file, argv or log line.
+    with compare.eks_runner(
+        cfg,
+        lambda run_cfg: make_deployment(run_cfg, state_dir, say),
+        confirm=lambda question: yes or typer.confirm(question, default=False, err=True),
+        hf_token=os.environ.get("HF_TOKEN") or None,
+        steps=steps,
+    ) as run_job:
+        result = compare.compare_fabric(run_job, warmup_steps=warmup_steps, min_samples=min_samples, say=say)
+    typer.echo(result.to_json() if json_output else result.render())

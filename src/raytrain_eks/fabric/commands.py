@@ -5,7 +5,6 @@ kubectl logs -l ray.io/node-type=worker | raytrain-eks verify-transport --json
 raytrain-eks verify-transport worker.log --require any          # report only; exit 2 when undecided
 raytrain-eks probe --address auto                               # collective busbw vs the line rate; exit 1 if degraded
 raytrain-eks probe --max-bytes 4M --iters 5 --json              # a quick local run (CPU, gloo)
-raytrain-eks compare-fabric --warmup-steps 10 [-y]              # on EKS: the job over EFA, then over TCP; the speed-up
 
 Call :func:`register` once on the top-level Typer app to add the commands.
 """
@@ -13,11 +12,9 @@ Call :func:`register` once on the top-level Typer app to add the commands.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Callable, Iterator
 from enum import StrEnum
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -25,7 +22,6 @@ from rich.console import Console
 
 from raytrain_eks import presets
 from raytrain_eks.config import load_config
-from raytrain_eks.eks import compare
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_log import LogInputError, analyze_paths
 from raytrain_eks.fabric.probe import (
@@ -40,7 +36,7 @@ from raytrain_eks.fabric.probe import (
     parse_size,
     run_probe,
 )
-from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, PresetOpt, YesOpt
+from raytrain_eks.options import AddressOpt, ConfigOpt, JsonOpt, PresetOpt, VerboseOpt
 
 
 class Require(StrEnum):
@@ -52,10 +48,9 @@ class Require(StrEnum):
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``verify-transport``, ``probe`` and ``compare-fabric`` to ``app``. Example: ``register(cli.app)``."""
+    """Add ``verify-transport`` and ``probe`` to ``app``. Example: ``register(cli.app)``."""
     app.command("verify-transport")(verify_transport)
     app.command("probe")(probe)
-    app.command("compare-fabric")(compare_fabric)
 
 
 def verify_transport(
@@ -67,7 +62,7 @@ def verify_transport(
             show_default=False,
         ),
     ] = None,
-    json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    json_output: JsonOpt = False,
     require: Annotated[
         Require,
         typer.Option(help="Fabric the inter-node traffic must use: efa, ib, or any (report only)."),
@@ -111,9 +106,7 @@ def _progress() -> Iterator[Callable[[int], None] | None]:
 
 
 def probe(
-    address: Annotated[
-        str | None, typer.Option(help="Join a running Ray cluster ('auto' or HOST:PORT) instead of starting one here.")
-    ] = None,
+    address: AddressOpt = None,
     config: ConfigOpt = None,
     preset: PresetOpt = None,
     num_workers: Annotated[
@@ -136,8 +129,8 @@ def probe(
     healthy_ratio: Annotated[
         float, typer.Option(help="busbw / line rate at or above which the fabric is healthy.")
     ] = HEALTHY_RATIO,
-    json_output: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's and the workers' logs.")] = False,
+    json_output: JsonOpt = False,
+    verbose: VerboseOpt = False,
 ) -> None:
     """Measure all_reduce, all_gather and reduce_scatter bandwidth across the Ray Train workers.
 
@@ -170,63 +163,3 @@ def probe(
     typer.echo(report.to_json() if json_output else report.render())
     if report.exit_code:
         raise typer.Exit(report.exit_code)
-
-
-def compare_fabric(
-    config: ConfigOpt = None,
-    preset: ClusterPresetOpt = "reference",
-    steps: Annotated[
-        int | None,
-        typer.Option(
-            min=1, help="Steps of each run (default: fabric.compare_steps, BENCH_STEPS, else training.steps)."
-        ),
-    ] = None,
-    warmup_steps: Annotated[
-        int | None,
-        typer.Option(
-            min=0,
-            help="Steps left out of the timing at the start of each run (default: fabric.compare_warmup_steps, "
-            "BENCH_WARMUP_STEPS).",
-        ),
-    ] = None,
-    min_samples: Annotated[
-        int, typer.Option(min=1, help="Timed (logged) steps each run must have after the warm-up.")
-    ] = compare.DEFAULT_MIN_SAMPLES,
-    json_output: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    yes: YesOpt = False,
-    state_dir: Annotated[
-        Path, typer.Option("--state-dir", help="Where this deployment's state, kubeconfig and generated files live.")
-    ] = Path(".raytrain-eks"),
-) -> None:
-    """Run the training job on EKS twice, over EFA then over TCP (NCCL_NET=Socket FI_PROVIDER=tcp), and print the
-    speed-up of EFA in steps/s after warm-up.
-
-    Each run gets a fresh RayCluster; its transport is proven from its own NCCL log before anything is compared.
-    A RayCluster with a running Ray job is never touched; an idle one is replaced after one confirmation (-y skips
-    it), and is recreated with the configured network environment afterwards, whatever the outcome.
-
-    Exit status: 0 compared, 1 refused (a job is running on the RayCluster, a run used the wrong transport, failed,
-    or has too few steps).
-    """
-    from raytrain_eks.eks.commands import make_deployment
-
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
-
-    def say(line: str) -> None:  # progress on stderr, so that stdout holds only the result (--json)
-        err.print(line, markup=False)
-
-    cfg = load_config(preset=presets.choose(preset), path=config)
-    steps = steps or cfg.fabric.compare_steps
-    if steps is not None:  # checked as any setting is (warmup_steps within the steps); only the two runs take it
-        load_config(preset=presets.choose(preset), path=config, overrides={"training": {"steps": steps}})
-    warmup_steps = cfg.fabric.compare_warmup_steps if warmup_steps is None else warmup_steps
-    # The token goes from this environment into a Secret through the API: never a file, argv or log line.
-    with compare.eks_runner(
-        cfg,
-        lambda run_cfg: make_deployment(run_cfg, state_dir, say),
-        confirm=lambda question: yes or typer.confirm(question, default=False, err=True),
-        hf_token=os.environ.get("HF_TOKEN") or None,
-        steps=steps,
-    ) as run_job:
-        result = compare.compare_fabric(run_job, warmup_steps=warmup_steps, min_samples=min_samples, say=say)
-    typer.echo(result.to_json() if json_output else result.render())

@@ -420,7 +420,7 @@ def run_probe(
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
 
-    from raytrain_eks.train.launch import (
+    from raytrain_eks.ray_session import (
         LOCAL_CPU_WORKERS,
         fit_keeping_sigint,
         init_ray,

@@ -4,7 +4,7 @@
 with their labels and allocatable resources, pods with their phase and events, DaemonSets with their readiness,
 apply/get/delete of plain dicts (the manifests of :mod:`raytrain_eks.k8s.manifests`), and exec into a pod.
 :class:`KubernetesApi` implements it over the official ``kubernetes`` client (imported on first use);
-:class:`raytrain_eks.k8s.fake.FakeKube` is the stateful in-memory fake the tests drive. Example::
+``FakeKube`` in the tests (tests/fake_kube.py) is the stateful in-memory fake the tests drive. Example::
 
     kube = KubernetesApi(kubeconfig=".raytrain-eks/kubeconfig")
     [n.name for n in kube.nodes({"role": "gpu-worker"})]

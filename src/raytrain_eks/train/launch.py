@@ -10,11 +10,8 @@ a running cluster (how it runs inside the head pod on EKS). Example::
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
-import signal
-import socket
 import threading
 import time
 import traceback
@@ -26,10 +23,10 @@ from typing import Any
 
 from raytrain_eks.config import BUILTIN_DATA, Config
 from raytrain_eks.errors import TrainingError, UserError
+from raytrain_eks.ray_session import LOCAL_CPU_WORKERS, init_ray, resolve_num_workers, worker_error
 from raytrain_eks.train.fabric_gate import nccl_env
 from raytrain_eks.train.faults import ENV as FAULT_ENV
 
-LOCAL_CPU_WORKERS = 2
 RAY_DIR = "ray"  # Ray Train's storage inside the run folder; the checkpoints live there
 ERROR_LOG = "error.log"  # in the run folder: the full tracebacks behind a failure's one-line message
 _DONE = {"done": True}
@@ -62,68 +59,6 @@ def new_run_dir(cfg: Config, root: Path = Path("runs")) -> Path:
             hint="Pick a folder you can write to with --output-dir (or run from one, for runs/).",
         ) from None
     return path.resolve()
-
-
-def resolve_num_workers(requested: int, cluster_gpus: int) -> tuple[int, bool]:
-    """(workers, use_gpu): ``requested`` when set, else one per GPU in the Ray cluster, else 2 CPU workers."""
-    use_gpu = cluster_gpus > 0
-    if requested:
-        return requested, use_gpu
-    return (cluster_gpus, True) if use_gpu else (LOCAL_CPU_WORKERS, False)
-
-
-def fit_keeping_sigint(trainer: Any) -> Any:
-    """``trainer.fit()``, then the process's Ctrl-C handler as it was before.
-
-    Ray Train's ``fit`` (run on the main thread) installs a SIGINT handler that aborts its controller and never
-    removes it: a later Ctrl-C would call a controller that is gone instead of stopping this process.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return trainer.fit()
-    before = signal.getsignal(signal.SIGINT)
-    try:
-        return trainer.fit()
-    finally:
-        signal.signal(signal.SIGINT, before)
-
-
-def init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
-    import ray
-
-    if not verbose:  # Ray Data logs every operator's progress; the driver shows its own one-line summary
-        for name in ("ray", "ray.data", "ray.train"):
-            logging.getLogger(name).setLevel(logging.ERROR)
-    if ray.is_initialized():
-        return
-    kwargs: dict[str, Any] = {"log_to_driver": verbose, "configure_logging": verbose}
-    if address:
-        _check_reachable(address)
-        try:
-            ray.init(address=address, **kwargs)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise UserError(
-                f"cannot connect to the Ray cluster at {address}: {str(exc).strip().splitlines()[0]}",
-                hint="Is the cluster up? Check with `ray status`, or leave --address out to train on this machine.",
-            ) from None
-    else:
-        # Logical CPUs: one per training worker plus room for Ray Data's tasks, even on a 2-core machine.
-        cpus = max(os.cpu_count() or 1, num_workers + 2)
-        # address="local": always a new Ray of our own, never one some other program started on this machine.
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
-
-
-def _check_reachable(address: str) -> None:
-    """Fail fast on a HOST:PORT nobody listens on (ray.init would retry for minutes)."""
-    host, sep, port = address.rpartition(":")
-    if address == "auto" or "://" in address or not sep or not port.isdigit():
-        return
-    try:
-        socket.create_connection((host, int(port)), timeout=10).close()
-    except OSError as exc:
-        raise UserError(
-            f"cannot connect to the Ray cluster at {address}: {exc.strerror or exc}",
-            hint="Is the cluster up? Check with `ray status`, or leave --address out to train on this machine.",
-        ) from None
 
 
 def _data_source(cfg: Config) -> str:
@@ -412,22 +347,3 @@ def _write_nccl_lines(folder: Path, lines_by_rank: list[list[str]]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for rank, lines in enumerate(lines_by_rank):
         (folder / f"rank{rank:05d}.log").write_text("".join(line + "\n" for line in lines))
-
-
-def worker_error(exc: BaseException) -> str:
-    """One line for a failed Ray Train run: the first failed rank and the last line of its error.
-
-    A :class:`UserError` raised in a worker keeps its message, its first line (the last one is its hint).
-    """
-    failures = getattr(exc, "worker_failures", None)
-    if failures:
-        rank, err = sorted(failures.items())[0]
-        cause: BaseException = err
-        while getattr(cause, "cause", None) is not None:
-            cause = cause.cause
-        if isinstance(cause, UserError) and str(cause).strip():
-            return f"rank {rank}: {str(cause).strip().splitlines()[0]}"
-        lines = [ln for ln in str(cause).strip().splitlines() if ln.strip()]
-        return f"rank {rank}: {lines[-1] if lines else type(cause).__name__}"
-    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else type(exc).__name__

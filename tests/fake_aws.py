@@ -1,4 +1,4 @@
-"""Stated, stateful fakes of the three AWS interfaces moto 5.2 does not implement (see :mod:`.services`).
+"""Stated, stateful fakes of the three AWS interfaces moto 5.2 does not implement (see raytrain_eks.aws.services).
 
 - :class:`FakeQuotas`: moto's Service Quotas knows only the ``vpc`` service, so EC2's vCPU quotas
   (``L-DB2E81BA``, ``L-417A185B``, ``L-1216C47A``) are values the test states.

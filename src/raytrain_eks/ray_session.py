@@ -1,0 +1,102 @@
+"""Ray for the tool's own jobs (training and the bandwidth probe): start or join it, size the workers, fit.
+
+Example::
+
+    init_ray(address=None, num_workers=2, verbose=False)      # a new local Ray of our own
+    workers, use_gpu = resolve_num_workers(0, int(ray.cluster_resources().get("GPU", 0)))
+    result = fit_keeping_sigint(trainer)                      # Ctrl-C still stops this process afterwards
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from typing import Any
+
+from raytrain_eks.errors import UserError
+
+LOCAL_CPU_WORKERS = 2
+
+
+def resolve_num_workers(requested: int, cluster_gpus: int) -> tuple[int, bool]:
+    """(workers, use_gpu): ``requested`` when set, else one per GPU in the Ray cluster, else 2 CPU workers."""
+    use_gpu = cluster_gpus > 0
+    if requested:
+        return requested, use_gpu
+    return (cluster_gpus, True) if use_gpu else (LOCAL_CPU_WORKERS, False)
+
+
+def fit_keeping_sigint(trainer: Any) -> Any:
+    """``trainer.fit()``, then the process's Ctrl-C handler as it was before.
+
+    Ray Train's ``fit`` (run on the main thread) installs a SIGINT handler that aborts its controller and never
+    removes it: a later Ctrl-C would call a controller that is gone instead of stopping this process.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return trainer.fit()
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        return trainer.fit()
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
+    import ray
+
+    if not verbose:  # Ray Data logs every operator's progress; the driver shows its own one-line summary
+        for name in ("ray", "ray.data", "ray.train"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {"log_to_driver": verbose, "configure_logging": verbose}
+    if address:
+        _check_reachable(address)
+        try:
+            ray.init(address=address, **kwargs)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise UserError(
+                f"cannot connect to the Ray cluster at {address}: {str(exc).strip().splitlines()[0]}",
+                hint="Is the cluster up? Check with `ray status`, or leave --address out to train on this machine.",
+            ) from None
+    else:
+        # Logical CPUs: one per training worker plus room for Ray Data's tasks, even on a 2-core machine.
+        cpus = max(os.cpu_count() or 1, num_workers + 2)
+        # address="local": always a new Ray of our own, never one some other program started on this machine.
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast on a HOST:PORT nobody listens on (ray.init would retry for minutes)."""
+    host, sep, port = address.rpartition(":")
+    if address == "auto" or "://" in address or not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as exc:
+        raise UserError(
+            f"cannot connect to the Ray cluster at {address}: {exc.strerror or exc}",
+            hint="Is the cluster up? Check with `ray status`, or leave --address out to train on this machine.",
+        ) from None
+
+
+def worker_error(exc: BaseException) -> str:
+    """One line for a failed Ray Train run: the first failed rank and the last line of its error.
+
+    A :class:`UserError` raised in a worker keeps its message, its first line (the last one is its hint).
+    """
+    failures = getattr(exc, "worker_failures", None)
+    if failures:
+        rank, err = sorted(failures.items())[0]
+        cause: BaseException = err
+        while getattr(cause, "cause", None) is not None:
+            cause = cause.cause
+        if isinstance(cause, UserError) and str(cause).strip():
+            return f"rank {rank}: {str(cause).strip().splitlines()[0]}"
+        lines = [ln for ln in str(cause).strip().splitlines() if ln.strip()]
+        return f"rank {rank}: {lines[-1] if lines else type(cause).__name__}"
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else type(exc).__name__
