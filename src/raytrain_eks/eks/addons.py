@@ -17,7 +17,7 @@ from raytrain_eks.config import Config
 from raytrain_eks.eks.nodegroups import GPU_NODE_SELECTOR, QUICK_TIMEOUT_S
 from raytrain_eks.eks.runner import Completed
 from raytrain_eks.eks.state import Deployment
-from raytrain_eks.eks.wait import POLL_S
+from raytrain_eks.eks.wait import POLL_S, poll
 from raytrain_eks.errors import UserError
 from raytrain_eks.instances import InstanceType
 from raytrain_eks.k8s import manifests as m
@@ -267,41 +267,54 @@ def wait_gpu_nodes(
     d: Deployment, gpu: InstanceType, zone: str | None, timeout: float = GPU_READY_TIMEOUT_S
 ) -> list[Node]:
     """Wait until :func:`gpu_node_problems` finds nothing; raise :class:`NodesNotReady` with every problem."""
-    start = d.clock()
-    last: list[str] | None = None
-    while True:
+    latest: list[str] = []
+
+    def probe() -> tuple[list[Node] | None, str]:
         nodes, problems = gpu_node_problems(d, gpu, zone)
         if not problems:
-            d.say(
-                f"{len(nodes)} GPU nodes ready: each advertises {m.GPU_RESOURCE} and {m.EFA_RESOURCE}, device "
-                "plugins Ready on every one"
-            )
-            return nodes
-        if d.clock() - start >= timeout:
-            raise NodesNotReady(problems, waited_s=d.clock() - start)
-        if problems != last:
-            d.say(
-                f"Waiting for the GPU nodes: {problems[0]}"
-                + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
-            )
-            last = problems
-        d.sleep(POLL_S)
+            return nodes, "ready"
+        latest[:] = problems
+        return None, problems[0] + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+
+    nodes = poll(
+        probe,
+        what="the GPU nodes",
+        timeout=timeout,
+        clock=d.clock,
+        sleep=d.sleep,
+        say=d.say,
+        interval=POLL_S,
+        on_timeout=lambda _, waited: NodesNotReady(latest, waited_s=waited),
+    )
+    d.say(
+        f"{len(nodes)} GPU nodes ready: each advertises {m.GPU_RESOURCE} and {m.EFA_RESOURCE}, device "
+        "plugins Ready on every one"
+    )
+    return nodes
 
 
 def wait_kuberay(d: Deployment, timeout: float = GPU_READY_TIMEOUT_S) -> None:
     """Wait for the RayCluster CRD and a Ready KubeRay operator pod."""
-    start = d.clock()
-    while True:
+
+    def probe() -> tuple[bool | None, str]:
         crd = d.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", RAYCLUSTER_CRD)
         pods = d.kube.pods("kuberay-system", {"app.kubernetes.io/instance": KUBERAY_RELEASE})
         if crd is not None and any(p.ready for p in pods):
-            d.say("KubeRay operator is Ready")
-            return
-        if d.clock() - start >= timeout:
-            state = ", ".join(f"{p.name} {p.waiting_reason or p.phase}" for p in pods) or "no operator pod"
-            crd_state = "present" if crd else "missing"
-            raise UserError(
-                f"the KubeRay operator is not Ready after {timeout:.0f} s (CRD {crd_state}; {state})",
-                hint="`kubectl -n kuberay-system describe pods` says why; then run `raytrain-eks up` again.",
-            )
-        d.sleep(POLL_S)
+            return True, "Ready"
+        state = ", ".join(f"{p.name} {p.waiting_reason or p.phase}" for p in pods) or "no operator pod"
+        return None, f"CRD {'present' if crd else 'missing'}; {state}"
+
+    poll(
+        probe,
+        what="the KubeRay operator",
+        timeout=timeout,
+        clock=d.clock,
+        sleep=d.sleep,
+        say=d.say,
+        interval=POLL_S,
+        on_timeout=lambda last, waited: UserError(
+            f"the KubeRay operator is not Ready after {timeout:.0f} s ({last})",
+            hint="`kubectl -n kuberay-system describe pods` says why; then run `raytrain-eks up` again.",
+        ),
+    )
+    d.say("KubeRay operator is Ready")

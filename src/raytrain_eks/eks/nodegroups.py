@@ -19,6 +19,7 @@ from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
 from raytrain_eks.eks.runner import CommandError, Completed
 from raytrain_eks.eks.state import Deployment, StateStore, UnreadableAnswer, cluster_item, nodegroup_item
+from raytrain_eks.eks.wait import poll
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.manifests import to_yaml
@@ -28,6 +29,7 @@ CLUSTER_TIMEOUT_S = 45 * 60
 NODEGROUP_TIMEOUT_S = 40 * 60
 QUICK_TIMEOUT_S = 120
 GPU_NODE_SELECTOR = {"role": m.GPU_NODE_LABELS["role"]}
+BUSY_POLL_S = 30.0  # a CloudFormation stack changes state in minutes
 MAX_ZONES = 3  # zones given subnets (and so GPU zones to try) when the config names none
 
 # What eksctl prints when EC2 cannot start the instances in a zone: no capacity, or no offering of the type there.
@@ -259,17 +261,24 @@ def nodegroup_statuses(d: Deployment) -> dict[str, str]:
 
 
 def _wait_while_busy(d: Deployment, what: str, status: Callable[[], str | None], timeout: float) -> str | None:
-    deadline = d.clock() + timeout
-    current = status()
-    while current in _BUSY:
-        if d.clock() > deadline:
-            raise UserError(
-                f"{what} is still {current} after {timeout:.0f} s", hint="Run `raytrain-eks up` again later."
-            )
-        d.say(f"{what} is {current}; waiting")
-        d.sleep(30)
+    """``status()`` once it is no longer one of the busy states (creating, updating, deleting); None: not there."""
+
+    def probe() -> tuple[tuple[str | None] | None, str]:
         current = status()
-    return current
+        return (None, str(current)) if current in _BUSY else ((current,), str(current))
+
+    return poll(
+        probe,
+        what=what,
+        timeout=timeout,
+        clock=d.clock,
+        sleep=d.sleep,
+        say=d.say,
+        interval=BUSY_POLL_S,
+        on_timeout=lambda last, waited: UserError(
+            f"{what} is still {last} after {timeout:.0f} s", hint="Run `raytrain-eks up` again later."
+        ),
+    )[0]
 
 
 def ensure_cluster(d: Deployment, plan: ZonePlan) -> None:

@@ -30,6 +30,7 @@ from raytrain_eks.eks.nodegroups import scale_gpu_nodes
 from raytrain_eks.eks.pricing import check_deployable
 from raytrain_eks.eks.runner import CommandError
 from raytrain_eks.eks.state import Deployment, object_item
+from raytrain_eks.eks.wait import POLL_S, poll
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
 from raytrain_eks.k8s import manifests as m
@@ -53,7 +54,6 @@ RAY_SESSION_LOGS = f"{m.RAY_LOG_DIR}/session_latest/logs"
 POD_NCCL_LOGS = f"/tmp/{nccl_log_dir('').name}"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 EXEC_TIMEOUT_S = 120
-POLL_S = 10.0
 
 # Runs in a worker pod: print every line holding "NCCL" under the given folders (rotated .gz files too): Ray's
 # session logs, and the per-process NCCL_DEBUG_FILE folder the training job's transport gate uses.
@@ -110,22 +110,29 @@ def is_running(p: Pod) -> bool:
 def wait_for_ray_pods(d: Deployment, ns: str, cluster: str, timeout: float) -> tuple[Pod, list[Pod]]:
     """Wait until the head and every worker pod run; on timeout raise :class:`PodsNotReady` with their events."""
     want = d.cfg.cluster.gpu_node_count
-    start = d.clock()
-    last = ""
-    while True:
+    seen: list[Pod] = []
+
+    def probe() -> tuple[tuple[Pod, list[Pod]] | None, str]:
         heads, workers = ray_pods(d, ns, cluster)
+        seen[:] = heads + workers
         up_workers = [w for w in workers if is_running(w)]
         if heads and is_running(heads[0]) and len(up_workers) >= want:
-            d.say(f"Ray pods running: head {heads[0].name}, {len(up_workers)} workers")
-            return heads[0], up_workers
+            return (heads[0], up_workers), "running"
         head_state = (heads[0].waiting_reason or heads[0].phase) if heads else "not created"
-        progress = f"Waiting for Ray pods: head {head_state}, workers {len(up_workers)}/{want} running"
-        if progress != last:
-            d.say(progress)
-            last = progress
-        if d.clock() - start >= timeout:
-            raise PodsNotReady(_pods_report(d, ns, heads + workers, want, timeout), hint=_PODS_HINT)
-        d.sleep(POLL_S)
+        return None, f"head {head_state}, workers {len(up_workers)}/{want} running"
+
+    head, up_workers = poll(
+        probe,
+        what="Ray pods",
+        timeout=timeout,
+        clock=d.clock,
+        sleep=d.sleep,
+        say=d.say,
+        interval=POLL_S,
+        on_timeout=lambda _, waited: PodsNotReady(_pods_report(d, ns, seen, want, timeout), hint=_PODS_HINT),
+    )
+    d.say(f"Ray pods running: head {head.name}, {len(up_workers)} workers")
+    return head, up_workers
 
 
 _PODS_HINT = (
@@ -289,17 +296,25 @@ def _apply(d: Deployment, obj: dict[str, Any], what: str) -> None:
 def _wait_rayjob_cluster(d: Deployment, timeout: float) -> tuple[str, str]:
     """The RayCluster name and the Ray job id that the KubeRay operator gives a RayJob."""
     ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
-    start = d.clock()
-    while True:
-        job = d.kube.get("ray.io/v1", "RayJob", name, ns) or {}
-        st = job.get("status", {})
+
+    def probe() -> tuple[tuple[str, str] | None, str]:
+        st = (d.kube.get("ray.io/v1", "RayJob", name, ns) or {}).get("status", {})
         if st.get("rayClusterName") and st.get("jobId"):
-            return st["rayClusterName"], st["jobId"]
-        if d.clock() - start >= timeout:
-            raise PodsNotReady(
-                f"RayJob {ns}/{name} has no RayCluster after {timeout:.0f} s", hint="Is the KubeRay operator running?"
-            )
-        d.sleep(POLL_S)
+            return (st["rayClusterName"], st["jobId"]), "has its RayCluster"
+        return None, f"RayJob {ns}/{name} {st.get('jobDeploymentStatus') or 'created'}, no RayCluster yet"
+
+    return poll(
+        probe,
+        what=f"the RayCluster of RayJob {ns}/{name}",
+        timeout=timeout,
+        clock=d.clock,
+        sleep=d.sleep,
+        say=d.say,
+        interval=POLL_S,
+        on_timeout=lambda _, waited: PodsNotReady(
+            f"RayJob {ns}/{name} has no RayCluster after {timeout:.0f} s", hint="Is the KubeRay operator running?"
+        ),
+    )
 
 
 def apply_job_config(d: Deployment, hf_token: str | None) -> None:
@@ -441,15 +456,27 @@ def restart_raycluster(d: Deployment) -> None:
     if not d.kube.delete("ray.io/v1", "RayCluster", name, ns):
         return
     d.say(f"Deleted RayCluster {ns}/{name}; waiting for its pods to go")
-    start = d.clock()
-    while d.kube.get("ray.io/v1", "RayCluster", name, ns) or d.kube.pods(ns, {"ray.io/cluster": name}):
-        if d.clock() - start >= d.cfg.ray.job_start_deadline_s:
-            raise PodsNotReady(
-                f"RayCluster {ns}/{name} and its pods were still there {d.cfg.ray.job_start_deadline_s:.0f} s after "
-                "it was deleted",
-                hint="`raytrain-eks status` shows the pods; `kubectl describe` them to see what holds them.",
-            )
-        d.sleep(POLL_S)
+    deadline = d.cfg.ray.job_start_deadline_s
+
+    def probe() -> tuple[bool | None, str]:
+        pods = d.kube.pods(ns, {"ray.io/cluster": name})
+        if not d.kube.get("ray.io/v1", "RayCluster", name, ns) and not pods:
+            return True, "gone"
+        return None, f"{len(pods)} pods left"
+
+    poll(
+        probe,
+        what=f"RayCluster {ns}/{name} to go",
+        timeout=deadline,
+        clock=d.clock,
+        sleep=d.sleep,
+        say=d.say,
+        interval=POLL_S,
+        on_timeout=lambda _, waited: PodsNotReady(
+            f"RayCluster {ns}/{name} and its pods were still there {deadline:.0f} s after it was deleted",
+            hint="`raytrain-eks status` shows the pods; `kubectl describe` them to see what holds them.",
+        ),
+    )
 
 
 def _last_job_head(d: Deployment, what: str) -> Pod:
