@@ -32,6 +32,7 @@ from raytrain_eks.eks.runner import CommandError
 from raytrain_eks.eks.state import Deployment, object_item
 from raytrain_eks.eks.wait import POLL_S, poll
 from raytrain_eks.errors import UserError
+from raytrain_eks.fabric.nccl_lines import NCCL_LOG_FOLDER
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import KubeApiError, Pod
@@ -45,13 +46,12 @@ from raytrain_eks.k8s.job import (
     rayjob_manifest,
     unpack_argv,
 )
-from raytrain_eks.train.fabric_gate import nccl_log_dir
 
 Mode = Literal["raycluster", "rayjob"]
 
 RAY_SESSION_LOGS = f"{m.RAY_LOG_DIR}/session_latest/logs"
-# The transport gate's NCCL_DEBUG_FILE folder (nccl_log_dir) as the worker pods see it: under their tempdir, /tmp.
-POD_NCCL_LOGS = f"/tmp/{nccl_log_dir('').name}"
+# The transport gate's NCCL_DEBUG_FILE folder as the worker pods see it: under their tempdir, /tmp.
+POD_NCCL_LOGS = f"/tmp/{NCCL_LOG_FOLDER}"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 EXEC_TIMEOUT_S = 120
 

@@ -27,6 +27,10 @@ from typing import BinaryIO, NamedTuple
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_report import LineRef, PluginInfo
 
+# The folder, under each worker's temporary directory, where the training job has NCCL write its debug files
+# (NCCL_DEBUG_FILE): on the worker's own disk, since workers may not share the run folder.
+NCCL_LOG_FOLDER = "raytrain-eks-nccl"
+
 # Reading: 4 MiB chunks keep the per-call overhead low; a "line" longer than 1 MiB (binary data, a log without
 # newlines) is cut so memory stays bounded whatever the input.
 _CHUNK = 4 << 20

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from raytrain_eks.errors import UserError
+from raytrain_eks.train.storage import filesystem as _fs
+from raytrain_eks.train.storage import is_remote, join
 
 MARKER = "complete.json"
 # Written into every exported model folder: only a folder holding it may be replaced by a later export.
@@ -123,25 +125,6 @@ def load_trainer_state(folder: Path, rank: int) -> dict[str, Any]:
             hint="A checkpoint written by raytrain-eks holds none: resume only from checkpoints of this tool, "
             "kept where only you can write.",
         ) from None
-
-
-def _fs(location: str | Path) -> tuple[Any, str]:
-    """(pyarrow file system, path in it) for a local path or a URI such as ``s3://bucket/prefix``."""
-    from pyarrow import fs as pafs
-
-    text = str(location)
-    if "://" in text:
-        return pafs.FileSystem.from_uri(text)
-    return pafs.LocalFileSystem(), str(Path(text).expanduser().resolve())
-
-
-def join(location: str | Path, name: str) -> str:
-    """``location/name`` for a local path or a URI."""
-    return f"{str(location).rstrip('/')}/{name}"
-
-
-def is_remote(location: str | Path) -> bool:
-    return "://" in str(location)
 
 
 def mark_complete(folder: str | Path, *, step: int, world_size: int) -> None:

@@ -203,11 +203,12 @@ def list_data_files(data: str) -> tuple[list[str], str]:
     """
     from pyarrow import fs as pafs
 
-    from raytrain_eks.train.checkpoint import _fs, is_remote
+    from raytrain_eks.train.storage import filesystem as storage_fs
+    from raytrain_eks.train.storage import is_remote
 
     remote = is_remote(data)
     try:
-        filesystem, root = _fs(data)
+        filesystem, root = storage_fs(data)
         info = filesystem.get_file_info(root)
         if info.type == pafs.FileType.NotFound:
             raise DataError(

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_eks.fabric import TransportReport, analyze
+from raytrain_eks.fabric.nccl_lines import NCCL_LOG_FOLDER
 
 
 def nccl_log_dir(token: str) -> Path:
     """A folder on each worker's own disk for NCCL's debug files (workers may not share the run folder)."""
-    return Path(tempfile.gettempdir()) / "raytrain-eks-nccl" / token
+    return Path(tempfile.gettempdir()) / NCCL_LOG_FOLDER / token
 
 
 def nccl_env(token: str) -> dict[str, str]:
