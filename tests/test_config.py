@@ -259,3 +259,23 @@ def test_command_exit_codes_reach_the_shell(capsys):
     assert info.value.code == 1
     main(["verify-transport", "--require", "efa", str(fixtures / "efa_2node_nccl2.29_ray.log")])
     assert "EFA" in capsys.readouterr().out
+
+
+def test_the_config_file_comments_come_from_the_fields_own_descriptions():
+    from raytrain_eks.config import Config
+    from raytrain_eks.config_file import commented_yaml
+
+    lines = commented_yaml(load_config(environ={}, path=None)).splitlines()
+    described = [
+        (section, name, info.description)
+        for section, sinfo in Config.model_fields.items()
+        for name, info in sinfo.annotation.model_fields.items()
+        if info.description
+    ]
+    assert len(described) >= 25, "the settings carry their help"
+    for section, name, description in described:
+        start = lines.index(f"{section}:")
+        at = lines.index(f"  {name}:", start) if f"  {name}:" in lines[start:] else None
+        if at is None:  # a value on the same line
+            at = next(i for i in range(start, len(lines)) if lines[i].startswith(f"  {name}: "))
+        assert lines[at - 1].startswith("  # ") and lines[at - 1].endswith(description), (section, name)

@@ -88,15 +88,35 @@ class ClusterConfig(_Section):
     system_node_count: int = Field(1, ge=1, le=100)
     gpu_node_type: str = "g6.12xlarge"
     gpu_node_count: int = Field(2, ge=1, le=1000)
-    gpus_per_node: int = Field(4, ge=1, le=16)
+    gpus_per_node: int = Field(
+        4, ge=1, le=16, description="also Ray's num-gpus and the pod's nvidia.com/gpu request (never typed twice)"
+    )
     gpu_nodegroup_name: str = "gpu-efa"
-    gpu_az: str | None = None
+    gpu_az: str | None = Field(
+        None, description="one availability zone for every GPU node (EFA cannot cross zones); empty = pick at deploy"
+    )
     # An existing on-demand capacity reservation for the GPU nodes (its zone becomes the GPU zone).
-    capacity_reservation_id: str | None = None
+    capacity_reservation_id: str | None = Field(
+        None,
+        description=(
+            "an existing on-demand capacity reservation (cr-...) for the GPU nodes; its zone becomes the GPU "
+            "zone; empty = up still uses one that holds every node in the zone it picks"
+        ),
+    )
     # Deploy-only settings (eksctl ClusterConfig).
-    availability_zones: list[str] = Field(default_factory=list)
-    ami_family: AmiFamily = "AmazonLinux2023"
-    gpu_volume_gib: int = Field(200, ge=20, le=16384)
+    availability_zones: list[str] = Field(
+        default_factory=list, description="the cluster's subnet zones (2 or more, gpu_az among them); empty = at deploy"
+    )
+    ami_family: AmiFamily = Field(
+        "AmazonLinux2023",
+        description=(
+            "node image, one of eksctl's Linux families; AmazonLinux2023 carries the NVIDIA and EFA drivers "
+            "on GPU instances (AmazonLinux2 only up to Kubernetes 1.32)"
+        ),
+    )
+    gpu_volume_gib: int = Field(
+        200, ge=20, le=16384, description="root volume of each GPU node, GiB (the image alone is tens of GB)"
+    )
 
     @field_validator("name", "gpu_nodegroup_name")
     @classmethod
@@ -171,15 +191,40 @@ class AddonsConfig(_Section):
 class RayConfig(_Section):
     """The RayCluster: image (unchanged for head and workers), Ray version, namespace and worker pod size."""
 
-    image: str = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
+    image: str = Field(
+        "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1",
+        description="pin a tag or a digest (@sha256:...), or follow a moving tag",
+    )
     version: str = "2.58.0"
     namespace: str = "default"
     cluster_name: str = "ray-train"
-    worker_cpu: int | None = Field(None, ge=1)
-    worker_memory_gib: int | None = Field(None, ge=1)
-    hf_token_secret: str = "hf-token"
-    job_deadline_s: int = Field(4 * 3600, ge=60)
-    job_start_deadline_s: int = Field(1800, ge=60)
+    worker_cpu: int | None = Field(
+        None,
+        ge=1,
+        description="CPU request = limit of each GPU worker pod (Guaranteed QoS); empty = 5/6 of the instance",
+    )
+    worker_memory_gib: int | None = Field(
+        None, ge=1, description="memory request = limit of each GPU worker pod, GiB; empty = 5/6 of the instance"
+    )
+    hf_token_secret: str = Field(
+        "hf-token", description="Kubernetes Secret that holds HF_TOKEN (created from your environment, never written)"
+    )
+    job_deadline_s: int = Field(
+        4 * 3600,
+        ge=60,
+        description=(
+            "seconds the job may run: submit stops following it then; --mode rayjob: KubeRay also stops it "
+            "and removes its GPU pods"
+        ),
+    )
+    job_start_deadline_s: int = Field(
+        1800,
+        ge=60,
+        description=(
+            "seconds for the Ray pods to run (and for a deleted RayCluster's pods to go); --mode rayjob: "
+            "KubeRay gives up on a job not running by then"
+        ),
+    )
 
     @field_validator("image")
     @classmethod
@@ -220,31 +265,56 @@ class NetworkConfig(_Section):
 class TrainingConfig(_Section):
     """The fine-tuning job run by every Ray Train worker."""
 
-    model_id: str = "Qwen/Qwen2.5-1.5B"
-    data: str = RANDOM_DATA
-    data_format: Literal["text", "instruction", "chat"] = "instruction"
-    text_field: str = "text"
+    model_id: str = Field(
+        "Qwen/Qwen2.5-1.5B", description="Hugging Face hub id, a save_pretrained folder, or builtin:tiny-qwen2"
+    )
+    data: str = Field(
+        RANDOM_DATA,
+        description="'random' (synthetic ids), builtin:sample-instructions, or JSONL/JSON/Parquet path or s3:// URI",
+    )
+    data_format: Literal["text", "instruction", "chat"] = Field(
+        "instruction", description="text | instruction (instruction/input/output) | chat (messages with role/content)"
+    )
+    text_field: str = Field("text", description="the field read by the text format")
     steps: int = Field(100, ge=1)
     seq_len: int = Field(1024, ge=8, le=131072)
-    batch_size: int = Field(2, ge=1, le=4096)
+    batch_size: int = Field(2, ge=1, le=4096, description="packed samples per worker per micro-batch")
     grad_accum_steps: int = Field(1, ge=1, le=1024)
     learning_rate: float = Field(2e-5, gt=0, le=1)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    warmup_steps: int | None = Field(None, ge=0)
+    warmup_steps: int | None = Field(
+        None, ge=0, description="linear warm-up before the cosine decay; empty = 5% of the steps"
+    )
     weight_decay: float = Field(0.01, ge=0, le=1)
     max_grad_norm: float = Field(1.0, gt=0)
-    num_workers: int = Field(0, ge=0, le=4096)
+    num_workers: int = Field(
+        0, ge=0, le=4096, description="training workers; 0 = one per GPU in the cluster (2 CPU workers locally)"
+    )
     # auto: bf16 where the device multiplies bf16 natively, else fp32 (resolved by the workers, train/precision.py)
-    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    precision: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description=(
+            "auto (bf16 where the GPU or CPU does bf16 natively, else fp32), bf16 (bf16 compute, fp32 "
+            "gradient reduction) or fp32"
+        ),
+    )
     activation_checkpointing: bool = False
     seed: int = Field(0, ge=0)
-    log_every: int = Field(10, ge=1)
-    checkpoint_every: int = Field(50, ge=0)
-    keep_checkpoints: int = Field(2, ge=2)
-    max_failures: int = Field(3, ge=0)
-    export: bool = True
-    storage_path: str | None = None
-    output_dir: str | None = None
+    log_every: int = Field(10, ge=1, description="steps between metric records sent to the driver")
+    checkpoint_every: int = Field(
+        50, ge=0, description="steps between sharded checkpoints (one is always written at the end); 0 = end only"
+    )
+    keep_checkpoints: int = Field(
+        2, ge=2, description="newest checkpoints kept (at least 2: one is always complete while the next is written)"
+    )
+    max_failures: int = Field(
+        3, ge=0, description="worker-group restarts (from the last checkpoint) before the run fails"
+    )
+    export: bool = Field(True, description="write the trained model in Hugging Face format to RUN_DIR/model at the end")
+    storage_path: str | None = Field(
+        None, description="checkpoints: a folder every node reaches or s3://bucket/prefix; empty = run folder"
+    )
+    output_dir: str | None = Field(None, description="run folder; empty = runs/<time>-<model>")
 
     @field_validator("model_id", "data", "text_field")
     @classmethod
@@ -281,8 +351,12 @@ class FabricConfig(_Section):
     # compare-fabric: the steps of each of its two runs (empty = training.steps), and the first steps left out of
     # the timing. The warm-up default is 10, not the reference's 3: metrics are sampled every log_every (10) steps,
     # and the sample at step 10 still carries NCCL's connection setup.
-    compare_steps: int | None = Field(None, ge=1)
-    compare_warmup_steps: int = Field(10, ge=0)
+    compare_steps: int | None = Field(
+        None, ge=1, description="compare-fabric: steps of each of its two runs; empty = training.steps"
+    )
+    compare_warmup_steps: int = Field(
+        10, ge=0, description="compare-fabric: first steps of each run left out of the timing"
+    )
 
 
 @dataclass(frozen=True)
