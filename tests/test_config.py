@@ -108,6 +108,7 @@ def test_every_env_var_of_the_reference_is_read(tmp_path, monkeypatch):
         "CHECKPOINT_EVERY": "25",
         "KEEP_CHECKPOINTS": "3",
         "STORAGE_PATH": "s3://bucket/runs",
+        "CHECKPOINT_BUCKET": "team-checkpoints",
         "BENCH_STEPS": "40",
         "BENCH_WARMUP_STEPS": "5",
     }

@@ -443,7 +443,15 @@ def test_up_creates_cluster_node_groups_plugins_and_kuberay_in_order(world: Worl
     # The region and zone are remembered for later commands; everything created is listed for down.
     state = json.loads(world.store.path.read_text())
     assert (state["region"], state["gpu_az"], state["phase"]) == ("us-east-1", "us-east-1a", "up")
-    assert [i["type"] for i in state["created"]] == ["cluster", "nodegroup", "nodegroup", "helm", "helm", "helm"]
+    assert [i["type"] for i in state["created"]] == [
+        "bucket",
+        "cluster",
+        "nodegroup",
+        "nodegroup",
+        "helm",
+        "helm",
+        "helm",
+    ]
     assert t.cluster["azs"] == ZONES
     gpu_file = yaml.safe_load((world.store.root / "eksctl-nodegroup-gpu-efa.yaml").read_text())
     assert gpu_file["managedNodeGroups"][0]["availabilityZones"] == ["us-east-1a"]
@@ -484,7 +492,7 @@ def test_up_fails_with_every_zone_reason_when_none_can_launch(world: World):
     assert all(z in err.value.message for z in ZONES) and "Capacity Reservation" in (err.value.hint or "")
     assert len(world.tools.commands("eksctl", "delete", "nodegroup")) == 3
     # The cluster stays recorded, so down still deletes it.
-    assert [i["type"] for i in world.store.created] == ["cluster", "nodegroup"]
+    assert [i["type"] for i in world.store.created] == ["bucket", "cluster", "nodegroup"]
 
 
 def test_rerunning_up_after_a_failure_resumes(world: World):
@@ -498,7 +506,7 @@ def test_rerunning_up_after_a_failure_resumes(world: World):
     assert not [c for c in again if c[1] == "create"], "nothing is created twice"
     assert [c[3] for c in again if c[:2] == ["helm", "upgrade"]] == ["aws-efa-k8s-device-plugin", "kuberay-operator"]
     assert "Helm release nvidia-device-plugin (nvidia-device-plugin 0.20.0) is installed" in world.said()
-    assert len(world.store.created) == 6
+    assert len(world.store.created) == 7
 
 
 def test_rerun_removes_a_failed_node_group_first(world: World):
@@ -537,7 +545,7 @@ def test_up_needs_a_zone_source(world: World):
     assert "GPU_AZ" in (err.value.hint or "") and world.tools.calls == []
 
 
-def test_pinned_zone_is_the_only_one_tried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_pinned_zone_is_the_only_one_tried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str):
     monkeypatch.chdir(tmp_path)
     w = World(tmp_path, load_config(environ={"GPU_AZ": "us-east-1c"}, path=None))
     w.tools.no_capacity = {"us-east-1c"}
@@ -582,14 +590,18 @@ def test_a_configured_zone_is_checked_before_anything_is_made(tmp_path: Path, mo
     assert w.tools.calls == [] and w.store.created == []
 
 
-def test_the_clusters_second_zone_also_offers_the_gpu_type(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_the_clusters_second_zone_also_offers_the_gpu_type(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str
+):
     monkeypatch.chdir(tmp_path)
     w = World(tmp_path, load_config(environ={"GPU_AZ": "us-east-1c"}, path=None))
     w.up(offered_zones=lambda: nodegroups.Placement(["us-east-1c"], offered=["us-east-1b", "us-east-1c"]))
     assert w.tools.cluster["azs"] == ["us-east-1c", "us-east-1b"], "not the alphabetical default us-east-1a"
 
 
-def test_a_pinned_zone_keeps_the_configured_availability_zones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_a_pinned_zone_keeps_the_configured_availability_zones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str
+):
     monkeypatch.chdir(tmp_path)
     azs = ["us-east-1a", "us-east-1b", "us-east-1c"]
     cfg = load_config(environ={}, path=None, overrides={"cluster": {"gpu_az": "us-east-1b", "availability_zones": azs}})
@@ -926,7 +938,7 @@ def test_down_resumes_after_a_failure(ready: World):
     ready.tools.fail_once["eksctl delete cluster"] = "Error: DELETE_FAILED: eksctl-ray-train-eks-cluster"
     with pytest.raises(CommandError):
         lifecycle.down(ready.d, confirm=lambda q: True)
-    assert [i["type"] for i in ready.store.created] == ["cluster"]
+    assert [i["type"] for i in ready.store.created] == ["bucket", "cluster"]
     lifecycle.down(ready.d, confirm=lambda q: True)
     assert len(ready.tools.commands("eksctl", "delete", "cluster")) == 2
     assert len(ready.tools.commands("eksctl", "delete", "nodegroup")) == 2, "node groups are not deleted twice"
@@ -999,6 +1011,9 @@ def test_down_without_aws_credentials_says_it_could_not_check(ready: World, monk
     result = lifecycle.down(ready.d, confirm=lambda q: True)
     assert result.leftovers is None and ready.tools.cluster is None
     assert "Could not check for leftover NAT gateways, Elastic IPs or instances: no AWS credentials" in ready.said()
+    bucket = ready.store.get("bucket")
+    assert f"Kept s3://{bucket}: could not look into it (no AWS credentials found)" in ready.said()
+    assert [i["type"] for i in ready.store.created] == ["bucket"], "remembered for a later down"
 
 
 def test_down_keeps_every_record_when_eksctl_fails_with_another_not_found(ready: World):
@@ -1056,7 +1071,7 @@ def test_down_leaves_a_cluster_it_did_not_create(world: World):
 def test_declining_down_deletes_nothing(ready: World):
     with pytest.raises(Cancelled):
         lifecycle.down(ready.d, confirm=lambda q: False)
-    assert len(ready.store.created) == 6 and ready.tools.cluster is not None
+    assert len(ready.store.created) == 7 and ready.tools.cluster is not None
 
 
 def test_status_shows_nodes_pods_and_job(ready: World):
@@ -1182,3 +1197,76 @@ def test_launch_failure_reason_is_the_line_that_says_why():
     text = CAPACITY_ERROR.format(az="us-east-1a")
     assert nodegroups.launch_failure(text).startswith("Nodegroup gpu-efa failed to stabilize")
     assert nodegroups.launch_failure("Error: AccessDenied") is None
+
+
+# -- the checkpoint bucket ---------------------------------------------------------------------------------------
+
+
+def test_up_creates_a_private_encrypted_bucket_the_ray_pods_may_use(world: World):
+    world.up()
+    bucket = world.store.get("bucket")
+    s3 = boto3.client("s3", region_name="us-east-1")
+    block = s3.get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"]
+    assert all(block.values()) and len(block) == 4
+    rules = s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"]
+    assert rules[0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
+    tags = {t["Key"]: t["Value"] for t in s3.get_bucket_tagging(Bucket=bucket)["TagSet"]}
+    assert tags == {"created-by": "raytrain-eks", "raytrain-eks/cluster": "ray-train-eks"}
+    # The cluster's eksctl config gives the Ray pods' service account a role limited to that bucket, and validates.
+    doc = yaml.safe_load((world.store.root / "eksctl-cluster.yaml").read_text())
+    (account,) = doc["iam"]["serviceAccounts"]
+    assert account["metadata"] == {"name": m.RAY_SERVICE_ACCOUNT, "namespace": world.d.cfg.ray.namespace}
+    resources = {r for st in account["attachPolicy"]["Statement"] for r in st["Resource"]}
+    assert resources == {f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"}
+    schema = json.loads((SCHEMAS / "eksctl" / "clusterconfig.v1alpha5.schema.json").read_text())
+    assert not list(jsonschema.validators.validator_for(schema)(schema).iter_errors(doc))
+    # Later commands put the checkpoints there, and the Ray pods run as that service account.
+    cfg = state.apply_state(load_config(environ={}, path=None), StateStore(world.store.root))
+    assert cfg.training.storage_path == f"s3://{bucket}/runs"
+    assert {t["spec"]["serviceAccountName"] for t in m.pod_templates(m.raycluster(cfg))} == {m.RAY_SERVICE_ACCOUNT}
+    # Running up again finds the same bucket.
+    world.up()
+    assert world.store.get("bucket") == bucket and [i["type"] for i in world.store.created].count("bucket") == 1
+
+
+def test_a_configured_bucket_is_used_as_it_is_and_never_deleted(tmp_path: Path, aws_env: str):
+    boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="team-checkpoints")
+    w = World(tmp_path, load_config(environ={"GPU_AZ": "us-east-1a", "CHECKPOINT_BUCKET": "team-checkpoints"}))
+    w.up()
+    assert w.store.get("bucket") == "team-checkpoints" and "bucket" not in [i["type"] for i in w.store.created]
+    lifecycle.down(w.d, confirm=lambda q: True, delete_checkpoints=True)
+    assert boto3.client("s3", region_name="us-east-1").head_bucket(Bucket="team-checkpoints")
+
+
+def test_a_configured_bucket_that_does_not_exist_stops_up_before_the_cluster(tmp_path: Path, aws_env: str):
+    w = World(tmp_path, load_config(environ={"GPU_AZ": "us-east-1a", "CHECKPOINT_BUCKET": "no-such-bucket-here"}))
+    with pytest.raises(UserError, match="cluster.checkpoint_bucket = 'no-such-bucket-here': no such bucket"):
+        w.up()
+    assert not w.tools.commands("eksctl", "create")
+
+
+def test_down_keeps_a_bucket_that_holds_checkpoints_until_asked(ready: World):
+    bucket = ready.store.get("bucket")
+    s3 = boto3.client("s3", region_name="us-east-1")
+    s3.put_object(Bucket=bucket, Key="runs/run-1/checkpoint_000050/model.pt", Body=b"weights")
+    questions: list[str] = []
+    result = lifecycle.down(ready.d, confirm=lambda q: questions.append(q) or True)
+    assert ready.tools.cluster is None, "everything else is deleted"
+    assert f"Keep: Kept s3://{bucket} (1 objects" in questions[0]
+    assert result.kept and "raytrain-eks down --delete-checkpoints" in result.kept[0]
+    assert s3.list_objects_v2(Bucket=bucket)["KeyCount"] == 1, "nothing a job wrote is lost"
+    assert StateStore(ready.store.root).created == [{"type": "bucket", "name": bucket}]
+    # A plain down again keeps it and asks nothing; --delete-checkpoints deletes it.
+    again = lifecycle.down(StateDeployment(ready), confirm=lambda q: pytest.fail("nothing to confirm"))
+    assert again.kept and not again.deleted
+    gone = lifecycle.down(StateDeployment(ready), confirm=lambda q: True, delete_checkpoints=True)
+    assert gone.deleted == [f"S3 bucket {bucket} (checkpoints and exports)"]
+    assert bucket not in [b["Name"] for b in s3.list_buckets()["Buckets"]]
+    assert not (ready.store.root / "state.json").exists()
+
+
+def test_down_deletes_an_empty_bucket_it_created(ready: World):
+    bucket = ready.store.get("bucket")
+    result = lifecycle.down(ready.d, confirm=lambda q: True)
+    assert f"S3 bucket {bucket} (checkpoints and exports)" in result.deleted and not result.kept
+    assert bucket not in [b["Name"] for b in boto3.client("s3", region_name="us-east-1").list_buckets()["Buckets"]]

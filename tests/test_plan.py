@@ -34,6 +34,7 @@ SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, s
 INSTANCES = [("g6.12xlarge", 4, 1), ("g5.48xlarge", 8, 1), ("p4d.24xlarge", 8, 4), ("p5.48xlarge", 8, 32)]
 RAYCLUSTER_STEPS = [
     "preflight",
+    "checkpoint-bucket",
     "create-cluster",
     "remove-eksctl-device-plugins",
     "helm-nvidia-device-plugin",
@@ -441,3 +442,28 @@ def test_plan_needs_no_credentials_and_no_cluster_tools(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "out" / "plan.json").is_file() and (tmp_path / "out" / "eksctl-cluster.yaml").is_file()
+
+
+def test_plan_shows_the_checkpoint_bucket_its_role_and_what_kept_checkpoints_cost(cfg_for):
+    plan = build_plan(cfg_for())
+    summary = plan.summary
+    assert summary["checkpoint_bucket"] == "ray-train-eks-checkpoints-xxxxxxxx"
+    assert summary["checkpoints"] == "s3://ray-train-eks-checkpoints-xxxxxxxx/runs"
+    assert "raytrain-eks-ray, this bucket only" in summary["checkpoint_role"]
+    # Qwen2.5-1.5B: 1.54 G parameters x 12 bytes x 2 kept checkpoints = 37.0 GB at $0.023/GB-month.
+    assert summary["checkpoint_storage"]["gb"] == pytest.approx(37.0, abs=0.1)
+    assert summary["checkpoint_storage"]["usd_per_month"] == pytest.approx(0.85, abs=0.01)
+    own = build_plan(cfg_for(CHECKPOINT_BUCKET="team-ckpt", KEEP_CHECKPOINTS="3"))
+    assert own.summary["checkpoint_bucket"] == "team-ckpt" and own.summary["checkpoint_storage"]["gb"] > 55
+    step = next(s for s in own.steps if s.name == "checkpoint-bucket")
+    assert "existing S3 bucket team-ckpt" in step.action and "never deleted" in step.action
+    policy = own.files["eksctl-cluster.yaml"][0]["iam"]["serviceAccounts"][0]["attachPolicy"]
+    assert {r for st in policy["Statement"] for r in st["Resource"]} == {
+        "arn:aws:s3:::team-ckpt",
+        "arn:aws:s3:::team-ckpt/*",
+    }
+
+
+def test_a_bucket_name_that_s3_refuses_is_one_config_error(cfg_for):
+    with pytest.raises(ConfigError, match="checkpoint_bucket"):
+        cfg_for(CHECKPOINT_BUCKET="Team_Checkpoints")

@@ -134,7 +134,7 @@ def test_no_process_of_the_group_is_left_running(fake_eksctl, monkeypatch):
     assert _group_running(seen["pgid"]) == []
 
 
-def test_up_interrupted_says_what_the_state_file_records(tmp_path: Path, fake_eksctl):
+def test_up_interrupted_says_what_the_state_file_records(tmp_path: Path, fake_eksctl, aws_env: str):
     # `up` runs the stand-in for eksctl through the real runner; SIGTERM arrives while it "creates the cluster".
     argv, pid_file = fake_eksctl
     cfg = load_config(environ={"GPU_AZ": "us-east-1a"}, path=None)
@@ -153,5 +153,7 @@ def test_up_interrupted_says_what_the_state_file_records(tmp_path: Path, fake_ek
         lifecycle.up(d, confirm=lambda q: True, offered_zones=None)
     sender.join()
     assert not _alive(int(pid_file.read_text()))
-    assert f"{store.path} records (some may be half made): EKS cluster ray-train-eks" in err.value.message
+    bucket = store.get("bucket")
+    assert f"{store.path} records (some may be half made): S3 bucket {bucket}" in err.value.message
+    assert "; EKS cluster ray-train-eks (us-east-1)" in err.value.message
     assert StateStore(tmp_path / "state").created == store.created != [], "the record stays for the next run"

@@ -34,6 +34,7 @@ RANDOM_DATA = "random"
 _REGION = re.compile(r"^[a-z]{2}(-gov|-iso[a-z]?)?-[a-z]+-\d$")
 _ZONE = re.compile(r"^[a-z]{2}(-gov)?-[a-z]+-\d[a-z]$")
 _RESERVATION = re.compile(r"^cr-[0-9a-f]{8,17}$")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9-]+$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _EKS_NAME = re.compile(r"^[0-9A-Za-z][A-Za-z0-9_-]*$")
@@ -117,6 +118,13 @@ class ClusterConfig(_Section):
     gpu_volume_gib: int = Field(
         200, ge=20, le=16384, description="root volume of each GPU node, GiB (the image alone is tens of GB)"
     )
+    checkpoint_bucket: str | None = Field(
+        None,
+        description=(
+            "S3 bucket for checkpoints and exports, used as it is (never deleted by down); empty = up creates "
+            "one, private and encrypted, and down keeps it while it holds anything"
+        ),
+    )
 
     @field_validator("name", "gpu_nodegroup_name")
     @classmethod
@@ -147,6 +155,11 @@ class ClusterConfig(_Section):
     @classmethod
     def _reservation(cls, v: str | None) -> str | None:
         return _check_optional(_RESERVATION, v, "a capacity reservation id such as cr-0123456789abcdef0")
+
+    @field_validator("checkpoint_bucket")
+    @classmethod
+    def _bucket(cls, v: str | None) -> str | None:
+        return _check_optional(_BUCKET, v, "an S3 bucket name: 3-63 lowercase letters, digits, '-' and '.'")
 
     @field_validator("availability_zones")
     @classmethod
@@ -413,6 +426,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "GPU_NODEGROUP_NAME": ("cluster", "gpu_nodegroup_name"),
     "GPU_AZ": ("cluster", "gpu_az"),
     "CAPACITY_RESERVATION_ID": ("cluster", "capacity_reservation_id"),
+    "CHECKPOINT_BUCKET": ("cluster", "checkpoint_bucket"),
     "NODE_AMI_FAMILY": ("cluster", "ami_family"),
     "DLC_IMAGE": ("ray", "image"),
     "KUBERAY_VERSION": ("addons", "kuberay_version"),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrain_eks.config import Config
-from raytrain_eks.k8s.manifests import GPU_NODE_LABELS, GPU_TAINT, SYSTEM_NODE_LABELS
+from raytrain_eks.k8s.manifests import GPU_NODE_LABELS, GPU_TAINT, RAY_SERVICE_ACCOUNT, SYSTEM_NODE_LABELS
 
 SYSTEM_NODEGROUP = "system"
 CONFIG_FILE = "eksctl-cluster.yaml"
@@ -59,8 +59,9 @@ def planned_zones(cfg: Config) -> Zones:
     )
 
 
-def cluster_config(cfg: Config, zones: Zones) -> dict[str, Any]:
-    """The whole ClusterConfig for ``eksctl create cluster -f`` (see :func:`create_cluster_argv`)."""
+def cluster_config(cfg: Config, zones: Zones, bucket: str | None = None) -> dict[str, Any]:
+    """The whole ClusterConfig for ``eksctl create cluster -f`` (see :func:`create_cluster_argv`); with ``bucket``,
+    the Ray pods' service account gets an IAM role (IRSA) that may use that S3 bucket and nothing else."""
     c = cfg.cluster
     tags = {"created-by": "raytrain-eks", "raytrain-eks/cluster": c.name}
     system = {
@@ -93,6 +94,15 @@ def cluster_config(cfg: Config, zones: Zones) -> dict[str, Any]:
         "taints": [dict(GPU_TAINT)],
         "tags": dict(tags),
     }
+    iam: dict[str, Any] = {"withOIDC": True}
+    if bucket:
+        iam["serviceAccounts"] = [
+            {
+                "metadata": {"name": RAY_SERVICE_ACCOUNT, "namespace": cfg.ray.namespace},
+                "attachPolicy": bucket_policy(bucket),
+                "tags": dict(tags),
+            }
+        ]
     if zones.reservation:
         # Launch into the existing reservation (its zone is gpu_az). eksctl then adds no placement group.
         gpu["capacityReservation"] = {"capacityReservationTarget": {"capacityReservationID": zones.reservation}}
@@ -101,7 +111,7 @@ def cluster_config(cfg: Config, zones: Zones) -> dict[str, Any]:
         "kind": "ClusterConfig",
         "metadata": {"name": c.name, "region": c.region, "version": c.k8s_version, "tags": tags},
         "availabilityZones": list(zones.cluster_azs),
-        "iam": {"withOIDC": True},
+        "iam": iam,
         "vpc": {
             # Nodes sit in private subnets; the NAT gateway lets them pull the image and the model weights.
             "nat": {"gateway": "Single"},
@@ -137,3 +147,25 @@ def scale_gpu_nodegroup_argv(cfg: Config, nodes: int) -> list[str]:
         "--nodes-min",
         str(min(nodes, c.gpu_node_count)),
     ]
+
+
+def bucket_policy(bucket: str) -> dict[str, Any]:
+    """The IAM policy of the Ray pods' role: list, read, write and delete objects of this bucket, nothing else."""
+    arn = f"arn:aws:s3:::{bucket}"
+    return {
+        "Version": "2012-10-17",
+        "Statement": [
+            {"Effect": "Allow", "Action": ["s3:ListBucket", "s3:GetBucketLocation"], "Resource": [arn]},
+            {
+                "Effect": "Allow",
+                "Action": [
+                    "s3:GetObject",
+                    "s3:PutObject",
+                    "s3:DeleteObject",
+                    "s3:AbortMultipartUpload",
+                    "s3:ListMultipartUploadParts",
+                ],
+                "Resource": [f"{arn}/*"],
+            },
+        ],
+    }

@@ -92,6 +92,14 @@ def plan(
     for item in cost["items"]:
         usd = "price unknown" if item["usd_per_hour"] is None else f"${item['usd_per_hour']:.4f}"
         out.print(f"  {item['name']}: {item['count']} x {item['what']} = {usd}")
+    summary = result.summary
+    out.print(f"[bold]Checkpoints[/] in {summary['checkpoints']} ({summary['checkpoint_role']})", markup=True)
+    storage = summary["checkpoint_storage"]
+    if storage:
+        out.print(
+            f"  {storage['kept_checkpoints']} kept checkpoints of a run: about {storage['gb']} GB, "
+            f"${storage['usd_per_month']:.2f} a month while kept ({storage['basis']})"
+        )
     if output_dir is not None:
         names = ", ".join(str(p.relative_to(output_dir)) for p in written)
         out.print(f"Wrote {len(written)} files to {output_dir}: {names}")
@@ -231,11 +239,23 @@ def down(
     preset: ClusterPresetOpt = "reference",
     yes: YesOpt = False,
     state_dir: StateDirOpt = Path(".raytrain-eks"),
+    delete_checkpoints: Annotated[
+        bool,
+        typer.Option(
+            "--delete-checkpoints",
+            help="Also delete the checkpoint bucket up created, with every checkpoint and export in it.",
+        ),
+    ] = False,
 ) -> None:
-    """Delete everything up and submit created (newest first), then check that nothing billable is left."""
+    """Delete everything up and submit created (newest first), then check that nothing billable is left. The
+    checkpoint bucket up created is kept while it holds anything, unless --delete-checkpoints is given."""
     from raytrain_eks.eks.lifecycle import down as deploy_down
 
-    deploy_down(make_deployment(_load(config, preset), state_dir), confirm=_confirm(yes))
+    deploy_down(
+        make_deployment(_load(config, preset), state_dir),
+        confirm=_confirm(yes),
+        delete_checkpoints=delete_checkpoints,
+    )
 
 
 def compare_fabric(

@@ -38,6 +38,7 @@ from raytrain_eks.eks.addons import (
     wait_gpu_nodes,
     wait_kuberay,
 )
+from raytrain_eks.eks.buckets import bucket_objects, delete_bucket, ensure_bucket, kept_note
 from raytrain_eks.eks.nodegroups import (
     CLUSTER_TIMEOUT_S,
     NODEGROUP_TIMEOUT_S,
@@ -195,6 +196,7 @@ def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callabl
     d.state.update(
         cluster=c.name, region=c.region, cluster_azs=list(plan.cluster_azs), reservations=plan.reservations or None
     )
+    ensure_bucket(d)  # first: the cluster's IAM role for the Ray pods names it
     ensure_cluster(d, plan)
     ensure_system_nodegroup(d, plan)
     az = ensure_gpu_nodegroup(d, plan)
@@ -217,11 +219,17 @@ def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callabl
 class DownResult:
     deleted: list[str]
     leftovers: list[str] | None  # None: AWS could not be asked
+    kept: list[str] = field(default_factory=list)  # what down keeps on purpose (a bucket holding checkpoints)
 
 
 def _delete(d: Deployment, item: dict[str, Any], cluster_exists: bool) -> bool:
     """Delete one created item if it still exists; ``True`` when something was deleted."""
     kind = item["type"]
+    if kind == "bucket":
+        if bucket_objects(d, item["name"]) is None:
+            return False
+        delete_bucket(d, item["name"])
+        return True
     if kind == "object":
         return cluster_exists and d.kube.delete(item["apiVersion"], item["kind"], item["name"], item.get("namespace"))
     if kind == "helm":
@@ -268,16 +276,43 @@ def billable_leftovers(d: Deployment) -> list[str] | None:
     return [x.describe() for x in found]
 
 
-def down(d: Deployment, *, confirm: Callable[[str], bool]) -> DownResult:
+def down(d: Deployment, *, confirm: Callable[[str], bool], delete_checkpoints: bool = False) -> DownResult:
     """Delete everything ``up`` and ``submit`` created from this folder, newest first, after one confirmation;
     then check that nothing billable is left. A second ``down`` finds nothing recorded and does nothing. Ctrl-C or
     SIGTERM stops the running eksctl or helm; what is not deleted yet stays recorded."""
     with _say_state_when_interrupted(d):
-        return _down(d, confirm=confirm)
+        return _down(d, confirm=confirm, delete_checkpoints=delete_checkpoints)
 
 
-def _down(d: Deployment, *, confirm: Callable[[str], bool]) -> DownResult:
+def _kept_buckets(d: Deployment, created: list[dict[str, Any]], delete_checkpoints: bool) -> dict[str, str]:
+    """Buckets this folder created that down keeps: those holding anything, unless ``delete_checkpoints``."""
+    if delete_checkpoints:
+        return {}
+    kept = {}
+    for item in created:
+        if item["type"] == "bucket":
+            try:
+                objects = bucket_objects(d, item["name"])
+            except UserError as exc:  # never delete what cannot be looked into
+                kept[item["name"]] = (
+                    f"Kept s3://{item['name']}: could not look into it ({exc.message.splitlines()[0]}). "
+                    "Run `raytrain-eks down` again once AWS can be asked."
+                )
+                continue
+            if objects:
+                kept[item["name"]] = kept_note(item["name"], objects)
+    return kept
+
+
+def _down(d: Deployment, *, confirm: Callable[[str], bool], delete_checkpoints: bool = False) -> DownResult:
     created = d.state.created
+    kept = _kept_buckets(d, created, delete_checkpoints)
+    keep = [i for i in created if i["type"] == "bucket" and i["name"] in kept]
+    created = [i for i in created if i not in keep]
+    if not created and keep:
+        for note in kept.values():
+            d.say(note)
+        return DownResult(deleted=[], leftovers=[], kept=list(kept.values()))
     if not created and d.state.get("leftovers"):
         # The last down deleted everything it had made but found things still billed: look again.
         return DownResult(deleted=[], leftovers=_check_leftovers(d))
@@ -285,7 +320,8 @@ def _down(d: Deployment, *, confirm: Callable[[str], bool]) -> DownResult:
         d.say(f"Nothing to delete: no deployment is recorded in {d.state.path}.")
         return DownResult(deleted=[], leftovers=[])
     listing = "\n".join(f"  - {describe(i)}" for i in reversed(created))
-    if not confirm(f"Delete, in this order:\n{listing}\nContinue?"):
+    keeping = "".join(f"\nKeep: {note}" for note in kept.values())
+    if not confirm(f"Delete, in this order:\n{listing}{keeping}\nContinue?"):
         raise Cancelled("cancelled: nothing was deleted")
     for tool in ("eksctl", "helm"):
         d.require_tool(tool)
@@ -296,7 +332,12 @@ def _down(d: Deployment, *, confirm: Callable[[str], bool]) -> DownResult:
             d.say(f"Deleted {describe(item)}")
             deleted.append(describe(item))
         d.state.forget(item)
-    return DownResult(deleted=deleted, leftovers=_check_leftovers(d))
+    leftovers = _check_leftovers(d)
+    for item in keep:  # remembered, so that `down --delete-checkpoints` finds it later
+        d.state.record(item)
+        d.state.update(bucket=item["name"])
+        d.say(kept[item["name"]])
+    return DownResult(deleted=deleted, leftovers=leftovers, kept=list(kept.values()))
 
 
 def _check_leftovers(d: Deployment) -> list[str] | None:

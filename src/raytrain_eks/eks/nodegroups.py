@@ -180,7 +180,7 @@ def _zones(cfg: Config, plan: ZonePlan, gpu_az: str) -> eksctl.Zones:
 
 def write_eksctl_config(d: Deployment, plan: ZonePlan, gpu_az: str, nodegroup: str | None) -> Path:
     """The ClusterConfig for one eksctl call: the cluster alone (``nodegroup=None``) or one node group of it."""
-    doc = eksctl.cluster_config(d.cfg, _zones(d.cfg, plan, gpu_az))
+    doc = eksctl.cluster_config(d.cfg, _zones(d.cfg, plan, gpu_az), bucket=d.state.get("bucket"))
     groups = [g for g in doc["managedNodeGroups"] if g["name"] == nodegroup]
     doc = {**doc, "managedNodeGroups": groups}
     name = "eksctl-cluster.yaml" if nodegroup is None else f"eksctl-nodegroup-{nodegroup}.yaml"

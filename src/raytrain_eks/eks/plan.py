@@ -22,7 +22,9 @@ from typing import Any, Literal
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
 from raytrain_eks.eks.addons import HelmRelease, helm_releases
+from raytrain_eks.eks.buckets import planned_bucket, storage_estimate
 from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
+from raytrain_eks.eks.state import storage_uri
 from raytrain_eks.errors import UserError
 from raytrain_eks.instances import (
     QUOTA_CODES,
@@ -35,6 +37,7 @@ from raytrain_eks.k8s.manifests import to_yaml
 
 Mode = Literal["raycluster", "rayjob"]
 MODES: tuple[Mode, ...] = ("raycluster", "rayjob")
+BUCKET_SUFFIX_PLACEHOLDER = "xxxxxxxx"
 
 PLAN_FILE = "plan.json"
 HELM_FILE = "helm-releases.yaml"
@@ -96,7 +99,7 @@ def _quota(instance: str) -> str:
 
 
 def _steps(
-    cfg: Config, mode: Mode, *, hf_token: bool, gpu: InstanceType, zones: eksctl.Zones, code_dir: str
+    cfg: Config, mode: Mode, *, hf_token: bool, gpu: InstanceType, zones: eksctl.Zones, code_dir: str, bucket: str
 ) -> list[Step]:
     c, r, d = cfg.cluster, cfg.ray, cfg.derived
     ns = r.namespace
@@ -111,8 +114,19 @@ def _steps(
             "check fails.",
         ),
         Step(
+            "checkpoint-bucket",
+            (
+                f"Use the existing S3 bucket {bucket} for checkpoints and exports (never deleted by down)."
+                if c.checkpoint_bucket
+                else f"Create S3 bucket {bucket} for checkpoints and exports: public access blocked, encrypted "
+                "(SSE-S3), tagged with the cluster. down keeps it while it holds anything (--delete-checkpoints "
+                "deletes it)."
+            ),
+        ),
+        Step(
             "create-cluster",
-            f"Create EKS cluster {c.name} (Kubernetes {c.k8s_version}, OIDC, private subnets in "
+            f"Create EKS cluster {c.name} (Kubernetes {c.k8s_version}, OIDC; the Ray pods' service account "
+            f"{m.RAY_SERVICE_ACCOUNT} gets an IAM role that may use bucket {bucket} only; private subnets in "
             f"{', '.join(zones.cluster_azs)} behind one NAT gateway), node group {eksctl.SYSTEM_NODEGROUP} "
             f"({c.system_node_count} x {c.system_node_type}) and EFA node group {c.gpu_nodegroup_name} "
             f"({c.gpu_node_count} x {gpu.name} in {zones.gpu_az}, "
@@ -267,8 +281,9 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
     else:
         code_map, items = job_files.code_config_map(cfg, shipped)
         job = job_files.rayjob_manifest(cfg, hf_token=hf_token, code_map=code_map, items=items)
+    bucket = planned_bucket(cfg, suffix=BUCKET_SUFFIX_PLACEHOLDER)
     files: dict[str, list[dict[str, Any]]] = {
-        eksctl.CONFIG_FILE: [eksctl.cluster_config(cfg, zones)],
+        eksctl.CONFIG_FILE: [eksctl.cluster_config(cfg, zones, bucket=bucket)],
         HELM_FILE: [{"releases": [r.to_dict() for r in releases]}],
         JOB_CONFIG_FILE: [m.job_config_map(cfg)],
         MANIFEST_FILE[mode]: [job],
@@ -289,6 +304,11 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
         assumptions.append(
             f"Facts for {', '.join(unverified)} are not from infra-facts.md; deploy re-reads the EC2 API."
         )
+    if not cfg.cluster.checkpoint_bucket:
+        assumptions.append(
+            f"The checkpoint bucket's name ends in a random suffix that up chooses (here {BUCKET_SUFFIX_PLACEHOLDER}); "
+            "set CHECKPOINT_BUCKET to use a bucket of your own."
+        )
     cpu, mem = m.worker_pod_size(cfg)
     d = cfg.derived
     summary = {
@@ -304,10 +324,16 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
         "world_size": d.world_size,
         "gpu_az": zones.gpu_az,
         "hf_token_secret": cfg.ray.hf_token_secret if hf_token else None,
+        "checkpoint_bucket": bucket,
+        "checkpoints": cfg.training.storage_path or storage_uri(bucket),
+        "checkpoint_role": f"IAM role of service account {cfg.ray.namespace}/{m.RAY_SERVICE_ACCOUNT}, this bucket only",
+        "checkpoint_storage": storage_estimate(cfg),
     }
     return Plan(
         mode=mode,
-        steps=_steps(cfg, mode, hf_token=hf_token, gpu=gpu, zones=zones, code_dir=job_files.head_code_dir(shipped)),
+        steps=_steps(
+            cfg, mode, hf_token=hf_token, gpu=gpu, zones=zones, code_dir=job_files.head_code_dir(shipped), bucket=bucket
+        ),
         helm_releases=releases,
         cost=cost_per_hour(cfg, gpu, system, on=on),
         files=files,

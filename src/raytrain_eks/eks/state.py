@@ -154,15 +154,26 @@ def describe(item: dict[str, Any]) -> str:
         return f"EKS cluster {item['name']} ({item['region']}) with its VPC and NAT gateway"
     if kind == "nodegroup":
         return f"node group {item['name']}"
+    if kind == "bucket":
+        return f"S3 bucket {item['name']} (checkpoints and exports)"
     if kind == "helm":
         return f"Helm release {item['namespace']}/{item['name']}"
     where = f"{item['namespace']}/" if item.get("namespace") else ""
     return f"{item['kind']} {where}{item['name']}"
 
 
+RUNS_PREFIX = "runs"
+
+
+def storage_uri(bucket: str) -> str:
+    """Where the jobs on the cluster keep their checkpoints: a prefix of the checkpoint bucket."""
+    return f"s3://{bucket}/{RUNS_PREFIX}"
+
+
 def apply_state(cfg: Config, store: StateStore) -> Config:
     """``cfg`` with the cluster name, region and GPU zone remembered by ``up``, so later commands (``submit``,
-    ``status``, ``down``) act on the cluster that was created even when the shell's REGION or GPU_AZ changed."""
+    ``status``, ``down``) act on the cluster that was created even when the shell's REGION or GPU_AZ changed; and
+    with the checkpoints in the cluster's bucket, which every node reaches, unless ``training.storage_path`` is set."""
     remembered = {k: store.get(s) for k, s in (("name", "cluster"), ("region", "region"), ("gpu_az", "gpu_az"))}
     remembered = {k: v for k, v in remembered.items() if v}
     if not remembered:
@@ -170,7 +181,10 @@ def apply_state(cfg: Config, store: StateStore) -> Config:
     cluster = cfg.cluster.model_copy(update=remembered)
     if cluster.gpu_az and cluster.availability_zones and cluster.gpu_az not in cluster.availability_zones:
         cluster = cluster.model_copy(update={"availability_zones": []})
-    return cfg.model_copy(update={"cluster": cluster})
+    update: dict[str, Any] = {"cluster": cluster}
+    if store.get("bucket") and not cfg.training.storage_path:
+        update["training"] = cfg.training.model_copy(update={"storage_path": storage_uri(store.get("bucket"))})
+    return cfg.model_copy(update=update)
 
 
 # ----------------------------------------------------------------------------------------------------------------

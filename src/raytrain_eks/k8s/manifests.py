@@ -39,6 +39,8 @@ CONFIG_FILE = "raytrain-eks.yaml"
 RAY_LOG_DIR = "/tmp/ray"
 HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
 RAYJOB_TTL_S = 60
+# The Ray pods' service account: eksctl gives it an IAM role that may use the checkpoint bucket (IRSA).
+RAY_SERVICE_ACCOUNT = "raytrain-eks-ray"
 # The interpreter every command run inside the image calls: the reference's scripts rely on python3 only (a bare
 # `python` is not promised by the image).
 IMAGE_PYTHON = "python3"
@@ -155,6 +157,7 @@ def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
     return {
         "metadata": {"labels": labels(cfg)},
         "spec": {
+            "serviceAccountName": RAY_SERVICE_ACCOUNT,
             "nodeSelector": dict(SYSTEM_NODE_LABELS),
             "containers": [container],
             "volumes": [
@@ -193,6 +196,7 @@ def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
     return {
         "metadata": {"labels": labels(cfg)},
         "spec": {
+            "serviceAccountName": RAY_SERVICE_ACCOUNT,
             "nodeSelector": dict(GPU_NODE_LABELS),
             "tolerations": [dict(GPU_TOLERATION)],
             "containers": [container],
