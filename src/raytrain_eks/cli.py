@@ -22,6 +22,7 @@ from raytrain_eks.config import DEFAULT_CONFIG_FILE, env_file_lines, load_config
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.fabric import commands as fabric_commands
 from raytrain_eks.options import ConfigOpt, PresetOpt
+from raytrain_eks.report import commands as report_commands
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Fine-tune LLMs with Ray Train + FSDP on EKS (or locally)."
@@ -31,6 +32,7 @@ app.add_typer(config_app, name="config")
 deploy_commands.register(app)
 aws_commands.register(app)
 fabric_commands.register(app)
+report_commands.register(app)
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)

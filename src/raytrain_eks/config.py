@@ -245,6 +245,13 @@ class TrainingConfig(_Section):
     export: bool = True
     storage_path: str | None = None
     output_dir: str | None = None
+    # Held-out evaluation: a seeded share of the data (empty = 5% of real data, none of random ids) or its own file.
+    eval_fraction: float | None = Field(None, ge=0, lt=1)
+    eval_data: str | None = None
+    eval_every: int = Field(50, ge=0)
+    # Greedy generations at the end of the run (empty = the data's first prompts); 0 tokens = none.
+    sample_prompts: list[str] | None = None
+    sample_tokens: int = Field(32, ge=0, le=1024)
 
     @field_validator("model_id", "data", "text_field")
     @classmethod
@@ -257,7 +264,18 @@ class TrainingConfig(_Section):
     def _warmup(self) -> TrainingConfig:
         if self.warmup_steps is not None and self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must not exceed steps ({self.steps})")
+        if self.eval_data and self.eval_fraction:
+            raise ValueError("set eval_data (a separate file) or eval_fraction (a share of data), not both")
+        if self.eval_data and self.uses_random_data:
+            raise ValueError("eval_data needs real training data; random token ids have nothing to compare it with")
         return self
+
+    @property
+    def effective_eval_fraction(self) -> float:
+        """``eval_fraction`` when set, else 5% of real data held out (none with ``eval_data`` or random ids)."""
+        if self.eval_fraction is not None:
+            return self.eval_fraction
+        return 0.0 if self.eval_data or self.uses_random_data else 0.05
 
     @property
     def effective_warmup_steps(self) -> int:

@@ -60,6 +60,12 @@ FIELD_HELP = {
     ("training", "export"): "write the trained model in Hugging Face format to RUN_DIR/model at the end",
     ("training", "storage_path"): "checkpoints: a folder every node reaches or s3://bucket/prefix; empty = run folder",
     ("training", "output_dir"): "run folder; empty = runs/<time>-<model>",
+    ("training", "eval_fraction"): "share of the rows held out (seeded) for evaluation; empty = 0.05 of real data",
+    ("training", "eval_data"): "a separate evaluation file or folder in the training data's format",
+    ("training", "eval_every"): "steps between evaluations (one is always run at the end); 0 = end only",
+    ("training", "sample_prompts"): "prompts answered greedily at the end (RUN_DIR/samples.jsonl); empty = the "
+    "data's first prompts",
+    ("training", "sample_tokens"): "new tokens per sample; 0 = no samples",
 }
 
 
