@@ -17,7 +17,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from raytrain_eks.errors import UserError
+from raytrain_eks.errors import RunFolderError
 from raytrain_eks.report.plots import FIGURES, draw_curves
 
 REPORT_FILE = "report.html"
@@ -49,7 +49,7 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
         try:
             item = json.loads(line)
         except json.JSONDecodeError:
-            raise UserError(
+            raise RunFolderError(
                 f"{path}: line {number} is not JSON", hint="Was the file cut short? Remove the broken line."
             ) from None
         if isinstance(item, dict):
@@ -60,18 +60,18 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 def load_run(path: Path) -> Run:
     """Read a run folder; a :class:`UserError` when it is not one or has no metrics yet."""
     if not path.is_dir():
-        raise UserError(
+        raise RunFolderError(
             f"{str(path)!r} is not a folder", hint="Give run folders, such as runs/20260101-120000-tiny-qwen2."
         )
     metrics = path / "metrics.jsonl"
     if not metrics.is_file() and not (path / "config.yaml").is_file():
-        raise UserError(
+        raise RunFolderError(
             f"{str(path)!r} is not a run folder of raytrain-eks (no metrics.jsonl, no config.yaml)",
             hint="Give the folder printed as 'Run folder:' by `raytrain-eks train`.",
         )
     records = [r for r in _jsonl(metrics) if "step" in r] if metrics.is_file() else []
     if not records:
-        raise UserError(
+        raise RunFolderError(
             f"{str(path)!r} has no metrics yet (metrics.jsonl is missing or empty)",
             hint="The run wrote no step record: it failed before its first step, or is still starting.",
         )
@@ -80,7 +80,7 @@ def load_run(path: Path) -> Run:
         try:
             run.summary = json.loads((path / "summary.json").read_text())
         except json.JSONDecodeError:
-            raise UserError(
+            raise RunFolderError(
                 f"{path / 'summary.json'}: not valid JSON", hint="Was the run stopped while writing it?"
             ) from None
     if (path / "config.yaml").is_file():
@@ -183,7 +183,7 @@ img { max-width: 100%; display: block; margin: 0.5em 0 1.5em; }
 def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
     """Write ``out_dir/report.html`` (and ``out_dir/plots/*.png``) for ``run_dirs``; return the page's path."""
     if not run_dirs:
-        raise UserError("no run folder given", hint="raytrain-eks report RUN_DIR [RUN_DIR ...]")
+        raise RunFolderError("no run folder given", hint="raytrain-eks report RUN_DIR [RUN_DIR ...]")
     runs = [load_run(Path(p)) for p in run_dirs]
     pngs = draw_curves([(r.label, r.records) for r in runs], out_dir / PLOTS_DIR)
     titles = {name: title for name, title, _, _ in FIGURES}

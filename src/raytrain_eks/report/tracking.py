@@ -69,7 +69,7 @@ class Tracker:
         if self._mlflow is None:
             return
         numbers = {
-            f"final_{k}": float(v)
+            f"summary_{k}": float(v)
             for k, v in summary.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)
         }
