@@ -276,7 +276,7 @@ def train(
             window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
 
     train_s = time.perf_counter() - loop_start
-    samples: list[dict[str, Any]] = []
+    samples_start = time.perf_counter()
     if sample_prompts and cfg.sample_tokens and (fabric is None or fabric.get("met") is not False):
         samples = greedy_samples(
             model,
@@ -287,6 +287,7 @@ def train(
             device=device,
         )
         ctx.emit({"samples": samples})
+    samples_s = time.perf_counter() - samples_start
     # Step times are per logging window (first step alone, then log_every steps): leave the first window out.
     steady = step_times[1:] or step_times
     tokens = done * tokens_per_step
@@ -314,6 +315,7 @@ def train(
         "eval_ppl": last_eval.get("eval_ppl"),
         "eval_tokens": last_eval.get("eval_tokens"),
         "eval_s": eval_s,
+        "samples_s": samples_s,
         "fabric": fabric or {"require": fabric_require, "verdict": None, "met": None},
     }
     ctx.finish(summary)
