@@ -139,13 +139,14 @@ def _storage_path(value: str | None) -> str | None:
 
 
 class _Progress:
-    """A progress bar over training steps on the driver, fed by the workers' metric records."""
+    """One display on the driver: what data preparation is doing (:meth:`stage`), then a bar over training steps
+    fed by the workers' metric records."""
 
     def __init__(self) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self._bar = Progress(
-            TextColumn("[bold]train"),
+            TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[info]}"),
@@ -154,6 +155,7 @@ class _Progress:
             transient=False,
         )
         self._task: Any = None
+        self._stage: Any = None
 
     def __enter__(self) -> _Progress:
         self._bar.__enter__()
@@ -165,7 +167,15 @@ class _Progress:
     def say(self, line: str) -> None:
         self._bar.console.print(line)
 
+    def stage(self, text: str) -> None:
+        if self._stage is None:
+            self._stage = self._bar.add_task("data", total=None, info=text)
+        self._bar.update(self._stage, info=text)
+
     def update(self, record: dict[str, Any], total: int) -> None:
+        if self._stage is not None:
+            self._bar.remove_task(self._stage)
+            self._stage = None
         if self._task is None:
             self._task = self._bar.add_task("train", total=total, info="")
         info = f"loss {record['loss']:.3f}  {record['tokens_per_s']:.0f} tok/s  lr {record['lr']:.2e}"

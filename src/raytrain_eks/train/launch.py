@@ -93,6 +93,9 @@ def init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
     if not verbose:  # Ray Data logs every operator's progress; the driver shows its own one-line summary
         for name in ("ray", "ray.data", "ray.train"):
             logging.getLogger(name).setLevel(logging.ERROR)
+        from ray.data import DataContext
+
+        DataContext.get_current().enable_progress_bars = False  # and its bars: the driver shows one display
     if ray.is_initialized():
         return
     kwargs: dict[str, Any] = {"log_to_driver": verbose, "configure_logging": verbose}
@@ -158,6 +161,10 @@ def run_training(
 
     t_start = time.perf_counter()
     training = cfg.training
+    if not verbose:  # no library progress bars (the built-in model's first save has one): the driver shows its own
+        from raytrain_eks.train.loop import quiet_libraries
+
+        quiet_libraries()
     # Everything that can be checked before anything is created or started is checked first.
     model_path = resolve_model_path(training.model_id)
     model_config = check_model(model_path)
@@ -245,8 +252,11 @@ def _train_in(
             seed=training.seed,
             min_blocks=num_workers * training.batch_size * training.grad_accum_steps,
             eval_fraction=training.effective_eval_fraction,
+            stage=getattr(progress, "stage", None),
         )
         say(prepared.describe(training.data, training.seq_len))
+        if hasattr(progress, "stage"):
+            progress.stage("ready; starting the training workers")
         datasets["train"] = prepared.dataset
         datasets.update(_eval_dataset(cfg, prepared, model_path, say))
     else:
