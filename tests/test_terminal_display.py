@@ -45,15 +45,22 @@ def test_one_display_for_data_and_training(tmp_path, terminal, builtin_cache):
         "new-window", "-t", "t", "-n", "run", "-c", str(tmp_path), exe, "train", "--steps", "2", "--output-dir", "run"
     )
     deadline = time.monotonic() + 600
-    screen = ""
+    screen, stages = "", set()
     while time.monotonic() < deadline:
         screen = terminal("capture-pane", "-p", "-t", "t:run", "-S", "-200")
+        stages |= {
+            line.split("0/?")[1].strip() for line in screen.splitlines() if line.startswith("data ") and "0/?" in line
+        }
         if "Run folder:" in screen or "error" in screen.lower():
             break
-        time.sleep(2)
+        time.sleep(0.5)
     lines = [line for line in screen.splitlines() if line.strip()]
     assert any(line.startswith("Run folder:") for line in lines), screen
     assert any(line.startswith("data: builtin:sample-instructions: 390/390 rows usable") for line in lines), screen
     assert any(line.startswith("train") and "2/2" in line for line in lines), screen
     assert not [line for line in lines if any(word in line for word in RAY_DATA_WORDS)], screen
     assert len(lines) <= 15, screen
+    # While it ran, data preparation was one line of ours (gone once training shows its bar).
+    assert stages and all(
+        s.startswith(("reading and tokenizing", "shuffling and packing", "ready;")) for s in stages
+    ), stages

@@ -102,9 +102,7 @@ def train(
                 )
     cfg = load_config(preset=presets.choose(preset, address=address), path=config, overrides={"training": flags})
     with _Progress() as progress:
-        result = run_training(
-            cfg, address=address, say=progress.say, progress=progress.update, verbose=verbose, resume=resume
-        )
+        result = run_training(cfg, address=address, say=progress.say, progress=progress, verbose=verbose, resume=resume)
     s = result.summary
     if address is not None:  # on a cluster this tool deploys: what the run cost while it ran
         from raytrain_eks.plan import run_cost
@@ -171,6 +169,9 @@ class _Progress:
         if self._stage is None:
             self._stage = self._bar.add_task("data", total=None, info=text)
         self._bar.update(self._stage, info=text)
+
+    def __call__(self, record: dict[str, Any], total: int) -> None:
+        self.update(record, total)
 
     def update(self, record: dict[str, Any], total: int) -> None:
         if self._stage is not None:

@@ -150,7 +150,8 @@ def run_training(
     """Train with Ray Train as configured and write the run folder; raise a :class:`UserError` on failure.
 
     ``say`` prints one-line status messages; ``progress`` (optional) is called as ``progress(record, total_steps)``
-    for every metric record as it arrives. ``resume`` is an earlier run folder to continue, from its newest
+    for every metric record as it arrives, and told what data preparation is doing with ``progress.stage(text)`` when
+    it has that method. ``resume`` is an earlier run folder to continue, from its newest
     complete checkpoint, to ``cfg.training.steps``.
     """
     import ray
