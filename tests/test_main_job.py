@@ -46,3 +46,7 @@ def test_default_run_end_to_end(tmp_path, builtin_cache):
     assert summary["first_loss"] == records[0]["loss"] and summary["final_loss"] == records[-1]["loss"]
     assert summary["final_loss"] < 0.5 * summary["first_loss"], summary
     assert summary["tokens"] == steps * 2 * cfg["training"]["batch_size"] * cfg["training"]["seq_len"]
+    # The default job holds out 5% of the data and evaluates at the end; it writes samples and its report.
+    assert summary["eval_loss"] == records[-1]["eval_loss"] and summary["eval_tokens"] > 0
+    assert len((run_dir / "samples.jsonl").read_text().splitlines()) == 3
+    assert (run_dir / "report.html").is_file() and any((run_dir / "tensorboard").iterdir())

@@ -23,6 +23,7 @@ from raytrain_eks.eks import commands as deploy_commands
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.fabric import commands as fabric_commands
 from raytrain_eks.options import AddressOpt, ConfigOpt, PresetOpt, VerboseOpt
+from raytrain_eks.report import commands as report_commands
 
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Fine-tune LLMs with Ray Train + FSDP on EKS (or locally)."
@@ -32,6 +33,7 @@ app.add_typer(config_app, name="config")
 deploy_commands.register(app)
 aws_commands.register(app)
 fabric_commands.register(app)
+report_commands.register(app)
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -99,9 +101,7 @@ def train(
                 )
     cfg = load_config(preset=presets.choose(preset, address=address), path=config, overrides={"training": flags})
     with _Progress() as progress:
-        result = run_training(
-            cfg, address=address, say=progress.say, progress=progress.update, verbose=verbose, resume=resume
-        )
+        result = run_training(cfg, address=address, say=progress.say, progress=progress, verbose=verbose, resume=resume)
     s = result.summary
     if address is not None:  # on a cluster this tool deploys: what the run cost while it ran
         from raytrain_eks.eks.pricing import run_cost
@@ -136,13 +136,14 @@ def _storage_path(value: str | None) -> str | None:
 
 
 class _Progress:
-    """A progress bar over training steps on the driver, fed by the workers' metric records."""
+    """One display on the driver: what data preparation is doing (:meth:`stage`), then a bar over training steps
+    fed by the workers' metric records."""
 
     def __init__(self) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         self._bar = Progress(
-            TextColumn("[bold]train"),
+            TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[info]}"),
@@ -151,6 +152,7 @@ class _Progress:
             transient=False,
         )
         self._task: Any = None
+        self._stage: Any = None
 
     def __enter__(self) -> _Progress:
         self._bar.__enter__()
@@ -162,7 +164,18 @@ class _Progress:
     def say(self, line: str) -> None:
         self._bar.console.print(line)
 
+    def stage(self, text: str) -> None:
+        if self._stage is None:
+            self._stage = self._bar.add_task("data", total=None, info=text)
+        self._bar.update(self._stage, info=text)
+
+    def __call__(self, record: dict[str, Any], total: int) -> None:
+        self.update(record, total)
+
     def update(self, record: dict[str, Any], total: int) -> None:
+        if self._stage is not None:
+            self._bar.remove_task(self._stage)
+            self._stage = None
         if self._task is None:
             self._task = self._bar.add_task("train", total=total, info="")
         info = f"loss {record['loss']:.3f}  {record['tokens_per_s']:.0f} tok/s  lr {record['lr']:.2e}"

@@ -328,6 +328,18 @@ class TrainingConfig(_Section):
         None, description="checkpoints: a folder every node reaches or s3://bucket/prefix; empty = run folder"
     )
     output_dir: str | None = Field(None, description="run folder; empty = runs/<time>-<model>")
+    eval_fraction: float | None = Field(
+        None, ge=0, lt=1, description="share of the rows held out (seeded) for evaluation; empty = 0.05 of real data"
+    )
+    eval_data: str | None = Field(None, description="a separate evaluation file or folder in the data's format")
+    eval_every: int = Field(
+        50, ge=0, description="steps between evaluations (one is always run at the end); 0 = end only"
+    )
+    sample_prompts: list[str] | None = Field(
+        None,
+        description="prompts answered greedily at the end (RUN_DIR/samples.jsonl); empty = the data's first prompts",
+    )
+    sample_tokens: int = Field(32, ge=0, le=1024, description="new tokens per sample; 0 = no samples")
 
     @field_validator("model_id", "data", "text_field")
     @classmethod
@@ -340,7 +352,18 @@ class TrainingConfig(_Section):
     def _warmup(self) -> TrainingConfig:
         if self.warmup_steps is not None and self.warmup_steps > self.steps:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) must not exceed steps ({self.steps})")
+        if self.eval_data and self.eval_fraction:
+            raise ValueError("set eval_data (a separate file) or eval_fraction (a share of data), not both")
+        if self.eval_data and self.uses_random_data:
+            raise ValueError("eval_data needs real training data; random token ids have nothing to compare it with")
         return self
+
+    @property
+    def effective_eval_fraction(self) -> float:
+        """``eval_fraction`` when set, else 5% of real data held out (none with ``eval_data`` or random ids)."""
+        if self.eval_fraction is not None:
+            return self.eval_fraction
+        return 0.0 if self.eval_data or self.uses_random_data else 0.05
 
     @property
     def effective_warmup_steps(self) -> int:

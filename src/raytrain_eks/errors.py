@@ -56,3 +56,9 @@ class TrainingError(UserError):
 
     exit_code = 1
     details: str | None = None
+
+
+class RunFolderError(UserError):
+    """A folder given as a run folder is not one, or holds nothing to report yet."""
+
+    exit_code = 2

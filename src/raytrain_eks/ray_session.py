@@ -50,6 +50,9 @@ def init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
     if not verbose:  # Ray Data logs every operator's progress; the driver shows its own one-line summary
         for name in ("ray", "ray.data", "ray.train"):
             logging.getLogger(name).setLevel(logging.ERROR)
+        from ray.data import DataContext
+
+        DataContext.get_current().enable_progress_bars = False  # and its bars: the driver shows one display
     if ray.is_initialized():
         return
     kwargs: dict[str, Any] = {"log_to_driver": verbose, "configure_logging": verbose}

@@ -35,6 +35,10 @@ class WorkerContext(Protocol):
         """This worker's shard of the packed data set, epoch after epoch, from ``position`` on."""
         ...
 
+    def eval_batches(self, batch_size: int) -> Iterator[Batch] | None:
+        """This worker's share of the held-out data, once through (``None`` when the run has none)."""
+        ...
+
     def emit(self, record: dict[str, Any]) -> None:
         """Send one metric record (called on every rank; only rank 0's is kept). ``{"note": text}`` is a line for
         the user, not a metric."""
@@ -109,7 +113,9 @@ class RayContext:
     rank has reported it.
     """
 
-    def __init__(self, metrics_queue: Any | None, checkpoint_root: str, resume_from: str | None = None) -> None:
+    def __init__(
+        self, metrics_queue: Any | None, checkpoint_root: str, resume_from: str | None = None, has_eval: bool = False
+    ) -> None:
         import ray
         import ray.train
         import ray.train.torch
@@ -122,6 +128,7 @@ class RayContext:
         self._queue = metrics_queue
         self._root = checkpoint_root
         self._resume_from = resume_from
+        self._has_eval = has_eval
         self._downloads = Path(tempfile.mkdtemp(prefix=f"raytrain-eks-resume-r{self.rank}-"))
 
     def data_batches(self, batch_size: int, position: dict[str, int] | None) -> DataCursor:
@@ -134,6 +141,17 @@ class RayContext:
             ),
             position,
         )
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch] | None:
+        import ray.train
+
+        if not self._has_eval:
+            return None
+        # The whole held-out set reaches every rank (it is not split); each keeps every world_size-th batch.
+        every = ray.train.get_dataset_shard("eval").iter_torch_batches(
+            batch_size=batch_size, drop_last=False, dtypes=torch.long, device="cpu"
+        )
+        return (b for i, b in enumerate(every) if i % self.world_size == self.rank)
 
     def emit(self, record: dict[str, Any]) -> None:
         if self.rank == 0 and self._queue is not None:
@@ -188,6 +206,9 @@ class ProcessContext:
 
     def data_batches(self, batch_size: int, position: dict[str, int] | None) -> DataCursor:
         raise NotImplementedError("plain processes run the random-data mode only; real data goes through Ray Data")
+
+    def eval_batches(self, batch_size: int) -> Iterator[Batch] | None:
+        return None
 
     def emit(self, record: dict[str, Any]) -> None:
         if self.rank == 0 and "note" in record:

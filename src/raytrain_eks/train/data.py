@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import json
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -305,6 +305,8 @@ class PreparedData:
     blocks: int = 0
     tokens: int = 0
     trained_tokens: int = 0
+    eval_dataset: Any = None  # the held-out rows, packed like the training set (``eval_fraction``)
+    eval_rows: int = 0
 
     def describe(self, data: str, seq_len: int) -> str:
         line = (
@@ -327,17 +329,23 @@ def prepare_dataset(
     seed: int,
     min_blocks: int,
     listed: tuple[list[str], str] | None = None,
+    eval_fraction: float = 0.0,
+    stage: Callable[[str], None] | None = None,
 ) -> PreparedData:
     """Read, tokenize, shuffle and pack the data with Ray Data; raise :class:`DataError` when it is unusable.
 
     Runs on the driver (Ray must be initialised) before any training worker starts. ``min_blocks`` is the number
     of packed blocks one optimizer step consumes across all workers. ``listed`` is :func:`list_data_files`'s answer
-    when the caller already has it.
+    when the caller already has it. ``eval_fraction`` of the usable rows (at least one), chosen by the seeded
+    shuffle, are held out before packing and packed apart as ``eval_dataset``. ``stage`` (optional) hears what
+    is being done now, as a short line such as ``"packing 390 rows (13359 tokens)"``.
     """
+    say = stage or (lambda _: None)
     import ray.data
     from ray.data.expressions import col
 
     files, kind = listed or list_data_files(data)
+    say(f"reading and tokenizing {len(files)} file{'s' if len(files) > 1 else ''}")
     try:
         if kind == "parquet":
             raw = ray.data.read_parquet(files)
@@ -368,16 +376,19 @@ def prepare_dataset(
             f"--data {data!r}: no usable row for format '{data_format}' ({total} rows read: {detail})",
             hint="Check --data-format (text, instruction or chat) and the field names of your rows.",
         )
+    say(f"shuffling and packing {usable} rows ({tokens} tokens)")
     pad_id = load_tokenizer(tokenizer_path).pad_token_id
     if pad_id is None:
         pad_id = load_tokenizer(tokenizer_path).eos_token_id or 0
-    packed = (
-        encoded.filter(expr=col("reason") == "")
-        .drop_columns(["reason", "tokens", "trained"])
-        .random_shuffle(seed=seed)
-        .map_batches(_pack_batch, batch_size=1024, fn_kwargs={"seq_len": seq_len, "pad_id": pad_id})
-        .materialize()
+    rows = (
+        encoded.filter(expr=col("reason") == "").drop_columns(["reason", "tokens", "trained"]).random_shuffle(seed=seed)
     )
+    pack_args = {"batch_size": 1024, "fn_kwargs": {"seq_len": seq_len, "pad_id": pad_id}}
+    eval_rows, eval_dataset = (max(1, round(eval_fraction * usable)) if eval_fraction else 0), None
+    if eval_rows:
+        held, rows = rows.materialize().split_at_indices([eval_rows])
+        eval_dataset = held.map_batches(_pack_batch, **pack_args).materialize()
+    packed = rows.map_batches(_pack_batch, **pack_args).materialize()
     blocks = packed.count()
     if blocks < min_blocks:
         raise DataError(
@@ -393,6 +404,8 @@ def prepare_dataset(
         blocks=blocks,
         tokens=tokens,
         trained_tokens=trained,
+        eval_dataset=eval_dataset,
+        eval_rows=eval_rows,
     )
 
 

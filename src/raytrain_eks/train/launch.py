@@ -82,7 +82,8 @@ def run_training(
     """Train with Ray Train as configured and write the run folder; raise a :class:`UserError` on failure.
 
     ``say`` prints one-line status messages; ``progress`` (optional) is called as ``progress(record, total_steps)``
-    for every metric record as it arrives. ``resume`` is an earlier run folder to continue, from its newest
+    for every metric record as it arrives, and told what data preparation is doing with ``progress.stage(text)`` when
+    it has that method. ``resume`` is an earlier run folder to continue, from its newest
     complete checkpoint, to ``cfg.training.steps``.
     """
     import ray
@@ -93,10 +94,16 @@ def run_training(
 
     t_start = time.perf_counter()
     training = cfg.training
+    if not verbose:  # no library progress bars (the built-in model's first save has one): the driver shows its own
+        from raytrain_eks.train.loop import quiet_libraries
+
+        quiet_libraries()
     # Everything that can be checked before anything is created or started is checked first.
     model_path = resolve_model_path(training.model_id)
     model_config = check_model(model_path)
     data_files = None if training.uses_random_data else list_data_files(_data_source(cfg))
+    if training.eval_data:
+        list_data_files(training.eval_data)
     resume_from = None
     if resume is not None:
         run_dir = resume.expanduser().resolve()
@@ -154,8 +161,11 @@ def _train_in(
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
 
+    from raytrain_eks.report.html import write_report
+    from raytrain_eks.report.tracking import Tracker
     from raytrain_eks.train.checkpoint import export_hf, join, latest_complete, list_checkpoints, storage_root
-    from raytrain_eks.train.data import prepare_dataset
+    from raytrain_eks.train.data import load_tokenizer, prepare_dataset
+    from raytrain_eks.train.prompts import sample_prompts, write_samples
 
     training = cfg.training
 
@@ -174,9 +184,14 @@ def _train_in(
             seq_len=training.seq_len,
             seed=training.seed,
             min_blocks=num_workers * training.batch_size * training.grad_accum_steps,
+            eval_fraction=training.effective_eval_fraction,
+            stage=getattr(progress, "stage", None),
         )
         say(prepared.describe(training.data, training.seq_len))
+        if hasattr(progress, "stage"):
+            progress.stage("ready; starting the training workers")
         datasets["train"] = prepared.dataset
+        datasets.update(_eval_dataset(cfg, prepared, model_path, say))
     else:
         say(f"data: random token ids, {training.seq_len} tokens per sample")
 
@@ -188,6 +203,10 @@ def _train_in(
     if os.environ.get(FAULT_ENV):
         worker_env[FAULT_ENV] = os.environ[FAULT_ENV]
 
+    prompts = sample_prompts(
+        training.sample_prompts, data_files, training.data_format, training.text_field, load_tokenizer(model_path)
+    )
+    tracker = Tracker(run_dir, cfg)
     queue = Queue()
     trainer = TorchTrainer(
         _worker_entry,
@@ -198,6 +217,8 @@ def _train_in(
             "checkpoint_root": checkpoint_root,
             "resume_from": resume_from,
             "fabric_require": cfg.fabric.require,
+            "has_eval": "eval" in datasets,
+            "sample_prompts": prompts[1],
         },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
@@ -208,6 +229,8 @@ def _train_in(
             worker_runtime_env={"env_vars": worker_env},
         ),
         datasets=datasets,
+        # Every rank reads all of the (small) held-out set and keeps its share: splitting would drop a remainder.
+        dataset_config=ray.train.DataConfig(datasets_to_split=["train"]),
     )
 
     outcome: dict[str, Any] = {}
@@ -237,6 +260,8 @@ def _train_in(
                 worker_tracebacks.append(f"--- worker rank {record['rank']} ---\n{record['worker_traceback']}")
             elif "note" in record:  # a line for the user from rank 0, such as the precision chosen
                 say(record["note"])
+            elif "samples" in record:
+                write_samples(run_dir, prompts[0], record["samples"])
             elif "fabric" in record:
                 _write_nccl_lines(run_dir / "nccl", record["nccl_lines"])
                 say(record["fabric"]["report"])
@@ -244,10 +269,12 @@ def _train_in(
                 records.append(record)
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
+                tracker.log(record)
                 if progress is not None:
                     progress(record, training.steps)
     thread.join()
     ray.kill(queue.actor)
+    tracker.close()
 
     if "error" in outcome:
         error = outcome["error"]
@@ -282,7 +309,32 @@ def _train_in(
     summary["model_id"] = training.model_id
     summary["data"] = training.data
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    tracker.finish(summary)
+    say(f"report: {write_report([run_dir], run_dir)}")
     return RunResult(run_dir=run_dir, summary=summary, records=records)
+
+
+def _eval_dataset(cfg: Config, prepared: Any, model_path: str, say: Callable[[str], None]) -> dict[str, Any]:
+    """``{"eval": packed held-out data}``: the rows held out of the training data, or ``training.eval_data``."""
+    from raytrain_eks.train.data import prepare_dataset
+
+    training = cfg.training
+    if prepared.eval_dataset is not None:
+        say(f"eval: {prepared.eval_rows} rows held out (seed {training.seed}), every {training.eval_every} steps")
+        return {"eval": prepared.eval_dataset}
+    if not training.eval_data:
+        return {}
+    held = prepare_dataset(
+        data=training.eval_data,
+        data_format=training.data_format,
+        text_field=training.text_field,
+        tokenizer_path=model_path,
+        seq_len=training.seq_len,
+        seed=training.seed,
+        min_blocks=1,
+    )
+    say("eval " + held.describe(training.eval_data, training.seq_len).removeprefix("data: "))
+    return {"eval": held.dataset}
 
 
 def _worker_entry(job: dict[str, Any]) -> None:

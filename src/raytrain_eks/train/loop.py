@@ -20,7 +20,8 @@ import torch.distributed as dist
 from raytrain_eks.config import TrainingConfig
 from raytrain_eks.train.checkpoint import load_sharded, save_sharded
 from raytrain_eks.train.context import WorkerContext
-from raytrain_eks.train.data import IGNORE_INDEX, random_batch
+from raytrain_eks.train.data import IGNORE_INDEX, load_tokenizer, random_batch
+from raytrain_eks.train.evaluation import HeldOut, greedy_samples
 from raytrain_eks.train.fabric_gate import check_transport
 from raytrain_eks.train.faults import maybe_die
 from raytrain_eks.train.flops import flops_per_token, mfu, peak_flops_for
@@ -120,14 +121,21 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, fabric_require: str = "any") -> dict[str, Any]:
+def train(
+    cfg: TrainingConfig,
+    model_path: str,
+    ctx: WorkerContext,
+    fabric_require: str = "any",
+    sample_prompts: list[str] | None = None,
+) -> dict[str, Any]:
     """Run the optimizer steps of ``cfg`` on this worker and return the summary (also handed to ``ctx.finish``).
 
     Continues from ``ctx.resume_checkpoint()`` when there is one: weights, optimizer moments, schedule, step and
     data position are restored, so the steps that follow are those of an uninterrupted run. Unless
     ``fabric_require`` is ``any``, the transport NCCL chose is checked right after the first step (and once more
     after the second when the first look could not prove it), and the run stops there when it is not the
-    required one.
+    required one. With held-out data (``ctx.eval_batches``), its loss joins the record every ``eval_every`` steps
+    and at the end; ``sample_prompts`` (rendered as trained) are answered greedily at the end.
     """
     torch.manual_seed(cfg.seed)
     device = ctx.device
@@ -155,6 +163,14 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, fabric_requi
     fpt = flops_per_token(model.config, cfg.seq_len)
     peak = peak_flops_for(device_name(device), precision) if device.type == "cuda" else None
     tokens_per_step = ctx.world_size * cfg.batch_size * cfg.grad_accum_steps * cfg.seq_len
+    eval_source = ctx.eval_batches(cfg.batch_size)
+    held_out = (
+        HeldOut(eval_source, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_logits=LOSS_CHUNK_LOGITS)
+        if eval_source is not None
+        else None
+    )
+    last_eval: dict[str, Any] = {}
+    eval_s = 0.0
     checkpoints: list[int] = []
     checkpoint_s = 0.0
     window_steps, window_tokens = 0, 0  # steps and tokens since the last record; its start is set below
@@ -219,7 +235,8 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, fabric_requi
         window_tokens += tokens_per_step
 
         record = None
-        if step == start_step + 1 or step % cfg.log_every == 0 or step == cfg.steps:
+        eval_due = held_out is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0))
+        if eval_due or step == start_step + 1 or step % cfg.log_every == 0 or step == cfg.steps:
             dist.all_reduce(loss_sum)
             loss = float(loss_sum) / max(1.0, float(global_count))  # waits for the device: logging steps only
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
@@ -240,6 +257,11 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, fabric_requi
                 "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
                 "resumed_from_step": resumed_from,
             }
+            if eval_due:  # after the window's timing: evaluation time is left out of throughput, like checkpoints
+                t = time.perf_counter()
+                last_eval = held_out.evaluate(model, output_weight, device)
+                eval_s += time.perf_counter() - t
+                record.update(last_eval)
             ctx.emit(record)
         if fabric_require != "any" and (fabric is None or fabric["action"] == "look-again"):
             fabric, nccl_lines = check_transport(
@@ -254,10 +276,22 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, fabric_requi
             window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
 
     train_s = time.perf_counter() - loop_start
+    samples_start = time.perf_counter()
+    if sample_prompts and cfg.sample_tokens and (fabric is None or fabric.get("met") is not False):
+        samples = greedy_samples(
+            model,
+            output_weight,
+            load_tokenizer(model_path),
+            sample_prompts,
+            max_new_tokens=cfg.sample_tokens,
+            device=device,
+        )
+        ctx.emit({"samples": samples})
+    samples_s = time.perf_counter() - samples_start
     # Step times are per logging window (first step alone, then log_every steps): leave the first window out.
     steady = step_times[1:] or step_times
     tokens = done * tokens_per_step
-    tps = tokens / train_s if done else 0.0
+    tps = tokens / (train_s - eval_s) if done else 0.0  # evaluation is not training
     last_step = start_step + done  # cfg.steps, unless the transport gate stopped the run early
     summary = {
         "steps": last_step,
@@ -277,6 +311,11 @@ def train(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, fabric_requi
         "resumed_from_step": resumed_from,
         "checkpoints": checkpoints,
         "checkpoint_s": checkpoint_s,
+        "eval_loss": last_eval.get("eval_loss"),
+        "eval_ppl": last_eval.get("eval_ppl"),
+        "eval_tokens": last_eval.get("eval_tokens"),
+        "eval_s": eval_s,
+        "samples_s": samples_s,
         "fabric": fabric or {"require": fabric_require, "verdict": None, "met": None},
     }
     ctx.finish(summary)
@@ -289,8 +328,16 @@ def ray_worker_entry(job: dict[str, Any]) -> None:
 
     quiet_libraries()
     cfg = TrainingConfig.model_validate(job["training"])
-    ctx = RayContext(job.get("metrics_queue"), job["checkpoint_root"], job.get("resume_from"))
-    train(cfg, job["model_path"], ctx, fabric_require=job.get("fabric_require", "any"))
+    ctx = RayContext(
+        job.get("metrics_queue"), job["checkpoint_root"], job.get("resume_from"), job.get("has_eval", False)
+    )
+    train(
+        cfg,
+        job["model_path"],
+        ctx,
+        fabric_require=job.get("fabric_require", "any"),
+        sample_prompts=job.get("sample_prompts"),
+    )
 
 
 def quiet_libraries() -> None:

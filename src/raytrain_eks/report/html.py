@@ -1,0 +1,217 @@
+"""``report.html``: one self-contained page (plots embedded as data URIs) about one run, or several overlaid.
+
+Everything comes from the run folders: ``metrics.jsonl`` (the curves), ``summary.json`` (totals, evaluation,
+checkpoints, cost, the fabric verdict), ``config.yaml``, ``samples.jsonl`` and ``nccl/`` (the evidence behind the
+verdict). Example::
+
+    write_report([Path("runs/a"), Path("runs/b")], Path("report"))   # report/report.html, report/plots/*.png
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from html import escape
+from pathlib import Path
+from typing import Any
+
+from raytrain_eks.errors import RunFolderError
+from raytrain_eks.report.plots import FIGURES, draw_curves
+
+REPORT_FILE = "report.html"
+PLOTS_DIR = "plots"
+_NCCL_LINES_SHOWN = 20
+
+
+@dataclass
+class Run:
+    """What a run folder holds, read once."""
+
+    path: Path
+    records: list[dict[str, Any]]
+    summary: dict[str, Any] = field(default_factory=dict)
+    config: str = ""
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    nccl: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return self.path.name
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            raise RunFolderError(
+                f"{path}: line {number} is not JSON", hint="Was the file cut short? Remove the broken line."
+            ) from None
+        if isinstance(item, dict):
+            out.append(item)
+    return out
+
+
+def load_run(path: Path) -> Run:
+    """Read a run folder; a :class:`UserError` when it is not one or has no metrics yet."""
+    if not path.is_dir():
+        raise RunFolderError(
+            f"{str(path)!r} is not a folder", hint="Give run folders, such as runs/20260101-120000-tiny-qwen2."
+        )
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file() and not (path / "config.yaml").is_file():
+        raise RunFolderError(
+            f"{str(path)!r} is not a run folder of raytrain-eks (no metrics.jsonl, no config.yaml)",
+            hint="Give the folder printed as 'Run folder:' by `raytrain-eks train`.",
+        )
+    records = [r for r in _jsonl(metrics) if "step" in r] if metrics.is_file() else []
+    if not records:
+        raise RunFolderError(
+            f"{str(path)!r} has no metrics yet (metrics.jsonl is missing or empty)",
+            hint="The run wrote no step record: it failed before its first step, or is still starting.",
+        )
+    run = Run(path=path, records=records)
+    if (path / "summary.json").is_file():
+        try:
+            run.summary = json.loads((path / "summary.json").read_text())
+        except json.JSONDecodeError:
+            raise RunFolderError(
+                f"{path / 'summary.json'}: not valid JSON", hint="Was the run stopped while writing it?"
+            ) from None
+    if (path / "config.yaml").is_file():
+        run.config = (path / "config.yaml").read_text()
+    if (path / "samples.jsonl").is_file():
+        run.samples = _jsonl(path / "samples.jsonl")
+    for log in sorted((path / "nccl").glob("rank*.log")) if (path / "nccl").is_dir() else []:
+        run.nccl[log.stem] = log.read_text().splitlines()[:_NCCL_LINES_SHOWN]
+    return run
+
+
+def _num(value: Any, fmt: str = "{:.4g}") -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return escape(str(value))
+    return fmt.format(value)
+
+
+def _overview(runs: list[Run]) -> str:
+    rows = [
+        ("steps", lambda s: _num(s.get("steps"), "{}")),
+        ("first → final training loss", lambda s: f"{_num(s.get('first_loss'))} → {_num(s.get('final_loss'))}"),
+        ("final evaluation loss", lambda s: _num(s.get("eval_loss"))),
+        ("final evaluation perplexity", lambda s: _num(s.get("eval_ppl"))),
+        ("tokens trained", lambda s: _num(s.get("tokens"), "{:,}")),
+        ("tokens/s", lambda s: _num(s.get("tokens_per_s"), "{:,.0f}")),
+        ("step time (median, s)", lambda s: _num(s.get("step_time_s"))),
+        ("MFU", lambda s: "—" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"),
+        ("workers × device", lambda s: f"{_num(s.get('world_size'), '{}')} × {escape(str(s.get('device', '—')))}"),
+        ("precision", lambda s: escape(str(s.get("precision", "—")))),
+        ("wall time (s)", lambda s: _num(s.get("wall_s"), "{:,.0f}")),
+        ("cost", _cost),
+        ("checkpoints", lambda s: escape(", ".join(map(str, s.get("checkpoints") or [])) or "—")),
+        ("exported model", lambda s: escape(str(s.get("model_dir") or "—"))),
+    ]
+    head = "".join(f"<th>{escape(r.label)}</th>" for r in runs)
+    body = "".join(
+        f"<tr><th>{escape(name)}</th>" + "".join(f"<td>{fn(r.summary)}</td>" for r in runs) + "</tr>"
+        for name, fn in rows
+    )
+    return f"<table><tr><th></th>{head}</tr>{body}</table>"
+
+
+def _cost(s: dict[str, Any]) -> str:
+    cost = s.get("cost")
+    if not cost:
+        return "— (known for runs on a cluster this tool deployed)"
+    return (
+        f"${cost['usd']:.2f} at ${cost['usd_per_hour']:.2f}/h; ${cost['usd_per_million_tokens']:.2f} per million tokens"
+    )
+
+
+def _fabric(runs: list[Run]) -> str:
+    parts = []
+    for run in runs:
+        fabric = run.summary.get("fabric") or {}
+        if not fabric.get("verdict") and not run.nccl:
+            continue
+        facts = "".join(
+            f"<li><b>{escape(k)}</b>: {escape(str(v))}</li>"
+            for k, v in fabric.items()
+            if k != "report" and v not in (None, "")
+        )
+        evidence = "".join(
+            f"<details><summary>{escape(rank)}: NCCL lines</summary><pre>{escape(chr(10).join(lines))}</pre></details>"
+            for rank, lines in run.nccl.items()
+        )
+        report = f"<pre>{escape(fabric['report'])}</pre>" if fabric.get("report") else ""
+        parts.append(f"<h3>{escape(run.label)}</h3><ul>{facts}</ul>{report}{evidence}")
+    return "".join(parts) or "<p>No fabric check in these runs (local runs and fabric.require = any skip it).</p>"
+
+
+def _samples(runs: list[Run]) -> str:
+    parts = []
+    for run in runs:
+        if not run.samples:
+            continue
+        rows = "".join(
+            f"<tr><td><pre>{escape(str(s.get('prompt', '')))}</pre></td>"
+            f"<td><pre>{escape(str(s.get('completion', '')))}</pre></td></tr>"
+            for s in run.samples
+        )
+        parts.append(
+            f"<h3>{escape(run.label)}</h3><table><tr><th>prompt</th><th>greedy completion</th></tr>{rows}</table>"
+        )
+    return "".join(parts) or "<p>No samples (training.sample_tokens = 0, or random token ids).</p>"
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1100px; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
+th, td { border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-align: top; }
+pre { margin: 0; white-space: pre-wrap; font-size: 0.85em; }
+img { max-width: 100%; display: block; margin: 0.5em 0 1.5em; }
+.plots { display: grid; grid-template-columns: repeat(auto-fill, minmax(480px, 1fr)); gap: 0 1em; }
+"""
+
+
+def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
+    """Write ``out_dir/report.html`` (and ``out_dir/plots/*.png``) for ``run_dirs``; return the page's path."""
+    if not run_dirs:
+        raise RunFolderError("no run folder given", hint="raytrain-eks report RUN_DIR [RUN_DIR ...]")
+    runs = [load_run(Path(p)) for p in run_dirs]
+    pngs = draw_curves([(r.label, r.records) for r in runs], out_dir / PLOTS_DIR)
+    titles = {name: title for name, title, _, _ in FIGURES}
+    images = "".join(
+        f'<figure><img alt="{escape(titles[name])}" src="data:image/png;base64,'
+        f'{base64.b64encode(path.read_bytes()).decode()}"></figure>'
+        for name, path in pngs.items()
+    )
+    configs = "".join(
+        f"<details><summary>{escape(r.label)}: config.yaml</summary><pre>{escape(r.config)}</pre></details>"
+        for r in runs
+        if r.config
+    )
+    names = ", ".join(escape(r.label) for r in runs)
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>raytrain-eks report: {names}</title>
+<link rel="icon" href="data:,"><style>{_STYLE}</style></head>
+<body>
+<h1>raytrain-eks report</h1>
+<p>{len(runs)} run{"s" if len(runs) > 1 else ""}: {names}. Written {datetime.now(UTC):%Y-%m-%d %H:%M} UTC.</p>
+<h2>Overview</h2>{_overview(runs)}
+<h2>Curves</h2><div class="plots">{images}</div>
+<h2>Samples</h2>{_samples(runs)}
+<h2>Fabric</h2>{_fabric(runs)}
+<h2>Configuration</h2>{configs or "<p>No config.yaml.</p>"}
+</body></html>
+"""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / REPORT_FILE
+    path.write_text(page)
+    return path

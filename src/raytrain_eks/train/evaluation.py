@@ -1,0 +1,110 @@
+"""Held-out loss and greedy samples, computed by every rank together (the model is sharded across them).
+
+Evaluation walks this rank's share of the held-out blocks (kept in memory after the first pass: it is small),
+sums the token losses and token counts, and reduces both across ranks, so the answer is the loss over every
+held-out token whatever the world size. Ranks with fewer batches than the others run fully masked batches, so
+every rank takes part in the same number of forward passes (each one gathers the sharded parameters). Example::
+
+    held_out = HeldOut(ctx.eval_batches(cfg.batch_size), seq_len=cfg.seq_len, batch_size=cfg.batch_size)
+    held_out.evaluate(model, output_weight, device)   # {"eval_loss": 2.1, "eval_ppl": 8.2, "eval_tokens": 5120}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raytrain_eks.train.data import IGNORE_INDEX
+from raytrain_eks.train.model import chunked_cross_entropy
+
+Batch = dict[str, torch.Tensor]
+
+
+def _all_reduce(t: torch.Tensor, op: Any = None) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t
+
+
+class HeldOut:
+    """This rank's held-out batches and the loss of a model over all ranks' held-out tokens."""
+
+    def __init__(self, batches: Iterable[Batch] | None, *, seq_len: int, batch_size: int, max_logits: int) -> None:
+        self._source = batches
+        self._cached: list[Batch] | None = None
+        self._shape = (batch_size, seq_len)
+        self._max_logits = max_logits
+
+    def _batches(self) -> list[Batch]:
+        if self._cached is None:
+            self._cached = list(self._source or [])
+        return self._cached
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, output_weight: Callable[[], torch.Tensor], device: torch.device) -> dict:
+        mine = self._batches()
+        count = _all_reduce(torch.tensor([len(mine)], device=device), dist.ReduceOp.MAX)
+        masked = {
+            "input_ids": torch.zeros(self._shape, dtype=torch.long),
+            "labels": torch.full(self._shape, IGNORE_INDEX, dtype=torch.long),
+        }
+        was_training = model.training
+        model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        tokens = torch.zeros((), dtype=torch.float64, device=device)
+        for i in range(int(count)):
+            batch = mine[i] if i < len(mine) else masked
+            input_ids = batch["input_ids"].to(device)
+            labels = batch["labels"].to(device)
+            hidden = model(input_ids=input_ids).logits
+            loss_sum += chunked_cross_entropy(
+                hidden[:, :-1], output_weight(), labels[:, 1:], max_logits=self._max_logits, ignore_index=IGNORE_INDEX
+            ).double()
+            tokens += (labels[:, 1:] != IGNORE_INDEX).sum()
+        model.train(was_training)
+        totals = _all_reduce(torch.stack([loss_sum, tokens]))
+        n = float(totals[1])
+        if not n:
+            return {}
+        loss = float(totals[0]) / n
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 700.0)), "eval_tokens": int(n)}
+
+
+@torch.no_grad()
+def greedy_samples(
+    model: torch.nn.Module,
+    output_weight: Callable[[], torch.Tensor],
+    tokenizer: Any,
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    device: torch.device,
+) -> list[dict[str, Any]]:
+    """Greedy continuations of ``prompts`` (already rendered as the model was trained to read them).
+
+    Every rank runs the same forward passes (the parameters are sharded); no KV cache, so keep ``max_new_tokens``
+    short. Returns ``[{"prompt", "completion", "tokens"}]``.
+    """
+    was_training = model.training
+    model.eval()
+    out = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id or 0]
+        x = torch.tensor([ids], dtype=torch.long, device=device)
+        new: list[int] = []
+        for _ in range(max_new_tokens):
+            hidden = model(input_ids=x).logits[:, -1]
+            weight = output_weight()  # after the forward: the gathered form of a sharded parameter
+            token = int(torch.nn.functional.linear(hidden.to(weight.dtype), weight).argmax(-1))
+            new.append(token)
+            if token == tokenizer.eos_token_id:
+                break
+            x = torch.cat([x, torch.tensor([[token]], device=device)], dim=1)
+        completion = tokenizer.decode(new, skip_special_tokens=True)
+        out.append({"prompt": prompt, "completion": completion, "tokens": len(new)})
+    model.train(was_training)
+    return out

@@ -1,0 +1,115 @@
+"""The prompts answered at the end of a run: given ones, or the first prompts of the training data.
+
+A prompt is shown to the model as training showed it: for instruction and chat data, the conversation up to the
+assistant's turn, rendered with the tokenizer's chat template (or the plain ``role: content`` layout without
+one); for text data, the text as it is. Example::
+
+    shown, rendered = sample_prompts(None, data_files, "instruction", "text", tokenizer, count=3)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from raytrain_eks.train.data import MalformedRow, chat_messages, instruction_messages
+
+DEFAULT_COUNT = 3
+_HEAD_BYTES = 1 << 18  # the first 256 KiB of the first file hold the first prompts
+
+
+def render(messages: list[dict[str, str]], tokenizer: Any) -> str:
+    """The conversation ``messages`` (ending before the assistant's answer) as the model reads it, answer next."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+def _prompt_of(row: dict[str, Any], data_format: str, text_field: str) -> tuple[str, list[dict[str, str]] | None]:
+    """(what a person reads, the messages before the first answer); messages are ``None`` for text data."""
+    if data_format == "text":
+        words = str(row.get(text_field, "")).split()
+        return " ".join(words[: max(1, min(12, len(words) // 2))]), None
+    messages = instruction_messages(row) if data_format == "instruction" else chat_messages(row)
+    first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    before = messages[:first_answer]
+    return before[-1]["content"] if before else "", before
+
+
+def first_rows(files: list[str], kind: str, count: int) -> list[dict[str, Any]]:
+    """Up to ``count`` rows from the start of the first data file (local or ``s3://``)."""
+    from raytrain_eks.train.checkpoint import _fs
+
+    filesystem, path = _fs(files[0])
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        with filesystem.open_input_file(path) as f:
+            pf = pq.ParquetFile(f)
+            return pf.read_row_group(0).slice(0, count * 4).to_pylist() if pf.num_row_groups else []
+    with filesystem.open_input_stream(path) as f:
+        head = f.read(_HEAD_BYTES).decode("utf-8", errors="replace")
+    stripped = head.lstrip()
+    if stripped.startswith("["):
+        try:
+            return json.loads(stripped)[: count * 4]
+        except json.JSONDecodeError:
+            return []
+    rows = []
+    for line in head.splitlines()[:-1] if len(head) == _HEAD_BYTES else head.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+        if len(rows) >= count * 4:
+            break
+    return rows
+
+
+def sample_prompts(
+    given: list[str] | None,
+    listed: tuple[list[str], str] | None,
+    data_format: str,
+    text_field: str,
+    tokenizer: Any,
+    count: int = DEFAULT_COUNT,
+) -> tuple[list[str], list[str]]:
+    """(prompts as a person reads them, the same prompts rendered for the model).
+
+    ``given`` prompts are user turns for instruction and chat data and plain text for text data; without them the
+    first ``count`` well-formed rows of the data give theirs. Random token ids have no prompts: ``([], [])``.
+    """
+    if given:
+        if data_format == "text":
+            return list(given), list(given)
+        return list(given), [render([{"role": "user", "content": p}], tokenizer) for p in given]
+    if listed is None:
+        return [], []
+    shown, rendered = [], []
+    for row in first_rows(*listed, count):
+        try:
+            text, before = _prompt_of(row, data_format, text_field)
+        except (MalformedRow, StopIteration):
+            continue
+        if not text:
+            continue
+        shown.append(text)
+        rendered.append(text if before is None else render(before, tokenizer))
+        if len(shown) == count:
+            break
+    return shown, rendered
+
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+def write_samples(run_dir: Path, shown: list[str], samples: list[dict[str, Any]]) -> Path:
+    """``RUN_DIR/samples.jsonl``: one ``{"prompt", "completion", "tokens"}`` line per prompt, as a person reads it."""
+    path = run_dir / SAMPLES_FILE
+    with path.open("w") as f:
+        for text, sample in zip(shown, samples, strict=False):
+            f.write(json.dumps({**sample, "prompt": text, "rendered_prompt": sample["prompt"]}) + "\n")
+    return path

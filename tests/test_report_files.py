@@ -1,0 +1,102 @@
+"""The report from run folders written here (no Ray): what it shows, what it refuses; evaluation settings; MLflow
+against a real local tracking store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from run_folders import write_run
+
+from raytrain_eks import presets
+from raytrain_eks.cli import main
+from raytrain_eks.config import load_config
+from raytrain_eks.errors import ConfigError
+
+
+def test_report_shows_fabric_evidence_cost_checkpoints_and_samples(tmp_path, capsys):
+    run = write_run(
+        tmp_path / "efa",
+        fabric={"require": "efa", "verdict": "efa", "met": True, "basis": "NET/OFI lines", "report": "transport: EFA"},
+        cost={"usd": 1.5, "usd_per_hour": 9.0, "usd_per_million_tokens": 0.25},
+    )
+    (run / "nccl").mkdir()
+    (run / "nccl" / "rank00000.log").write_text("NCCL INFO NET/OFI Selected Provider is efa\n")
+    main(["report", str(run)])
+    assert f"report: {run / 'report.html'}" in capsys.readouterr().out
+    page = (run / "report.html").read_text()
+    assert "NET/OFI Selected Provider is efa" in page and "transport: EFA" in page
+    assert "$0.25 per million tokens" in page and "$1.50 at $9.00/h" in page
+    assert "10, 30" in page  # checkpoints
+    assert "Say &lt;hi&gt;" in page and "hi &amp; bye" in page  # samples, escaped
+    plots = sorted(p.name for p in (run / "plots").glob("*.png"))
+    assert plots == sorted(
+        f"{n}.png" for n in ["loss", "eval_ppl", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu"]
+    )
+    assert page.count("data:image/png;base64,") == len(plots)
+
+
+def test_report_draws_only_what_the_metrics_have(tmp_path):
+    run = tmp_path / "bare"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")
+    main(["report", str(run)])
+    assert [p.name for p in (run / "plots").glob("*.png")] == ["loss.png"]
+    assert "No samples" in (run / "report.html").read_text()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p, "is not a folder"),
+        (lambda p: (p.mkdir(), p)[1], "is not a run folder of raytrain-eks"),
+        (lambda p: (p.mkdir(), (p / "config.yaml").write_text("{}"), p)[2], "has no metrics yet"),
+        (lambda p: (p.mkdir(), (p / "metrics.jsonl").write_text('{"step": 1\n'), p)[2], "line 1 is not JSON"),
+    ],
+    ids=["missing", "not-a-run", "no-metrics", "broken-metrics"],
+)
+def test_report_refuses_bad_folders_with_one_message(tmp_path, capsys, make, message):
+    folder = make(tmp_path / "x")
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(folder)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_evaluation_settings(monkeypatch):
+    tiny = presets.local_tiny()
+    assert load_config(preset=tiny, environ={}).training.effective_eval_fraction == 0.05
+    assert load_config(preset=presets.reference(), environ={}).training.effective_eval_fraction == 0.0  # random ids
+    held = load_config(preset=tiny, environ={}, overrides={"training": {"eval_data": "eval.jsonl"}})
+    assert held.training.effective_eval_fraction == 0.0
+    with pytest.raises(ConfigError, match="eval_data .* or eval_fraction"):
+        load_config(preset=tiny, environ={}, overrides={"training": {"eval_data": "e.jsonl", "eval_fraction": 0.1}})
+    with pytest.raises(ConfigError, match="eval_data needs real training data"):
+        load_config(preset=presets.reference(), environ={}, overrides={"training": {"eval_data": "e.jsonl"}})
+    with pytest.raises(ConfigError, match="eval_fraction"):
+        load_config(preset=tiny, environ={}, overrides={"training": {"eval_fraction": 1.0}})
+
+
+def test_mlflow_gets_params_curves_and_summary_in_a_local_store(tmp_path, monkeypatch):
+    import mlflow
+
+    from raytrain_eks.report.tracking import Tracker
+
+    # The file store is MLflow's plain local store (SQLite needs SQLAlchemy, which mlflow-skinny leaves out).
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    tracker = Tracker(tmp_path / "run", presets.local_tiny())
+    tracker.log({"step": 1, "loss": 3.0, "lr": 1e-3})
+    tracker.log({"step": 10, "loss": 2.0, "eval_loss": 2.5})
+    tracker.close()
+    tracker.finish({"steps": 10, "final_loss": 2.0, "fabric": {}, "export": True})
+    client = mlflow.MlflowClient()
+    (found,) = client.search_runs([client.get_experiment_by_name("raytrain-eks").experiment_id])
+    assert found.info.status == "FINISHED" and found.info.run_name == "run"
+    assert found.data.params["steps"] == "100" and found.data.params["model_id"] == "builtin:tiny-qwen2"
+    history = client.get_metric_history(found.info.run_id, "train_loss")
+    assert [(m.step, m.value) for m in history] == [(1, 3.0), (10, 2.0)]
+    assert found.data.metrics["eval_loss"] == 2.5 and found.data.metrics["summary_final_loss"] == 2.0
+    assert "summary_export" not in found.data.metrics  # booleans are not metrics
+    assert (tmp_path / "run" / "tensorboard").is_dir()
