@@ -36,6 +36,8 @@ MARKER = "complete.json"
 # Written into every exported model folder: only a folder holding it may be replaced by a later export.
 EXPORT_MARKER = ".raytrain-eks-export"
 HF_DIR = "hf"
+# Ray Train's own list of the checkpoints reported to it, in its storage folder (Ray 2.60's file name).
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 _NAME = re.compile(r"^checkpoint_(\d+)$")
 # Architecture fields that must agree between a checkpoint and the model it is loaded into.
 _ARCH_KEYS = (
@@ -225,6 +227,23 @@ def prune(root: str | Path, keep: int) -> list[str]:
         fs, base = _fs(location)
         fs.delete_dir(base)
     return doomed
+
+
+def forget_ray_snapshot(root: str | Path) -> bool:
+    """Delete Ray Train's checkpoint list from the run's Ray storage folder ``root``; True when there was one.
+
+    Which checkpoints exist is decided here (complete markers, :func:`prune`), and resuming takes its
+    checkpoint from :func:`latest_complete`, never from Ray. Ray's list still names the checkpoints pruned
+    since it was written, and a new ``TorchTrainer`` over the same folder refuses to start when one of them is
+    gone. Call before starting a trainer that continues an earlier run (``train --resume``).
+    """
+    from pyarrow import fs as pafs
+
+    fs, base = _fs(join(root, RAY_SNAPSHOT))
+    if fs.get_file_info(base).type != pafs.FileType.File:
+        return False
+    fs.delete_file(base)
+    return True
 
 
 def materialize(location: str | Path, into: Path) -> Path:

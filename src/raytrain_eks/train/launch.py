@@ -219,7 +219,14 @@ def _train_in(
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
 
-    from raytrain_eks.train.checkpoint import export_hf, join, latest_complete, list_checkpoints, storage_root
+    from raytrain_eks.train.checkpoint import (
+        export_hf,
+        forget_ray_snapshot,
+        join,
+        latest_complete,
+        list_checkpoints,
+        storage_root,
+    )
     from raytrain_eks.train.data import prepare_dataset
 
     training = cfg.training
@@ -246,6 +253,9 @@ def _train_in(
         say(f"data: random token ids, {training.seq_len} tokens per sample")
 
     checkpoint_root = join(storage_root(run_dir, training.storage_path), RAY_DIR)
+    if resume_from is not None:
+        # The earlier attempt's Ray Train list names checkpoints pruned since: a new trainer over it would refuse.
+        forget_ray_snapshot(checkpoint_root)
     # Workers inherit the raylet's environment, not the driver's: what they need is passed explicitly.
     worker_env = {}
     if cfg.fabric.require != "any":
