@@ -59,6 +59,8 @@ def test_train_places_ranks_on_both_hosts(cluster, tmp_path, builtin_model):
     before = {w.job_id for w in cluster.train_workers()}
     run = tmp_path / "run"
     cmd = [tool("raytrain-eks"), "train", "--address", cluster.address, "--preset", "local-tiny"]
+    # Both hosts see this machine's file system: a folder of it is storage every node reaches.
+    cmd += ["--storage-path", str(tmp_path / "store"), "--storage-shared"]
     proc = cluster.run([*cmd, "--steps", "5", "--output-dir", str(run)], cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())

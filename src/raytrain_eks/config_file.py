@@ -59,6 +59,10 @@ FIELD_HELP = {
     ("training", "max_failures"): "worker-group restarts (from the last checkpoint) before the run fails",
     ("training", "export"): "write the trained model in Hugging Face format to RUN_DIR/model at the end",
     ("training", "storage_path"): "checkpoints: a folder every node reaches or s3://bucket/prefix; empty = run folder",
+    (
+        "training",
+        "storage_shared",
+    ): "true: storage_path is a folder every node mounts (required for a local path when workers span nodes)",
     ("training", "output_dir"): "run folder; empty = runs/<time>-<model>",
 }
 

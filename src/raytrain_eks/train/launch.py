@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from raytrain_eks.config import BUILTIN_DATA, Config
+from raytrain_eks.config import BUILTIN_DATA, Config, check_storage_for_nodes
 from raytrain_eks.errors import TrainingError, UserError
 from raytrain_eks.train.fabric_gate import nccl_env
 from raytrain_eks.train.faults import ENV as FAULT_ENV
@@ -85,6 +85,17 @@ def fit_keeping_sigint(trainer: Any) -> Any:
         return trainer.fit()
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def worker_hosts() -> int:
+    """Alive nodes of the connected Ray cluster that can host a training worker: with GPUs when the cluster has
+    any (workers then take one GPU each), else with CPUs. A head started with ``num-cpus 0`` and no GPU counts not.
+    """
+    import ray
+
+    alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    key = "GPU" if any(r.get("GPU", 0) > 0 for r in alive) else "CPU"
+    return sum(1 for r in alive if r.get(key, 0) >= 1)
 
 
 def init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
@@ -162,20 +173,31 @@ def run_training(
     model_path = resolve_model_path(training.model_id)
     model_config = check_model(model_path)
     data_files = None if training.uses_random_data else list_data_files(_data_source(cfg))
-    resume_from = None
-    if resume is not None:
-        run_dir = resume.expanduser().resolve()
-        resume_from = resolve_checkpoint(
-            join(storage_root(run_dir, training.storage_path), RAY_DIR) if training.storage_path else run_dir
-        )
-        check_compatible(resume_from, model_config)
-        say(f"resuming {run_dir} from {resume_from}")
-    else:
-        run_dir = new_run_dir(cfg, runs_root)
-        say(f"run folder: {run_dir}")
+    ray_was_running = ray.is_initialized()
+    try:
+        if address:
+            # Joining a cluster: its nodes decide whether the checkpoints need storage every node reaches.
+            init_ray(address, training.num_workers or LOCAL_CPU_WORKERS, verbose)
+            check_storage_for_nodes(
+                training, worker_hosts(), counted="alive nodes of the Ray cluster that can host a training worker"
+            )
+        resume_from = None
+        if resume is not None:
+            run_dir = resume.expanduser().resolve()
+            resume_from = resolve_checkpoint(
+                join(storage_root(run_dir, training.storage_path), RAY_DIR) if training.storage_path else run_dir
+            )
+            check_compatible(resume_from, model_config)
+            say(f"resuming {run_dir} from {resume_from}")
+        else:
+            run_dir = new_run_dir(cfg, runs_root)
+            say(f"run folder: {run_dir}")
+    except BaseException:
+        if not ray_was_running and ray.is_initialized():  # refused before anything ran: the Ray connection goes
+            ray.shutdown()
+        raise
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
-    ray_was_running = ray.is_initialized()
     try:
         return _train_in(
             run_dir,
