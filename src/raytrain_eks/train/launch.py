@@ -249,7 +249,7 @@ def _train_in(
         list_checkpoints,
         storage_root,
     )
-    from raytrain_eks.train.data import prepare_dataset
+    from raytrain_eks.train.data import prepare_dataset, rank_shards, shard_data_config
 
     training = cfg.training
 
@@ -270,7 +270,7 @@ def _train_in(
             min_blocks=num_workers * training.batch_size * training.grad_accum_steps,
         )
         say(prepared.describe(training.data, training.seq_len))
-        datasets["train"] = prepared.dataset
+        datasets = rank_shards(prepared.dataset, num_workers)
     else:
         say(f"data: random token ids, {training.seq_len} tokens per sample")
 
@@ -305,6 +305,7 @@ def _train_in(
             worker_runtime_env={"env_vars": worker_env},
         ),
         datasets=datasets,
+        dataset_config=shard_data_config(),
     )
 
     outcome: dict[str, Any] = {}
