@@ -18,7 +18,6 @@ import argparse
 import contextlib
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,12 +38,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def probe(cluster: TwoHostCluster, args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Any], str, float]:
+def probe(cluster: TwoHostCluster, args: argparse.Namespace) -> tuple[dict[str, Any], str, float]:
     cmd = [tool("raytrain-eks"), "probe", "--address", cluster.address, "--preset", "local-tiny"]
     cmd += ["--min-bytes", args.min_bytes, "--max-bytes", args.max_bytes, "--iters", str(args.iters)]
     cmd += ["--warmup", str(args.warmup), "--expected-gbps", str(args.expected_gbps)]
     t0 = time.perf_counter()
-    proc = cluster.run([*cmd, "--json"], cwd=workdir, timeout=1800)
+    proc = cluster.run([*cmd, "--json"], timeout=1800)  # in host 0's own working folder
     wall = time.perf_counter() - t0
     if proc.returncode not in (0, 1):
         raise RuntimeError(f"probe failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
@@ -70,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     caps = [c.strip() for c in args.caps.split(",") if c.strip()]
     results: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    with TwoHostCluster() as cluster, tempfile.TemporaryDirectory(prefix="bench-probe-") as tmp:
+    with TwoHostCluster() as cluster:
         print(f"cluster up in {time.perf_counter() - t0:.1f} s: hosts {', '.join(cluster.ips)}")
         for cap in [None, *caps]:
             with cluster.capped(1, cap) if cap else contextlib.nullcontext():
-                report, table, wall = probe(cluster, args, Path(tmp))
+                report, table, wall = probe(cluster, args)
             label = f"capped at {cap}" if cap else "free"
             print(f"\n== {label}: {report['world_size']} ranks on {report['num_nodes']} nodes, {wall:.1f} s")
             print(table)

@@ -19,7 +19,7 @@ from raytrain_eks import presets
 from raytrain_eks.cli import main
 from raytrain_eks.config import load_config
 from raytrain_eks.errors import TrainingError, UserError
-from raytrain_eks.train.checkpoint import EXPORT_MARKER, MARKER, list_checkpoints, resolve_checkpoint
+from raytrain_eks.train.checkpoint import EXPORT_MARKER, MARKER, RAY_SNAPSHOT, list_checkpoints, resolve_checkpoint
 from raytrain_eks.train.faults import ENV as FAULT_ENV
 from raytrain_eks.train.launch import ERROR_LOG, run_training
 
@@ -267,3 +267,20 @@ class _RunsCode:
 
     def __reduce__(self):
         return (os.mkdir, (str(self.target),))
+
+
+def test_resume_after_older_checkpoints_were_pruned(tmp_path, monkeypatch, ray_local):
+    # Four checkpoints written, two kept: the first two are gone from storage when the run is resumed.
+    short = {**RANDOM, "steps": 4, "checkpoint_every": 1, "keep_checkpoints": 2, "export": False}
+    run = run_training(make_config(**short, output_dir=str(tmp_path / "run")), runs_root=tmp_path, say=quiet).run_dir
+    assert [step for step, _, ok in list_checkpoints(run / "ray")] == [3, 4]
+    from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+
+    assert (run / "ray" / RAY_SNAPSHOT).is_file() and RAY_SNAPSHOT == CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+    monkeypatch.chdir(tmp_path)
+    main(["train", "--resume", str(run), "--steps", "6"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == 6
+    assert [step for step, _, ok in list_checkpoints(run / "ray") if ok] == [5, 6]
+    resumed = [r["step"] for r in history(run) if r["resumed_from_step"] == 4]
+    assert resumed == [5, 6]

@@ -96,3 +96,29 @@ def test_export_targets_it_may_replace(tmp_path):
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(UserError, match="already exists and is not a folder"):
         check_export_target(tmp_path / "a-file")
+
+
+def test_bfloat16_export_is_filled_in_bfloat16_from_an_fp32_checkpoint(tmp_path, builtin_model):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_eks.train.checkpoint import HF_DIR, export_hf, mark_complete
+
+    model = AutoModelForCausalLM.from_pretrained(builtin_model, dtype=torch.float32)
+    folder = tmp_path / "ray" / "checkpoint_00000001"
+    with warnings.catch_warnings():  # one process without a process group, as export itself loads
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(folder), no_dist=True)
+    model.config.save_pretrained(folder / HF_DIR)
+    mark_complete(folder, step=1, world_size=1)
+
+    full = load_file(export_hf(folder, tmp_path / "fp32") / "model.safetensors")
+    half = load_file(export_hf(folder, tmp_path / "bf16", dtype="bfloat16") / "model.safetensors")
+    assert full.keys() == half.keys() and all(t.dtype == torch.float32 for t in full.values())
+    for name, tensor in half.items():
+        assert tensor.dtype == torch.bfloat16, name
+        assert torch.equal(tensor, full[name].to(torch.bfloat16)), name
+    assert torch.equal(full["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach())

@@ -109,6 +109,7 @@ def test_every_env_var_of_the_reference_is_read(tmp_path, monkeypatch):
         "KEEP_CHECKPOINTS": "3",
         "STORAGE_PATH": "s3://bucket/runs",
         "CHECKPOINT_BUCKET": "team-checkpoints",
+        "STORAGE_SHARED": "True",
         "BENCH_STEPS": "40",
         "BENCH_WARMUP_STEPS": "5",
     }
@@ -280,3 +281,42 @@ def test_the_config_file_comments_come_from_the_fields_own_descriptions():
         if at is None:  # a value on the same line
             at = next(i for i in range(start, len(lines)) if lines[i].startswith(f"  {name}: "))
         assert lines[at - 1].startswith("  # ") and lines[at - 1].endswith(description), (section, name)
+
+
+def test_storage_for_several_nodes_must_reach_every_node(tmp_path, monkeypatch):
+    from raytrain_eks.config import check_storage_for_nodes
+
+    monkeypatch.chdir(tmp_path)
+
+    def training(**over):
+        return load_config(preset=presets.local_tiny(), environ={}, overrides={"training": over}).training
+
+    # One node: any storage (the run folder included) is fine.
+    check_storage_for_nodes(training(), 1, counted="test")
+    # Several nodes: a remote URI, or a local path declared shared.
+    check_storage_for_nodes(training(storage_path="s3://bucket/runs"), 2, counted="test")
+    check_storage_for_nodes(training(storage_path="/mnt/efs/runs", storage_shared=True), 2, counted="test")
+    for refused in (training(), training(storage_path="/data/runs"), training(storage_path="file:///data/runs")):
+        with pytest.raises(ConfigError) as info:
+            check_storage_for_nodes(refused, 3, counted="alive Ray nodes")
+        assert info.value.exit_code == 2 and len(info.value.problems) == 1
+        message = info.value.problems[0]
+        assert f"training.storage_path = {refused.storage_path!r}" in message and "span 3 nodes" in message
+        assert "s3://BUCKET/PREFIX" in message and "training.storage_shared: true" in message
+    # The setting comes from the environment too; declaring "shared" without a path is refused.
+    env = load_config(preset=presets.local_tiny(), environ={"STORAGE_PATH": "/mnt/x", "STORAGE_SHARED": "true"})
+    assert env.training.storage_shared and env.training.storage_reaches_every_node
+    with pytest.raises(ConfigError, match="storage_shared is true but storage_path is empty"):
+        load_config(preset=presets.local_tiny(), environ={"STORAGE_SHARED": "true"})
+
+
+def test_the_reference_cluster_counts_its_worker_nodes_for_storage(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    reference = load_config(preset=presets.reference(), environ={})
+    assert reference.derived.worker_nodes == 2  # 2 x g6.12xlarge, one rank per GPU
+    with pytest.raises(ConfigError, match="span 2 nodes"):
+        reference.check_cluster_storage()
+    load_config(preset=presets.reference(), environ={"STORAGE_PATH": "s3://b/p"}).check_cluster_storage()
+    one = load_config(preset=presets.reference(), environ={"NUM_WORKERS": "1"})
+    assert one.derived.worker_nodes == 1
+    one.check_cluster_storage()

@@ -143,6 +143,7 @@ def test_the_validators_do_reject_bad_documents(cfg_for, raycluster_schema):
 def test_head_reserves_no_gpu_and_runs_on_the_system_node(cfg_for):
     group = _head(m.raycluster(cfg_for()))
     assert group["rayStartParams"]["num-gpus"] == "0"
+    assert group["rayStartParams"]["num-cpus"] == "0", "Ray Data tasks must not land on the head pod"
     assert group["serviceType"] == "ClusterIP", "the dashboard port must not leave the cluster"
     spec = group["template"]["spec"]
     assert spec["nodeSelector"] == {"role": "system"}

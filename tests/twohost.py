@@ -7,13 +7,20 @@ killed before its teardown is cleaned up by the next one)::
     netns Ph0   eth0 10.213.0.11/24 <-veth-> h0    Ray head (GCS 10.213.0.11:6379), drivers run here
     netns Ph1   eth0 10.213.0.12/24 <-veth-> h1    Ray worker node
 
-Every Ray process and every driver runs inside a host namespace (``ip netns exec``), with:
+Every Ray process and every driver runs on a host: in its network and mount namespaces (``nsenter`` into the
+host's first process, which ``ip netns exec ... unshare --mount`` started), with:
 
 - ``GLOO_SOCKET_IFNAME=eth0`` (and ``NCCL_SOCKET_IFNAME``): without it gloo picks loopback and rendezvous fails;
   the Ray workers inherit it from their raylet;
 - ``RAY_AUTH_MODE=token`` and a fresh ``RAY_AUTH_TOKEN``, so the cluster never depends on ``~/.ray/auth_token``;
-- each host its own ``--temp-dir`` (the namespaces share the file system), so each host's Ray logs, including
-  Ray Train's structured worker logs, show what ran on that host.
+- each host its own mount namespace (``unshare --mount --propagation private``) with a private tmpfs over
+  ``/tmp``: Ray's session folder (``--temp-dir=/tmp/ray``), run folders and every other file a host writes there
+  stay on that host, as on two real nodes. The built-in model cache is the one folder both hosts see (bound at
+  the same path), as a model baked into the image would be. The test reads a host's files through
+  :meth:`TwoHostCluster.host_path`.
+- ``s3=True``: moto's S3 server listening on host 0's address (``S3_PORT``), with bucket :data:`BUCKET`; every
+  process of the cluster gets ``AWS_ENDPOINT_URL`` and dummy credentials, so ``s3://`` storage is what both
+  hosts share.
 
 Each node offers 1 CPU by default, so Ray Train's PACK placement of 1-CPU workers must use both nodes.
 ``cap(host, "100mbit")`` puts a ``tbf`` qdisc on both ends of a host's veth (both directions of its link).
@@ -23,6 +30,7 @@ with them). Example::
 
     with TwoHostCluster() as cluster:
         cluster.run(["raytrain-eks", "train", "--address", cluster.address, "--preset", "local-tiny"])
+        cluster.host_path(0, "/tmp/work/runs")   # that host's run folders, as this process sees them
         with cluster.capped(1, "100mbit"):
             cluster.run(["raytrain-eks", "probe", "--address", cluster.address])
 """
@@ -38,7 +46,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -48,6 +55,20 @@ SUBNET = "10.213.0"
 HOST_IPS = (f"{SUBNET}.11", f"{SUBNET}.12")
 IFNAME = "eth0"
 GCS_PORT = 6379
+S3_PORT = 9000
+BUCKET = "twohost"
+RAY_TEMP = "/tmp/ray"  # inside each host's private /tmp
+WORKDIR = "/tmp/work"  # each host's private working folder: commands run there unless told otherwise
+# Run as each host's first process (in a mount namespace of its own): a private tmpfs over /tmp, the shared cache
+# ($1, parked on /mnt while /tmp is covered) moved back to its own path, then hold the namespace open.
+_HOST_INIT = """set -e
+if [ -n "$1" ]; then mount --bind "$1" /mnt; fi
+mount -t tmpfs -o size=4g,mode=1777 rtek-tmp /tmp
+if [ -n "$1" ]; then mkdir -p "$1"; mount --move /mnt "$1"; fi
+mkdir -p /tmp/work
+echo ready
+exec sleep infinity
+"""
 _PREFIX = "rtek"
 _NAME = re.compile(rf"^{_PREFIX}(\d+)(br|h\d)$")
 
@@ -100,6 +121,7 @@ class TwoHostCluster:
         num_cpus: int = 1,
         object_store_mb: int = 512,
         logs_to: Path | None = None,
+        s3: bool = False,
     ) -> None:
         self.prefix = f"{_PREFIX}{os.getpid()}"
         self.bridge_ns = f"{self.prefix}br"
@@ -110,8 +132,18 @@ class TwoHostCluster:
         self._num_cpus = num_cpus
         self._object_store_mb = object_store_mb
         self._logs_to = logs_to
-        self._root: Path | None = None
+        self._holders: list[subprocess.Popen[str]] = []
         self.env = _cluster_env()
+        self.s3_url = f"http://{HOST_IPS[0]}:{S3_PORT}" if s3 else None
+        if s3:
+            self.env.update(
+                AWS_ENDPOINT_URL=self.s3_url,
+                AWS_ACCESS_KEY_ID="testing",
+                AWS_SECRET_ACCESS_KEY="testing",
+                AWS_DEFAULT_REGION="us-east-1",
+                AWS_REGION="us-east-1",
+                AWS_EC2_METADATA_DISABLED="true",
+            )
 
     # -- lifecycle ------------------------------------------------------------------------------------------------
 
@@ -128,24 +160,64 @@ class TwoHostCluster:
 
     def start(self) -> None:
         cleanup_stale()
-        self._root = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))  # short: Ray's socket paths must fit 107 bytes
         self._build_network()
+        self._start_hosts()
+        if self.s3_url:
+            self._start_s3()
         if self._start_ray:
             self._start_nodes()
 
     def close(self) -> None:
-        """Stop every process in the namespaces, delete them (veths and bridge go with them), remove temp files."""
+        """Stop every process in the namespaces, delete them (veths, bridge and each host's
+        private tmpfs go with them)."""
+        if self._holders and self._logs_to is not None:  # read through the hosts, so before they stop
+            for i in range(len(self._holders)):
+                logs = self.session_logs(i)
+                with contextlib.suppress(OSError, shutil.Error):
+                    if logs.is_dir():
+                        shutil.copytree(
+                            logs, self._logs_to / f"h{i}", dirs_exist_ok=True, ignore_dangling_symlinks=True
+                        )
         for ns in self.host_ns:
             _kill_namespace_processes(ns)
-        if self._root is not None and self._logs_to is not None:
-            for i in range(len(self.host_ns)):
-                logs = self.temp_dir(i) / "session_latest" / "logs"
-                if logs.is_dir():
-                    shutil.copytree(logs, self._logs_to / f"h{i}", dirs_exist_ok=True, ignore_dangling_symlinks=True)
+        for holder in self._holders:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                holder.wait(timeout=10)
+            for pipe in (holder.stdout, holder.stderr):
+                if pipe is not None:
+                    pipe.close()
         for ns in (*self.host_ns, self.bridge_ns):
             _delete_namespace(ns)
-        if self._root is not None:
-            shutil.rmtree(self._root, ignore_errors=True)
+
+    # -- hosts: a mount namespace each ---------------------------------------------------------------------------
+
+    def _start_hosts(self) -> None:
+        cache = os.environ.get("RAYTRAIN_EKS_CACHE", "")
+        for ns in self.host_ns:
+            argv = ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private"]
+            argv += ["sh", "-c", _HOST_INIT, "host-init", cache]
+            holder = subprocess.Popen(argv, cwd=cache or "/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            self._holders.append(holder)
+            assert holder.stdout is not None
+            if holder.stdout.readline().strip() != "ready":
+                raise ClusterError(f"the mount namespace of {ns} did not start: {holder.stderr.read()[-2000:]}")
+
+    def host_path(self, host: int, path: str | Path) -> Path:
+        """Where this process sees ``path`` of host ``host`` (an absolute path inside that host)."""
+        return Path(f"/proc/{self._holders[host].pid}/root") / str(path).lstrip("/")
+
+    def _start_s3(self) -> None:
+        server = [tool("moto_server"), "-H", self.ips[0], "-p", str(S3_PORT)]
+        self.run(["sh", "-c", 'exec "$@" >/tmp/moto.log 2>&1 </dev/null &', "moto", *server], host=0, check=True)
+        script = (
+            "import time, boto3\n"
+            "for _ in range(120):\n"
+            "    try:\n"
+            f"        boto3.client('s3').create_bucket(Bucket={BUCKET!r}); break\n"
+            "    except Exception: time.sleep(0.5)\n"
+            "else: raise SystemExit('moto did not answer')\n"
+        )
+        self.run([sys.executable, "-c", script], host=1, timeout=120, check=True)
 
     # -- network --------------------------------------------------------------------------------------------------
 
@@ -185,19 +257,29 @@ class TwoHostCluster:
     # -- Ray ------------------------------------------------------------------------------------------------------
 
     def temp_dir(self, host: int) -> Path:
-        assert self._root is not None, "the cluster is not started"
-        return self._root / f"h{host}"
+        """Host ``host``'s Ray temp folder, as this process sees it."""
+        return self.host_path(host, RAY_TEMP)
+
+    def session_logs(self, host: int) -> Path:
+        """Host ``host``'s current Ray session logs, as this process sees them (``session_latest`` is a link to a
+        path inside the host, so it is followed here, not by this process's own view of ``/tmp``)."""
+        latest = self.temp_dir(host) / "session_latest"
+        try:
+            target = os.readlink(latest)
+        except OSError:
+            return latest / "logs"
+        return (self.host_path(host, target) if target.startswith("/") else latest.parent / target) / "logs"
 
     def _start_nodes(self) -> None:
         ray = tool("ray")
         common = [f"--num-cpus={self._num_cpus}", f"--object-store-memory={self._object_store_mb * 2**20}"]
         common += ["--disable-usage-stats"]
         head = [ray, "start", "--head", f"--node-ip-address={self.ips[0]}", f"--port={GCS_PORT}"]
-        head += ["--include-dashboard=false", f"--temp-dir={self.temp_dir(0)}", *common]
+        head += ["--include-dashboard=false", f"--temp-dir={RAY_TEMP}", *common]
         self.run(head, host=0, timeout=180, check=True)
         for i in range(1, len(self.host_ns)):
             worker = [ray, "start", f"--address={self.address}", f"--node-ip-address={self.ips[i]}"]
-            worker += [f"--temp-dir={self.temp_dir(i)}", *common]
+            worker += [f"--temp-dir={RAY_TEMP}", *common]
             self.run(worker, host=i, timeout=180, check=True)
         self.wait_for_nodes(len(self.host_ns))
 
@@ -225,13 +307,13 @@ class TwoHostCluster:
         timeout: float = 600,
         check: bool = False,
         env: dict[str, str] | None = None,
-        cwd: Path | None = None,
+        cwd: str | Path = WORKDIR,
     ) -> subprocess.CompletedProcess[str]:
-        """Run ``argv`` inside host ``host``'s namespace with the cluster's environment (plus ``env``)."""
-        cmd = ["ip", "netns", "exec", self.host_ns[host], *argv]
-        proc = subprocess.run(
-            cmd, env={**self.env, **(env or {})}, cwd=cwd, capture_output=True, text=True, timeout=timeout
-        )
+        """Run ``argv`` on host ``host`` (its network and mount namespaces), in ``cwd`` (a path inside that host),
+        with the cluster's environment (plus ``env``)."""
+        target = str(self._holders[host].pid)
+        cmd = ["nsenter", "--target", target, "--mount", "--net", "--", "env", f"--chdir={cwd}", *argv]
+        proc = subprocess.run(cmd, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
             raise ClusterError(f"{' '.join(argv)} failed on host {host} (exit {proc.returncode}): {_tail(proc)}")
         return proc
@@ -240,7 +322,7 @@ class TwoHostCluster:
         """Every Ray Train worker each host's own Ray logs show (Ray Train's structured ``logs/train`` files)."""
         records: dict[tuple[int, str, str], WorkerRecord] = {}
         for host in range(len(self.host_ns)):
-            folder = self.temp_dir(host) / "session_latest" / "logs" / "train"
+            folder = self.session_logs(host) / "train"
             for path in sorted(folder.glob("ray-train-*-worker-*.log")) if folder.is_dir() else []:
                 for line in path.read_text(errors="replace").splitlines():
                     try:

@@ -66,6 +66,13 @@ def train(
             help="Where checkpoints go: s3://bucket/prefix or a folder every node shares (default: run folder)."
         ),
     ] = None,
+    storage_shared: Annotated[
+        bool | None,
+        typer.Option(
+            "--storage-shared/--no-storage-shared",
+            help="Declare --storage-path a folder every node mounts (needed for a local path on several nodes).",
+        ),
+    ] = None,
     resume: Annotated[
         Path | None,
         typer.Option(help="Continue this run folder from its newest complete checkpoint, with its config.yaml."),
@@ -87,6 +94,7 @@ def train(
         "checkpoint_every": checkpoint_every,
         "keep_checkpoints": keep_checkpoints,
         "storage_path": _storage_path(storage_path),
+        "storage_shared": storage_shared,
         "output_dir": str(output_dir) if output_dir else None,
     }
     if resume is not None:

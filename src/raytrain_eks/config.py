@@ -275,6 +275,34 @@ class NetworkConfig(_Section):
         return v
 
 
+def is_remote_storage(path: str | None) -> bool:
+    """Whether ``path`` is a URI of storage outside every node (``s3://bucket/prefix``, ``gs://...``)."""
+    return bool(path) and "://" in str(path) and not str(path).startswith("file://")
+
+
+def check_storage_for_nodes(training: TrainingConfig, nodes: int, *, counted: str) -> None:
+    """Raise :class:`ConfigError` when the workers span ``nodes`` > 1 and the checkpoints would stay on one disk.
+
+    Ray Train writes every rank's checkpoint files, and the driver reads them back, through
+    ``training.storage_path``: with workers on several nodes it must be storage all of them reach. ``counted``
+    says where ``nodes`` came from, for the message. Example::
+
+        check_storage_for_nodes(cfg.training, 2, counted="alive Ray nodes that can host a worker")
+    """
+    if nodes <= 1 or training.storage_reaches_every_node:
+        return
+    value = training.storage_path
+    where = "the run folder on the driver's node" if not value else "a folder on each node's own disk"
+    raise ConfigError(
+        [
+            f"training.storage_path = {value!r}: the training workers span {nodes} nodes ({counted}), so the "
+            f"checkpoints would go to {where}, which the other nodes cannot read. Set training.storage_path to "
+            "s3://BUCKET/PREFIX (--storage-path or STORAGE_PATH), or to a folder every node mounts together "
+            "with training.storage_shared: true (--storage-shared or STORAGE_SHARED=true)"
+        ]
+    )
+
+
 class TrainingConfig(_Section):
     """The fine-tuning job run by every Ray Train worker."""
 
@@ -327,6 +355,11 @@ class TrainingConfig(_Section):
     storage_path: str | None = Field(
         None, description="checkpoints: a folder every node reaches or s3://bucket/prefix; empty = run folder"
     )
+    storage_shared: bool = Field(
+        False,
+        description="true: storage_path is a folder every node mounts (NFS, EFS, FSx); needed for a local path on "
+        "more than one node",
+    )
     output_dir: str | None = Field(None, description="run folder; empty = runs/<time>-<model>")
     eval_fraction: float | None = Field(
         None, ge=0, lt=1, description="share of the rows held out (seeded) for evaluation; empty = 0.05 of real data"
@@ -357,6 +390,19 @@ class TrainingConfig(_Section):
         if self.eval_data and self.uses_random_data:
             raise ValueError("eval_data needs real training data; random token ids have nothing to compare it with")
         return self
+
+    @model_validator(mode="after")
+    def _shared_needs_a_path(self) -> TrainingConfig:
+        if self.storage_shared and not self.storage_path:
+            raise ValueError(
+                "storage_shared is true but storage_path is empty: set storage_path to the folder every node mounts"
+            )
+        return self
+
+    @property
+    def storage_reaches_every_node(self) -> bool:
+        """Whether checkpoints written on one node can be read on another: a remote URI, or a declared shared path."""
+        return is_remote_storage(self.storage_path) or bool(self.storage_path and self.storage_shared)
 
     @property
     def effective_eval_fraction(self) -> float:
@@ -401,13 +447,14 @@ class Derived:
 
     ``cluster_gpus``: GPUs in the GPU node group. ``ray_gpus_per_worker_pod``: both Ray's ``num-gpus`` and the pod's
     ``nvidia.com/gpu`` request. ``world_size``: training workers on the cluster (``num_workers`` or, when 0, one
-    per GPU). ``workers_per_node``: ranks on each GPU node.
+    per GPU). ``workers_per_node``: ranks on each GPU node. ``worker_nodes``: GPU nodes the ranks span.
     """
 
     cluster_gpus: int
     ray_gpus_per_worker_pod: int
     world_size: int
     workers_per_node: int
+    worker_nodes: int
 
 
 class Config(_Section):
@@ -430,6 +477,17 @@ class Config(_Section):
             ray_gpus_per_worker_pod=self.cluster.gpus_per_node,
             world_size=world,
             workers_per_node=per_node,
+            worker_nodes=-(-world // per_node) if per_node else 0,
+        )
+
+    def check_cluster_storage(self) -> None:
+        """:func:`check_storage_for_nodes` for this configuration's own cluster (its GPU nodes the ranks span).
+
+        For a job this tool submits to the cluster it deploys, before anything is submitted; a run that joins a
+        Ray cluster counts that cluster's nodes instead (``train --address``).
+        """
+        check_storage_for_nodes(
+            self.training, self.derived.worker_nodes, counted="cluster.gpu_node_count and training.num_workers"
         )
 
     def to_yaml(self) -> str:
@@ -467,6 +525,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "CHECKPOINT_EVERY": ("training", "checkpoint_every"),
     "KEEP_CHECKPOINTS": ("training", "keep_checkpoints"),
     "STORAGE_PATH": ("training", "storage_path"),
+    "STORAGE_SHARED": ("training", "storage_shared"),
     "BENCH_STEPS": ("fabric", "compare_steps"),
     "BENCH_WARMUP_STEPS": ("fabric", "compare_warmup_steps"),
 }

@@ -103,3 +103,14 @@ def worker_error(exc: BaseException) -> str:
         return f"rank {rank}: {lines[-1] if lines else type(cause).__name__}"
     lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
     return lines[-1] if lines else type(exc).__name__
+
+
+def worker_hosts() -> int:
+    """Alive nodes of the connected Ray cluster that can host a training worker: with GPUs when the cluster has
+    any (workers then take one GPU each), else with CPUs. A head started with ``num-cpus 0`` and no GPU counts not.
+    """
+    import ray
+
+    alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    key = "GPU" if any(r.get("GPU", 0) > 0 for r in alive) else "CPU"
+    return sum(1 for r in alive if r.get(key, 0) >= 1)

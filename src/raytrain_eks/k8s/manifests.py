@@ -220,7 +220,9 @@ def ray_cluster_spec(cfg: Config, *, hf_token: bool = False) -> dict[str, Any]:
         "headGroupSpec": {
             # ClusterIP only: the dashboard (8265) is reachable inside the cluster, never from outside it.
             "serviceType": "ClusterIP",
-            "rayStartParams": {"num-gpus": "0", "dashboard-host": "0.0.0.0"},
+            # No CPUs, no GPUs offered: no task or actor needing one (Ray Data reads, training workers) lands on the
+            # head pod, whose memory holds Ray's control plane and the driver.
+            "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
             "template": _head_template(cfg, hf_token=hf_token),
         },
         "workerGroupSpecs": [

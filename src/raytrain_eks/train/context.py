@@ -61,7 +61,8 @@ class DataCursor:
     """Batches of one worker's shard, epoch after epoch, remembering where it is (epoch, batch in epoch).
 
     Every epoch walks the shard in the same order (the data set is shuffled once, with the run's seed, before it
-    is split), so a resume continues exactly by skipping ``batch`` batches of the epoch it stopped in.
+    is cut into one fixed shard per rank, see :func:`~raytrain_eks.train.data.rank_shards`), so a resume continues
+    exactly by skipping ``batch`` batches of the epoch it stopped in.
     """
 
     def __init__(self, epoch_iter: Callable[[], Iterator[Batch]], position: dict[str, int] | None = None) -> None:
@@ -134,7 +135,9 @@ class RayContext:
     def data_batches(self, batch_size: int, position: dict[str, int] | None) -> DataCursor:
         import ray.train
 
-        shard = ray.train.get_dataset_shard("train")
+        from raytrain_eks.train.data import rank_dataset_name
+
+        shard = ray.train.get_dataset_shard(rank_dataset_name(self.rank))
         return DataCursor(
             lambda: iter(
                 shard.iter_torch_batches(batch_size=batch_size, drop_last=True, dtypes=torch.long, device="cpu")

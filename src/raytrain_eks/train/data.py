@@ -8,7 +8,14 @@ Pure pieces (tested on hand-made rows) come first:
 - :func:`random_batch` makes the reference's synthetic token ids for one rank and step.
 
 Then :func:`prepare_dataset` builds the Ray Data pipeline the driver runs before any worker starts: read
-(JSONL / JSON / Parquet, local or ``s3://``), tokenize, count malformed rows, shuffle, pack, materialize.
+(JSONL / JSON / Parquet, local or ``s3://``), tokenize, count malformed rows, shuffle, pack, materialize; and
+:func:`rank_shards` cuts the result into one fixed, ordered shard per rank.
+
+Determinism: the shuffle orders rows by a keyed hash of their tokens (the key is the seed), so the order does
+not depend on how Ray Data cut the input into blocks or which task finished first; packing runs with Ray Data's
+``preserve_order`` on; each rank's shard is a fixed contiguous slice of the packed blocks, iterated in order. A
+rank's samples therefore depend only on the data, the seed and the world size, whichever node it runs on, and
+skipping N batches on resume continues exactly.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from raytrain_eks.errors import DataError
 IGNORE_INDEX = -100
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 ROLES = ("system", "user", "assistant")
+PACK_ROWS = 1024  # rows packed together: only the last block of each group is padded
 
 
 class MalformedRow(ValueError):
@@ -340,7 +348,82 @@ def prepare_dataset(
     shuffle, are held out before packing and packed apart as ``eval_dataset``. ``stage`` (optional) hears what
     is being done now, as a short line such as ``"packing 390 rows (13359 tokens)"``.
     """
-    say = stage or (lambda _: None)
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    before = context.execution_options.preserve_order
+    context.execution_options.preserve_order = True  # blocks come out in input order: packing is reproducible
+    try:
+        return _prepare(
+            data=data,
+            data_format=data_format,
+            text_field=text_field,
+            tokenizer_path=tokenizer_path,
+            seq_len=seq_len,
+            seed=seed,
+            min_blocks=min_blocks,
+            listed=listed,
+            eval_fraction=eval_fraction,
+            say=stage or (lambda _: None),
+        )
+    finally:
+        context.execution_options.preserve_order = before
+
+
+def _shuffle_key(batch: Any, *, seed: int) -> Any:
+    """Ray Data ``map_batches`` step: a column ``order``, a hash of each row's tokens keyed by the seed."""
+    import hashlib
+
+    import pyarrow as pa
+
+    key = seed.to_bytes(8, "little")
+    order = []
+    for ids, labels in zip(batch.column("input_ids").to_pylist(), batch.column("labels").to_pylist(), strict=True):
+        digest = hashlib.blake2b(np.asarray(ids, np.int64).tobytes(), digest_size=8, key=key)
+        digest.update(np.asarray(labels, np.int64).tobytes())
+        order.append(int.from_bytes(digest.digest(), "little") >> 1)  # fits int64
+    return batch.append_column("order", pa.array(order, pa.int64()))
+
+
+def rank_dataset_name(rank: int) -> str:
+    """The name of rank ``rank``'s shard among the datasets given to Ray Train."""
+    return f"train_rank{rank:05d}"
+
+
+def rank_shards(dataset: Any, world_size: int) -> dict[str, Any]:
+    """One shard per rank, by name (:func:`rank_dataset_name`): equal contiguous slices of ``dataset`` in order.
+
+    Give them to ``TorchTrainer(datasets=...)`` with :func:`shard_data_config`, so each is read whole, in order,
+    by its own rank, instead of Ray Train's default split (which hands out blocks by locality and readiness).
+    """
+    return {rank_dataset_name(r): shard for r, shard in enumerate(dataset.split(world_size, equal=True))}
+
+
+def shard_data_config() -> Any:
+    """Ray Train's data settings for :func:`rank_shards`: no further split, order kept, no locality preference."""
+    import ray.train
+    from ray.data import DataContext, ExecutionOptions
+
+    current = DataContext.get_current().execution_options
+    options = ExecutionOptions(
+        resource_limits=current.resource_limits, preserve_order=True, verbose_progress=current.verbose_progress
+    )
+    return ray.train.DataConfig(datasets_to_split=[], execution_options=options, enable_shard_locality=False)
+
+
+def _prepare(
+    *,
+    data: str,
+    data_format: str,
+    text_field: str,
+    tokenizer_path: str,
+    seq_len: int,
+    seed: int,
+    min_blocks: int,
+    listed: tuple[list[str], str] | None,
+    eval_fraction: float,
+    say: Callable[[str], None],
+) -> PreparedData:
     import ray.data
     from ray.data.expressions import col
 
@@ -381,14 +464,18 @@ def prepare_dataset(
     if pad_id is None:
         pad_id = load_tokenizer(tokenizer_path).eos_token_id or 0
     rows = (
-        encoded.filter(expr=col("reason") == "").drop_columns(["reason", "tokens", "trained"]).random_shuffle(seed=seed)
+        encoded.filter(expr=col("reason") == "")
+        .drop_columns(["reason", "tokens", "trained"])
+        .map_batches(_shuffle_key, batch_format="pyarrow", fn_kwargs={"seed": seed})
+        .sort("order")
+        .drop_columns(["order"])
+        .materialize()
     )
-    pack_args = {"batch_size": 1024, "fn_kwargs": {"seq_len": seq_len, "pad_id": pad_id}}
     eval_rows, eval_dataset = (max(1, round(eval_fraction * usable)) if eval_fraction else 0), None
     if eval_rows:
-        held, rows = rows.materialize().split_at_indices([eval_rows])
-        eval_dataset = held.map_batches(_pack_batch, **pack_args).materialize()
-    packed = rows.map_batches(_pack_batch, **pack_args).materialize()
+        held, rows = rows.split_at_indices([eval_rows])
+        eval_dataset = _packed(held, eval_rows, seq_len, pad_id)
+    packed = _packed(rows, usable - eval_rows, seq_len, pad_id)
     blocks = packed.count()
     if blocks < min_blocks:
         raise DataError(
@@ -406,6 +493,16 @@ def prepare_dataset(
         trained_tokens=trained,
         eval_dataset=eval_dataset,
         eval_rows=eval_rows,
+    )
+
+
+def _packed(rows: Any, count: int, seq_len: int, pad_id: int) -> Any:
+    """``rows`` (``count`` of them, in order) packed into ``seq_len`` blocks, in groups of rows fixed by the row count
+    alone (not by how the blocks happen to be cut)."""
+    return (
+        rows.repartition(max(1, -(-count // PACK_ROWS)), shuffle=False)
+        .map_batches(_pack_batch, batch_size=None, fn_kwargs={"seq_len": seq_len, "pad_id": pad_id})
+        .materialize()
     )
 
 

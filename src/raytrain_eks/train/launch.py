@@ -21,9 +21,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from raytrain_eks.config import BUILTIN_DATA, Config
+from raytrain_eks.config import BUILTIN_DATA, Config, check_storage_for_nodes
 from raytrain_eks.errors import TrainingError, UserError
-from raytrain_eks.ray_session import LOCAL_CPU_WORKERS, init_ray, resolve_num_workers, worker_error
+from raytrain_eks.ray_session import LOCAL_CPU_WORKERS, init_ray, resolve_num_workers, worker_error, worker_hosts
 from raytrain_eks.train.fabric_gate import nccl_env
 from raytrain_eks.train.faults import ENV as FAULT_ENV
 
@@ -104,20 +104,31 @@ def run_training(
     data_files = None if training.uses_random_data else list_data_files(_data_source(cfg))
     if training.eval_data:
         list_data_files(training.eval_data)
-    resume_from = None
-    if resume is not None:
-        run_dir = resume.expanduser().resolve()
-        resume_from = resolve_checkpoint(
-            join(storage_root(run_dir, training.storage_path), RAY_DIR) if training.storage_path else run_dir
-        )
-        check_compatible(resume_from, model_config)
-        say(f"resuming {run_dir} from {resume_from}")
-    else:
-        run_dir = new_run_dir(cfg, runs_root)
-        say(f"run folder: {run_dir}")
+    ray_was_running = ray.is_initialized()
+    try:
+        if address:
+            # Joining a cluster: its nodes decide whether the checkpoints need storage every node reaches.
+            init_ray(address, training.num_workers or LOCAL_CPU_WORKERS, verbose)
+            check_storage_for_nodes(
+                training, worker_hosts(), counted="alive nodes of the Ray cluster that can host a training worker"
+            )
+        resume_from = None
+        if resume is not None:
+            run_dir = resume.expanduser().resolve()
+            resume_from = resolve_checkpoint(
+                join(storage_root(run_dir, training.storage_path), RAY_DIR) if training.storage_path else run_dir
+            )
+            check_compatible(resume_from, model_config)
+            say(f"resuming {run_dir} from {resume_from}")
+        else:
+            run_dir = new_run_dir(cfg, runs_root)
+            say(f"run folder: {run_dir}")
+    except BaseException:
+        if not ray_was_running and ray.is_initialized():  # refused before anything ran: the Ray connection goes
+            ray.shutdown()
+        raise
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
-    ray_was_running = ray.is_initialized()
     try:
         return _train_in(
             run_dir,
@@ -163,8 +174,15 @@ def _train_in(
 
     from raytrain_eks.report.html import write_report
     from raytrain_eks.report.tracking import Tracker
-    from raytrain_eks.train.checkpoint import export_hf, join, latest_complete, list_checkpoints, storage_root
-    from raytrain_eks.train.data import load_tokenizer, prepare_dataset
+    from raytrain_eks.train.checkpoint import (
+        export_hf,
+        forget_ray_snapshot,
+        join,
+        latest_complete,
+        list_checkpoints,
+        storage_root,
+    )
+    from raytrain_eks.train.data import load_tokenizer, prepare_dataset, rank_shards, shard_data_config
     from raytrain_eks.train.prompts import sample_prompts, write_samples
 
     training = cfg.training
@@ -190,12 +208,16 @@ def _train_in(
         say(prepared.describe(training.data, training.seq_len))
         if hasattr(progress, "stage"):
             progress.stage("ready; starting the training workers")
-        datasets["train"] = prepared.dataset
+        datasets = rank_shards(prepared.dataset, num_workers)
+        # Every rank reads all of the (small) held-out set and keeps its share: splitting would drop a remainder.
         datasets.update(_eval_dataset(cfg, prepared, model_path, say))
     else:
         say(f"data: random token ids, {training.seq_len} tokens per sample")
 
     checkpoint_root = join(storage_root(run_dir, training.storage_path), RAY_DIR)
+    if resume_from is not None:
+        # The earlier attempt's Ray Train list names checkpoints pruned since: a new trainer over it would refuse.
+        forget_ray_snapshot(checkpoint_root)
     # Workers inherit the raylet's environment, not the driver's: what they need is passed explicitly.
     worker_env = {}
     if cfg.fabric.require != "any":
@@ -229,8 +251,7 @@ def _train_in(
             worker_runtime_env={"env_vars": worker_env},
         ),
         datasets=datasets,
-        # Every rank reads all of the (small) held-out set and keeps its share: splitting would drop a remainder.
-        dataset_config=ray.train.DataConfig(datasets_to_split=["train"]),
+        dataset_config=shard_data_config(),
     )
 
     outcome: dict[str, Any] = {}
