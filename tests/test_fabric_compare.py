@@ -261,7 +261,7 @@ class EnvAwareRay(FakeRay):
 
 
 @pytest.fixture
-def eks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
+def eks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str) -> Iterator[World]:
     monkeypatch.chdir(tmp_path)  # no raytrain-eks.yaml of the repository is read
     monkeypatch.delenv("HF_TOKEN", raising=False)
     world = World(tmp_path, load_config(environ={}, path=None))

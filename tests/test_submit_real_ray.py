@@ -248,7 +248,7 @@ def tiny_config(run_dir: Path) -> Config:
 
 
 def test_submit_runs_the_job_on_a_real_ray_and_reports_what_it_saw(
-    ray_head: RayHead, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ray_head: RayHead, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str
 ):
     monkeypatch.chdir(tmp_path)  # no raytrain-eks.yaml of the repository is read
     cfg = tiny_config(tmp_path / "run")

@@ -17,7 +17,6 @@ from raytrain_eks.config import Config
 from raytrain_eks.eks.nodegroups import GPU_NODE_SELECTOR, QUICK_TIMEOUT_S
 from raytrain_eks.eks.runner import Completed
 from raytrain_eks.eks.state import Deployment
-from raytrain_eks.eks.wait import POLL_S, poll
 from raytrain_eks.errors import UserError
 from raytrain_eks.instances import InstanceType
 from raytrain_eks.k8s import manifests as m
@@ -276,14 +275,10 @@ def wait_gpu_nodes(
         latest[:] = problems
         return None, problems[0] + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
 
-    nodes = poll(
+    nodes = d.wait(
         probe,
         what="the GPU nodes",
         timeout=timeout,
-        clock=d.clock,
-        sleep=d.sleep,
-        say=d.say,
-        interval=POLL_S,
         on_timeout=lambda _, waited: NodesNotReady(latest, waited_s=waited),
     )
     d.say(
@@ -304,14 +299,10 @@ def wait_kuberay(d: Deployment, timeout: float = GPU_READY_TIMEOUT_S) -> None:
         state = ", ".join(f"{p.name} {p.waiting_reason or p.phase}" for p in pods) or "no operator pod"
         return None, f"CRD {'present' if crd else 'missing'}; {state}"
 
-    poll(
+    d.wait(
         probe,
         what="the KubeRay operator",
         timeout=timeout,
-        clock=d.clock,
-        sleep=d.sleep,
-        say=d.say,
-        interval=POLL_S,
         on_timeout=lambda last, waited: UserError(
             f"the KubeRay operator is not Ready after {timeout:.0f} s ({last})",
             hint="`kubectl -n kuberay-system describe pods` says why; then run `raytrain-eks up` again.",

@@ -19,7 +19,6 @@ from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
 from raytrain_eks.eks.runner import CommandError, Completed
 from raytrain_eks.eks.state import Deployment, StateStore, UnreadableAnswer, cluster_item, nodegroup_item
-from raytrain_eks.eks.wait import poll
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.manifests import to_yaml
@@ -267,13 +266,10 @@ def _wait_while_busy(d: Deployment, what: str, status: Callable[[], str | None],
         current = status()
         return (None, str(current)) if current in _BUSY else ((current,), str(current))
 
-    return poll(
+    return d.wait(
         probe,
         what=what,
         timeout=timeout,
-        clock=d.clock,
-        sleep=d.sleep,
-        say=d.say,
         interval=BUSY_POLL_S,
         on_timeout=lambda last, waited: UserError(
             f"{what} is still {last} after {timeout:.0f} s", hint="Run `raytrain-eks up` again later."

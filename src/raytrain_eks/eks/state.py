@@ -21,6 +21,7 @@ from typing import Any
 
 from raytrain_eks.config import Config
 from raytrain_eks.eks.runner import Runner, require_tool
+from raytrain_eks.eks.wait import POLL_S, T, poll
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s.cluster import KubeApi
 
@@ -213,3 +214,24 @@ class Deployment:
     @property
     def kubeconfig(self) -> str:
         return str(self.state.kubeconfig)
+
+    def wait(
+        self,
+        probe: Callable[[], tuple[T | None, str]],
+        *,
+        what: str,
+        timeout: float,
+        on_timeout: Callable[[str, float], Exception] | None = None,
+        interval: float = POLL_S,
+    ) -> T:
+        """:func:`raytrain_eks.eks.wait.poll` on this deployment's clock, sleep and progress lines."""
+        return poll(
+            probe,
+            what=what,
+            timeout=timeout,
+            clock=self.clock,
+            sleep=self.sleep,
+            say=self.say,
+            interval=interval,
+            on_timeout=on_timeout,
+        )

@@ -30,7 +30,7 @@ from raytrain_eks.eks.nodegroups import scale_gpu_nodes
 from raytrain_eks.eks.pricing import check_deployable
 from raytrain_eks.eks.runner import CommandError
 from raytrain_eks.eks.state import Deployment, object_item
-from raytrain_eks.eks.wait import POLL_S, poll
+from raytrain_eks.eks.wait import POLL_S
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_lines import NCCL_LOG_FOLDER
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
@@ -121,14 +121,10 @@ def wait_for_ray_pods(d: Deployment, ns: str, cluster: str, timeout: float) -> t
         head_state = (heads[0].waiting_reason or heads[0].phase) if heads else "not created"
         return None, f"head {head_state}, workers {len(up_workers)}/{want} running"
 
-    head, up_workers = poll(
+    head, up_workers = d.wait(
         probe,
         what="Ray pods",
         timeout=timeout,
-        clock=d.clock,
-        sleep=d.sleep,
-        say=d.say,
-        interval=POLL_S,
         on_timeout=lambda _, waited: PodsNotReady(_pods_report(d, ns, seen, want, timeout), hint=_PODS_HINT),
     )
     d.say(f"Ray pods running: head {head.name}, {len(up_workers)} workers")
@@ -303,14 +299,10 @@ def _wait_rayjob_cluster(d: Deployment, timeout: float) -> tuple[str, str]:
             return (st["rayClusterName"], st["jobId"]), "has its RayCluster"
         return None, f"RayJob {ns}/{name} {st.get('jobDeploymentStatus') or 'created'}, no RayCluster yet"
 
-    return poll(
+    return d.wait(
         probe,
         what=f"the RayCluster of RayJob {ns}/{name}",
         timeout=timeout,
-        clock=d.clock,
-        sleep=d.sleep,
-        say=d.say,
-        interval=POLL_S,
         on_timeout=lambda _, waited: PodsNotReady(
             f"RayJob {ns}/{name} has no RayCluster after {timeout:.0f} s", hint="Is the KubeRay operator running?"
         ),
@@ -464,14 +456,10 @@ def restart_raycluster(d: Deployment) -> None:
             return True, "gone"
         return None, f"{len(pods)} pods left"
 
-    poll(
+    d.wait(
         probe,
         what=f"RayCluster {ns}/{name} to go",
         timeout=deadline,
-        clock=d.clock,
-        sleep=d.sleep,
-        say=d.say,
-        interval=POLL_S,
         on_timeout=lambda _, waited: PodsNotReady(
             f"RayCluster {ns}/{name} and its pods were still there {deadline:.0f} s after it was deleted",
             hint="`raytrain-eks status` shows the pods; `kubectl describe` them to see what holds them.",
