@@ -61,10 +61,16 @@ RAY_TEMP = "/tmp/ray"  # inside each host's private /tmp
 WORKDIR = "/tmp/work"  # each host's private working folder: commands run there unless told otherwise
 # Run as each host's first process (in a mount namespace of its own): a private tmpfs over /tmp, the shared cache
 # ($1, parked on /mnt while /tmp is covered) moved back to its own path, then hold the namespace open.
+# Inside a host's new mount namespace: a private tmpfs over /tmp, keeping visible the folders given as arguments
+# (the model cache both hosts share, and this project and its environment when they live under /tmp): each is
+# bound aside under a scratch tmpfs on /mnt first, then moved back on top of the new /tmp.
 _HOST_INIT = """set -e
-if [ -n "$1" ]; then mount --bind "$1" /mnt; fi
+mount -t tmpfs -o size=16m rtek-keep /mnt
+i=0
+for p in "$@"; do mkdir -p "/mnt/k$i"; mount --bind "$p" "/mnt/k$i"; i=$((i+1)); done
 mount -t tmpfs -o size=4g,mode=1777 rtek-tmp /tmp
-if [ -n "$1" ]; then mkdir -p "$1"; mount --move /mnt "$1"; fi
+i=0
+for p in "$@"; do mkdir -p "$p"; mount --move "/mnt/k$i" "$p"; i=$((i+1)); done
 mkdir -p /tmp/work
 echo ready
 exec sleep infinity
@@ -193,9 +199,14 @@ class TwoHostCluster:
 
     def _start_hosts(self) -> None:
         cache = os.environ.get("RAYTRAIN_EKS_CACHE", "")
+        keep = [cache] if cache else []
+        # This project and its Python environment stay visible when a clone lives under /tmp.
+        for path in (str(Path(__file__).resolve().parents[1]), sys.prefix):
+            if Path(path).resolve().is_relative_to("/tmp") and not any(Path(path).is_relative_to(k) for k in keep):
+                keep.append(str(Path(path).resolve()))
         for ns in self.host_ns:
             argv = ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private"]
-            argv += ["sh", "-c", _HOST_INIT, "host-init", cache]
+            argv += ["sh", "-c", _HOST_INIT, "host-init", *keep]
             holder = subprocess.Popen(argv, cwd=cache or "/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             self._holders.append(holder)
             assert holder.stdout is not None
