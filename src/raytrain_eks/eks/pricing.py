@@ -156,8 +156,8 @@ def cost_per_hour(cfg: Config, gpu: InstanceType, system: InstanceType, *, on: d
 def run_cost(cfg: Config, summary: Mapping[str, Any]) -> dict[str, Any] | None:
     """What a run on the configured cluster cost while it ran, from its ``summary.json`` fields: the cluster's hourly
     cost times this attempt's ``wall_s``, and per million tokens this attempt trained (``tokens_per_s`` x
-    (``train_s`` - ``eval_s``): on a resumed run ``tokens`` also counts the steps before the resume). ``None`` when the cluster is
-    not one this tool can price.
+    (``train_s`` - ``eval_s``): on a resumed run ``tokens`` also counts the steps before the resume). ``None`` when
+    the cluster is not one this tool can price.
 
     Example: 9.5498 $/h for 600 s and 30 M tokens -> ``{"usd": 1.5916, "usd_per_million_tokens": 0.0531, ...}``.
     """
