@@ -1,4 +1,5 @@
-"""`raytrain-eks train`'s checkpoint flags: bad values are refused with the field named, before anything starts.
+"""`raytrain-eks train`'s checkpoint flags and data settings: bad values are refused with the field named, before
+anything starts.
 
 That good values reach the run (checkpoints where and as often as asked) is shown by the integration test
 ``test_checkpoint_flags_decide_where_and_how_often`` in test_checkpoint.py.
@@ -41,3 +42,18 @@ def test_a_checkpoint_flag_that_is_not_a_number_is_a_usage_error(tmp_path, monke
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "Invalid value for '--keep-checkpoints'" in err and "Traceback" not in err
+
+
+def test_a_missing_eval_data_file_is_named_as_eval_data_before_anything_starts(
+    tmp_path, monkeypatch, capsys, builtin_model
+):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "raytrain-eks.yaml"
+    config.write_text("training:\n  eval_data: held-out.jsonl\n")
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--preset", "local-tiny", "--config", str(config), "--output-dir", str(tmp_path / "run")])
+    assert info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "training.eval_data 'held-out.jsonl': no such file or folder" in err, err
+    assert "--data" not in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()

@@ -204,10 +204,11 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def list_data_files(data: str) -> tuple[list[str], str]:
+def list_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
     """The files to read and their reader ('json' or 'parquet'); :class:`DataError` when there are none.
 
-    ``data`` is a file or a folder, local or ``s3://`` (listed through pyarrow's file systems).
+    ``data`` is a file or a folder, local or ``s3://`` (listed through pyarrow's file systems). ``option`` is
+    the setting it came from, named in the errors (``training.eval_data`` for the evaluation set).
     """
     from pyarrow import fs as pafs
 
@@ -220,7 +221,7 @@ def list_data_files(data: str) -> tuple[list[str], str]:
         info = filesystem.get_file_info(root)
         if info.type == pafs.FileType.NotFound:
             raise DataError(
-                f"--data {data!r}: no such file or folder", hint="Give a JSONL, JSON or Parquet file or folder."
+                f"{option} {data!r}: no such file or folder", hint="Give a JSONL, JSON or Parquet file or folder."
             )
         if info.type == pafs.FileType.File:
             found = [info]
@@ -229,21 +230,21 @@ def list_data_files(data: str) -> tuple[list[str], str]:
     except DataError:
         raise
     except Exception as exc:  # credentials, permissions, bad bucket names: say which and stop
-        raise DataError(f"--data {data!r}: cannot be listed: {_root_cause(exc)}") from None
+        raise DataError(f"{option} {data!r}: cannot be listed: {_root_cause(exc)}") from None
     prefix = data.split("://", 1)[0] + "://" if remote else ""
     if len(found) == 1 and info.type == pafs.FileType.File:
         suffix = Path(found[0].path).suffix
         if suffix not in DATA_SUFFIXES:
             raise DataError(
-                f"--data {data!r}: unsupported file type {suffix or '(none)'!r}; use .jsonl, .json or .parquet"
+                f"{option} {data!r}: unsupported file type {suffix or '(none)'!r}; use .jsonl, .json or .parquet"
             )
         return [prefix + found[0].path], DATA_SUFFIXES[suffix]
     files = sorted(prefix + i.path for i in found if Path(i.path).suffix in DATA_SUFFIXES)
     if not files:
-        raise DataError(f"--data {data!r}: the folder has no .jsonl, .json or .parquet file")
+        raise DataError(f"{option} {data!r}: the folder has no .jsonl, .json or .parquet file")
     kinds = {DATA_SUFFIXES[Path(f).suffix] for f in files}
     if len(kinds) > 1:
-        raise DataError(f"--data {data!r}: the folder mixes JSON and Parquet files; keep one kind per folder")
+        raise DataError(f"{option} {data!r}: the folder mixes JSON and Parquet files; keep one kind per folder")
     return files, kinds.pop()
 
 
@@ -339,6 +340,7 @@ def prepare_dataset(
     listed: tuple[list[str], str] | None = None,
     eval_fraction: float = 0.0,
     stage: Callable[[str], None] | None = None,
+    option: str = "--data",
 ) -> PreparedData:
     """Read, tokenize, shuffle and pack the data with Ray Data; raise :class:`DataError` when it is unusable.
 
@@ -346,7 +348,8 @@ def prepare_dataset(
     of packed blocks one optimizer step consumes across all workers. ``listed`` is :func:`list_data_files`'s answer
     when the caller already has it. ``eval_fraction`` of the usable rows (at least one), chosen by the seeded
     shuffle, are held out before packing and packed apart as ``eval_dataset``. ``stage`` (optional) hears what
-    is being done now, as a short line such as ``"packing 390 rows (13359 tokens)"``.
+    is being done now, as a short line such as ``"packing 390 rows (13359 tokens)"``. ``option`` is the setting
+    ``data`` came from, named in the errors (``training.eval_data`` for the evaluation set).
     """
     import ray.data
 
@@ -365,6 +368,7 @@ def prepare_dataset(
             listed=listed,
             eval_fraction=eval_fraction,
             say=stage or (lambda _: None),
+            option=option,
         )
     finally:
         context.execution_options.preserve_order = before
@@ -423,11 +427,12 @@ def _prepare(
     listed: tuple[list[str], str] | None,
     eval_fraction: float,
     say: Callable[[str], None],
+    option: str,
 ) -> PreparedData:
     import ray.data
     from ray.data.expressions import col
 
-    files, kind = listed or list_data_files(data)
+    files, kind = listed or list_data_files(data, option)
     say(f"reading and tokenizing {len(files)} file{'s' if len(files) > 1 else ''}")
     try:
         if kind == "parquet":
@@ -442,7 +447,7 @@ def _prepare(
     except DataError:
         raise
     except Exception as exc:  # Ray wraps reader errors; show the root cause, not Ray's traceback.
-        raise DataError(f"--data {data!r}: cannot be read: {_root_cause(exc)}") from None
+        raise DataError(f"{option} {data!r}: cannot be read: {_root_cause(exc)}") from None
 
     reasons: Counter[str] = Counter()
     tokens = trained = 0
@@ -456,13 +461,12 @@ def _prepare(
     if usable == 0:
         detail = "; ".join(f"{n} x {why}" for why, n in malformed.items()) or "the data set is empty"
         raise DataError(
-            f"--data {data!r}: no usable row for format '{data_format}' ({total} rows read: {detail})",
+            f"{option} {data!r}: no usable row for format '{data_format}' ({total} rows read: {detail})",
             hint="Check --data-format (text, instruction or chat) and the field names of your rows.",
         )
     say(f"shuffling and packing {usable} rows ({tokens} tokens)")
-    pad_id = load_tokenizer(tokenizer_path).pad_token_id
-    if pad_id is None:
-        pad_id = load_tokenizer(tokenizer_path).eos_token_id or 0
+    tokenizer = load_tokenizer(tokenizer_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     rows = (
         encoded.filter(expr=col("reason") == "")
         .drop_columns(["reason", "tokens", "trained"])
@@ -478,9 +482,10 @@ def _prepare(
     packed = _packed(rows, usable - eval_rows, seq_len, pad_id)
     blocks = packed.count()
     if blocks < min_blocks:
+        left = f" left after {eval_rows} held out for evaluation" if eval_rows else ""
         raise DataError(
-            f"--data {data!r}: {usable} usable rows pack into {blocks} blocks of {seq_len} tokens, but one step needs "
-            f"{min_blocks} (workers x batch size x accumulation steps)",
+            f"{option} {data!r}: {usable - eval_rows} usable rows{left} pack into {blocks} blocks of {seq_len} tokens, "
+            f"but one step needs {min_blocks} (workers x batch size x accumulation steps)",
             hint="Use more data, a smaller --seq-len or batch size, or fewer workers.",
         )
     return PreparedData(

@@ -102,8 +102,7 @@ def run_training(
     model_path = resolve_model_path(training.model_id)
     model_config = check_model(model_path)
     data_files = None if training.uses_random_data else list_data_files(_data_source(cfg))
-    if training.eval_data:
-        list_data_files(training.eval_data)
+    eval_files = list_data_files(training.eval_data, option="training.eval_data") if training.eval_data else None
     ray_was_running = ray.is_initialized()
     try:
         if address:
@@ -139,6 +138,7 @@ def run_training(
             verbose=verbose,
             model_path=model_path,
             data_files=data_files,
+            eval_files=eval_files,
             resume_from=resume_from,
             t_start=t_start,
         )
@@ -163,6 +163,7 @@ def _train_in(
     verbose: bool,
     model_path: str,
     data_files: Any,
+    eval_files: tuple[list[str], str] | None,
     resume_from: str | None,
     t_start: float,
 ) -> RunResult:
@@ -210,7 +211,7 @@ def _train_in(
             progress.stage("ready; starting the training workers")
         datasets = rank_shards(prepared.dataset, num_workers)
         # Every rank reads all of the (small) held-out set and keeps its share: splitting would drop a remainder.
-        datasets.update(_eval_dataset(cfg, prepared, model_path, say))
+        datasets.update(_eval_dataset(cfg, prepared, eval_files, model_path, say))
     else:
         say(f"data: random token ids, {training.seq_len} tokens per sample")
 
@@ -335,8 +336,11 @@ def _train_in(
     return RunResult(run_dir=run_dir, summary=summary, records=records)
 
 
-def _eval_dataset(cfg: Config, prepared: Any, model_path: str, say: Callable[[str], None]) -> dict[str, Any]:
-    """``{"eval": packed held-out data}``: the rows held out of the training data, or ``training.eval_data``."""
+def _eval_dataset(
+    cfg: Config, prepared: Any, eval_files: tuple[list[str], str] | None, model_path: str, say: Callable[[str], None]
+) -> dict[str, Any]:
+    """``{"eval": packed held-out data}``: the rows held out of the training data, or ``training.eval_data``
+    (``eval_files``, its listing)."""
     from raytrain_eks.train.data import prepare_dataset
 
     training = cfg.training
@@ -347,6 +351,8 @@ def _eval_dataset(cfg: Config, prepared: Any, model_path: str, say: Callable[[st
         return {}
     held = prepare_dataset(
         data=training.eval_data,
+        listed=eval_files,
+        option="training.eval_data",
         data_format=training.data_format,
         text_field=training.text_field,
         tokenizer_path=model_path,
