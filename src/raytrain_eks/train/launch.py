@@ -107,6 +107,7 @@ def run_training(
     try:
         if address:
             # Joining a cluster: its nodes decide whether the checkpoints need storage every node reaches.
+            # (_train_in's own init_ray then finds Ray initialised and leaves it as it is.)
             init_ray(address, training.num_workers or LOCAL_CPU_WORKERS, verbose)
             check_storage_for_nodes(
                 training, worker_hosts(), counted="alive nodes of the Ray cluster that can host a training worker"
@@ -122,33 +123,29 @@ def run_training(
         else:
             run_dir = new_run_dir(cfg, runs_root)
             say(f"run folder: {run_dir}")
-    except BaseException:
-        if not ray_was_running and ray.is_initialized():  # refused before anything ran: the Ray connection goes
-            ray.shutdown()
-        raise
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
-
-    try:
-        return _train_in(
-            run_dir,
-            cfg,
-            address=address,
-            say=say,
-            progress=progress,
-            verbose=verbose,
-            model_path=model_path,
-            data_files=data_files,
-            eval_files=eval_files,
-            resume_from=resume_from,
-            t_start=t_start,
-        )
-    except Exception as exc:
-        logged = _logged(exc, run_dir)
-        if logged is exc:
-            raise
-        raise logged from None
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        try:
+            return _train_in(
+                run_dir,
+                cfg,
+                address=address,
+                say=say,
+                progress=progress,
+                verbose=verbose,
+                model_path=model_path,
+                data_files=data_files,
+                eval_files=eval_files,
+                resume_from=resume_from,
+                t_start=t_start,
+            )
+        except Exception as exc:
+            logged = _logged(exc, run_dir)
+            if logged is exc:
+                raise
+            raise logged from None
     finally:
-        # A Ray this run started is this run's to stop: its workers and controller go with it, even on failure.
+        # A Ray this run started (or joined) is this run's to stop: its workers and controller go with it, whether
+        # the run was refused before anything started, failed, or finished.
         if not ray_was_running and ray.is_initialized():
             ray.shutdown()
 
