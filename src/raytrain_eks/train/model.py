@@ -79,7 +79,12 @@ def output_projection_deferred(model: Any) -> Callable[[], torch.Tensor]:
     """
     head = model.get_output_embeddings()
     if head is None or getattr(head, "bias", None) is not None:
-        raise ValueError(f"{type(model).__name__}: expected an output projection without bias")
+        what = "has no output projection" if head is None else "has a bias in its output projection"
+        raise UserError(
+            f"model {type(model).__name__} {what}, which the chunked loss cannot take",
+            hint="Fine-tune a causal LM whose output projection (lm_head) is a plain linear layer without bias "
+            "(Llama, Qwen, Mistral, GPT-2 and most others).",
+        )
     # A copy, not the view the model hands in: FSDP warns about (in-place ops on) views returned by a sharded root.
     # It costs tokens x hidden, a few thousandths of the logits it replaces.
     head.forward = lambda hidden: hidden.clone()
