@@ -11,8 +11,8 @@ A checkpoint folder ``checkpoint_<step>`` holds:
 Example::
 
     save_sharded(folder, model=model, optimizer=opt, scheduler=sched, step=50, data_position=pos, rank=r, ...)
-    latest_complete(run_dir / "ray")          # Path of the newest complete checkpoint, or None
-    export_hf(latest_complete(run_dir / "ray"), run_dir / "model")
+    latest_complete(checkpoint_root(run_dir, None))   # the newest complete checkpoint, or None
+    export_hf(latest_complete(checkpoint_root(run_dir, None)), run_dir / "model")
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ MARKER = "complete.json"
 # Written into every exported model folder: only a folder holding it may be replaced by a later export.
 EXPORT_MARKER = ".raytrain-eks-export"
 HF_DIR = "hf"
+RAY_DIR = "ray"  # Ray Train's storage folder (its run name) in a run's storage root: the checkpoints live there
 # Ray Train's own list of the checkpoints reported to it, in its storage folder (Ray 2.60's file name).
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 _NAME = re.compile(r"^checkpoint_(\d+)$")
@@ -268,6 +269,11 @@ def storage_root(run_dir: Path, storage_path: str | None) -> str:
     return join(storage_path, run_dir.name) if storage_path else str(run_dir)
 
 
+def checkpoint_root(run_dir: Path, storage_path: str | None) -> str:
+    """The folder (path or URI) holding a run's ``checkpoint_*`` folders: :data:`RAY_DIR` in its storage root."""
+    return join(storage_root(run_dir, storage_path), RAY_DIR)
+
+
 def _root_of_run(run_dir: Path) -> str | None:
     """The checkpoint root of a run folder, from its config.yaml (``training.storage_path``), if it has one."""
     config = run_dir / "config.yaml"
@@ -276,7 +282,7 @@ def _root_of_run(run_dir: Path) -> str | None:
     import yaml
 
     storage = ((yaml.safe_load(config.read_text()) or {}).get("training") or {}).get("storage_path")
-    return join(storage_root(run_dir.resolve(), storage), "ray") if storage else None
+    return checkpoint_root(run_dir.resolve(), storage) if storage else None
 
 
 def resolve_checkpoint(path: str | Path) -> str:
@@ -299,7 +305,7 @@ def resolve_checkpoint(path: str | Path) -> str:
                 hint="Use an older checkpoint beside it, or the run folder to pick the newest complete one.",
             )
         return text
-    roots = [join(text, "ray"), text]
+    roots = [join(text, RAY_DIR), text]
     if not is_remote(text):
         remote = _root_of_run(Path(text))
         if remote:

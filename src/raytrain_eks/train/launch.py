@@ -27,7 +27,6 @@ from raytrain_eks.ray_session import LOCAL_CPU_WORKERS, init_ray, resolve_num_wo
 from raytrain_eks.train.fabric_gate import nccl_env
 from raytrain_eks.train.faults import ENV as FAULT_ENV
 
-RAY_DIR = "ray"  # Ray Train's storage inside the run folder; the checkpoints live there
 ERROR_LOG = "error.log"  # in the run folder: the full tracebacks behind a failure's one-line message
 _DONE = {"done": True}
 
@@ -88,7 +87,7 @@ def run_training(
     """
     import ray
 
-    from raytrain_eks.train.checkpoint import check_compatible, join, resolve_checkpoint, storage_root
+    from raytrain_eks.train.checkpoint import check_compatible, checkpoint_root, resolve_checkpoint
     from raytrain_eks.train.data import list_data_files
     from raytrain_eks.train.model import check_model, resolve_model_path
 
@@ -116,7 +115,7 @@ def run_training(
         if resume is not None:
             run_dir = resume.expanduser().resolve()
             resume_from = resolve_checkpoint(
-                join(storage_root(run_dir, training.storage_path), RAY_DIR) if training.storage_path else run_dir
+                checkpoint_root(run_dir, training.storage_path) if training.storage_path else run_dir
             )
             check_compatible(resume_from, model_config)
             say(f"resuming {run_dir} from {resume_from}")
@@ -173,9 +172,10 @@ def _train_in(
     from raytrain_eks.report.html import write_report
     from raytrain_eks.report.tracking import Tracker
     from raytrain_eks.train.checkpoint import (
+        RAY_DIR,
+        checkpoint_root,
         export_hf,
         forget_ray_snapshot,
-        join,
         latest_complete,
         list_checkpoints,
         storage_root,
@@ -212,10 +212,10 @@ def _train_in(
     else:
         say(f"data: random token ids, {training.seq_len} tokens per sample")
 
-    checkpoint_root = join(storage_root(run_dir, training.storage_path), RAY_DIR)
+    root = checkpoint_root(run_dir, training.storage_path)
     if resume_from is not None:
         # The earlier attempt's Ray Train list names checkpoints pruned since: a new trainer over it would refuse.
-        forget_ray_snapshot(checkpoint_root)
+        forget_ray_snapshot(root)
     # Workers inherit the raylet's environment, not the driver's: what they need is passed explicitly.
     worker_env = {}
     if cfg.fabric.require != "any":
@@ -234,7 +234,7 @@ def _train_in(
             "training": training.model_dump(mode="json"),
             "model_path": model_path,
             "metrics_queue": queue,
-            "checkpoint_root": checkpoint_root,
+            "checkpoint_root": root,
             "resume_from": resume_from,
             "fabric_require": cfg.fabric.require,
             "has_eval": "eval" in datasets,
@@ -315,9 +315,9 @@ def _train_in(
         )
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary["first_loss"] = history[0]["loss"] if history else summary.get("first_loss")
-    summary["checkpoints"] = [p for _, p, ok in list_checkpoints(checkpoint_root) if ok]
+    summary["checkpoints"] = [p for _, p, ok in list_checkpoints(root) if ok]
     if training.export:
-        final = latest_complete(checkpoint_root)
+        final = latest_complete(root)
         if final is None:
             raise TrainingError(
                 "training finished but left no complete checkpoint to export", hint=f"Run folder: {run_dir}"
