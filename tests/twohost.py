@@ -59,19 +59,18 @@ S3_PORT = 9000
 BUCKET = "twohost"
 RAY_TEMP = "/tmp/ray"  # inside each host's private /tmp
 WORKDIR = "/tmp/work"  # each host's private working folder: commands run there unless told otherwise
-# Run as each host's first process (in a mount namespace of its own): a private tmpfs over /tmp, the shared cache
-# ($1, parked on /mnt while /tmp is covered) moved back to its own path, then hold the namespace open.
-# Inside a host's new mount namespace: a private tmpfs over /tmp, keeping visible the folders given as arguments
-# (the model cache both hosts share, and this project and its environment when they live under /tmp): each is
-# bound aside under a scratch tmpfs on /mnt first, then moved back on top of the new /tmp.
-_HOST_INIT = """set -e
+# Run as each host's first process, in a mount namespace of its own, which it then holds open: a private tmpfs
+# over /tmp, keeping visible the folders given as arguments (the model cache both hosts share, and this project
+# and its environment when they live under /tmp): each is bound aside under a scratch tmpfs on /mnt first, then
+# moved back on top of the new /tmp.
+_HOST_INIT = f"""set -e
 mount -t tmpfs -o size=16m rtek-keep /mnt
 i=0
 for p in "$@"; do mkdir -p "/mnt/k$i"; mount --bind "$p" "/mnt/k$i"; i=$((i+1)); done
 mount -t tmpfs -o size=4g,mode=1777 rtek-tmp /tmp
 i=0
 for p in "$@"; do mkdir -p "$p"; mount --move "/mnt/k$i" "$p"; i=$((i+1)); done
-mkdir -p /tmp/work
+mkdir -p {WORKDIR}
 echo ready
 exec sleep infinity
 """
@@ -117,7 +116,7 @@ class TwoHostCluster:
     """Two network namespaces joined by a bridge, each running a Ray node; a context manager that always cleans up.
 
     ``start_ray=False`` builds the network only. ``num_cpus`` is each node's Ray CPU count. ``logs_to``: on
-    teardown, each host's Ray logs are copied there (``h0/``, ``h1/``) before the temp folders are deleted.
+    teardown, each host's Ray logs are copied there (``h0/``, ``h1/``) before its private ``/tmp`` goes.
     """
 
     def __init__(
