@@ -213,8 +213,8 @@ def prune(root: str | Path, keep: int) -> list[str]:
     return doomed
 
 
-def forget_ray_snapshot(root: str | Path) -> bool:
-    """Delete Ray Train's checkpoint list from the run's Ray storage folder ``root``; True when there was one.
+def forget_ray_snapshot(root: str | Path) -> None:
+    """Delete Ray Train's checkpoint list from the run's Ray storage folder ``root``, when there is one.
 
     Which checkpoints exist is decided here (complete markers, :func:`prune`), and resuming takes its
     checkpoint from :func:`latest_complete`, never from Ray. Ray's list still names the checkpoints pruned
@@ -224,10 +224,8 @@ def forget_ray_snapshot(root: str | Path) -> bool:
     from pyarrow import fs as pafs
 
     fs, base = _fs(join(root, RAY_SNAPSHOT))
-    if fs.get_file_info(base).type != pafs.FileType.File:
-        return False
-    fs.delete_file(base)
-    return True
+    if fs.get_file_info(base).type == pafs.FileType.File:
+        fs.delete_file(base)
 
 
 def materialize(location: str | Path, into: Path) -> Path:
