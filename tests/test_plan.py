@@ -467,3 +467,14 @@ def test_plan_shows_the_checkpoint_bucket_its_role_and_what_kept_checkpoints_cos
 def test_a_bucket_name_that_s3_refuses_is_one_config_error(cfg_for):
     with pytest.raises(ConfigError, match="checkpoint_bucket"):
         cfg_for(CHECKPOINT_BUCKET="Team_Checkpoints")
+
+
+def test_the_planned_job_keeps_its_checkpoints_where_both_nodes_reach(cfg_for):
+    doc = build_plan(cfg_for()).files["job-config.yaml"][0]
+    job_cfg = yaml.safe_load(next(iter(doc["data"].values())))
+    assert job_cfg["training"]["storage_path"] == "s3://ray-train-eks-checkpoints-xxxxxxxx/runs"
+    # A folder on each node's own disk is refused before anything is planned, naming both ways out.
+    with pytest.raises(ConfigError, match="span 2 nodes"):
+        build_plan(cfg_for(STORAGE_PATH="/data/runs"))
+    shared = build_plan(cfg_for(STORAGE_PATH="/mnt/efs/runs", STORAGE_SHARED="true"))
+    assert shared.summary["checkpoints"] == "/mnt/efs/runs"

@@ -24,7 +24,7 @@ from raytrain_eks.config import Config
 from raytrain_eks.eks.addons import HelmRelease, helm_releases
 from raytrain_eks.eks.buckets import planned_bucket, storage_estimate
 from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
-from raytrain_eks.eks.state import storage_uri
+from raytrain_eks.eks.state import with_bucket_storage
 from raytrain_eks.errors import UserError
 from raytrain_eks.instances import (
     QUOTA_CODES,
@@ -271,6 +271,10 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
     if mode not in MODES:
         raise UserError(f"--mode {mode!r} is not known", hint=f"Choose one of: {', '.join(MODES)}.")
     gpu, system = check_deployable(cfg)
+    # The job's checkpoints go to the cluster's bucket unless storage_path says otherwise: every node reaches them.
+    bucket = planned_bucket(cfg, suffix=BUCKET_SUFFIX_PLACEHOLDER)
+    cfg = with_bucket_storage(cfg, bucket)
+    cfg.check_cluster_storage()
     zones = eksctl.planned_zones(cfg)
     releases = helm_releases(cfg)
     shipped = job_files.package_files()
@@ -281,7 +285,6 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
     else:
         code_map, items = job_files.code_config_map(cfg, shipped)
         job = job_files.rayjob_manifest(cfg, hf_token=hf_token, code_map=code_map, items=items)
-    bucket = planned_bucket(cfg, suffix=BUCKET_SUFFIX_PLACEHOLDER)
     files: dict[str, list[dict[str, Any]]] = {
         eksctl.CONFIG_FILE: [eksctl.cluster_config(cfg, zones, bucket=bucket)],
         HELM_FILE: [{"releases": [r.to_dict() for r in releases]}],
@@ -325,7 +328,7 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
         "gpu_az": zones.gpu_az,
         "hf_token_secret": cfg.ray.hf_token_secret if hf_token else None,
         "checkpoint_bucket": bucket,
-        "checkpoints": cfg.training.storage_path or storage_uri(bucket),
+        "checkpoints": cfg.training.storage_path,
         "checkpoint_role": f"IAM role of service account {cfg.ray.namespace}/{m.RAY_SERVICE_ACCOUNT}, this bucket only",
         "checkpoint_storage": storage_estimate(cfg),
     }

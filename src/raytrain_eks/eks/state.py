@@ -171,10 +171,18 @@ def storage_uri(bucket: str) -> str:
     return f"s3://{bucket}/{RUNS_PREFIX}"
 
 
+def with_bucket_storage(cfg: Config, bucket: str | None) -> Config:
+    """``cfg`` with the job's checkpoints in ``bucket`` (:func:`storage_uri`), which every node of the cluster
+    reaches, unless ``training.storage_path`` is set (or there is no bucket)."""
+    if not bucket or cfg.training.storage_path:
+        return cfg
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"storage_path": storage_uri(bucket)})})
+
+
 def apply_state(cfg: Config, store: StateStore) -> Config:
     """``cfg`` with the cluster name, region and GPU zone remembered by ``up``, so later commands (``submit``,
     ``status``, ``down``) act on the cluster that was created even when the shell's REGION or GPU_AZ changed; and
-    with the checkpoints in the cluster's bucket, which every node reaches, unless ``training.storage_path`` is set."""
+    with the checkpoints in the cluster's bucket (:func:`with_bucket_storage`)."""
     remembered = {k: store.get(s) for k, s in (("name", "cluster"), ("region", "region"), ("gpu_az", "gpu_az"))}
     remembered = {k: v for k, v in remembered.items() if v}
     if not remembered:
@@ -182,10 +190,7 @@ def apply_state(cfg: Config, store: StateStore) -> Config:
     cluster = cfg.cluster.model_copy(update=remembered)
     if cluster.gpu_az and cluster.availability_zones and cluster.gpu_az not in cluster.availability_zones:
         cluster = cluster.model_copy(update={"availability_zones": []})
-    update: dict[str, Any] = {"cluster": cluster}
-    if store.get("bucket") and not cfg.training.storage_path:
-        update["training"] = cfg.training.model_copy(update={"storage_path": storage_uri(store.get("bucket"))})
-    return cfg.model_copy(update=update)
+    return with_bucket_storage(cfg.model_copy(update={"cluster": cluster}), store.get("bucket"))
 
 
 # ----------------------------------------------------------------------------------------------------------------
