@@ -59,11 +59,16 @@ def planned_zones(cfg: Config) -> Zones:
     )
 
 
+def cluster_tags(cfg: Config) -> dict[str, str]:
+    """The tags on everything raytrain-eks creates for the cluster (stacks, node groups, the checkpoint bucket)."""
+    return {"created-by": "raytrain-eks", "raytrain-eks/cluster": cfg.cluster.name}
+
+
 def cluster_config(cfg: Config, zones: Zones, bucket: str | None = None) -> dict[str, Any]:
     """The whole ClusterConfig for ``eksctl create cluster -f`` (see :func:`create_cluster_argv`); with ``bucket``,
     the Ray pods' service account gets an IAM role (IRSA) that may use that S3 bucket and nothing else."""
     c = cfg.cluster
-    tags = {"created-by": "raytrain-eks", "raytrain-eks/cluster": c.name}
+    tags = cluster_tags(cfg)
     system = {
         "name": SYSTEM_NODEGROUP,
         "instanceType": c.system_node_type,

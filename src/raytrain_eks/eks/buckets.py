@@ -15,6 +15,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
 from raytrain_eks.eks.state import Deployment, StateStore
 from raytrain_eks.errors import UserError
@@ -128,12 +129,7 @@ def ensure_bucket(d: Deployment) -> str:
         )
         s3.put_bucket_tagging(
             Bucket=name,
-            Tagging={
-                "TagSet": [
-                    {"Key": "created-by", "Value": "raytrain-eks"},
-                    {"Key": "raytrain-eks/cluster", "Value": c.name},
-                ]
-            },
+            Tagging={"TagSet": [{"Key": k, "Value": v} for k, v in eksctl.cluster_tags(d.cfg).items()]},
         )
     d.say(f"Created the checkpoint bucket s3://{name} (private, encrypted)")
     return name
@@ -150,8 +146,13 @@ def bucket_objects(d: Deployment, name: str) -> int | None:
         return int(s3.list_objects_v2(Bucket=name, MaxKeys=1000).get("KeyCount", 0))
 
 
+def bucket_exists(d: Deployment, name: str) -> bool:
+    return _exists(_s3(d), name)
+
+
 def delete_bucket(d: Deployment, name: str) -> None:
-    """Delete every object (each version too) and then the bucket."""
+    """Delete every object and then the bucket. Listing versions lists every object, versioned or not (an object of
+    a bucket without versioning is its one version, "null"), so one pass empties the bucket."""
     from raytrain_eks.aws.session import aws_errors
 
     s3 = _s3(d)
@@ -161,10 +162,6 @@ def delete_bucket(d: Deployment, name: str) -> None:
                 {"Key": v["Key"], "VersionId": v["VersionId"]}
                 for v in page.get("Versions", []) + page.get("DeleteMarkers", [])
             ]
-            if keys:
-                s3.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=name):
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if keys:
                 s3.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
         s3.delete_bucket(Bucket=name)

@@ -38,7 +38,7 @@ from raytrain_eks.eks.addons import (
     wait_gpu_nodes,
     wait_kuberay,
 )
-from raytrain_eks.eks.buckets import bucket_objects, delete_bucket, ensure_bucket, kept_note
+from raytrain_eks.eks.buckets import bucket_exists, bucket_objects, delete_bucket, ensure_bucket, kept_note
 from raytrain_eks.eks.nodegroups import (
     CLUSTER_TIMEOUT_S,
     NODEGROUP_TIMEOUT_S,
@@ -226,7 +226,7 @@ def _delete(d: Deployment, item: dict[str, Any], cluster_exists: bool) -> bool:
     """Delete one created item if it still exists; ``True`` when something was deleted."""
     kind = item["type"]
     if kind == "bucket":
-        if bucket_objects(d, item["name"]) is None:
+        if not bucket_exists(d, item["name"]):
             return False
         delete_bucket(d, item["name"])
         return True
