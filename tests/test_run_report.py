@@ -93,6 +93,26 @@ def test_samples_answer_the_datas_first_prompts(run):
     assert [s["prompt"] for s in samples] == [f"{r['instruction']}\n\n{r['input']}" for r in first]
     assert all(0 < s["tokens"] <= 32 and isinstance(s["completion"], str) for s in samples)
     assert all(s["rendered_prompt"].endswith("assistant\n") for s in samples)
+    # Answered together on the sharded model, each prompt got what it gets alone from the exported weights.
+    assert [s["completion"] for s in samples] == _greedy_alone(result.run_dir / "model", samples)
+
+
+def _greedy_alone(model_dir, samples) -> list[str]:
+    """Each sample's rendered prompt continued greedily on its own, in one plain process (no padding, no sharding)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    completions = []
+    with torch.no_grad():
+        for sample in samples:
+            ids = tokenizer(sample["rendered_prompt"], add_special_tokens=False)["input_ids"]
+            new: list[int] = []
+            for _ in range(sample["tokens"]):
+                token = int(model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax())
+                new.append(token)
+            completions.append(tokenizer.decode(new, skip_special_tokens=True))
+    return completions
 
 
 def test_tensorboard_events_hold_the_curves(run):

@@ -86,25 +86,39 @@ def greedy_samples(
 ) -> list[dict[str, Any]]:
     """Greedy continuations of ``prompts`` (already rendered as the model was trained to read them).
 
-    Every rank runs the same forward passes (the parameters are sharded); no KV cache, so keep ``max_new_tokens``
-    short. Returns ``[{"prompt", "completion", "tokens"}]``.
+    All prompts go through the model together: padded on the left to one length, the padding masked out and each
+    prompt's positions counted from its own first token, so every answer is the one the prompt gets alone. Every
+    rank runs the same forward passes (the parameters are sharded), one per new token until every prompt has met
+    its end-of-sequence token; no KV cache, so keep ``max_new_tokens`` short. Returns
+    ``[{"prompt", "completion", "tokens"}]``.
     """
+    if not prompts:
+        return []
+    eos = tokenizer.eos_token_id
+    encoded = [tokenizer(p, add_special_tokens=False)["input_ids"] or [eos or 0] for p in prompts]
+    width = max(len(ids) for ids in encoded)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+    x = torch.tensor([[pad] * (width - len(ids)) + ids for ids in encoded], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded], dtype=torch.long, device=device)
+    new: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * len(prompts)
     was_training = model.training
     model.eval()
-    out = []
-    for prompt in prompts:
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"] or [tokenizer.eos_token_id or 0]
-        x = torch.tensor([ids], dtype=torch.long, device=device)
-        new: list[int] = []
-        for _ in range(max_new_tokens):
-            hidden = model(input_ids=x).logits[:, -1]
-            weight = output_weight()  # after the forward: the gathered form of a sharded parameter
-            token = int(torch.nn.functional.linear(hidden.to(weight.dtype), weight).argmax(-1))
-            new.append(token)
-            if token == tokenizer.eos_token_id:
-                break
-            x = torch.cat([x, torch.tensor([[token]], device=device)], dim=1)
-        completion = tokenizer.decode(new, skip_special_tokens=True)
-        out.append({"prompt": prompt, "completion": completion, "tokens": len(new)})
+    for _ in range(max_new_tokens):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        hidden = model(input_ids=x, attention_mask=mask, position_ids=positions).logits[:, -1]
+        weight = output_weight()  # after the forward: the gathered form of a sharded parameter
+        tokens = torch.nn.functional.linear(hidden.to(weight.dtype), weight).argmax(-1)
+        for i, token in enumerate(tokens.tolist()):
+            if not finished[i]:
+                new[i].append(token)
+                finished[i] = token == eos
+        if all(finished):
+            break
+        x = torch.cat([x, tokens[:, None]], dim=1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
     model.train(was_training)
-    return out
+    return [
+        {"prompt": prompt, "completion": tokenizer.decode(ids, skip_special_tokens=True), "tokens": len(ids)}
+        for prompt, ids in zip(prompts, new, strict=True)
+    ]
