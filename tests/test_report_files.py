@@ -52,8 +52,10 @@ def test_report_draws_only_what_the_metrics_have(tmp_path):
         (lambda p: (p.mkdir(), p)[1], "is not a run folder of raytrain-eks"),
         (lambda p: (p.mkdir(), (p / "config.yaml").write_text("{}"), p)[2], "has no metrics yet"),
         (lambda p: (p.mkdir(), (p / "metrics.jsonl").write_text('{"step": 1\n'), p)[2], "line 1 is not JSON"),
+        (lambda p: (write_run(p), (p / "summary.json").write_text("[1, 2]"), p)[2], "summary.json: not a JSON object"),
+        (lambda p: (write_run(p), (p / "summary.json").write_text('{"steps": 3'), p)[2], "not a JSON object"),
     ],
-    ids=["missing", "not-a-run", "no-metrics", "broken-metrics"],
+    ids=["missing", "not-a-run", "no-metrics", "broken-metrics", "summary-a-list", "summary-cut-short"],
 )
 def test_report_refuses_bad_folders_with_one_message(tmp_path, capsys, make, message):
     folder = make(tmp_path / "x")
@@ -62,6 +64,24 @@ def test_report_refuses_bad_folders_with_one_message(tmp_path, capsys, make, mes
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_report_refuses_a_file_as_its_folder(tmp_path, capsys):
+    run = write_run(tmp_path / "run")
+    (tmp_path / "taken").write_text("")
+    with pytest.raises(SystemExit) as info:
+        main(["report", str(run), "--out", str(tmp_path / "taken")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "is a file, not a folder for the report" in err and "Traceback" not in err
+    assert not (run / "plots").exists()
+
+
+def test_report_shows_a_cost_that_has_no_price_per_token(tmp_path):
+    # An attempt that trained no token (stopped before its first step) has no price per million tokens.
+    run = write_run(tmp_path / "run", cost={"usd": 0.4, "usd_per_hour": 9.0, "usd_per_million_tokens": None})
+    main(["report", str(run)])
+    assert "$0.40 at $9.00/h; no token trained" in (run / "report.html").read_text()
 
 
 def test_evaluation_settings(monkeypatch):

@@ -43,7 +43,7 @@ class Run:
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
     out = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -76,19 +76,21 @@ def load_run(path: Path) -> Run:
             hint="The run wrote no step record: it failed before its first step, or is still starting.",
         )
     run = Run(path=path, records=records)
-    if (path / "summary.json").is_file():
+    summary_file = path / "summary.json"
+    if summary_file.is_file():
         try:
-            run.summary = json.loads((path / "summary.json").read_text())
+            summary = json.loads(summary_file.read_text(errors="replace"))
         except json.JSONDecodeError:
-            raise RunFolderError(
-                f"{path / 'summary.json'}: not valid JSON", hint="Was the run stopped while writing it?"
-            ) from None
+            summary = None
+        if not isinstance(summary, dict):
+            raise RunFolderError(f"{summary_file}: not a JSON object", hint="Was the run stopped while writing it?")
+        run.summary = summary
     if (path / "config.yaml").is_file():
-        run.config = (path / "config.yaml").read_text()
+        run.config = (path / "config.yaml").read_text(errors="replace")
     if (path / "samples.jsonl").is_file():
         run.samples = _jsonl(path / "samples.jsonl")
     for log in sorted((path / "nccl").glob("rank*.log")) if (path / "nccl").is_dir() else []:
-        run.nccl[log.stem] = log.read_text().splitlines()[:_NCCL_LINES_SHOWN]
+        run.nccl[log.stem] = log.read_text(errors="replace").splitlines()[:_NCCL_LINES_SHOWN]
     return run
 
 
@@ -129,8 +131,9 @@ def _cost(s: dict[str, Any]) -> str:
     cost = s.get("cost")
     if not cost:
         return "— (known for runs on a cluster this tool deployed)"
-    return (
-        f"${cost['usd']:.2f} at ${cost['usd_per_hour']:.2f}/h; ${cost['usd_per_million_tokens']:.2f} per million tokens"
+    per_million = cost.get("usd_per_million_tokens")  # None when the attempt trained no token
+    return f"${cost['usd']:.2f} at ${cost['usd_per_hour']:.2f}/h; " + (
+        "no token trained" if per_million is None else f"${per_million:.2f} per million tokens"
     )
 
 
@@ -184,6 +187,10 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
     """Write ``out_dir/report.html`` (and ``out_dir/plots/*.png``) for ``run_dirs``; return the page's path."""
     if not run_dirs:
         raise RunFolderError("no run folder given", hint="raytrain-eks report RUN_DIR [RUN_DIR ...]")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunFolderError(
+            f"{str(out_dir)!r} is a file, not a folder for the report", hint="Give --out a folder (new or existing)."
+        )
     runs = [load_run(Path(p)) for p in run_dirs]
     pngs = draw_curves([(r.label, r.records) for r in runs], out_dir / PLOTS_DIR)
     titles = {name: title for name, title, _, _ in FIGURES}
