@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_eks.train.data import MalformedRow, chat_messages, instruction_messages
+from raytrain_eks.train.storage import filesystem
 
 DEFAULT_COUNT = 3
+SAMPLES_FILE = "samples.jsonl"
 _HEAD_BYTES = 1 << 18  # the first 256 KiB of the first file hold the first prompts
 
 
@@ -39,16 +41,14 @@ def _prompt_of(row: dict[str, Any], data_format: str, text_field: str) -> tuple[
 
 def first_rows(files: list[str], kind: str, count: int) -> list[dict[str, Any]]:
     """Up to ``count`` rows from the start of the first data file (local or ``s3://``)."""
-    from raytrain_eks.train.checkpoint import _fs
-
-    filesystem, path = _fs(files[0])
+    fs, path = filesystem(files[0])
     if kind == "parquet":
         import pyarrow.parquet as pq
 
-        with filesystem.open_input_file(path) as f:
+        with fs.open_input_file(path) as f:
             pf = pq.ParquetFile(f)
             return pf.read_row_group(0).slice(0, count * 4).to_pylist() if pf.num_row_groups else []
-    with filesystem.open_input_stream(path) as f:
+    with fs.open_input_stream(path) as f:
         head = f.read(_HEAD_BYTES).decode("utf-8", errors="replace")
     stripped = head.lstrip()
     if stripped.startswith("["):
@@ -103,13 +103,10 @@ def sample_prompts(
     return shown, rendered
 
 
-SAMPLES_FILE = "samples.jsonl"
-
-
 def write_samples(run_dir: Path, shown: list[str], samples: list[dict[str, Any]]) -> Path:
     """``RUN_DIR/samples.jsonl``: one ``{"prompt", "completion", "tokens"}`` line per prompt, as a person reads it."""
     path = run_dir / SAMPLES_FILE
     with path.open("w") as f:
-        for text, sample in zip(shown, samples, strict=False):
+        for text, sample in zip(shown, samples, strict=True):
             f.write(json.dumps({**sample, "prompt": text, "rendered_prompt": sample["prompt"]}) + "\n")
     return path
