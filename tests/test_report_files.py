@@ -84,6 +84,28 @@ def test_report_shows_a_cost_that_has_no_price_per_token(tmp_path):
     assert "$0.40 at $9.00/h; no token trained" in (run / "report.html").read_text()
 
 
+@pytest.mark.parametrize("template", [True, False], ids=["chat-template", "plain-layout"])
+def test_sample_prompts_are_what_training_shows_before_an_answer(builtin_model, template):
+    from transformers import AutoTokenizer
+
+    from raytrain_eks.train.builtin import sample_data_path
+    from raytrain_eks.train.data import IGNORE_INDEX, encode_row
+    from raytrain_eks.train.prompts import first_rows, sample_prompts
+
+    tokenizer = AutoTokenizer.from_pretrained(builtin_model)
+    if not template:
+        tokenizer.chat_template = None
+    listed = ([str(sample_data_path())], "json")
+    shown, rendered = sample_prompts(None, listed, "instruction", "text", tokenizer, count=2)
+    rows = first_rows(*listed, 2)[:2]  # it reads a few more, for rows that turn out malformed
+    assert shown == [f"{r['instruction']}\n\n{r['input']}" for r in rows]
+    for row, prompt in zip(rows, rendered, strict=True):
+        ids, labels = encode_row(row, "instruction", tokenizer)
+        first_answer = next(i for i, label in enumerate(labels) if label != IGNORE_INDEX)
+        assert tokenizer(prompt, add_special_tokens=False)["input_ids"] == ids[:first_answer]
+    assert rendered[0].endswith("assistant\n" if template else "assistant: ")
+
+
 def test_evaluation_settings(monkeypatch):
     tiny = presets.local_tiny()
     assert load_config(preset=tiny, environ={}).training.effective_eval_fraction == 0.05

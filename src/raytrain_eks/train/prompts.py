@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from raytrain_eks.train.data import MalformedRow, chat_messages, instruction_messages
+from raytrain_eks.train.data import MalformedRow, _segments, chat_messages, instruction_messages
 from raytrain_eks.train.storage import filesystem
 
 DEFAULT_COUNT = 3
@@ -22,10 +22,13 @@ _HEAD_BYTES = 1 << 18  # the first 256 KiB of the first file hold the first prom
 
 
 def render(messages: list[dict[str, str]], tokenizer: Any) -> str:
-    """The conversation ``messages`` (ending before the assistant's answer) as the model reads it, answer next."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    """The conversation ``messages`` (ending before the assistant's answer) as the model reads it, answer next.
+
+    It is the untrained text that training puts before an answer (the pieces of ``data._segments``), so the two
+    layouts, with a chat template and without, are written once.
+    """
+    pieces = _segments([*messages, {"role": "assistant", "content": ""}], tokenizer)
+    return "".join(text for text, trained in pieces if not trained)
 
 
 def _prompt_of(row: dict[str, Any], data_format: str, text_field: str) -> tuple[str, list[dict[str, str]] | None]:
