@@ -2,7 +2,7 @@
 
 Example::
 
-    paths = draw_curves([RunData(...), ...], out_dir)   # {"loss": out_dir/"loss.png", "lr": ...}
+    paths = draw_curves([("run-a", records_a), ("run-b", records_b)], out_dir)   # {"loss": out_dir/"loss.png", ...}
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 TENSORBOARD_DIR = "tensorboard"
-# Record fields that are not scalars to plot, and the tag each plotted field gets.
+# The record fields sent as scalars, and the tag each gets (train/, eval/ and perf/ group them in TensorBoard).
 _TAGS = {
     "loss": "train/loss",
     "eval_loss": "eval/loss",

@@ -5,7 +5,7 @@ sums the token losses and token counts, and reduces both across ranks, so the an
 held-out token whatever the world size. Ranks with fewer batches than the others run fully masked batches, so
 every rank takes part in the same number of forward passes (each one gathers the sharded parameters). Example::
 
-    held_out = HeldOut(ctx.eval_batches(cfg.batch_size), seq_len=cfg.seq_len, batch_size=cfg.batch_size)
+    held_out = HeldOut(batches, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_logits=2**26)
     held_out.evaluate(model, output_weight, device)   # {"eval_loss": 2.1, "eval_ppl": 8.2, "eval_tokens": 5120}
 """
 
@@ -33,7 +33,7 @@ def _all_reduce(t: torch.Tensor, op: Any = None) -> torch.Tensor:
 class HeldOut:
     """This rank's held-out batches and the loss of a model over all ranks' held-out tokens."""
 
-    def __init__(self, batches: Iterable[Batch] | None, *, seq_len: int, batch_size: int, max_logits: int) -> None:
+    def __init__(self, batches: Iterable[Batch], *, seq_len: int, batch_size: int, max_logits: int) -> None:
         self._source = batches
         self._cached: list[Batch] | None = None
         self._shape = (batch_size, seq_len)
@@ -41,7 +41,7 @@ class HeldOut:
 
     def _batches(self) -> list[Batch]:
         if self._cached is None:
-            self._cached = list(self._source or [])
+            self._cached = list(self._source)
         return self._cached
 
     @torch.no_grad()
