@@ -20,10 +20,11 @@ skipping N batches on resume continues exactly.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -328,52 +329,6 @@ class PreparedData:
         return line
 
 
-def prepare_dataset(
-    *,
-    data: str,
-    data_format: str,
-    text_field: str,
-    tokenizer_path: str,
-    seq_len: int,
-    seed: int,
-    min_blocks: int,
-    listed: tuple[list[str], str] | None = None,
-    eval_fraction: float = 0.0,
-    stage: Callable[[str], None] | None = None,
-    option: str = "--data",
-) -> PreparedData:
-    """Read, tokenize, shuffle and pack the data with Ray Data; raise :class:`DataError` when it is unusable.
-
-    Runs on the driver (Ray must be initialised) before any training worker starts. ``min_blocks`` is the number
-    of packed blocks one optimizer step consumes across all workers. ``listed`` is :func:`list_data_files`'s answer
-    when the caller already has it. ``eval_fraction`` of the usable rows (at least one), chosen by the seeded
-    shuffle, are held out before packing and packed apart as ``eval_dataset``. ``stage`` (optional) hears what
-    is being done now, as a short line such as ``"packing 390 rows (13359 tokens)"``. ``option`` is the setting
-    ``data`` came from, named in the errors (``training.eval_data`` for the evaluation set).
-    """
-    import ray.data
-
-    context = ray.data.DataContext.get_current()
-    before = context.execution_options.preserve_order
-    context.execution_options.preserve_order = True  # blocks come out in input order: packing is reproducible
-    try:
-        return _prepare(
-            data=data,
-            data_format=data_format,
-            text_field=text_field,
-            tokenizer_path=tokenizer_path,
-            seq_len=seq_len,
-            seed=seed,
-            min_blocks=min_blocks,
-            listed=listed,
-            eval_fraction=eval_fraction,
-            say=stage or (lambda _: None),
-            option=option,
-        )
-    finally:
-        context.execution_options.preserve_order = before
-
-
 def _shuffle_key(batch: Any, *, seed: int) -> Any:
     """Ray Data ``map_batches`` step: a column ``order``, a hash of each row's tokens keyed by the seed."""
     import hashlib
@@ -415,7 +370,22 @@ def shard_data_config() -> Any:
     return ray.train.DataConfig(datasets_to_split=[], execution_options=options, enable_shard_locality=False)
 
 
-def _prepare(
+@contextlib.contextmanager
+def _order_preserved() -> Iterator[None]:
+    """Ray Data's ``preserve_order`` on while inside: blocks come out in input order, so packing is reproducible."""
+    import ray.data
+
+    options = ray.data.DataContext.get_current().execution_options
+    before = options.preserve_order
+    options.preserve_order = True
+    try:
+        yield
+    finally:
+        options.preserve_order = before
+
+
+@_order_preserved()
+def prepare_dataset(
     *,
     data: str,
     data_format: str,
@@ -424,14 +394,24 @@ def _prepare(
     seq_len: int,
     seed: int,
     min_blocks: int,
-    listed: tuple[list[str], str] | None,
-    eval_fraction: float,
-    say: Callable[[str], None],
-    option: str,
+    listed: tuple[list[str], str] | None = None,
+    eval_fraction: float = 0.0,
+    stage: Callable[[str], None] | None = None,
+    option: str = "--data",
 ) -> PreparedData:
+    """Read, tokenize, shuffle and pack the data with Ray Data; raise :class:`DataError` when it is unusable.
+
+    Runs on the driver (Ray must be initialised) before any training worker starts. ``min_blocks`` is the number
+    of packed blocks one optimizer step consumes across all workers. ``listed`` is :func:`list_data_files`'s answer
+    when the caller already has it. ``eval_fraction`` of the usable rows (at least one), chosen by the seeded
+    shuffle, are held out before packing and packed apart as ``eval_dataset``. ``stage`` (optional) hears what
+    is being done now, as a short line such as ``"packing 390 rows (13359 tokens)"``. ``option`` is the setting
+    ``data`` came from, named in the errors (``training.eval_data`` for the evaluation set).
+    """
     import ray.data
     from ray.data.expressions import col
 
+    say = stage or (lambda _: None)
     files, kind = listed or list_data_files(data, option)
     say(f"reading and tokenizing {len(files)} file{'s' if len(files) > 1 else ''}")
     try:
