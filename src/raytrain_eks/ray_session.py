@@ -45,6 +45,12 @@ def fit_keeping_sigint(trainer: Any) -> Any:
 
 
 def init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
+    """Join the Ray cluster at ``address``, or start a Ray of our own on this machine (sized for ``num_workers``).
+
+    Does nothing more when Ray is already initialised in this process, so calling it twice is harmless. Unless
+    ``verbose``, Ray's logs and Ray Data's progress bars are quieted. A cluster that cannot be reached is a
+    :class:`UserError`.
+    """
     import ray
 
     if not verbose:  # Ray Data logs every operator's progress; the driver shows its own one-line summary
