@@ -4,7 +4,7 @@
 AMX or Arm's BF16 extension) and fp32 elsewhere: on a CPU without native bf16, PyTorch emulates bf16 matrix
 multiplications, tens of times slower than fp32. An explicit ``bf16`` or ``fp32`` is used as given. Example::
 
-    precision, why = resolve_precision("auto", torch.device("cpu"))   # ("fp32", "auto: this CPU has no ...")
+    precision, why = resolve_precision("auto", torch.device("cpu"))   # ("fp32", "auto: the CPU has no native bf16 ...")
 """
 
 from __future__ import annotations
