@@ -9,7 +9,8 @@ left after warm-up, the JSON output, and the EKS command end to end through the 
 (FakeKube, the recording tools runner, Ray answering inside the pods): two fresh RayClusters, the second with the
 TCP environment in its worker template, and the metrics read back from the head pod; a RayCluster with a running
 Ray job left alone, the confirmation (and ``-y``), and the RayCluster put back with the configured environment
-after the comparison, after a run fails and after Ctrl-C.
+after the comparison, after a run fails and after Ctrl-C; both runs' files kept locally with one report.html
+overlaying them, and an ``--out`` that would overwrite a comparison refused before anything is touched.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typer.testing import CliRunner
 from raytrain_eks.config import Config, load_config
 from raytrain_eks.eks import commands as deploy_commands
 from raytrain_eks.eks import compare as cmp
+from raytrain_eks.eks import submit as eks_submit
 from raytrain_eks.eks.compare import (
     EFA_RUN,
     TCP_ENV,
@@ -243,6 +245,8 @@ class EnvAwareRay(FakeRay):
     def __call__(self, ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:
         if argv[:2] == [IMAGE_PYTHON, "-c"] and argv[2] == cmp._RAY_JOBS:
             return run_script(argv[2], argv[3:])
+        if argv[:2] == [IMAGE_PYTHON, "-c"] and argv[2] == eks_submit._READ_RUN_FILES:
+            return run_script(argv[2], [str(self.tmp / "head" / argv[3].lstrip("/")), *argv[4:]])
         fabric = self._fabric(ns)
         if fabric == "socket" and self.fail_tcp is not None and argv[:3] == ["ray", "job", "submit"]:
             raise self.fail_tcp
@@ -253,6 +257,14 @@ class EnvAwareRay(FakeRay):
             metrics = self.tmp / "head" / run_dir.lstrip("/") / "metrics.jsonl"
             metrics.parent.mkdir(parents=True, exist_ok=True)
             metrics.write_text("".join(json.dumps(r) + "\n" for r in records(self.step_s[fabric])))
+            # What else the job leaves in its run folder, as the training run writes it.
+            summary = {"steps": 100, "final_loss": 1.87, "world_size": 8, "fabric": {"verdict": fabric}}
+            (metrics.parent / "summary.json").write_text(json.dumps(summary))
+            (metrics.parent / "config.yaml").write_text(f"fabric:\n  require: {fabric}\n")
+            sample = {"prompt": "What is EFA?", "completion": f"answered over {fabric}", "tokens": 3}
+            (metrics.parent / "samples.jsonl").write_text(json.dumps(sample) + "\n")
+            (metrics.parent / "nccl").mkdir(exist_ok=True)
+            (metrics.parent / "nccl" / "rank0.log").write_text("\n".join(lines(self.worker_logs[0])[:5]) + "\n")
             return ExecResult(0, f"run folder: {run_dir}\nstep 100 loss 1.87\nRun folder: {run_dir}\n")
         if argv[:1] == ["cat"]:
             local = self.tmp / "head" / argv[1].lstrip("/")
@@ -444,3 +456,40 @@ def test_bad_numbers_are_refused_before_the_cluster_is_touched(eks: World, bad: 
     result = compare_on_eks("-y", *bad)
     assert result.exit_code == 2 and bad[0] in result.output
     assert raycluster(eks) == before and len(eks.kube.deleted) == calls, "nothing deleted or replaced"
+
+
+def test_compare_fabric_keeps_both_runs_and_writes_one_report_overlaying_them(eks: World, tmp_path: Path):
+    out = compare_on_eks("-y", "--warmup-steps", "10", "--out", str(tmp_path / "cmp"))
+    assert out.exit_code == 0, out.output
+    folder = tmp_path / "cmp"
+    assert f"report: {(folder / 'report.html').resolve()}" in out.stderr
+    # Each run's folder holds what its run folder in the head pod held: the metrics and the files the report shows.
+    for name, fabric, step_s in (("A-EFA", "efa", 0.5), ("B-TCP", "socket", 1.25)):
+        run = folder / name
+        kept = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert kept == records(step_s)
+        assert json.loads((run / "summary.json").read_text())["fabric"]["verdict"] == fabric
+        assert f"require: {fabric}" in (run / "config.yaml").read_text()
+        assert f"answered over {fabric}" in (run / "samples.jsonl").read_text()
+        assert "NCCL" in (run / "nccl" / "rank0.log").read_text()
+    assert json.loads((folder / "comparison.json").read_text())["speedup"] == pytest.approx(2.5)
+    page = (folder / "report.html").read_text()
+    # One page over both runs: the comparison's verdict, a column per run, both runs' samples and NCCL evidence.
+    assert "<h2>Comparison</h2>" in page and "Speed-up EFA / TCP: 2.50x" in page
+    assert "<th>A-EFA</th><th>B-TCP</th>" in page
+    assert "answered over efa" in page and "answered over socket" in page
+    assert page.count("rank0: NCCL lines") == 2
+    assert page.count("data:image/png;base64,") >= 3
+
+
+def test_an_out_folder_holding_a_comparison_is_refused_before_the_cluster_is_touched(eks: World, tmp_path: Path):
+    (tmp_path / "cmp").mkdir()
+    (tmp_path / "cmp" / "comparison.json").write_text("{}")
+    (tmp_path / "a-file").write_text("x")
+    before, calls = raycluster(eks), len(eks.kube.deleted)
+    for out_dir, why in (("cmp", "already holds a comparison"), ("a-file", "is a file")):
+        result = compare_on_eks("-y", "--out", str(tmp_path / out_dir))
+        assert isinstance(result.exception, UserError) and result.exception.exit_code == 2, result.output
+        assert why in str(result.exception) and "--out" in str(result.exception)
+    assert (tmp_path / "cmp" / "comparison.json").read_text() == "{}"
+    assert raycluster(eks) == before and len(eks.kube.deleted) == calls and len(eks.ray.submitted) == 1

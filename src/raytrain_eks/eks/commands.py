@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import shlex
 from collections.abc import Callable
+from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, cast
@@ -278,6 +279,13 @@ def compare_fabric(
     min_samples: Annotated[
         int, typer.Option(min=1, help="Timed (logged) steps each run must have after the warm-up.")
     ] = compare.DEFAULT_MIN_SAMPLES,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder for the two runs' files and report.html overlaying them "
+            "(default: runs/compare-fabric-YYYYMMDD-HHMMSS)."
+        ),
+    ] = None,
     json_output: JsonOpt = False,
     yes: YesOpt = False,
     state_dir: StateDirOpt = Path(".raytrain-eks"),
@@ -288,6 +296,9 @@ def compare_fabric(
     Each run gets a fresh RayCluster; its transport is proven from its own NCCL log before anything is compared.
     A RayCluster with a running Ray job is never touched; an idle one is replaced after one confirmation (-y skips
     it), and is recreated with the configured network environment afterwards, whatever the outcome.
+
+    Both runs' metrics, summaries, samples and NCCL lines are copied from the head pod into --out, with
+    comparison.json and one report.html overlaying the two runs' curves.
 
     Exit status: 0 compared, 1 refused (a job is running on the RayCluster, a run used the wrong transport, failed,
     or has too few steps).
@@ -302,6 +313,8 @@ def compare_fabric(
     if steps is not None:  # checked as any setting is (warmup_steps within the steps); only the two runs take it
         load_config(preset=presets.choose(preset), path=config, overrides={"training": {"steps": steps}})
     warmup_steps = cfg.fabric.compare_warmup_steps if warmup_steps is None else warmup_steps
+    out = out or Path("runs") / f"compare-fabric-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    compare.check_report_folder(out)  # before any run: a bad --out found after two runs would waste them
     # The token goes from this environment into a Secret through the API: never a file, argv or log line.
     with compare.eks_runner(
         cfg,
@@ -311,4 +324,8 @@ def compare_fabric(
         steps=steps,
     ) as run_job:
         result = compare.compare_fabric(run_job, warmup_steps=warmup_steps, min_samples=min_samples, say=say)
+    from raytrain_eks.report.html import write_report
+
+    report = write_report(compare.write_run_folders(result, out), out, comparison=result.render())
     typer.echo(result.to_json() if json_output else result.render())
+    say(f"report: {report.resolve()}")

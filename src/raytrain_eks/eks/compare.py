@@ -17,7 +17,8 @@ would count against whichever run happened to checkpoint more. Example::
     print(result.render())                              # ... Speed-up EFA / TCP: 2.62x
 
 On EKS :func:`eks_runner` supplies ``run_job``: a fresh RayCluster with the run's worker environment and a job
-submitted through :func:`raytrain_eks.eks.submit.submit`, whose metrics are read back from the head pod. It refuses to
+submitted through :func:`raytrain_eks.eks.submit.submit`, whose metrics (and the run folder's summary, config,
+samples and NCCL lines, for :func:`write_run_folders` and the overlaid report) are read back from the head pod. It refuses to
 touch a RayCluster that a job is running on, asks once before replacing an idle one, and on every way out (success,
 refusal, error, Ctrl-C) puts back a RayCluster with the configured environment, so that the next ``submit`` does not
 reuse pods that run B forced onto TCP sockets::
@@ -34,9 +35,10 @@ import shlex
 import statistics
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raytrain_eks.errors import UserError
+from raytrain_eks.errors import RunFolderError, UserError
 from raytrain_eks.fabric.nccl_log import TransportReport, analyze
 
 if TYPE_CHECKING:
@@ -80,12 +82,14 @@ TCP_RUN = RunSpec("B", "TCP", "socket", TCP_ENV, "any")
 @dataclass
 class RunOutput:
     """What one run left behind: its per-step metric records, its NCCL lines (or their report), the job's final
-    status, and where it ran (a submission id or run folder, for the report)."""
+    status, where it ran (a submission id or run folder), and the other files of its run folder that the report
+    shows (``summary.json``, ``config.yaml``, ``samples.jsonl``, ``nccl/rank*.log``: name -> text)."""
 
     records: Sequence[Mapping[str, Any]]
     nccl: TransportReport | Iterable[str]
     status: str = _SUCCEEDED
     source: str = ""
+    files: Mapping[str, str] = field(default_factory=dict)
 
 
 RunJob = Callable[[RunSpec], RunOutput]
@@ -173,6 +177,14 @@ class RunResult:
     throughput: Throughput
     world_size: int | None = None
     hosts: list[str] = field(default_factory=list)
+    # What the run folder held, for write_run_folders; not part of the result's JSON.
+    records: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    files: dict[str, str] = field(default_factory=dict, repr=False)
+
+    @property
+    def folder_name(self) -> str:
+        """The name of this run's folder beside the comparison's report: ``A-EFA``, ``B-TCP``."""
+        return f"{self.key}-{self.label}"
 
 
 @dataclass
@@ -190,6 +202,8 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for run in ("efa", "tcp"):
+            del d[run]["records"], d[run]["files"]
         d["method"] = "steps/s = sampled steps / sum(step_time_s) over records with step > warmup_steps"
         return d
 
@@ -276,7 +290,41 @@ def _checked(
         throughput=throughput(out.records, warmup_steps=warmup_steps, min_samples=min_samples, what=what),
         world_size=report.world_size,
         hosts=list(report.hosts),
+        records=[dict(r) for r in out.records],
+        files=dict(out.files),
     )
+
+
+def check_report_folder(out_dir: Path) -> None:
+    """Refuse an ``out_dir`` that is a file or already holds a comparison (nothing is overwritten)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RunFolderError(f"--out {str(out_dir)!r} is a file", hint="Give --out a folder, new or empty.")
+    if (out_dir / "comparison.json").exists():
+        raise RunFolderError(
+            f"--out {str(out_dir)!r} already holds a comparison (comparison.json); it is not overwritten",
+            hint="Give --out another folder, or leave it out for a new one under runs/.",
+        )
+
+
+def write_run_folders(result: Comparison, out_dir: Path) -> list[Path]:
+    """Both runs as local run folders under ``out_dir`` (``A-EFA/``, ``B-TCP/``: ``metrics.jsonl`` and the files
+    read back with it) and ``comparison.json``; returns the two folders, for the overlaid report. A file name that
+    would leave its folder is skipped."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    folders = []
+    for run in (result.efa, result.tcp):
+        folder = out_dir / run.folder_name
+        folder.mkdir(exist_ok=True)
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run.records))
+        for name, text in run.files.items():
+            target = (folder / name).resolve()
+            if name == "metrics.jsonl" or not target.is_relative_to(folder.resolve()):
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+        folders.append(folder)
+    (out_dir / "comparison.json").write_text(result.to_json() + "\n")
+    return folders
 
 
 def _wrong_transport(spec: RunSpec, verdict: str, reason: str, other: RunResult | None) -> str:
@@ -454,7 +502,7 @@ def eks_runner(
     Deployment's ``say`` and the comparison's error is the one raised. ``deployment`` is called afresh for every use,
     so each one reads the current state file.
     """
-    from raytrain_eks.eks.submit import read_metrics, restart_raycluster, submit
+    from raytrain_eks.eks.submit import read_metrics, read_run_files, restart_raycluster, submit
 
     existed = _claim_raycluster(deployment(cfg), confirm)
     touched = False
@@ -477,6 +525,7 @@ def eks_runner(
             nccl=result.report if result.report is not None else [],
             status=result.job_status,
             source=f"job {result.submission_id}" + (f", run folder {result.run_dir}" if result.run_dir else ""),
+            files=read_run_files(d, result.run_dir) if result.run_dir else {},
         )
 
     def restore(*, failing: bool) -> None:

@@ -499,6 +499,35 @@ def read_metrics(d: Deployment, run_dir: str) -> list[dict[str, Any]]:
     return records
 
 
+# What a report is drawn from, besides metrics.jsonl: read whole, each at most _RUN_FILE_LIMIT bytes.
+RUN_FILES = ("summary.json", "config.yaml", "samples.jsonl")
+_RUN_FILE_LIMIT = 4 << 20
+_READ_RUN_FILES = """\
+import glob, json, os, sys
+folder, limit, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+found = {}
+for name in names + sorted(os.path.relpath(p, folder) for p in glob.glob(os.path.join(folder, "nccl", "rank*.log"))):
+    path = os.path.join(folder, name)
+    if os.path.isfile(path):
+        with open(path, "rb") as f:
+            found[name] = f.read(limit).decode("utf-8", "replace")
+print(json.dumps(found))
+"""
+
+
+def read_run_files(d: Deployment, run_dir: str) -> dict[str, str]:
+    """The small files of the last job's run folder in the head pod, by name relative to it: ``summary.json``,
+    ``config.yaml``, ``samples.jsonl`` and ``nccl/rank*.log`` where they exist (each cut at 4 MiB). Empty when
+    they cannot be read: the caller still has the metrics, so this never fails a command."""
+    argv = [m.IMAGE_PYTHON, "-c", _READ_RUN_FILES, run_dir.rstrip("/"), str(_RUN_FILE_LIMIT), *RUN_FILES]
+    res = head_exec(d, _last_job_head(d, "run files"), argv)
+    try:
+        found = json.loads(res.stdout) if res.ok else {}
+    except json.JSONDecodeError:
+        return {}
+    return {str(k): str(v) for k, v in found.items()} if isinstance(found, dict) else {}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # logs
 # ----------------------------------------------------------------------------------------------------------------

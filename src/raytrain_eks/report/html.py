@@ -183,8 +183,10 @@ img { max-width: 100%; display: block; margin: 0.5em 0 1.5em; }
 """
 
 
-def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
-    """Write ``out_dir/report.html`` (and ``out_dir/plots/*.png``) for ``run_dirs``; return the page's path."""
+def write_report(run_dirs: list[Path], out_dir: Path, *, comparison: str | None = None) -> Path:
+    """Write ``out_dir/report.html`` (and ``out_dir/plots/*.png``) for ``run_dirs``; return the page's path.
+
+    ``comparison``: a verdict over the runs as a whole (``compare-fabric``'s summary), shown before the overview."""
     if not run_dirs:
         raise RunFolderError("no run folder given", hint="raytrain-eks report RUN_DIR [RUN_DIR ...]")
     if out_dir.exists() and not out_dir.is_dir():
@@ -211,6 +213,7 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
 <body>
 <h1>raytrain-eks report</h1>
 <p>{len(runs)} run{"s" if len(runs) > 1 else ""}: {names}. Written {datetime.now(UTC):%Y-%m-%d %H:%M} UTC.</p>
+{f"<h2>Comparison</h2><pre>{escape(comparison)}</pre>" if comparison else ""}
 <h2>Overview</h2>{_overview(runs)}
 <h2>Curves</h2><div class="plots">{images}</div>
 <h2>Samples</h2>{_samples(runs)}
