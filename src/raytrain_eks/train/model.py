@@ -65,8 +65,22 @@ def load_model(path: str, *, activation_checkpointing: bool) -> Any:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False
     if activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def compile_layers(model: Any) -> int:
+    """Compile each decoder layer in place with ``torch.compile`` (the inductor); returns how many were compiled.
+
+    Called before sharding, so FSDP's gather and reduce hooks stay outside the compiled code. The layers share one
+    structure, so the first forward compiles once and the others reuse it.
+    """
+    from raytrain_eks.train.sharding import decoder_layers
+
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 def output_projection_deferred(model: Any) -> Callable[[], torch.Tensor]:
