@@ -15,12 +15,8 @@ import torch
 
 from raytrain_eks.cli import main
 from raytrain_eks.errors import UserError
-from raytrain_eks.train.checkpoint import (
-    EXPORT_MARKER,
-    check_export_target,
-    load_trainer_state,
-    save_trainer_state,
-)
+from raytrain_eks.train.checkpoint import EXPORT_MARKER, load_trainer_state, save_trainer_state
+from raytrain_eks.train.export import check_export_target
 
 
 def _scheduler() -> torch.optim.lr_scheduler.LambdaLR:
@@ -105,7 +101,8 @@ def test_bfloat16_export_is_filled_in_bfloat16_from_an_fp32_checkpoint(tmp_path,
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from raytrain_eks.train.checkpoint import HF_DIR, export_hf, mark_complete
+    from raytrain_eks.train.checkpoint import HF_DIR, mark_complete
+    from raytrain_eks.train.export import export_hf
 
     model = AutoModelForCausalLM.from_pretrained(builtin_model, dtype=torch.float32)
     folder = tmp_path / "ray" / "checkpoint_00000001"

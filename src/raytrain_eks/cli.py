@@ -192,12 +192,14 @@ class _Progress:
 
 @app.command()
 def export(
-    checkpoint: Annotated[Path, typer.Argument(help="A checkpoint_* folder, or a run folder (its newest checkpoint).")],
+    checkpoint: Annotated[
+        str, typer.Argument(help="A checkpoint_* folder or a run folder (its newest checkpoint), local or s3://.")
+    ],
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the Hugging Face model into.")],
     dtype: Annotated[str, typer.Option(help="float32 (exactly the trained weights) or bfloat16.")] = "float32",
 ) -> None:
     """Gather a sharded checkpoint into a Hugging Face model folder (safetensors, config, tokenizer)."""
-    from raytrain_eks.train.checkpoint import export_hf
+    from raytrain_eks.train.export import export_hf
 
     if dtype not in ("float32", "bfloat16"):
         raise UserError(f"--dtype {dtype!r} is not supported; use float32 or bfloat16")

@@ -1,10 +1,10 @@
-"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP), and export to Hugging Face format.
+"""Sharded checkpoints with ``torch.distributed.checkpoint`` (DCP): writing, finding, pruning and reading them.
 
 A checkpoint folder ``checkpoint_<step>`` holds:
 
 - the DCP shards and ``.metadata`` of the model and optimizer state (each rank writes its own shard);
 - ``trainer_rank<r>.pt`` per rank: step, LR-scheduler state, data position and RNG state;
-- ``hf/``: the model's ``config.json`` and tokenizer (from rank 0), so export needs nothing else;
+- ``hf/``: the model's ``config.json`` and tokenizer (from rank 0), so export (:mod:`.export`) needs nothing else;
 - ``complete.json``, written last, once every rank's files are in place. A folder without it was cut short
   (a process died while writing) and is never taken as a checkpoint to resume from.
 
@@ -12,19 +12,14 @@ Example::
 
     save_sharded(folder, model=model, optimizer=opt, scheduler=sched, step=50, data_position=pos, rank=r, ...)
     latest_complete(checkpoint_root(run_dir, None))   # the newest complete checkpoint, or None
-    export_hf(latest_complete(checkpoint_root(run_dir, None)), run_dir / "model")
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
-import tempfile
 import time
-import warnings
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +30,7 @@ from raytrain_eks.train.storage import filesystem as _fs
 from raytrain_eks.train.storage import is_remote, join
 
 MARKER = "complete.json"
-# Written into every exported model folder: only a folder holding it may be replaced by a later export.
+# Written into every exported model folder (by .export): only a folder holding it may be replaced by a later export.
 EXPORT_MARKER = ".raytrain-eks-export"
 HF_DIR = "hf"
 RAY_DIR = "ray"  # Ray Train's storage folder (its run name) in a run's storage root: the checkpoints live there
@@ -322,67 +317,3 @@ def resolve_checkpoint(path: str | Path) -> str:
         f"{text} holds no checkpoint",
         hint="The run stopped before its first checkpoint (see checkpoint_every): start it again without --resume.",
     )
-
-
-def export_hf(checkpoint: str | Path, out_dir: Path, *, dtype: str = "float32") -> Path:
-    """Gather the sharded weights of ``checkpoint`` into one Hugging Face model folder (safetensors + tokenizer).
-
-    ``checkpoint`` may be a run folder or a checkpoint, local or ``s3://``. Runs in a single process with no
-    process group. ``out_dir`` is replaced as a whole, so it must be new, empty, or an earlier export (a folder
-    holding :data:`EXPORT_MARKER`, which every export writes); anything else, a downloaded model included, is
-    refused before any work. Returns ``out_dir``.
-    """
-    out_dir = out_dir.expanduser().resolve()
-    check_export_target(out_dir)
-    with tempfile.TemporaryDirectory(prefix="raytrain-eks-export-") as tmp:
-        source = resolve_checkpoint(checkpoint)
-        return _export_local(materialize(source, Path(tmp) / "checkpoint"), out_dir, dtype, source=source)
-
-
-def check_export_target(out_dir: Path) -> None:
-    """Raise :class:`UserError` unless ``out_dir`` is new, an empty folder, or a folder an earlier export wrote."""
-    if not out_dir.exists():
-        return
-    if not out_dir.is_dir():
-        what = "not a folder"
-    elif any(out_dir.iterdir()) and not (out_dir / EXPORT_MARKER).is_file():
-        what = f"not an earlier export (it has no {EXPORT_MARKER})"
-    else:
-        return
-    raise UserError(
-        f"{out_dir} already exists and is {what}; the export replaces the whole folder, so it is left untouched",
-        hint="Give a new folder, or one an earlier `raytrain-eks export` wrote.",
-    )
-
-
-def _export_local(checkpoint: Path, out_dir: Path, dtype: str, *, source: str) -> Path:
-    import torch.distributed.checkpoint as dcp
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    transformers.utils.logging.disable_progress_bar()
-    hf = checkpoint / HF_DIR
-    config = AutoConfig.from_pretrained(hf)
-    # Built (without memory) and filled in the dtype written out: DCP casts each saved fp32 tensor as it loads
-    # it, so a bfloat16 export never holds the whole model in fp32 (6.2 GB for a 1.5 B model, 3.1 GB in bf16).
-    target = getattr(torch, dtype)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=target)
-    model.to_empty(device="cpu")
-    state = {"model": dict(model.state_dict())}
-    with warnings.catch_warnings():  # loading in one process, without a process group, is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    model.load_state_dict(state["model"], strict=True, assign=True)
-    model.tie_weights()
-    staging = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    model.save_pretrained(staging, safe_serialization=True)
-    if (hf / "tokenizer_config.json").exists():
-        AutoTokenizer.from_pretrained(hf).save_pretrained(staging)
-    marker = {"checkpoint": str(source), "dtype": dtype, "time": datetime.now(UTC).isoformat(timespec="seconds")}
-    (staging / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    staging.rename(out_dir)
-    return out_dir

@@ -174,13 +174,13 @@ def _train_in(
     from raytrain_eks.train.checkpoint import (
         RAY_DIR,
         checkpoint_root,
-        export_hf,
         forget_ray_snapshot,
         latest_complete,
         list_checkpoints,
         storage_root,
     )
     from raytrain_eks.train.data import load_tokenizer, prepare_dataset, rank_shards, shard_data_config
+    from raytrain_eks.train.export import export_hf
     from raytrain_eks.train.prompts import sample_prompts, write_samples
 
     training = cfg.training

@@ -1,0 +1,254 @@
+"""Export a sharded checkpoint to a Hugging Face model folder, a bounded group of tensors at a time.
+
+The export never builds the model: it reads the architecture from the checkpoint's ``hf/config.json`` (a model
+on the meta device gives the tensor names, shapes and which weights are tied), plans the safetensors files, and
+then fills them group by group: each group's tensors are loaded from the DCP shards in the exported dtype
+(``torch.distributed.checkpoint`` casts as it copies), written to their file, and freed before the next group.
+Peak memory is about one group plus the largest saved chunk of one tensor, whatever the model's size.
+
+The folder holds what ``save_pretrained`` writes: ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors``
+files and ``model.safetensors.index.json`` above ``max_shard_bytes``), ``config.json``,
+``generation_config.json``, the tokenizer when the checkpoint has one, and :data:`EXPORT_MARKER`.
+
+A checkpoint in remote storage (``s3://...``) is read without downloading it whole: only ``.metadata``,
+``hf/`` and the byte ranges of the model's tensors are copied (into sparse local files), never the optimizer's.
+
+Example::
+
+    export_hf("runs/my-run", Path("my-model"))                          # newest complete checkpoint, fp32
+    export_hf("s3://bucket/runs/my-run/ray/checkpoint_00000100", Path("m"), dtype="bfloat16")
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import tempfile
+import warnings
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raytrain_eks.errors import UserError
+from raytrain_eks.train.checkpoint import EXPORT_MARKER, HF_DIR, resolve_checkpoint
+from raytrain_eks.train.storage import filesystem as _fs
+from raytrain_eks.train.storage import is_remote, join
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# safetensors' names of the dtypes a model's tensors may have.
+_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+# One safetensors file holds at most this many bytes of tensors (a larger single tensor gets a file alone).
+MAX_SHARD_BYTES = 5 * 10**9
+# Tensors loaded together: one read of the checkpoint's metadata per group, and at most this much held at once
+# (a larger single tensor forms a group alone).
+GROUP_BYTES = 64 * 2**20
+_COPY_BYTES = 8 * 2**20  # one read when copying a byte range out of remote storage
+_DCP_PREFIX = "model."  # the model's tensors are saved under "model" (train.checkpoint.save_sharded)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def export_hf(
+    checkpoint: str | Path,
+    out_dir: Path,
+    *,
+    dtype: str = "float32",
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    group_bytes: int = GROUP_BYTES,
+) -> Path:
+    """Gather the sharded weights of ``checkpoint`` into one Hugging Face model folder (safetensors + tokenizer).
+
+    ``checkpoint`` may be a run folder or a checkpoint, local or ``s3://``. Runs in a single process with no
+    process group, holding about ``group_bytes`` of weights at a time. ``out_dir`` is replaced as a whole, so it
+    must be new, empty, or an earlier export (a folder holding :data:`EXPORT_MARKER`, which every export writes);
+    anything else, a downloaded model included, is refused before any work. Returns ``out_dir``.
+    """
+    if dtype not in DTYPES:
+        raise UserError(f"export dtype {dtype!r} is not supported; use {' or '.join(DTYPES)}")
+    out_dir = out_dir.expanduser().resolve()
+    check_export_target(out_dir)
+    source = resolve_checkpoint(checkpoint)
+    with tempfile.TemporaryDirectory(prefix="raytrain-eks-export-") as tmp:
+        local = _model_files(source, Path(tmp) / "checkpoint")
+        return _export_local(local, out_dir, DTYPES[dtype], source=source, max_shard=max_shard_bytes, group=group_bytes)
+
+
+def check_export_target(out_dir: Path) -> None:
+    """Raise :class:`UserError` unless ``out_dir`` is new, an empty folder, or a folder an earlier export wrote."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        what = "not a folder"
+    elif any(out_dir.iterdir()) and not (out_dir / EXPORT_MARKER).is_file():
+        what = f"not an earlier export (it has no {EXPORT_MARKER})"
+    else:
+        return
+    raise UserError(
+        f"{out_dir} already exists and is {what}; the export replaces the whole folder, so it is left untouched",
+        hint="Give a new folder, or one an earlier `raytrain-eks export` wrote.",
+    )
+
+
+def _model_files(location: str, into: Path) -> Path:
+    """A local folder DCP can read the model's tensors from: ``location`` itself when local.
+
+    From remote storage: ``.metadata`` and ``hf/`` whole, and of each shard file only the byte ranges holding
+    model tensors, written at their own offsets into a sparse file of the shard's size (the rest, the optimizer
+    state, is neither downloaded nor stored).
+    """
+    if not is_remote(location):
+        return Path(location).expanduser().resolve()
+    from pyarrow import fs as pafs
+    from torch.distributed.checkpoint import FileSystemReader
+
+    fs, base = _fs(location)
+    local = pafs.LocalFileSystem()
+    (into / HF_DIR).mkdir(parents=True)
+    pafs.copy_files(f"{base}/{HF_DIR}", str(into / HF_DIR), source_filesystem=fs, destination_filesystem=local)
+    pafs.copy_files(f"{base}/.metadata", str(into / ".metadata"), source_filesystem=fs, destination_filesystem=local)
+    storage = FileSystemReader(str(into)).read_metadata().storage_data
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for index, info in storage.items():
+        if index.fqn.startswith(_DCP_PREFIX):
+            ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+    for name, spans in ranges.items():
+        remote = join(location, name)
+        size = fs.get_file_info(_fs(remote)[1]).size
+        with fs.open_input_file(_fs(remote)[1]) as src, open(into / name, "wb") as dst:
+            dst.truncate(size)
+            for offset, length in sorted(spans):
+                dst.seek(offset)
+                done = 0
+                while done < length:
+                    chunk = src.read_at(min(_COPY_BYTES, length - done), offset + done)
+                    if not chunk:
+                        raise UserError(f"{remote} ends before byte {offset + length}: the checkpoint is damaged")
+                    dst.write(chunk)
+                    done += len(chunk)
+    return into
+
+
+def _meta_model(hf: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(hf)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _entries(model: Any, dtype: torch.dtype) -> list[_Entry]:
+    """The tensors a Hugging Face folder of ``model`` holds: its state dict, a tied weight once (its first name)."""
+    seen: set[int] = set()
+    entries = []
+    size = torch.empty((), dtype=dtype).element_size()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        entries.append(_Entry(name, tuple(tensor.shape), tensor.numel() * size))
+    return entries
+
+
+def _split(entries: list[_Entry], limit: int) -> list[list[_Entry]]:
+    """Consecutive runs of ``entries`` of at most ``limit`` bytes each (an entry larger than that alone)."""
+    parts: list[list[_Entry]] = []
+    total = 0
+    for entry in entries:
+        if not parts or (total + entry.nbytes > limit and parts[-1]):
+            parts.append([])
+            total = 0
+        parts[-1].append(entry)
+        total += entry.nbytes
+    return parts
+
+
+def _header(entries: list[_Entry], dtype: torch.dtype) -> bytes:
+    """A safetensors header (length prefix + JSON, padded to 8 bytes) for ``entries`` laid out in order."""
+    meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for entry in entries:
+        meta[entry.name] = {
+            "dtype": _ST_DTYPE[dtype],
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
+        offset += entry.nbytes
+    text = json.dumps(meta, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _load_group(checkpoint: Path, entries: list[_Entry], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors of ``entries``, read from the DCP checkpoint and cast to ``dtype`` as they are copied."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {e.name: torch.empty(e.shape, dtype=dtype) for e in entries}}
+    with warnings.catch_warnings():  # loading in one process, without a process group, is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    return state["model"]
+
+
+def _write_shards(
+    checkpoint: Path, folder: Path, entries: list[_Entry], dtype: torch.dtype, *, max_shard: int, group: int
+) -> None:
+    shards = _split(entries, max_shard)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
+    for name, shard in zip(names, shards, strict=True):
+        with open(folder / name, "wb") as f:
+            f.write(_header(shard, dtype))
+            for part in _split(shard, group):
+                tensors = _load_group(checkpoint, part, dtype)
+                for entry in part:
+                    data = tensors.pop(entry.name).contiguous().reshape(-1).view(torch.uint8)
+                    f.write(memoryview(data.numpy()))
+                    del data
+    if len(shards) > 1:
+        index = {
+            "metadata": {
+                "total_size": sum(e.nbytes for e in entries),
+                "total_parameters": sum(e.nbytes for e in entries) // torch.empty((), dtype=dtype).element_size(),
+            },
+            "weight_map": {e.name: name for name, shard in zip(names, shards, strict=True) for e in shard},
+        }
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _export_local(
+    checkpoint: Path, out_dir: Path, dtype: torch.dtype, *, source: str, max_shard: int, group: int
+) -> Path:
+    import transformers
+    from transformers import AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()
+    hf = checkpoint / HF_DIR
+    model = _meta_model(hf, dtype)
+    staging = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    _write_shards(checkpoint, staging, _entries(model, dtype), dtype, max_shard=max_shard, group=group)
+    model.config.save_pretrained(staging)
+    if model.can_generate() and getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(staging)
+    if (hf / "tokenizer_config.json").exists():
+        AutoTokenizer.from_pretrained(hf).save_pretrained(staging)
+    name = str(dtype).removeprefix("torch.")
+    marker = {"checkpoint": str(source), "dtype": name, "time": datetime.now(UTC).isoformat(timespec="seconds")}
+    (staging / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    staging.rename(out_dir)
+    return out_dir
