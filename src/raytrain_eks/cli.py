@@ -73,6 +73,13 @@ def train(
             help="Declare --storage-path a folder every node mounts (needed for a local path on several nodes).",
         ),
     ] = None,
+    sharding: Annotated[
+        str | None,
+        typer.Option(help="auto (hsdp across nodes, fsdp on one node, none for one fp32 worker), fsdp, hsdp or none."),
+    ] = None,
+    reduce_precision: Annotated[
+        str | None, typer.Option(help="Gradient reduction dtype across ranks: fp32 or bf16 (half the bytes).")
+    ] = None,
     resume: Annotated[
         Path | None,
         typer.Option(help="Continue this run folder from its newest complete checkpoint, with its config.yaml."),
@@ -95,6 +102,8 @@ def train(
         "keep_checkpoints": keep_checkpoints,
         "storage_path": _storage_path(storage_path),
         "storage_shared": storage_shared,
+        "sharding": sharding,
+        "reduce_precision": reduce_precision,
         "output_dir": str(output_dir) if output_dir else None,
     }
     if resume is not None:

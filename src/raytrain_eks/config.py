@@ -339,6 +339,19 @@ class TrainingConfig(_Section):
             "gradient reduction) or fp32"
         ),
     )
+    # Chosen by the workers from the nodes they run on (train/sharding.py); the run's output and summary say which.
+    sharding: Literal["auto", "fsdp", "hsdp", "none"] = Field(
+        "auto",
+        description=(
+            "auto (hsdp when the workers span several nodes, fsdp on one node, none for one fp32 worker), fsdp "
+            "(one flat group), hsdp (shard inside a node, replicate across nodes) or none"
+        ),
+    )
+    reduce_precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="dtype gradients are reduced in across ranks; bf16 halves those bytes but rounds the gradients "
+        "(in fp32 runs too)",
+    )
     activation_checkpointing: bool = False
     seed: int = Field(0, ge=0)
     log_every: int = Field(10, ge=1, description="steps between metric records sent to the driver")
@@ -389,6 +402,17 @@ class TrainingConfig(_Section):
             raise ValueError("set eval_data (a separate file) or eval_fraction (a share of data), not both")
         if self.eval_data and self.uses_random_data:
             raise ValueError("eval_data needs real training data; random token ids have nothing to compare it with")
+        return self
+
+    @model_validator(mode="after")
+    def _sharding_fits_the_workers(self) -> TrainingConfig:
+        if self.sharding == "none" and self.num_workers > 1:
+            raise ValueError(
+                f"sharding 'none' needs a single worker, not num_workers = {self.num_workers}: set sharding to auto "
+                "(or fsdp/hsdp), or num_workers to 1"
+            )
+        if self.sharding == "hsdp" and self.num_workers == 1:
+            raise ValueError("sharding 'hsdp' replicates across nodes, but num_workers = 1: use auto or fsdp")
         return self
 
     @model_validator(mode="after")

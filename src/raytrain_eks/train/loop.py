@@ -27,7 +27,7 @@ from raytrain_eks.train.faults import maybe_die
 from raytrain_eks.train.flops import flops_per_token, mfu, peak_flops_for
 from raytrain_eks.train.model import chunked_cross_entropy, load_model, output_projection_deferred
 from raytrain_eks.train.precision import resolve_precision
-from raytrain_eks.train.sharding import apply_fsdp
+from raytrain_eks.train.sharding import Layout, choose_sharding, set_gradient_sync, shard_model
 
 # fp32 logits the loss holds at once (256 MiB): 441 tokens per chunk at Qwen2.5's 151,936-token vocabulary.
 LOSS_CHUNK_LOGITS = 2**26
@@ -117,6 +117,15 @@ def agreed_precision(requested: str, device: torch.device) -> tuple[str, str]:
     return precision, reason
 
 
+def agreed_sharding(requested: str, ctx: WorkerContext, precision: str) -> Layout:
+    """:func:`choose_sharding` from every rank's node (all-gathered), so every rank decides the same."""
+    nodes: list[Any] = [ctx.node]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        nodes = [None] * dist.get_world_size()
+        dist.all_gather_object(nodes, ctx.node)
+    return choose_sharding(requested, [str(n) for n in nodes], precision)
+
+
 def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
@@ -145,7 +154,9 @@ def train(
     n_params = sum(p.numel() for p in model.parameters())
     output_weight = output_projection_deferred(model)
     model.to(device)
-    apply_fsdp(model, precision=precision)
+    layout = agreed_sharding(cfg.sharding, ctx, precision)
+    ctx.emit({"note": f"sharding: {layout.describe()}"})
+    shard_model(model, layout, precision=precision, reduce_precision=cfg.reduce_precision, device=device)
     optimizer, scheduler = build_optimizer(model, cfg, device)
 
     start_step, resumed_from, position = 0, None, None
@@ -217,7 +228,7 @@ def train(
         scale = (ctx.world_size / global_count.clamp(min=1.0)).float()
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i, mb in enumerate(micro):
-            model.set_requires_gradient_sync(i == len(micro) - 1)
+            set_gradient_sync(model, i == len(micro) - 1)  # no reduction (no cross-node traffic) before the last
             input_ids = mb["input_ids"].to(device, non_blocking=True)
             labels = mb["labels"].to(device, non_blocking=True)
             hidden = model(input_ids=input_ids).logits  # final hidden states: the loss projects them in chunks
@@ -303,6 +314,8 @@ def train(
         "step_time_s": statistics.median(steady) if steady else None,
         "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
         "precision": precision,
+        "sharding": layout.mode,
+        "reduce_precision": cfg.reduce_precision,
         "flops_per_token": fpt,
         "parameters": n_params,
         "world_size": ctx.world_size,
