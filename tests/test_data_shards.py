@@ -1,10 +1,11 @@
-"""Deterministic data shards with real Ray Data and Ray Train: what a rank reads depends only on the data, the
-seed and the world size, not on how Ray Data cut the blocks, and a resume that skips N batches continues the same
-stream (no sample repeated, none dropped), across the end of an epoch too.
+"""Deterministic data per epoch with real Ray Data and Ray Train: the packed set's order depends only on the data
+and the seed, not on how Ray Data cut the blocks; each epoch walks it in an order drawn from (seed, epoch), of
+which each rank takes its share; the position a checkpoint records (epoch, samples all ranks took in it) resumes
+every rank exactly, mid-epoch and in a later epoch, in a new Ray Train run too (no sample repeated, none dropped).
 
-These runs are on one Ray node. That the node does not matter either follows from the design (each rank reads its
-own named shard whole, with shard locality off: :func:`~raytrain_eks.train.data.shard_data_config`), not from a
-test here.
+These runs are on one Ray node. That the node does not matter either follows from the design (each rank reads the
+whole packed set in its fixed order and keeps its share, with shard locality off:
+:func:`~raytrain_eks.train.data.shard_data_config`), not from a test here.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 
+import numpy as np
 import pytest
 
 from raytrain_eks.train.builtin import sample_data_path
-from raytrain_eks.train.data import prepare_dataset, rank_dataset_name, rank_shards
+from raytrain_eks.train.context import DataCursor, global_position
+from raytrain_eks.train.data import epoch_order, prepare_dataset, rank_epoch_blocks, train_datasets
 
 pytestmark = pytest.mark.integration
 
@@ -47,18 +50,90 @@ def row_hashes(dataset) -> list[str]:
     return [hashlib.sha1(bytes(r["input_ids"].tobytes())).hexdigest()[:12] for r in dataset.iter_rows()]
 
 
-def test_shards_do_not_depend_on_block_layout_and_follow_the_seed(ray_local, builtin_model):
-    a = {k: row_hashes(v) for k, v in rank_shards(prepared(builtin_model).dataset, WORLD).items()}
-    b = {k: row_hashes(v) for k, v in rank_shards(prepared(builtin_model, block_bytes=16384).dataset, WORLD).items()}
+def test_packed_order_does_not_depend_on_block_layout_and_follows_the_seed(ray_local, builtin_model):
+    a = row_hashes(prepared(builtin_model).dataset)
+    b = row_hashes(prepared(builtin_model, block_bytes=16384).dataset)
     assert a == b
-    assert list(a) == [rank_dataset_name(0), rank_dataset_name(1)]
-    assert len(a[rank_dataset_name(0)]) == len(a[rank_dataset_name(1)]) > BATCH
-    other = {k: row_hashes(v) for k, v in rank_shards(prepared(builtin_model, seed=1).dataset, WORLD).items()}
-    assert other != a, "another seed, another shuffle"
+    assert len(a) > WORLD * BATCH
+    assert len(set(a)) == len(a), "every packed block is distinct (so the checks below can tell them apart)"
+    assert row_hashes(prepared(builtin_model, seed=1).dataset) != a, "another seed, another shuffle"
 
 
-def _streams(dataset, out_dir, take: int, skip: int) -> dict[int, dict]:
-    """Per rank, from a real 2-worker Ray Train run: ``take`` batch hashes from the start, and from ``skip`` on."""
+def test_each_epoch_has_its_own_order_and_the_ranks_share_it_out():
+    blocks, per_step = 50, WORLD * BATCH
+    first = epoch_order(blocks, seed=0, epoch=0)
+    assert sorted(first.tolist()) == list(range(blocks))
+    assert (epoch_order(blocks, seed=0, epoch=0) == first).all(), "the same seed and epoch, the same order"
+    assert (epoch_order(blocks, seed=0, epoch=1) != first).any(), "another epoch, another order"
+    assert (epoch_order(blocks, seed=1, epoch=0) != first).any(), "another seed, another order"
+    shares = [
+        rank_epoch_blocks(blocks, seed=0, epoch=0, start=0, rank=r, world_size=WORLD, batch_size=BATCH) for r in (0, 1)
+    ]
+    steps = blocks // per_step
+    assert [len(s) for s in shares] == [steps * BATCH] * WORLD
+    # Global batch j is the epoch's j-th run of world x batch blocks; rank r takes its r-th part.
+    assert shares[1][:BATCH].tolist() == first[BATCH:per_step].tolist()
+    assert not set(shares[0].tolist()) & set(shares[1].tolist())
+    # From a sample count on (a resume): the same global stream, whatever the layout of ranks and batches.
+    later = rank_epoch_blocks(blocks, seed=0, epoch=0, start=2 * per_step, rank=1, world_size=WORLD, batch_size=BATCH)
+    assert later.tolist() == shares[1][2 * BATCH :].tolist()
+    alone = rank_epoch_blocks(blocks, seed=0, epoch=0, start=per_step, rank=0, world_size=1, batch_size=per_step)
+    assert alone.tolist() == first[per_step : per_step * steps].tolist()
+
+
+def _local_read(rows: np.ndarray, chunk: int):
+    return lambda: (
+        {"input_ids": rows[i : i + chunk], "labels": -rows[i : i + chunk]} for i in range(0, len(rows), chunk)
+    )
+
+
+def test_cursor_positions_resume_exactly_and_earlier_positions_are_converted():
+    blocks = 37  # 4 global batches of 8 per epoch, 5 blocks left out of each (other ones each epoch)
+    rows = np.arange(blocks * 3).reshape(blocks, 3)
+    cursors = [
+        DataCursor(_local_read(rows, 5), blocks=blocks, seed=3, rank=r, world_size=WORLD, batch_size=BATCH)
+        for r in range(WORLD)
+    ]
+    streams: dict[int, list[int]] = {r: [] for r in range(WORLD)}
+    positions = []
+    for _ in range(10):  # two epochs and a half
+        for r, cursor in enumerate(cursors):
+            batch = next(cursor)
+            assert (batch["labels"] == -batch["input_ids"]).all()
+            streams[r] += (batch["input_ids"][:, 0] // 3).tolist()
+        assert cursors[0].position == cursors[1].position
+        positions.append(cursors[0].position)
+    assert positions[3] == {"epoch": 0, "sample": 32} and positions[4] == {"epoch": 1, "sample": 8}
+    for r in range(WORLD):
+        epochs = [streams[r][i * 4 * BATCH : (i + 1) * 4 * BATCH] for i in range(2)]
+        assert epochs[0] != epochs[1] and len(set(epochs[0])) == 4 * BATCH
+    for cut in (1, 3, 5):
+        for r in range(WORLD):
+            resumed = DataCursor(
+                _local_read(rows, 7),
+                blocks=blocks,
+                seed=3,
+                rank=r,
+                world_size=WORLD,
+                batch_size=BATCH,
+                position=positions[cut],
+            )
+            rest = [v for _ in range(10 - cut - 1) for v in (next(resumed)["input_ids"][:, 0] // 3).tolist()]
+            assert rest == streams[r][(cut + 1) * BATCH :], (cut, r)
+    old = {"epoch": 1, "batch": 2}
+    assert global_position(old, world_size=WORLD, batch_size=BATCH)[0] == {"epoch": 1, "sample": 16}
+    converted = DataCursor(
+        _local_read(rows, 5), blocks=blocks, seed=3, rank=0, world_size=WORLD, batch_size=BATCH, position=old
+    )
+    assert "earlier format" in converted.note and converted.position == {"epoch": 1, "sample": 16}
+    assert next(converted)["input_ids"][:, 0].div(3).tolist() == streams[0][(4 + 2) * BATCH : (4 + 3) * BATCH]
+    with pytest.raises(RuntimeError, match="fewer than one global batch"):
+        DataCursor(_local_read(rows[:7], 5), blocks=7, seed=0, rank=0, world_size=WORLD, batch_size=BATCH)
+
+
+def _streams(dataset, out_dir, take: int, cuts: list[int], resume: dict[str, list] | None) -> dict[int, dict]:
+    """Per rank, from a real 2-worker Ray Train run: ``take`` batch hashes from the start, the cursor's position
+    after each of ``cuts`` batches, and (given ``resume``: per rank, earlier positions) the batches from each."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -75,39 +150,56 @@ def _streams(dataset, out_dir, take: int, skip: int) -> dict[int, dict]:
 
         ctx = RayContext(None, job["root"])
         digest = lambda b: hl.sha1(b["input_ids"].numpy().tobytes()).hexdigest()[:12]  # noqa: E731
-        whole = ctx.data_batches(job["batch"], None)
-        first = [digest(next(whole)) for _ in range(job["take"])]
-        resumed = ctx.data_batches(job["batch"], {"epoch": 0, "batch": job["skip"]})
-        rest = [digest(next(resumed)) for _ in range(job["take"] - job["skip"])]
-        record = {"first": first, "rest": rest, "position": whole.position}
+        whole = ctx.data_batches(job["batch"], None, seed=0)
+        first, positions = [], []
+        for i in range(job["take"]):
+            first.append(digest(next(whole)))
+            if i + 1 in job["cuts"]:
+                positions.append(whole.position)
+        rest = []
+        for cut, position in zip(job["cuts"], (job["resume"] or {}).get(str(ctx.rank), []), strict=False):
+            resumed = ctx.data_batches(job["batch"], position, seed=0)
+            rest.append([digest(next(resumed)) for _ in range(job["take"] - cut)])
+        record = {"first": first, "positions": positions, "rest": rest}
         Path(job["out"], f"rank{ctx.rank}.json").write_text(js.dumps(record))
         rt.report({"done": 1})
 
     out_dir.mkdir()
+    config = {"root": str(out_dir), "batch": BATCH, "take": take, "cuts": cuts, "resume": resume, "out": str(out_dir)}
     trainer = TorchTrainer(
         loop,
-        train_loop_config={"root": str(out_dir), "batch": BATCH, "take": take, "skip": skip, "out": str(out_dir)},
+        train_loop_config=config,
         scaling_config=ray.train.ScalingConfig(num_workers=WORLD),
         run_config=ray.train.RunConfig(name="shards", storage_path=str(out_dir / "ray")),
-        datasets=rank_shards(dataset, WORLD),
+        datasets=train_datasets(dataset),
         dataset_config=shard_data_config(),
     )
     trainer.fit()
     return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)}
 
 
-def test_each_rank_reads_the_same_stream_every_run_and_after_a_resume(ray_local, builtin_model, tmp_path):
+def test_each_rank_reads_the_same_stream_every_run_per_epoch_and_after_a_restart(ray_local, builtin_model, tmp_path):
     data = prepared(builtin_model)
-    per_epoch = len(row_hashes(rank_shards(data.dataset, WORLD)[rank_dataset_name(0)])) // BATCH
-    take, skip = per_epoch + 3, per_epoch - 1  # past the end of the first epoch; resume just before it
-    one = _streams(data.dataset, tmp_path / "one", take, skip)
-    # Prepared again, cut into other blocks, and trained again: the same batches for every rank, in order.
-    two = _streams(prepared(builtin_model, block_bytes=16384).dataset, tmp_path / "two", take, skip)
+    per_epoch = data.blocks // (WORLD * BATCH)  # batches per rank and epoch
+    take = 2 * per_epoch + 2  # into the third epoch
+    cuts = [per_epoch // 2, per_epoch + per_epoch // 2]  # mid first epoch, mid second epoch
+    one = _streams(data.dataset, tmp_path / "one", take, cuts, None)
+    # Prepared again, cut into other blocks, trained again as a new Ray Train run that resumes from the first run's
+    # positions: the same batches for every rank, in order, and the resumes continue exactly.
+    resume = {str(r): one[r]["positions"] for r in range(WORLD)}
+    two = _streams(prepared(builtin_model, block_bytes=16384).dataset, tmp_path / "two", take, cuts, resume)
     for rank in range(WORLD):
-        assert one[rank]["first"] == two[rank]["first"], rank
         stream = one[rank]["first"]
-        # Every epoch walks the shard in the same order; the resume continues exactly where it left off.
-        assert stream[per_epoch : per_epoch + 3] == stream[:3]
-        assert one[rank]["rest"] == stream[skip:], rank
-        assert one[rank]["position"] == {"epoch": 1, "batch": 3}
-    assert not set(one[0]["first"][:per_epoch]) & set(one[1]["first"][:per_epoch]), "ranks read disjoint samples"
+        assert two[rank]["first"] == stream, rank
+        assert one[rank]["positions"] == [
+            {"epoch": 0, "sample": cuts[0] * WORLD * BATCH},
+            {"epoch": 1, "sample": (cuts[1] - per_epoch) * WORLD * BATCH},
+        ]
+        for cut, rest in zip(cuts, two[rank]["rest"], strict=True):
+            assert rest == stream[cut:], (rank, cut)
+        assert stream[:per_epoch] != stream[per_epoch : 2 * per_epoch], "another epoch, another order"
+    for epoch in range(2):
+        span = slice(epoch * per_epoch, (epoch + 1) * per_epoch)
+        mine = [set(one[r]["first"][span]) for r in range(WORLD)]
+        assert not mine[0] & mine[1], "ranks read disjoint samples within an epoch"
+        assert all(len(m) == per_epoch for m in mine), "no sample twice in an epoch"

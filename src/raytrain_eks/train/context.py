@@ -13,10 +13,11 @@ import os
 import shutil
 import socket
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -31,8 +32,9 @@ class WorkerContext(Protocol):
     node: str  # the node this worker runs on; workers with the same name share a machine
     device: torch.device
 
-    def data_batches(self, batch_size: int, position: dict[str, int] | None) -> DataCursor:
-        """This worker's shard of the packed data set, epoch after epoch, from ``position`` on."""
+    def data_batches(self, batch_size: int, position: dict[str, int] | None, seed: int) -> DataCursor:
+        """This worker's share of the packed data set, epoch after epoch (each in an order drawn from ``seed`` and
+        the epoch), from ``position`` on."""
         ...
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch] | None:
@@ -57,40 +59,116 @@ class WorkerContext(Protocol):
         ...
 
 
-class DataCursor:
-    """Batches of one worker's shard, epoch after epoch, remembering where it is (epoch, batch in epoch).
+def global_position(position: dict[str, int] | None, *, world_size: int, batch_size: int) -> tuple[dict[str, int], str]:
+    """A checkpoint's data position as ``{"epoch", "sample"}``, and a note for the user when it had to be converted.
 
-    Every epoch walks the shard in the same order (the data set is shuffled once, with the run's seed, before it
-    is cut into one fixed shard per rank, see :func:`~raytrain_eks.train.data.rank_shards`), so a resume continues
-    exactly by skipping ``batch`` batches of the epoch it stopped in.
+    Checkpoints record the epoch and the samples all ranks together took in it (``sample``). Those of earlier
+    versions recorded the batches one rank took (``{"epoch", "batch"}``) of a shard that never changed order:
+    they resume at the same count of samples, in this version's order, and the note says so.
+    """
+    pos = dict(position or {})
+    if "batch" not in pos:
+        return {"epoch": int(pos.get("epoch", 0)), "sample": int(pos.get("sample", 0))}, ""
+    epoch, sample = int(pos.get("epoch", 0)), int(pos["batch"]) * world_size * batch_size
+    note = (
+        f"data: the checkpoint's position (epoch {epoch}, batch {pos['batch']}) is in an earlier format; "
+        f"continuing at sample {sample} of epoch {epoch} in this version's order, so the samples from here on "
+        "differ from those the run before would have taken"
+    )
+    return {"epoch": epoch, "sample": sample}, note
+
+
+class DataCursor:
+    """Batches of one rank's share of the packed data set, epoch after epoch, remembering the global position.
+
+    ``read()`` yields the whole packed set in its fixed order, as numpy batches of ``input_ids`` and ``labels``
+    (``blocks`` rows in all). At the start of each epoch the cursor works out which blocks this rank takes
+    (:func:`~raytrain_eks.train.data.rank_epoch_blocks`: the epoch's order is drawn from the seed and the
+    epoch), walks the set once keeping those, and hands them out ``batch_size`` at a time; it holds its share of
+    the epoch in memory (as int32), not the whole set.
+
+    ``position`` is ``{"epoch": e, "sample": s}``: ``s`` samples of epoch ``e``'s order have been taken by all
+    ranks together. Every rank's cursor is at the same position after the same number of batches, so any rank's
+    position resumes every rank exactly (an earlier ``{"epoch", "batch"}`` position is converted, see
+    :func:`global_position`; ``note`` then says so).
+
+    >>> cursor = DataCursor(read, blocks=64, seed=0, rank=1, world_size=2, batch_size=4, position=None)
+    >>> next(cursor)["input_ids"].shape, cursor.position   # (torch.Size([4, seq_len]), {"epoch": 0, "sample": 8})
     """
 
-    def __init__(self, epoch_iter: Callable[[], Iterator[Batch]], position: dict[str, int] | None = None) -> None:
-        self._epoch_iter = epoch_iter
-        pos = position or {}
-        self.epoch = int(pos.get("epoch", 0))
-        self.batch = int(pos.get("batch", 0))
+    def __init__(
+        self,
+        read: Callable[[], Iterable[dict[str, Any]]],
+        *,
+        blocks: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        batch_size: int,
+        position: dict[str, int] | None = None,
+    ) -> None:
+        self._read = read
+        self._blocks, self._seed = int(blocks), int(seed)
+        self._rank, self._world, self._batch = rank, world_size, batch_size
+        pos, self.note = global_position(position, world_size=world_size, batch_size=batch_size)
+        self.epoch, self.sample = pos["epoch"], pos["sample"]
+        if self._blocks < world_size * batch_size:
+            raise RuntimeError(
+                f"the packed data set has {self._blocks} blocks, fewer than one global batch "
+                f"({world_size} ranks x {batch_size})"
+            )
         self._it = self._walk()
 
     @property
     def position(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch": self.batch}
+        return {"epoch": self.epoch, "sample": self.sample}
+
+    def _share(self) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's blocks of the current epoch from the current sample on, in order: (input_ids, labels)."""
+        from raytrain_eks.train.data import rank_epoch_blocks
+
+        wanted = rank_epoch_blocks(
+            self._blocks,
+            seed=self._seed,
+            epoch=self.epoch,
+            start=self.sample,
+            rank=self._rank,
+            world_size=self._world,
+            batch_size=self._batch,
+        )
+        slot = np.full(self._blocks, -1, dtype=np.int64)
+        slot[wanted] = np.arange(len(wanted))
+        ids = labels = None
+        seen = 0
+        for part in self._read():
+            n = len(part["input_ids"])
+            if seen + n > self._blocks:
+                raise RuntimeError(f"the packed data set has more than the {self._blocks} blocks it was said to have")
+            where = slot[seen : seen + n]
+            keep = where >= 0
+            if ids is None:
+                shape = (len(wanted), part["input_ids"].shape[1])
+                ids, labels = np.empty(shape, np.int32), np.empty(shape, np.int32)
+            ids[where[keep]] = part["input_ids"][keep]
+            labels[where[keep]] = part["labels"][keep]
+            seen += n
+        if seen != self._blocks or ids is None:
+            raise RuntimeError(f"the packed data set has {seen} blocks, not the {self._blocks} it was said to have")
+        return ids, labels
 
     def _walk(self) -> Iterator[Batch]:
-        skip = self.batch
+        per_step = self._world * self._batch
         while True:
-            seen = 0
-            for item in self._epoch_iter():
-                seen += 1
-                if seen <= skip:
-                    continue
-                self.batch = seen
-                yield item
-            if seen == 0:
-                raise RuntimeError("this worker's data shard yields no full batch")
-            skip = 0
-            self.epoch += 1
-            self.batch = 0
+            if self._blocks - self.sample < per_step:  # the tail of this epoch fills no global batch
+                self.epoch, self.sample = self.epoch + 1, 0
+            ids, labels = self._share()
+            for k in range(len(ids) // self._batch):
+                rows = slice(k * self._batch, (k + 1) * self._batch)
+                self.sample += per_step
+                yield {
+                    "input_ids": torch.from_numpy(ids[rows].astype(np.int64)),
+                    "labels": torch.from_numpy(labels[rows].astype(np.int64)),
+                }
 
     def __iter__(self) -> DataCursor:
         return self
@@ -132,17 +210,21 @@ class RayContext:
         self._has_eval = has_eval
         self._downloads = Path(tempfile.mkdtemp(prefix=f"raytrain-eks-resume-r{self.rank}-"))
 
-    def data_batches(self, batch_size: int, position: dict[str, int] | None) -> DataCursor:
+    def data_batches(self, batch_size: int, position: dict[str, int] | None, seed: int) -> DataCursor:
         import ray.train
 
-        from raytrain_eks.train.data import rank_dataset_name
+        from raytrain_eks.train.data import TRAIN_DATASET, TRAIN_SIZE_DATASET
 
-        shard = ray.train.get_dataset_shard(rank_dataset_name(self.rank))
+        size = ray.train.get_dataset_shard(TRAIN_SIZE_DATASET).iter_rows()
+        whole = ray.train.get_dataset_shard(TRAIN_DATASET)  # every rank reads the whole set and keeps its share
         return DataCursor(
-            lambda: iter(
-                shard.iter_torch_batches(batch_size=batch_size, drop_last=True, dtypes=torch.long, device="cpu")
-            ),
-            position,
+            lambda: whole.iter_batches(batch_size=256, batch_format="numpy"),
+            blocks=int(next(iter(size))["blocks"]),
+            seed=seed,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=batch_size,
+            position=position,
         )
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch] | None:
@@ -207,7 +289,7 @@ class ProcessContext:
         self._out = out_dir
         self._summary_extra = dict(summary_extra or {})
 
-    def data_batches(self, batch_size: int, position: dict[str, int] | None) -> DataCursor:
+    def data_batches(self, batch_size: int, position: dict[str, int] | None, seed: int) -> DataCursor:
         raise NotImplementedError("plain processes run the random-data mode only; real data goes through Ray Data")
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch] | None:

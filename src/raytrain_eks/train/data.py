@@ -9,13 +9,18 @@ Pure pieces (tested on hand-made rows) come first:
 
 Then :func:`prepare_dataset` builds the Ray Data pipeline the driver runs before any worker starts: read
 (JSONL / JSON / Parquet, local or ``s3://``), tokenize, count malformed rows, shuffle, pack, materialize; and
-:func:`rank_shards` cuts the result into one fixed, ordered shard per rank.
+:func:`train_datasets` hands the packed set to Ray Train, whole, for every rank.
 
 Determinism: the shuffle orders rows by a keyed hash of their tokens (the key is the seed), so the order does
 not depend on how Ray Data cut the input into blocks or which task finished first; packing runs with Ray Data's
-``preserve_order`` on; each rank's shard is a fixed contiguous slice of the packed blocks, iterated in order. A
-rank's samples therefore depend only on the data, the seed and the world size, whichever node it runs on, and
-skipping N batches on resume continues exactly.
+``preserve_order`` on, so the packed blocks have one fixed order. Each epoch then walks the packed blocks in an
+order drawn from (seed, epoch) (:func:`epoch_order`), cut into global batches of which each rank takes its share
+(:func:`rank_epoch_blocks`). A rank's samples therefore depend only on the data, the seed, the epoch, the world
+size and the batch size, whichever node it runs on, and a position of (epoch, samples taken by all ranks in it)
+resumes exactly.
+
+JSON and JSONL files are read in chunks of :data:`READ_CHUNK_BYTES` (:class:`JsonRowsDatasource`), so the
+memory of a read task does not grow with the size of the file.
 """
 
 from __future__ import annotations
@@ -249,27 +254,138 @@ def list_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
     return files, kinds.pop()
 
 
-def _json_records(row: dict[str, Any]) -> list[dict[str, Any]]:
-    """Rows of one JSON or JSONL file, each kept as a JSON string (so rows of any shape fit one column)."""
-    text = bytes(row["bytes"]).decode("utf-8", errors="replace")
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        try:
-            items = json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            return [{"json": "", "error": f"the file is not valid JSON ({exc.msg})"}]
-        return [{"json": json.dumps(item), "error": ""} for item in items]
-    out = []
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            json.loads(line)
-        except json.JSONDecodeError:
-            out.append({"json": "", "error": "the line is not valid JSON"})
-            continue
-        out.append({"json": line, "error": ""})
-    return out
+def json_rows(chunks: Iterable[bytes]) -> Iterator[dict[str, str]]:
+    """The rows of one JSON or JSONL file given as a stream of byte chunks, each kept as a JSON string (so rows of
+    any shape fit one column), with ``error`` saying why a row cannot be used.
+
+    A file whose first character is ``[`` is one JSON array, read item by item; any other file is JSON lines.
+    Only the current chunk and the row being read are held, never the whole file. An array that breaks off yields
+    the items before the break, then one row with the error.
+
+    >>> list(json_rows([b'{"a": 1}\\n{no', b't json\\n']))
+    [{'json': '{"a": 1}', 'error': ''}, {'json': '', 'error': 'the line is not valid JSON'}]
+    """
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    texts = (decoder.decode(c) for c in chunks)
+    buf = ""
+    for text in texts:
+        buf += text
+        if buf.strip():
+            break
+    if buf.lstrip().startswith("["):
+        yield from _array_items(buf[buf.index("[") + 1 :], texts)
+        return
+    while True:
+        *lines, buf = buf.split("\n")
+        for line in lines:
+            if line.strip():
+                yield _json_line(line)
+        text = next(texts, None)
+        if text is None:
+            break
+        buf += text
+    buf += decoder.decode(b"", final=True)
+    if buf.strip():
+        yield _json_line(buf)
+
+
+def _json_line(line: str) -> dict[str, str]:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError:
+        return {"json": "", "error": "the line is not valid JSON"}
+    return {"json": line.rstrip("\r"), "error": ""}
+
+
+def _array_items(buf: str, texts: Iterator[str]) -> Iterator[dict[str, str]]:
+    """The items of a JSON array whose ``[`` has been read; ``buf`` holds what follows it, ``texts`` the rest."""
+    decoder = json.JSONDecoder()
+    pos, first, ended = 0, True, False
+
+    def more() -> bool:
+        nonlocal buf, pos
+        text = next(texts, None)
+        if text is None:
+            return False
+        buf, pos = buf[pos:] + text, 0
+        return True
+
+    def skip_space() -> bool:  # False at the end of the file
+        nonlocal pos
+        while True:
+            while pos < len(buf) and buf[pos].isspace():
+                pos += 1
+            if pos < len(buf) or not more():
+                return pos < len(buf)
+
+    def broken(why: str) -> dict[str, str]:
+        return {"json": "", "error": f"the file is not valid JSON ({why})"}
+
+    while True:
+        if not skip_space():
+            yield broken("the array is not closed")
+            return
+        if buf[pos] == "]":
+            pos += 1
+            break
+        if not first:
+            if buf[pos] != ",":
+                yield broken("expected ',' or ']' between items")
+                return
+            pos += 1
+            if not skip_space():
+                yield broken("the array is not closed")
+                return
+        first = False
+        while True:
+            try:
+                item, end = decoder.raw_decode(buf, pos)
+                # A number at the end of what has been read ("12", "12.", "1e+") may go on in the next chunk.
+                number = isinstance(item, (int, float)) and not isinstance(item, bool)
+                if ended or not number or len(buf) - end > 2 or buf[end:].strip(".eE+-"):
+                    break
+            except json.JSONDecodeError as exc:
+                if not ended and more():
+                    continue
+                yield broken(exc.msg)
+                return
+            if not more():
+                ended = True
+        yield {"json": buf[pos:end], "error": ""}
+        pos = end
+    if skip_space():
+        yield broken("extra data after the array")
+
+
+READ_CHUNK_BYTES = 4 << 20  # bytes of a JSON/JSONL file read at once, and about the text of one block of rows
+
+
+def _rows_block(rows: list[dict[str, str]]) -> Any:
+    import pyarrow as pa
+
+    return pa.table({"json": [r["json"] for r in rows], "error": [r["error"] for r in rows]})
+
+
+def json_datasource(files: list[str]) -> Any:
+    """A Ray Data source of JSON/JSONL rows (columns ``json`` and ``error``) read in bounded chunks."""
+    from ray.data.datasource import FileBasedDatasource
+
+    class JsonRowsDatasource(FileBasedDatasource):
+        def _read_stream(self, f: Any, path: str) -> Iterator[Any]:
+            rows: list[dict[str, str]] = []
+            size = 0
+            for row in json_rows(iter(lambda: f.read(READ_CHUNK_BYTES), b"")):
+                rows.append(row)
+                size += len(row["json"]) + 64
+                if size >= READ_CHUNK_BYTES:
+                    yield _rows_block(rows)
+                    rows, size = [], 0
+            if rows:
+                yield _rows_block(rows)
+
+    return JsonRowsDatasource(files)
 
 
 def _encode_batch(batch: Any, *, tokenizer_path: str, data_format: str, text_field: str) -> dict[str, Any]:
@@ -344,22 +460,53 @@ def _shuffle_key(batch: Any, *, seed: int) -> Any:
     return batch.append_column("order", pa.array(order, pa.int64()))
 
 
-def rank_dataset_name(rank: int) -> str:
-    """The name of rank ``rank``'s shard among the datasets given to Ray Train."""
-    return f"train_rank{rank:05d}"
+TRAIN_DATASET = "train"  # the packed training set among the datasets given to Ray Train, read whole by every rank
+TRAIN_SIZE_DATASET = "train_size"  # one row: the number of packed blocks in the training set
 
 
-def rank_shards(dataset: Any, world_size: int) -> dict[str, Any]:
-    """One shard per rank, by name (:func:`rank_dataset_name`): equal contiguous slices of ``dataset`` in order.
+def train_datasets(dataset: Any) -> dict[str, Any]:
+    """The datasets every training rank reads whole (give them to ``TorchTrainer`` with :func:`shard_data_config`).
 
-    Give them to ``TorchTrainer(datasets=...)`` with :func:`shard_data_config`, so each is read whole, in order,
-    by its own rank, instead of Ray Train's default split (which hands out blocks by locality and readiness).
+    ``dataset`` is the packed, materialized training set in its fixed order; it is not split: each rank walks it
+    once per epoch and keeps the blocks that :func:`rank_epoch_blocks` gives it (see
+    :class:`~raytrain_eks.train.context.DataCursor`). Its block count travels beside it, so a rank knows the
+    epoch's order before reading a row.
     """
-    return {rank_dataset_name(r): shard for r, shard in enumerate(dataset.split(world_size, equal=True))}
+    import ray.data
+
+    return {TRAIN_DATASET: dataset, TRAIN_SIZE_DATASET: ray.data.from_items([{"blocks": dataset.count()}])}
+
+
+def epoch_order(blocks: int, *, seed: int, epoch: int) -> np.ndarray:
+    """The order of the packed blocks in ``epoch``: a permutation of ``range(blocks)`` drawn from (seed, epoch).
+
+    The same numbers give the same order on every machine (numpy's PCG64 stream is fixed); another epoch or seed
+    gives another order.
+    """
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(epoch), blocks])))
+    return rng.permutation(blocks)
+
+
+def rank_epoch_blocks(
+    blocks: int, *, seed: int, epoch: int, start: int, rank: int, world_size: int, batch_size: int
+) -> np.ndarray:
+    """The packed blocks rank ``rank`` trains on in ``epoch`` from the epoch's ``start``-th sample on, in order.
+
+    The epoch's order (:func:`epoch_order`) is cut, from ``start``, into global batches of ``world_size *
+    batch_size`` samples; rank ``r`` takes the ``r``-th ``batch_size`` of each. The tail that does not fill a
+    global batch is left out of this epoch (the next epoch's order is another). ``start`` counts the samples every
+    rank together has taken in this epoch, so a resume continues the same global stream, whatever the layout.
+
+    >>> rank_epoch_blocks(8, seed=0, epoch=0, start=0, rank=1, world_size=2, batch_size=2)  # 2 batches of 2 blocks
+    """
+    per_step = world_size * batch_size
+    steps = max(0, (blocks - start) // per_step)
+    order = epoch_order(blocks, seed=seed, epoch=epoch)[start : start + steps * per_step]
+    return order.reshape(steps, world_size, batch_size)[:, rank].reshape(-1)
 
 
 def shard_data_config() -> Any:
-    """Ray Train's data settings for :func:`rank_shards`: no further split, order kept, no locality preference."""
+    """Ray Train's data settings for :func:`train_datasets`: no split, order kept, no locality preference."""
     import ray.train
     from ray.data import DataContext, ExecutionOptions
 
@@ -415,10 +562,7 @@ def prepare_dataset(
     files, kind = listed or list_data_files(data, option)
     say(f"reading and tokenizing {len(files)} file{'s' if len(files) > 1 else ''}")
     try:
-        if kind == "parquet":
-            raw = ray.data.read_parquet(files)
-        else:
-            raw = ray.data.read_binary_files(files).flat_map(_json_records)
+        raw = ray.data.read_parquet(files) if kind == "parquet" else ray.data.read_datasource(json_datasource(files))
         encoded = raw.map_batches(
             _encode_batch,
             batch_format="pyarrow",

@@ -179,7 +179,7 @@ def _train_in(
         list_checkpoints,
         storage_root,
     )
-    from raytrain_eks.train.data import load_tokenizer, prepare_dataset, rank_shards, shard_data_config
+    from raytrain_eks.train.data import load_tokenizer, prepare_dataset, shard_data_config, train_datasets
     from raytrain_eks.train.export import export_hf
     from raytrain_eks.train.prompts import sample_prompts, write_samples
 
@@ -206,7 +206,7 @@ def _train_in(
         say(prepared.describe(training.data, training.seq_len))
         if hasattr(progress, "stage"):
             progress.stage("ready; starting the training workers")
-        datasets = rank_shards(prepared.dataset, num_workers)
+        datasets = train_datasets(prepared.dataset)
         # Every rank reads all of the (small) held-out set and keeps its share: splitting would drop a remainder.
         datasets.update(_eval_dataset(cfg, prepared, eval_files, model_path, say))
     else:

@@ -168,8 +168,10 @@ def train(
     batches = (
         _RandomCursor(cfg, ctx, model.config.vocab_size, position)
         if cfg.uses_random_data
-        else ctx.data_batches(cfg.batch_size, position)
+        else ctx.data_batches(cfg.batch_size, position, seed=cfg.seed)
     )
+    if getattr(batches, "note", ""):  # a data position in an earlier checkpoint format, converted
+        ctx.emit({"note": batches.note})
 
     fpt = flops_per_token(model.config, cfg.seq_len)
     peak = peak_flops_for(device_name(device), precision) if device.type == "cuda" else None

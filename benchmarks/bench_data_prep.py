@@ -1,0 +1,196 @@
+"""Peak memory of data preparation against the size of one JSONL file: is it flat?
+
+For each size (MB of JSONL, ``--sizes``), a file of ``text`` rows (about 2 KB each, words drawn with a fixed seed)
+is written, then :func:`raytrain_eks.train.data.prepare_dataset` prepares it (read, tokenize with the built-in
+model's tokenizer, count malformed rows, shuffle, pack into ``--seq-len`` blocks, materialize) in a fresh Python
+process with its own embedded Ray (``--cpus`` CPUs), as ``raytrain-eks train`` does on the driver. Measured:
+
+- **largest task**: the highest peak resident set (``VmHWM`` in ``/proc/PID/status``) of any Ray worker process
+  the run started, polled every 0.2 s while it runs (a worker runs many tasks in turn, so this bounds the largest
+  task from above; it includes the object-store pages the worker mapped);
+- **driver**: the peak resident set of the preparing process itself;
+- the rows, tokens and packed blocks, and the seconds it took.
+
+Data preparation is flat when the largest task does not grow with the file. Each size runs in its own process,
+so one size's peaks never carry into the next. The built-in tokenizer runs at about 0.5 MB of text per second on
+one core of an Intel Xeon @ 2.00GHz (2 characters per token), so the defaults (10, 20, 40 MB) take a few
+minutes on 2 idle cores; ``--sizes 50,100,200,1000`` goes to 1 GB (hours there; minutes on a larger machine).
+
+Example::
+
+    .venv/bin/python benchmarks/bench_data_prep.py
+    .venv/bin/python benchmarks/bench_data_prep.py --sizes 50,100,200,1000 --workdir /mnt/scratch
+
+Human-readable lines first, then one JSON line with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+MB = 1e6
+VOCABULARY = (
+    "the of and to in is that for it as with was on be by this are at from or have an they which one you were all "
+    "we her she there would their will when who him been has more if no out so said what up its about than into "
+    "them can only other new some could time these two may then do first any my now such like our over man me "
+    "even most made after also did many before must through back years where much your way well down should "
+    "because each just those people how too little state good very make world still own see men work long get"
+)
+
+
+def write_jsonl(path: Path, size_mb: float, seed: int = 0) -> int:
+    """A JSONL file of about ``size_mb`` MB of ``text`` rows; returns the number of rows."""
+    rng, words = random.Random(seed), VOCABULARY.split()
+    target, written, rows = size_mb * MB, 0, 0
+    with path.open("w") as f:
+        while written < target:
+            line = json.dumps({"text": " ".join(rng.choices(words, k=400))}) + "\n"
+            f.write(line)
+            written += len(line)
+            rows += 1
+    return rows
+
+
+def _peak_rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / MB
+    except OSError:
+        return None
+    return None
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _is_ray_worker(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return "default_worker.py" in cmdline or cmdline.startswith("ray::")
+
+
+def measure_one(path: Path, cpus: int, seq_len: int) -> dict[str, Any]:
+    """Prepare ``path`` in this process (a fresh one per size) and return the figures."""
+    import ray
+
+    from raytrain_eks.train.builtin import ensure_builtin_model
+    from raytrain_eks.train.data import prepare_dataset
+
+    model = str(ensure_builtin_model())
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    peaks: dict[int, float] = {}
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            for pid in _descendants(os.getpid()):
+                if _is_ray_worker(pid):
+                    peak = _peak_rss_mb(pid)
+                    if peak is not None:
+                        peaks[pid] = max(peaks.get(pid, 0.0), peak)
+            done.wait(0.2)
+
+    watcher = threading.Thread(target=poll, daemon=True)
+    watcher.start()
+    start = time.perf_counter()
+    prepared = prepare_dataset(
+        data=str(path),
+        data_format="text",
+        text_field="text",
+        tokenizer_path=model,
+        seq_len=seq_len,
+        seed=0,
+        min_blocks=1,
+    )
+    seconds = time.perf_counter() - start
+    done.set()
+    watcher.join()
+    ray.shutdown()
+    return {
+        "file_mb": path.stat().st_size / MB,
+        "rows": prepared.rows,
+        "tokens": prepared.tokens,
+        "blocks": prepared.blocks,
+        "seconds": seconds,
+        "largest_task_peak_rss_mb": max(peaks.values()) if peaks else None,
+        "workers_seen": len(peaks),
+        "driver_peak_rss_mb": _peak_rss_mb(os.getpid()),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="10,20,40", help="JSONL file sizes in MB, comma-separated")
+    parser.add_argument("--cpus", type=int, default=2, help="CPUs of the embedded Ray")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--workdir", default=None, help="where the JSONL files are written (default: a temp dir)")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: measure this file and print
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(measure_one(Path(args.one), args.cpus, args.seq_len)), flush=True)
+        return
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-data-prep-", dir=args.workdir) as tmp:
+        for size in [float(s) for s in args.sizes.split(",")]:
+            path = Path(tmp) / f"data-{size:g}mb.jsonl"
+            write_jsonl(path, size)
+            run = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--one",
+                    str(path),
+                    "--cpus",
+                    str(args.cpus),
+                    "--seq-len",
+                    str(args.seq_len),
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            if run.returncode != 0:
+                sys.exit(f"preparing {path.name} failed:\n{run.stderr[-4000:]}")
+            figures = json.loads(run.stdout.strip().splitlines()[-1])
+            path.unlink()
+            results.append(figures)
+            print(
+                f"{figures['file_mb']:8.1f} MB JSONL: largest task peak RSS "
+                f"{figures['largest_task_peak_rss_mb']:7.0f} MB, "
+                f"driver peak RSS {figures['driver_peak_rss_mb']:7.0f} MB, {figures['rows']} rows, "
+                f"{figures['tokens']} tokens, {figures['blocks']} blocks, {figures['seconds']:.0f} s",
+                flush=True,
+            )
+    print(json.dumps({"bench": "data_prep", "cpus": args.cpus, "seq_len": args.seq_len, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Reading JSON and JSONL in bounded chunks: :func:`~raytrain_eks.train.data.json_rows` on byte streams cut at every
+possible place (rows, malformed lines, arrays that break off), and the Ray Data source built on it, which turns a
+file larger than one chunk into several blocks (so no task holds the whole file) with every row, in order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raytrain_eks.train.data import READ_CHUNK_BYTES, json_datasource, json_rows
+
+ROWS = [{"instruction": f"Q{i} é ü", "output": str(i) * (i % 7 + 1), "n": 12345} for i in range(40)]
+ROWS += [7, 12.5, 1e20, -3, "s", None, True]
+
+
+def chunked(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 64, 1 << 20])
+def test_rows_survive_any_cut_into_chunks(size):
+    array = json.dumps(ROWS, indent=1).encode()
+    got = list(json_rows(chunked(array, size)))
+    assert [json.loads(r["json"]) for r in got] == ROWS and not any(r["error"] for r in got)
+    lines = ("\r\n".join(json.dumps(r) for r in ROWS) + "\n{not json\n\n  \n" + json.dumps(ROWS[0])).encode()
+    got = list(json_rows(chunked(lines, size)))
+    assert [r["error"] for r in got] == [""] * len(ROWS) + ["the line is not valid JSON", ""]
+    assert [json.loads(r["json"]) for r in got if not r["error"]] == [*ROWS, ROWS[0]]
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b'[{"a": 1}, {"b":', "Expecting value"),
+        (b"[1, 2", "the array is not closed"),
+        (b"[1 2]", "expected ',' or ']' between items"),
+        (b"[1] x", "extra data after the array"),
+        (b"[1,]", "Expecting value"),
+        (b"[12.x]", "expected ',' or ']' between items"),
+    ],
+)
+def test_a_broken_array_keeps_the_items_before_the_break_and_says_why(data, why):
+    for size in (1, 3, 100):
+        *items, last = list(json_rows(chunked(data, size)))
+        assert last == {"json": "", "error": f"the file is not valid JSON ({why})"}
+        assert all(not r["error"] for r in items)
+    assert list(json_rows([b"  [ ]  "])) == [] and list(json_rows([])) == []
+
+
+@pytest.mark.integration
+def test_a_file_larger_than_a_chunk_is_read_as_several_blocks(tmp_path, ray_local):
+    import ray.data
+
+    path = tmp_path / "big.jsonl"
+    rows = [{"text": f"{i} " + "x" * 500} for i in range(int(2.5 * READ_CHUNK_BYTES / 500))]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    dataset = ray.data.read_datasource(json_datasource([str(path)])).materialize()
+    assert dataset.num_blocks() >= 3
+    got = [json.loads(r["json"]) for r in dataset.iter_rows()]
+    assert got == rows
