@@ -303,6 +303,29 @@ def check_storage_for_nodes(training: TrainingConfig, nodes: int, *, counted: st
     )
 
 
+def check_sharding_for_nodes(training: TrainingConfig, nodes: int, workers: int | None, *, counted: str) -> None:
+    """Raise :class:`ConfigError` when ``training.sharding`` cannot be had on ``nodes`` nodes with ``workers``
+    workers (``None``: not known yet). ``counted`` says where ``nodes`` came from, for the message. The workers
+    check again once they know where each of them runs (train/sharding.py). Example::
+
+        check_sharding_for_nodes(cfg.training, 1, 2, counted="a local run: one node")
+    """
+    if training.sharding == "hsdp" and nodes <= 1:
+        raise ConfigError(
+            [
+                f"training.sharding = 'hsdp' replicates across nodes, but the workers have {nodes} node ({counted}): "
+                "set training.sharding to auto or fsdp (--sharding)"
+            ]
+        )
+    if training.sharding == "none" and workers is not None and workers > 1:
+        raise ConfigError(
+            [
+                f"training.sharding = 'none' needs a single worker, but the run has {workers}: set "
+                "training.sharding to auto (--sharding), or training.num_workers to 1 (--num-workers)"
+            ]
+        )
+
+
 class TrainingConfig(_Section):
     """The fine-tuning job run by every Ray Train worker."""
 

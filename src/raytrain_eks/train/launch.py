@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from raytrain_eks.config import BUILTIN_DATA, Config, check_storage_for_nodes
+from raytrain_eks.config import BUILTIN_DATA, Config, check_sharding_for_nodes, check_storage_for_nodes
 from raytrain_eks.errors import TrainingError, UserError
 from raytrain_eks.ray_session import LOCAL_CPU_WORKERS, init_ray, resolve_num_workers, worker_error, worker_hosts
 from raytrain_eks.train.fabric_gate import nccl_env
@@ -111,6 +111,13 @@ def run_training(
             check_storage_for_nodes(
                 training, worker_hosts(), counted="alive nodes of the Ray cluster that can host a training worker"
             )
+        # Local runs have one node; on a cluster, the nodes a worker can run on.
+        check_sharding_for_nodes(
+            training,
+            worker_hosts() if address else 1,
+            training.num_workers or (None if address else LOCAL_CPU_WORKERS),
+            counted="alive nodes of the Ray cluster that can host a training worker" if address else "a local run",
+        )
         resume_from = None
         if resume is not None:
             run_dir = resume.expanduser().resolve()
