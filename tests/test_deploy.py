@@ -15,6 +15,7 @@ runner's errors."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import shlex
@@ -38,7 +39,7 @@ from raytrain_eks.eks import submit as sub
 from raytrain_eks.eks.addons import NodesNotReady
 from raytrain_eks.eks.plan import write_plan
 from raytrain_eks.eks.runner import CommandError, Completed, MissingToolError
-from raytrain_eks.eks.state import Cancelled, Deployment, StateStore
+from raytrain_eks.eks.state import Cancelled, Deployment, StateStore, apply_state
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
@@ -335,7 +336,8 @@ class World:
         return lifecycle.up(self.d, confirm=lambda q: True, **kw)
 
     def submit(self, **kw: Any) -> sub.SubmitResult:
-        return sub.submit(self.d, **kw)
+        """Submit as the commands do: with what ``up`` remembered applied (the checkpoint bucket among it)."""
+        return sub.submit(dataclasses.replace(self.d, cfg=apply_state(self.d.cfg, self.store)), **kw)
 
     def said(self) -> str:
         return "\n".join(self.lines)
@@ -634,6 +636,39 @@ def test_up_plan_prints_every_action_and_creates_nothing(tmp_path: Path, monkeyp
     assert "$ eksctl create cluster -f .raytrain-eks/eksctl-cluster.yaml" in result.output
     assert "about $9.55 per hour" in result.output
     assert not (tmp_path / ".raytrain-eks").exists()
+
+
+def test_up_train_runs_the_job_with_its_checkpoints_in_the_bucket_up_created(
+    world: World, monkeypatch: pytest.MonkeyPatch
+):
+    # The command builds its deployment before up creates the bucket; the job it then submits must still keep its
+    # checkpoints there (node-local storage across two GPU nodes is refused before any job is submitted).
+    def make_deployment(cfg: Config, state_dir: Path, say: Callable[[str], None] | None = None) -> Deployment:
+        world.d = dataclasses.replace(world.d, cfg=deploy_commands.remembered_config(cfg, world.store, world.d.say))
+        return world.d
+
+    monkeypatch.setattr(deploy_commands, "make_deployment", make_deployment)
+    monkeypatch.setattr(nodegroups, "placement_zones", lambda cfg: nodegroups.Placement(list(ZONES)))
+    app = typer.Typer()
+    deploy_commands.register(app)
+    result = CliRunner().invoke(app, ["up", "--train", "-y"])
+    assert result.exit_code == 0, f"{result.output}\n{world.said()}\n{result.exception!r}"
+    bucket = world.store.get("bucket")
+    assert bucket and len(world.ray.submitted) == 1
+    cfg = world.d.cfg
+    job = world.kube.get("v1", "ConfigMap", cfg.ray.cluster_name + "-config", cfg.ray.namespace)
+    assert yaml.safe_load(job["data"]["raytrain-eks.yaml"])["training"]["storage_path"] == f"s3://{bucket}/runs"
+
+
+def test_submit_refuses_node_local_checkpoints_across_nodes_before_anything(ready: World):
+    calls = (len(ready.kube.applied), len(ready.kube.exec_calls))
+    local = ready.d.cfg.model_copy(
+        update={"training": ready.d.cfg.training.model_copy(update={"storage_path": "/home/ray/ckpt"})}
+    )
+    with pytest.raises(UserError, match="storage_path = '/home/ray/ckpt'.*span 2 nodes") as err:
+        sub.submit(dataclasses.replace(ready.d, cfg=local))
+    assert err.value.exit_code == 2 and "s3://BUCKET/PREFIX" in str(err.value)
+    assert (len(ready.kube.applied), len(ready.kube.exec_calls)) == calls and ready.ray.submitted == []
 
 
 def test_up_plan_shows_the_helm_commands_up_runs(world: World):

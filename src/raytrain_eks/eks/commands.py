@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 from collections.abc import Callable
@@ -186,8 +187,10 @@ def up(
         return
     d = make_deployment(cfg, state_dir)
     lifecycle.up(d, confirm=_confirm(yes), offered_zones=lambda: nodegroups.placement_zones(d.cfg))
-    if train:
-        _submit(d, mode)
+    if train:  # with what up remembered on the way, the checkpoint bucket it created among it
+        from raytrain_eks.eks.state import apply_state
+
+        _submit(dataclasses.replace(d, cfg=apply_state(cfg, d.state)), mode)
 
 
 def submit(

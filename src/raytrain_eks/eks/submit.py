@@ -337,6 +337,7 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
     cfg = d.cfg
     ns = cfg.ray.namespace
     gpu, _ = check_deployable(cfg)
+    cfg.check_cluster_storage()  # checkpoints every node reaches, before any node is scaled or job submitted
     if d.state.get("gpu_scaled_to") == 0:  # a finished RayJob left the GPU group at 0 nodes
         d.say(f"Scaling GPU node group {cfg.cluster.gpu_nodegroup_name} back to {cfg.cluster.gpu_node_count} nodes")
         scale_gpu_nodes(d, cfg.cluster.gpu_node_count)
