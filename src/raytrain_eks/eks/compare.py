@@ -18,10 +18,10 @@ would count against whichever run happened to checkpoint more. Example::
 
 On EKS :func:`eks_runner` supplies ``run_job``: a fresh RayCluster with the run's worker environment and a job
 submitted through :func:`raytrain_eks.eks.submit.submit`, whose metrics (and the run folder's summary, config,
-samples and NCCL lines, for :func:`write_run_folders` and the overlaid report) are read back from the head pod. It refuses to
-touch a RayCluster that a job is running on, asks once before replacing an idle one, and on every way out (success,
-refusal, error, Ctrl-C) puts back a RayCluster with the configured environment, so that the next ``submit`` does not
-reuse pods that run B forced onto TCP sockets::
+samples and NCCL lines, for :func:`write_run_folders` and the overlaid report) are read back from the head pod. It
+refuses to touch a RayCluster that a job is running on, asks once before replacing an idle one, and on every way
+out (success, refusal, error, Ctrl-C) puts back a RayCluster with the configured environment, so that the next
+``submit`` does not reuse pods that run B forced onto TCP sockets::
 
     with eks_runner(cfg, deployment, confirm=lambda question: True) as run_job:
         result = compare_fabric(run_job)
