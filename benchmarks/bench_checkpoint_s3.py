@@ -1,0 +1,305 @@
+"""What checkpoints in S3 cost: save and resume through ``s3://`` storage (moto's S3 server on loopback), by model
+size, and the share of a run they take.
+
+For each size (``--sizes``, default 25m and 250m: the Qwen2 configs of ``bench_checkpoint.py``), 2 processes
+(gloo on CPU, one intra-op thread each, as under Ray) build the model as training does (``load_model``,
+``apply_fsdp`` in fp32, AdamW and the schedule from ``build_optimizer``), take one optimizer step so AdamW's
+moments exist, then, as ``RayContext`` does with ``training.storage_path: s3://...``:
+
+- **save** = **write** (each rank :func:`save_sharded` into a local staging folder) + **upload** (each rank copies
+  its staging folder into the checkpoint's S3 prefix with ``pyarrow.fs.copy_files``, as ``ray.train.report``
+  does; concurrently) + the complete marker written to S3 by rank 0 after a barrier;
+- **resume** = **download** (each rank :func:`materialize` the whole checkpoint from S3 into its own local
+  folder, as a worker's restore does) + **load** (:func:`load_sharded` into a fresh model and optimizer). The
+  restored weights and AdamW moments are checked against those saved.
+
+Times are from barrier to barrier (the slower rank counts). The share of a run uses a step time measured here on
+the same 2 processes (batch 1 x ``--seq-len`` tokens per rank, fp32; the median of 3 steps after the first), or
+``--step-time-s`` (e.g. a GPU step time): a save every ``checkpoint_every`` steps of the default
+``TrainingConfig`` (and one at the end), and one resume.
+
+moto keeps the objects in this process's memory: a 250 M checkpoint (weights + 2 AdamW moments, ~3 GB) takes
+that much RAM beside the 2 ranks. moto is far from S3's throughput and latency; the figures show what the code
+path costs on this machine, not what AWS S3 gives.
+
+Example::
+
+    .venv/bin/python benchmarks/bench_checkpoint_s3.py                 # 25m and 250m, ~5 min on 2 idle cores
+    .venv/bin/python benchmarks/bench_checkpoint_s3.py --sizes 25m --step-time-s 0.8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_checkpoint import SIZES, _fingerprint, checkpoints_in_run, free_port, make_model  # noqa: E402
+
+WORLD_SIZE = 2
+MB = 1e6
+BUCKET = "bench-checkpoint-s3"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="25m,250m", help=f"comma-separated, of {', '.join(SIZES)} (default 25m,250m)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per rank of a measured step (256)")
+    p.add_argument("--step-time-s", type=float, default=None, help="use this step time instead of measuring one")
+    p.add_argument("--tmp-dir", type=Path, default=None, help="where staging and downloads go (default: temp)")
+    p.add_argument("--json-out", type=Path, default=None, help="also write the final JSON to this file")
+    args = p.parse_args(argv)
+    args.size_list = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if not args.size_list or any(s not in SIZES for s in args.size_list):
+        p.error(f"--sizes: choose from {', '.join(SIZES)}")
+    return args
+
+
+def _step(model: Any, optimizer: Any, scheduler: Any, seq_len: int, seed: int) -> float:
+    import torch
+
+    t = time.perf_counter()
+    ids = torch.randint(0, model.config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - t
+
+
+def _build(model_path: str) -> tuple[Any, Any, Any]:
+    from raytrain_eks.config import TrainingConfig
+    from raytrain_eks.train.loop import build_optimizer
+    from raytrain_eks.train.model import load_model
+    from raytrain_eks.train.sharding import apply_fsdp
+
+    cfg = TrainingConfig()
+    model = load_model(model_path, activation_checkpointing=False)
+    apply_fsdp(model, precision="fp32")
+    optimizer, scheduler = build_optimizer(model, cfg)
+    return model, optimizer, scheduler
+
+
+def _timed(fn: Any) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t
+
+
+def _rank(rank: int, spec: dict[str, Any]) -> None:
+    try:
+        _work(rank, spec)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)  # past gloo's threads, which can abort the interpreter's shutdown
+
+
+def _work(rank: int, spec: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+    import transformers
+    from pyarrow import fs as pafs
+
+    from raytrain_eks.train.checkpoint import (
+        checkpoint_name,
+        join,
+        load_sharded,
+        mark_complete,
+        materialize,
+        save_sharded,
+    )
+    from raytrain_eks.train.storage import filesystem
+
+    transformers.utils.logging.set_verbosity_error()
+    os.environ.update(spec["env"])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=rank, world_size=WORLD_SIZE)
+    local = Path(spec["local"]) / f"rank{rank}"
+    model, optimizer, scheduler = _build(spec["model_path"])
+    res: dict[str, Any] = {"first_step_s": _step(model, optimizer, scheduler, 32, rank)}
+    if spec["measure_step"]:
+        res["step_s"] = statistics.median(
+            _step(model, optimizer, scheduler, spec["seq_len"], 10 * i + rank) for i in range(4)[1:]
+        )
+    saved = _fingerprint(model, optimizer)
+    name = checkpoint_name(1)
+    remote = join(spec["root"], name)
+    staging = local / "staging"
+
+    def write() -> None:
+        save_sharded(
+            staging,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            step=1,
+            data_position={"epoch": 0, "sample": 0},
+            rank=rank,
+            tokenizer_path=spec["model_path"],
+        )
+
+    def upload() -> None:
+        fs, base = filesystem(remote)
+        pafs.copy_files(str(staging), base, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+    def marker() -> None:
+        if rank == 0:
+            mark_complete(remote, step=1, world_size=WORLD_SIZE)
+
+    res["write_s"], res["upload_s"], res["marker_s"] = _timed(write), _timed(upload), _timed(marker)
+    shutil.rmtree(staging)
+    del model, optimizer, scheduler
+    model, optimizer, scheduler = _build(spec["model_path"])
+    downloaded: list[Path] = []
+    res["download_s"] = _timed(lambda: downloaded.append(materialize(remote, local / "download")))
+    res["load_s"] = _timed(
+        lambda: load_sharded(downloaded[0], model=model, optimizer=optimizer, scheduler=scheduler, rank=rank)
+    )
+    ok = torch.tensor([1.0 if _fingerprint(model, optimizer) == saved else 0.0])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    res["restored"] = bool(ok.item() == 1.0)
+    if rank == 0:
+        Path(spec["result"]).write_text(json.dumps(res))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def start_moto() -> tuple[Any, dict[str, str]]:
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.CRITICAL)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    os.environ.update(env)
+    boto3.client("s3").create_bucket(Bucket=BUCKET)
+    return server, env
+
+
+def bench_size(name: str, args: argparse.Namespace, tmp: Path, env: dict[str, str]) -> dict[str, Any]:
+    import boto3
+    import torch.multiprocessing as mp
+
+    from raytrain_eks.config import TrainingConfig
+    from raytrain_eks.train.builtin import ensure_builtin_model
+
+    model_dir = tmp / f"model-{name}"
+    n = make_model(name, model_dir, ensure_builtin_model())
+    spec = {
+        "model_path": str(model_dir),
+        "root": f"s3://{BUCKET}/runs/{name}/ray",
+        "local": str(tmp / f"local-{name}"),
+        "env": env,
+        "port": free_port(),
+        "seq_len": args.seq_len,
+        "measure_step": args.step_time_s is None,
+        "result": str(tmp / f"result-{name}.json"),
+    }
+    t = time.perf_counter()
+    mp.spawn(_rank, args=(spec,), nprocs=WORLD_SIZE, join=True)
+    wall = time.perf_counter() - t
+    res = json.loads(Path(spec["result"]).read_text())
+    s3 = boto3.client("s3")
+    objects = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"runs/{name}/")["Contents"]
+    size = sum(o["Size"] for o in objects)
+    for o in objects:  # moto holds them in this process's memory
+        s3.delete_object(Bucket=BUCKET, Key=o["Key"])
+    shutil.rmtree(model_dir)
+    shutil.rmtree(spec["local"], ignore_errors=True)
+
+    ref = TrainingConfig()
+    step_s = args.step_time_s if args.step_time_s is not None else res["step_s"]
+    save = res["write_s"] + res["upload_s"] + res["marker_s"]
+    resume = res["download_s"] + res["load_s"]
+    saves = checkpoints_in_run(ref.steps, ref.checkpoint_every)
+    train = ref.steps * step_s
+    row = {
+        "size": name,
+        "parameters": n,
+        "checkpoint_mb": size / MB,
+        **{k: res[k] for k in ("write_s", "upload_s", "marker_s", "download_s", "load_s", "restored")},
+        "save_s": save,
+        "resume_s": resume,
+        "upload_mb_s": size / MB / res["upload_s"],
+        "download_mb_s": size / MB / res["download_s"],
+        "step_s": step_s,
+        "step_source": "--step-time-s" if args.step_time_s is not None else f"measured, 1 x {args.seq_len} fp32",
+        "checkpoint_every": ref.checkpoint_every,
+        "steps": ref.steps,
+        "saves_in_run": saves,
+        "interval_share_pct": 100 * save / (ref.checkpoint_every * step_s + save),
+        "run_share_pct": 100 * saves * save / (train + saves * save),
+        "run_share_with_resume_pct": 100 * (saves * save + resume) / (train + saves * save + resume),
+        "ranks_wall_s": wall,
+        "load_average": os.getloadavg()[0],
+    }
+    print(
+        f"  {name}: {n / 1e6:.1f} M parameters, checkpoint {row['checkpoint_mb']:.0f} MB in S3; "
+        f"save {save:.2f} s (write {res['write_s']:.2f} + upload {res['upload_s']:.2f} "
+        f"[{row['upload_mb_s']:.0f} MB/s] + marker {res['marker_s']:.2f}); resume {resume:.2f} s (download "
+        f"{res['download_s']:.2f} [{row['download_mb_s']:.0f} MB/s] + load {res['load_s']:.2f}); "
+        f"restored: {'yes' if res['restored'] else 'NO'}"
+    )
+    print(
+        f"    step {step_s:.2f} s ({row['step_source']}): a save is {row['interval_share_pct']:.1f}% of its "
+        f"{ref.checkpoint_every}-step interval; {saves} saves are {row['run_share_pct']:.1f}% of a {ref.steps}-step "
+        f"run, {row['run_share_with_resume_pct']:.1f}% with one resume (load average {row['load_average']:.1f})"
+    )
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    print(
+        f"benchmark: checkpoints through s3:// (moto on loopback), {WORLD_SIZE} gloo processes on "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}"
+    )
+    t = time.perf_counter()
+    server, env = start_moto()
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-checkpoint-s3-", dir=args.tmp_dir) as name:
+            for size in args.size_list:
+                rows.append(bench_size(size, args, Path(name), env))
+    finally:
+        server.stop()
+    print(f"benchmark wall time {time.perf_counter() - t:.0f} s")
+    line = json.dumps({"sizes": rows, "cpus": os.cpu_count(), "torch": torch.__version__})
+    if args.json_out:
+        args.json_out.write_text(line + "\n")
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
