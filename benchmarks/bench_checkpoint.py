@@ -444,7 +444,7 @@ def _worker(rank: int, spec: dict[str, Any]) -> None:
 def bench_size(name: str, args: argparse.Namespace, tmp: Path, tokenizer_src: Path, probe: bool) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from raytrain_eks.train.checkpoint import export_hf
+    from raytrain_eks.train.export import export_hf
 
     model_dir = tmp / f"model-{name}"
     load_avg = [os.getloadavg()[0]]
