@@ -46,6 +46,11 @@ def test_default_run_end_to_end(tmp_path, builtin_cache):
     assert summary["first_loss"] == records[0]["loss"] and summary["final_loss"] == records[-1]["loss"]
     assert summary["final_loss"] < 0.5 * summary["first_loss"], summary
     assert summary["tokens"] == steps * 2 * cfg["training"]["batch_size"] * cfg["training"]["seq_len"]
+    # Throughput is the steady state's: the logging windows after the first (step 1 alone), checkpoints left out.
+    windows = [(b["tokens"] - a["tokens"], b["tokens_per_s"]) for a, b in zip(records, records[1:], strict=False)]
+    steady = sum(t for t, _ in windows) / sum(t / rate for t, rate in windows)
+    assert summary["tokens_per_s"] == pytest.approx(steady, rel=1e-6)
+    assert summary["trained_tokens"] == summary["tokens"], "a run that never resumed trained every token itself"
     # The default job holds out 5% of the data and evaluates at the end; it writes samples and its report.
     assert summary["eval_loss"] == records[-1]["eval_loss"] and summary["eval_tokens"] > 0
     assert len((run_dir / "samples.jsonl").read_text().splitlines()) == 3

@@ -291,6 +291,15 @@ def test_run_cost_prices_the_tokens_this_attempt_trained(cfg_for):
     assert cost["usd_per_million_tokens"] == pytest.approx(9.5498 / 2 / 30, abs=1e-4), "30 M tokens, not 60 M"
 
 
+def test_run_cost_counts_the_tokens_the_summary_says_this_attempt_trained(cfg_for):
+    # tokens_per_s is the steady-state rate (warm-up and checkpoints left out), so it is not multiplied by a time:
+    # the summary's trained_tokens is what this attempt trained.
+    summary = {"wall_s": 1800.0, "train_s": 1500.0, "tokens_per_s": 30_000.0, "tokens": 60_000_000, "steps": 100}
+    cost = run_cost(cfg_for(), {**summary, "trained_tokens": 24_000_000})
+    assert cost["usd_per_million_tokens"] == pytest.approx(9.5498 / 2 / 24, abs=1e-4)
+    assert run_cost(cfg_for(), {**summary, "trained_tokens": 0})["usd_per_million_tokens"] is None
+
+
 # --- plan --output-dir ------------------------------------------------------------------------------------------------
 
 

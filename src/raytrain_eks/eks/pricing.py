@@ -155,9 +155,9 @@ def cost_per_hour(cfg: Config, gpu: InstanceType, system: InstanceType, *, on: d
 
 def run_cost(cfg: Config, summary: Mapping[str, Any]) -> dict[str, Any] | None:
     """What a run on the configured cluster cost while it ran, from its ``summary.json`` fields: the cluster's hourly
-    cost times this attempt's ``wall_s``, and per million tokens this attempt trained (``tokens_per_s`` x
-    (``train_s`` - ``eval_s``): on a resumed run ``tokens`` also counts the steps before the resume). ``None`` when
-    the cluster is not one this tool can price.
+    cost times this attempt's ``wall_s``, and per million tokens this attempt trained (``trained_tokens``; a summary
+    without it, from before that field, gives ``tokens_per_s`` x (``train_s`` - ``eval_s``); ``tokens`` would also
+    count the steps before a resume). ``None`` when the cluster is not one this tool can price.
 
     Example: 9.5498 $/h for 600 s and 30 M tokens -> ``{"usd": 1.5916, "usd_per_million_tokens": 0.0531, ...}``.
     """
@@ -167,8 +167,9 @@ def run_cost(cfg: Config, summary: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     hourly = cost_per_hour(cfg, gpu, system)
     usd = hourly["total_usd"] * summary["wall_s"] / 3600
-    # Tokens this attempt trained: the training rate over the time spent training (evaluation left out).
-    tokens = round(summary["tokens_per_s"] * (summary["train_s"] - summary.get("eval_s", 0.0)))
+    tokens = summary.get("trained_tokens")
+    if tokens is None:  # an older summary: the training rate over the time spent training (evaluation left out)
+        tokens = round(summary["tokens_per_s"] * (summary["train_s"] - summary.get("eval_s", 0.0)))
     return {
         "usd": round(usd, 4),
         "usd_per_million_tokens": round(usd / tokens * 1e6, 4) if tokens else None,

@@ -216,6 +216,7 @@ def train(
 
     fabric: dict[str, Any] | None = None
     step_times: list[float] = []  # one per logging window: its time over its steps
+    windows: list[tuple[float, int]] = []  # (seconds, tokens) of each logging window, checkpoints left out
     done = 0
     losses: dict[int, float] = {}
     loop_start = window_start = time.perf_counter()
@@ -258,6 +259,7 @@ def train(
             window_s = time.perf_counter() - window_start
             step_time = window_s / window_steps
             step_times.append(step_time)
+            windows.append((window_s, window_tokens))
             tps = window_tokens / window_s
             record = {
                 "step": step,
@@ -301,16 +303,19 @@ def train(
         )
         ctx.emit({"samples": samples})
     samples_s = time.perf_counter() - samples_start
-    # Step times are per logging window (first step alone, then log_every steps): leave the first window out.
+    # Step times are per logging window (first step alone, then log_every steps): leave the first window out, and
+    # measure throughput (and MFU) over the same steady windows; checkpoint and evaluation time are outside them.
     steady = step_times[1:] or step_times
-    tokens = done * tokens_per_step
-    tps = tokens / (train_s - eval_s) if done else 0.0  # evaluation is not training
+    steady_windows = windows[1:] or windows
+    steady_s = sum(w[0] for w in steady_windows)
+    tps = sum(w[1] for w in steady_windows) / steady_s if steady_s > 0 else 0.0
     last_step = start_step + done  # cfg.steps, unless the transport gate stopped the run early
     summary = {
         "steps": last_step,
         "first_loss": losses.get(start_step + 1),
         "final_loss": losses.get(cfg.steps),
         "tokens": last_step * tokens_per_step,
+        "trained_tokens": done * tokens_per_step,  # by this attempt (a resumed run's first steps were trained before)
         "train_s": train_s,
         "tokens_per_s": tps,
         "step_time_s": statistics.median(steady) if steady else None,
