@@ -67,7 +67,8 @@ def test_one_bf16_worker_keeps_the_wrapper_for_mixed_precision():
 def test_explicit_modes_win_when_the_placement_allows_them():
     assert choose_sharding("fsdp", ["a", "a", "b", "b"]).mode == "fsdp"  # flat across nodes, as asked
     assert choose_sharding("fsdp", ["a"]).mode == "fsdp"
-    assert choose_sharding("hsdp", ["a", "b"]).mesh_shape == (2, 1)
+    replicated = choose_sharding("hsdp", ["a", "b"])
+    assert replicated.mesh_shape == (2, 1) and replicated.describe().startswith("hsdp: 2 nodes x 1 rank,")
     assert choose_sharding("none", ["a"]).mode == "none"
 
 

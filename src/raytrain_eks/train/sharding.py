@@ -57,7 +57,8 @@ class Layout:
     def describe(self) -> str:
         """One line for the run's output, e.g. ``hsdp: 2 nodes x 2 ranks (auto: ...)``."""
         if self.mode == "hsdp":
-            shape = f"{len(self.nodes)} nodes x {len(self.nodes[0][1])} ranks, sharded inside a node"
+            per_node = len(self.nodes[0][1])
+            shape = f"{len(self.nodes)} nodes x {per_node} rank{'s' * (per_node > 1)}, sharded inside a node"
         elif self.mode == "fsdp":
             shape = f"{self.world_size} ranks in one group on {len(self.nodes)} node{'s' * (len(self.nodes) > 1)}"
         else:
