@@ -18,6 +18,11 @@ the same 2 processes (batch 1 x ``--seq-len`` tokens per rank, fp32; the median 
 ``--step-time-s`` (e.g. a GPU step time): a save every ``checkpoint_every`` steps of the default
 ``TrainingConfig`` (and one at the end), and one resume.
 
+``--resume-sizes`` (default 25m) names the sizes whose resume is measured: moto answers every ranged GET by
+reading the whole object and slicing it, and pyarrow downloads in 1 MB ranges, so a download from moto costs
+(file size)^2 / 1 MB of copying: 25 s-3 min for the 25m checkpoint's two 160 MB files, hours for 250m's 1.6 GB
+ones. That is moto's, not S3's. The saves (multipart uploads) are measured at every size.
+
 moto keeps the objects in this process's memory: a 250 M checkpoint (weights + 2 AdamW moments, ~3 GB) takes
 that much RAM beside the 2 ranks. moto is far from S3's throughput and latency; the figures show what the code
 path costs on this machine, not what AWS S3 gives.
@@ -53,6 +58,7 @@ BUCKET = "bench-checkpoint-s3"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="25m,250m", help=f"comma-separated, of {', '.join(SIZES)} (default 25m,250m)")
+    p.add_argument("--resume-sizes", default="25m", help="sizes whose resume (download + load) is measured (25m)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per rank of a measured step (256)")
     p.add_argument("--step-time-s", type=float, default=None, help="use this step time instead of measuring one")
     p.add_argument("--tmp-dir", type=Path, default=None, help="where staging and downloads go (default: temp)")
@@ -167,6 +173,12 @@ def _work(rank: int, spec: dict[str, Any]) -> None:
 
     res["write_s"], res["upload_s"], res["marker_s"] = _timed(write), _timed(upload), _timed(marker)
     shutil.rmtree(staging)
+    if not spec["resume"]:
+        if rank == 0:
+            Path(spec["result"]).write_text(json.dumps(res))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     del model, optimizer, scheduler
     model, optimizer, scheduler = _build(spec["model_path"])
     downloaded: list[Path] = []
@@ -221,6 +233,7 @@ def bench_size(name: str, args: argparse.Namespace, tmp: Path, env: dict[str, st
         "port": free_port(),
         "seq_len": args.seq_len,
         "measure_step": args.step_time_s is None,
+        "resume": name in args.resume_sizes.split(","),
         "result": str(tmp / f"result-{name}.json"),
     }
     t = time.perf_counter()
@@ -238,18 +251,18 @@ def bench_size(name: str, args: argparse.Namespace, tmp: Path, env: dict[str, st
     ref = TrainingConfig()
     step_s = args.step_time_s if args.step_time_s is not None else res["step_s"]
     save = res["write_s"] + res["upload_s"] + res["marker_s"]
-    resume = res["download_s"] + res["load_s"]
+    resume = res["download_s"] + res["load_s"] if "load_s" in res else None
     saves = checkpoints_in_run(ref.steps, ref.checkpoint_every)
     train = ref.steps * step_s
     row = {
         "size": name,
         "parameters": n,
         "checkpoint_mb": size / MB,
-        **{k: res[k] for k in ("write_s", "upload_s", "marker_s", "download_s", "load_s", "restored")},
+        **{k: res.get(k) for k in ("write_s", "upload_s", "marker_s", "download_s", "load_s", "restored")},
         "save_s": save,
         "resume_s": resume,
         "upload_mb_s": size / MB / res["upload_s"],
-        "download_mb_s": size / MB / res["download_s"],
+        "download_mb_s": size / MB / res["download_s"] if resume is not None else None,
         "step_s": step_s,
         "step_source": "--step-time-s" if args.step_time_s is not None else f"measured, 1 x {args.seq_len} fp32",
         "checkpoint_every": ref.checkpoint_every,
@@ -257,21 +270,28 @@ def bench_size(name: str, args: argparse.Namespace, tmp: Path, env: dict[str, st
         "saves_in_run": saves,
         "interval_share_pct": 100 * save / (ref.checkpoint_every * step_s + save),
         "run_share_pct": 100 * saves * save / (train + saves * save),
-        "run_share_with_resume_pct": 100 * (saves * save + resume) / (train + saves * save + resume),
+        "run_share_with_resume_pct": (
+            100 * (saves * save + resume) / (train + saves * save + resume) if resume is not None else None
+        ),
         "ranks_wall_s": wall,
         "load_average": os.getloadavg()[0],
     }
+    resumed = (
+        f"resume {resume:.2f} s (download {res['download_s']:.2f} [{row['download_mb_s']:.0f} MB/s] + load "
+        f"{res['load_s']:.2f}); restored: {'yes' if res['restored'] else 'NO'}"
+        if resume is not None
+        else "resume not measured (--resume-sizes)"
+    )
     print(
         f"  {name}: {n / 1e6:.1f} M parameters, checkpoint {row['checkpoint_mb']:.0f} MB in S3; "
         f"save {save:.2f} s (write {res['write_s']:.2f} + upload {res['upload_s']:.2f} "
-        f"[{row['upload_mb_s']:.0f} MB/s] + marker {res['marker_s']:.2f}); resume {resume:.2f} s (download "
-        f"{res['download_s']:.2f} [{row['download_mb_s']:.0f} MB/s] + load {res['load_s']:.2f}); "
-        f"restored: {'yes' if res['restored'] else 'NO'}"
+        f"[{row['upload_mb_s']:.0f} MB/s] + marker {res['marker_s']:.2f}); {resumed}"
     )
+    with_resume = f", {row['run_share_with_resume_pct']:.1f}% with one resume" if resume is not None else ""
     print(
         f"    step {step_s:.2f} s ({row['step_source']}): a save is {row['interval_share_pct']:.1f}% of its "
         f"{ref.checkpoint_every}-step interval; {saves} saves are {row['run_share_pct']:.1f}% of a {ref.steps}-step "
-        f"run, {row['run_share_with_resume_pct']:.1f}% with one resume (load average {row['load_average']:.1f})"
+        f"run{with_resume} (load average {row['load_average']:.1f})"
     )
     return row
 

@@ -220,6 +220,11 @@ def measure(kind: str, source: str, out: Path, env: dict[str, str] | None = None
         raise SystemExit(f"{kind} export failed:\n{proc.stderr[-4000:]}")
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     res["process_s"] = time.perf_counter() - t
+    print(
+        f"  {kind} from {source.split('://')[0] if '://' in source else 'disk'}: peak RSS "
+        f"{res['peak_rss_gib']:.2f} GiB, {res['seconds']:.1f} s",
+        flush=True,
+    )
     return res
 
 

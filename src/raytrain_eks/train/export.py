@@ -46,7 +46,8 @@ MAX_SHARD_BYTES = 5 * 10**9
 # Tensors loaded together: one read of the checkpoint's metadata per group, and at most this much held at once
 # (a larger single tensor forms a group alone).
 GROUP_BYTES = 64 * 2**20
-_COPY_BYTES = 8 * 2**20  # one read when copying a byte range out of remote storage
+# One ranged read when copying a tensor's bytes out of remote storage: few requests per tensor, little memory.
+_COPY_BYTES = 64 * 2**20
 _DCP_PREFIX = "model."  # the model's tensors are saved under "model" (train.checkpoint.save_sharded)
 
 
@@ -125,7 +126,7 @@ def _model_files(location: str, into: Path) -> Path:
         size = fs.get_file_info(_fs(remote)[1]).size
         with fs.open_input_file(_fs(remote)[1]) as src, open(into / name, "wb") as dst:
             dst.truncate(size)
-            for offset, length in sorted(spans):
+            for offset, length in _merged(spans):
                 dst.seek(offset)
                 done = 0
                 while done < length:
@@ -135,6 +136,18 @@ def _model_files(location: str, into: Path) -> Path:
                     dst.write(chunk)
                     done += len(chunk)
     return into
+
+
+def _merged(spans: list[tuple[int, int]], gap: int = 2**20) -> list[tuple[int, int]]:
+    """(offset, length) byte ranges, sorted, with ranges less than ``gap`` apart joined: a tensor's saved bytes
+    lie next to the previous one's, so a whole shard file's model part is read in few large requests."""
+    out: list[list[int]] = []
+    for offset, length in sorted(spans):
+        if out and offset - (out[-1][0] + out[-1][1]) < gap:
+            out[-1][1] = max(out[-1][1], offset + length - out[-1][0])
+        else:
+            out.append([offset, length])
+    return [(o, n) for o, n in out]
 
 
 def _meta_model(hf: Path, dtype: torch.dtype) -> Any:
