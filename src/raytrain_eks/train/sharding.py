@@ -26,12 +26,17 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from raytrain_eks.errors import UserError
+
 SHARDING_MODES = ("auto", "fsdp", "hsdp", "none")
 MESH_DIMS = ("replicate", "shard")  # HSDP's mesh: one row per node, one column per rank of a node
 
 
-class ShardingError(ValueError):
-    """A sharding that the ranks' placement cannot give (``hsdp`` on one node, ``none`` with several ranks, ...)."""
+class ShardingError(UserError, ValueError):
+    """A sharding that the ranks' placement cannot give (``hsdp`` on one node, ``none`` with several ranks, ...):
+    one line, kept as it is when a worker raises it (the run then fails with that line)."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)
