@@ -5,10 +5,13 @@ is written, then :func:`raytrain_eks.train.data.prepare_dataset` prepares it (re
 model's tokenizer, count malformed rows, shuffle, pack into ``--seq-len`` blocks, materialize) in a fresh Python
 process with its own embedded Ray (``--cpus`` CPUs), as ``raytrain-eks train`` does on the driver. Measured:
 
-- **largest task**: the highest peak resident set (``VmHWM`` in ``/proc/PID/status``) of any Ray worker process
-  the run started, polled every 0.2 s while it runs (a worker runs many tasks in turn, so this bounds the largest
-  task from above; it includes the object-store pages the worker mapped);
-- **driver**: the peak resident set of the preparing process itself;
+- **largest task**: the highest private resident memory (``RssAnon`` in ``/proc/PID/status``, polled every
+  0.2 s) of any Ray worker process the run started, and what that worker was running when it rose last. A
+  worker runs many tasks in turn, so this bounds the largest task from above. Also shown: the highest peak
+  resident set (``VmHWM``) of any worker, which also counts the pages of Ray's shared object store the worker
+  has read (blocks held once for the whole node, and spilled to disk past its size), so it grows with the
+  data a worker has read over its life, not with what one task holds;
+- **driver**: the same two figures for the preparing process itself;
 - the rows, tokens and packed blocks, and the seconds it took.
 
 Data preparation is flat when the largest task does not grow with the file. Each size runs in its own process,
@@ -61,10 +64,11 @@ def write_jsonl(path: Path, size_mb: float, seed: int = 0) -> int:
     return rows
 
 
-def _peak_rss_mb(pid: int) -> float | None:
+def _status_mb(pid: int, field: str) -> float | None:
+    """A memory field of ``/proc/PID/status`` (``VmHWM``, ``RssAnon``) in MB, or None when the process is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024 / MB
     except OSError:
         return None
@@ -89,12 +93,15 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def _is_ray_worker(pid: int) -> bool:
+def _ray_worker_title(pid: int) -> str | None:
+    """What a Ray worker process says it runs (``ray::MapBatches(_encode_batch)``, ``ray::IDLE``), or None."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
-        return False
-    return "default_worker.py" in cmdline or cmdline.startswith("ray::")
+        return None
+    if cmdline.startswith("ray::"):
+        return cmdline.split(" ")[0]
+    return "ray::(starting)" if "default_worker.py" in cmdline else None
 
 
 def measure_one(path: Path, cpus: int, seq_len: int) -> dict[str, Any]:
@@ -106,16 +113,26 @@ def measure_one(path: Path, cpus: int, seq_len: int) -> dict[str, Any]:
 
     model = str(ensure_builtin_model())
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    peaks: dict[int, float] = {}
+    private: dict[int, float] = {}  # per worker, the highest RssAnon seen
+    running: dict[int, str] = {}  # per worker, what it ran when that rose last
+    hwm: dict[int, float] = {}  # per worker, VmHWM (object-store pages it mapped included)
+    driver_private = 0.0
     done = threading.Event()
 
     def poll() -> None:
+        nonlocal driver_private
         while not done.is_set():
+            driver_private = max(driver_private, _status_mb(os.getpid(), "RssAnon") or 0.0)
             for pid in _descendants(os.getpid()):
-                if _is_ray_worker(pid):
-                    peak = _peak_rss_mb(pid)
-                    if peak is not None:
-                        peaks[pid] = max(peaks.get(pid, 0.0), peak)
+                title = _ray_worker_title(pid)
+                if title is None:
+                    continue
+                hwm[pid] = max(hwm.get(pid, 0.0), _status_mb(pid, "VmHWM") or 0.0)
+                anon = _status_mb(pid, "RssAnon")
+                if anon is not None and anon > private.get(pid, 0.0):
+                    private[pid] = anon
+                    if title not in ("ray::IDLE", "ray::(starting)") or pid not in running:
+                        running[pid] = title
             done.wait(0.2)
 
     watcher = threading.Thread(target=poll, daemon=True)
@@ -140,9 +157,12 @@ def measure_one(path: Path, cpus: int, seq_len: int) -> dict[str, Any]:
         "tokens": prepared.tokens,
         "blocks": prepared.blocks,
         "seconds": seconds,
-        "largest_task_peak_rss_mb": max(peaks.values()) if peaks else None,
-        "workers_seen": len(peaks),
-        "driver_peak_rss_mb": _peak_rss_mb(os.getpid()),
+        "largest_task_peak_private_mb": max(private.values()) if private else None,
+        "largest_task": running.get(max(private, key=private.get)) if private else None,
+        "largest_task_peak_rss_mb": max(hwm.values()) if hwm else None,
+        "workers_seen": len(private),
+        "driver_peak_private_mb": driver_private,
+        "driver_peak_rss_mb": _status_mb(os.getpid(), "VmHWM"),
     }
 
 
@@ -183,10 +203,11 @@ def main(argv: list[str] | None = None) -> None:
             path.unlink()
             results.append(figures)
             print(
-                f"{figures['file_mb']:8.1f} MB JSONL: largest task peak RSS "
-                f"{figures['largest_task_peak_rss_mb']:7.0f} MB, "
-                f"driver peak RSS {figures['driver_peak_rss_mb']:7.0f} MB, {figures['rows']} rows, "
-                f"{figures['tokens']} tokens, {figures['blocks']} blocks, {figures['seconds']:.0f} s",
+                f"{figures['file_mb']:7.1f} MB JSONL: largest task {figures['largest_task_peak_private_mb']:5.0f} MB "
+                f"private ({figures['largest_task']}), {figures['largest_task_peak_rss_mb']:5.0f} MB RSS; driver "
+                f"{figures['driver_peak_private_mb']:5.0f} MB private, {figures['driver_peak_rss_mb']:5.0f} MB RSS; "
+                f"{figures['rows']} rows, {figures['tokens']} tokens, {figures['blocks']} blocks, "
+                f"{figures['seconds']:.0f} s",
                 flush=True,
             )
     print(json.dumps({"bench": "data_prep", "cpus": args.cpus, "seq_len": args.seq_len, "results": results}))

@@ -19,8 +19,9 @@ order drawn from (seed, epoch) (:func:`epoch_order`), cut into global batches of
 size and the batch size, whichever node it runs on, and a position of (epoch, samples taken by all ranks in it)
 resumes exactly.
 
-JSON and JSONL files are read in chunks of :data:`READ_CHUNK_BYTES` (:class:`JsonRowsDatasource`), so the
-memory of a read task does not grow with the size of the file.
+Memory: JSON and JSONL files are read in chunks of :data:`READ_CHUNK_BYTES` (:func:`json_datasource`), never
+whole, and the pipeline keeps its blocks to :data:`PIPELINE_BLOCK_BYTES`, so no task's memory grows with the size
+of a file or of the data set.
 """
 
 from __future__ import annotations
@@ -360,6 +361,9 @@ def _array_items(buf: str, texts: Iterator[str]) -> Iterator[dict[str, str]]:
 
 
 READ_CHUNK_BYTES = 4 << 20  # bytes of a JSON/JSONL file read at once, and about the text of one block of rows
+# The largest block the pipeline makes (Ray Data's default is 128 MiB): a read task merges the rows it yields into
+# blocks up to this size, and every later step works a block at a time, so this bounds each task's memory.
+PIPELINE_BLOCK_BYTES = 16 << 20
 
 
 def _rows_block(rows: list[dict[str, str]]) -> Any:
@@ -531,6 +535,20 @@ def _order_preserved() -> Iterator[None]:
         options.preserve_order = before
 
 
+@contextlib.contextmanager
+def _blocks_bounded() -> Iterator[None]:
+    """Datasets made while inside keep their blocks to :data:`PIPELINE_BLOCK_BYTES` (or less, if set lower)."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    before = context.target_max_block_size
+    context.target_max_block_size = min(before or PIPELINE_BLOCK_BYTES, PIPELINE_BLOCK_BYTES)
+    try:
+        yield
+    finally:
+        context.target_max_block_size = before
+
+
 @_order_preserved()
 def prepare_dataset(
     *,
@@ -556,13 +574,15 @@ def prepare_dataset(
     ``data`` came from, named in the errors (``training.eval_data`` for the evaluation set).
     """
     import ray.data
+    from ray.data import read_parquet
     from ray.data.expressions import col
 
     say = stage or (lambda _: None)
     files, kind = listed or list_data_files(data, option)
     say(f"reading and tokenizing {len(files)} file{'s' if len(files) > 1 else ''}")
     try:
-        raw = ray.data.read_parquet(files) if kind == "parquet" else ray.data.read_datasource(json_datasource(files))
+        with _blocks_bounded():  # the steps below inherit the read's settings
+            raw = read_parquet(files) if kind == "parquet" else ray.data.read_datasource(json_datasource(files))
         encoded = raw.map_batches(
             _encode_batch,
             batch_format="pyarrow",
