@@ -106,6 +106,7 @@ def test_train_joins_an_existing_cluster(tmp_path, ray_head):
     assert cost["usd"] == pytest.approx(9.5498 * summary["wall_s"] / 3600, abs=1e-4)
     assert cost["usd_per_million_tokens"] == pytest.approx(cost["usd"] / summary["tokens"] * 1e6, rel=1e-2)
     assert "cost: $" in proc.stdout
+    assert "at $9.55/h" in (run / "report.html").read_text(), "the run's own report shows what it cost"
     # The cluster outlives the job: it was not ours to stop.
     probe = "import ray; ray.init(address='auto', log_to_driver=False); print(int(ray.cluster_resources()['CPU']))"
     alive = subprocess.run([sys.executable, "-c", probe], env=ray_head, capture_output=True, text=True, timeout=120)

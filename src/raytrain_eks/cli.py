@@ -7,7 +7,7 @@ raytrain-eks config show           # the resolved configuration (file + environm
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import sys
 from pathlib import Path
@@ -117,19 +117,21 @@ def train(
                     hint="Give the folder printed as 'Run folder:' by the run you want to continue.",
                 )
     cfg = load_config(preset=presets.choose(preset, address=address), path=config, overrides={"training": flags})
-    with _Progress() as progress:
-        result = run_training(cfg, address=address, say=progress.say, progress=progress, verbose=verbose, resume=resume)
-    s = result.summary
+    price = None
     if address is not None:  # on a cluster this tool deploys: what the run cost while it ran
         from raytrain_eks.eks.pricing import run_cost
 
-        s["cost"] = run_cost(cfg, s)
-        (result.run_dir / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
-        if s["cost"] is not None:
-            out.print(
-                f"cost: ${s['cost']['usd']:.2f} at ${s['cost']['usd_per_hour']:.2f}/h, "
-                f"${s['cost']['usd_per_million_tokens']:.2f} per million tokens"
-            )
+        price = functools.partial(run_cost, cfg)
+
+    with _Progress() as progress:
+        result = run_training(
+            cfg, address=address, say=progress.say, progress=progress, verbose=verbose, resume=resume, price=price
+        )
+    s = result.summary
+    if s.get("cost") is not None:
+        from raytrain_eks.report.html import cost_text
+
+        out.print(f"cost: {cost_text(s['cost'])}")
     mfu = "n/a on CPU" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"
     out.print(
         f"done: {s['steps']} steps, loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}, "

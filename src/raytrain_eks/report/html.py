@@ -115,7 +115,7 @@ def _overview(runs: list[Run]) -> str:
         ("workers × device", lambda s: f"{_num(s.get('world_size'), '{}')} × {escape(str(s.get('device', '—')))}"),
         ("precision", lambda s: escape(str(s.get("precision", "—")))),
         ("wall time (s)", lambda s: _num(s.get("wall_s"), "{:,.0f}")),
-        ("cost", _cost),
+        ("cost", lambda s: escape(cost_text(s.get("cost")))),
         ("checkpoints", lambda s: escape(", ".join(map(str, s.get("checkpoints") or [])) or "—")),
         ("exported model", lambda s: escape(str(s.get("model_dir") or "—"))),
     ]
@@ -127,8 +127,9 @@ def _overview(runs: list[Run]) -> str:
     return f"<table><tr><th></th>{head}</tr>{body}</table>"
 
 
-def _cost(s: dict[str, Any]) -> str:
-    cost = s.get("cost")
+def cost_text(cost: dict[str, Any] | None) -> str:
+    """A summary's ``cost`` in words, as the report and ``train`` print it. Example:
+    ``$1.59 at $9.55/h; $0.05 per million tokens``."""
     if not cost:
         return "— (known for runs on a cluster this tool deployed)"
     per_million = cost.get("usd_per_million_tokens")  # None when the attempt trained no token

@@ -77,13 +77,15 @@ def run_training(
     progress: Any | None = None,
     verbose: bool = False,
     resume: Path | None = None,
+    price: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
 ) -> RunResult:
     """Train with Ray Train as configured and write the run folder; raise a :class:`UserError` on failure.
 
     ``say`` prints one-line status messages; ``progress`` (optional) is called as ``progress(record, total_steps)``
     for every metric record as it arrives, and told what data preparation is doing with ``progress.stage(text)`` when
     it has that method. ``resume`` is an earlier run folder to continue, from its newest
-    complete checkpoint, to ``cfg.training.steps``.
+    complete checkpoint, to ``cfg.training.steps``. ``price``, given the finished summary, returns what the run cost
+    (or ``None``); it goes into ``summary.json`` and the report as ``cost``.
     """
     import ray
 
@@ -143,6 +145,7 @@ def run_training(
                 eval_files=eval_files,
                 resume_from=resume_from,
                 t_start=t_start,
+                price=price,
             )
         except Exception as exc:
             logged = _logged(exc, run_dir)
@@ -169,6 +172,7 @@ def _train_in(
     eval_files: tuple[list[str], str] | None,
     resume_from: str | None,
     t_start: float,
+    price: Callable[[dict[str, Any]], dict[str, Any] | None] | None,
 ) -> RunResult:
     """Everything of :func:`run_training` after the run folder exists: Ray, data, the trainer, the summary."""
     import ray
@@ -334,6 +338,8 @@ def _train_in(
     summary["wall_s"] = time.perf_counter() - t_start
     summary["model_id"] = training.model_id
     summary["data"] = training.data
+    if price is not None:
+        summary["cost"] = price(summary)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     tracker.finish(summary)
     say(f"report: {write_report([run_dir], run_dir)}")
