@@ -67,6 +67,8 @@ def test_train_places_ranks_on_both_hosts_and_resumes_from_s3(cluster, builtin_m
     run = cluster.host_path(0, "/tmp/work/run")
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 5 and summary["world_size"] == 2
+    assert summary["sharding"] == "hsdp"  # auto: one rank on each of two nodes, replicated across them
+    assert "sharding: hsdp: 2 nodes x 1 rank," in proc.stdout + proc.stderr
     assert summary["checkpoints"] == [f"{storage}/run/ray/checkpoint_00000005"]
     # Host 1 wrote its shard to S3 only: nothing of the run is on its own disk, nor in host 0's run folder.
     assert not cluster.host_path(1, "/tmp/work/run").exists() and not (run / "ray").exists()
