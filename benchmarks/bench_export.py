@@ -13,13 +13,17 @@ each in a fresh process so its peak resident memory (``VmHWM``) is the export's 
 - **whole model** (``--whole``): for comparison, the way export worked before: the model built and filled whole,
   then ``save_pretrained``.
 
+moto keeps what is uploaded in this process's memory, several times its size while a multipart upload runs: with
+``--s3`` at 250m (a 3.2 GB checkpoint) this process passed 22 GB and the OOM killer ended it on a 23 GiB machine,
+so use ``--s3`` with ``--size 25m`` unless the machine has far more memory.
+
 The goal: peak RSS under the model's fp32 size / 4 + 1 GiB. The streamed export's files are checked against the
 whole-model export's, tensor by tensor, when both run.
 
 Example::
 
-    .venv/bin/python benchmarks/bench_export.py --whole --s3      # ~3 min on 2 cores, ~8 GiB RAM at most
-    .venv/bin/python benchmarks/bench_export.py --size 25m
+    .venv/bin/python benchmarks/bench_export.py --whole             # 250m: ~4 min on 2 idle cores, ~8 GiB RAM
+    .venv/bin/python benchmarks/bench_export.py --size 25m --whole --s3
 
 Human-readable lines, then one JSON line with every figure.
 """
