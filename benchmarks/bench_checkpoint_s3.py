@@ -1,7 +1,7 @@
 """What checkpoints in S3 cost: save and resume through ``s3://`` storage (moto's S3 server on loopback), by model
 size, and the share of a run they take.
 
-For each size (``--sizes``, default 25m and 250m: the Qwen2 configs of ``bench_checkpoint.py``), 2 processes
+For each size (``--sizes``: the Qwen2 configs of ``bench_checkpoint.py``, default 25m, see below), 2 processes
 (gloo on CPU, one intra-op thread each, as under Ray) build the model as training does (``load_model``,
 ``apply_fsdp`` in fp32, AdamW and the schedule from ``build_optimizer``), take one optimizer step so AdamW's
 moments exist, then, as ``RayContext`` does with ``training.storage_path: s3://...``:
@@ -23,13 +23,15 @@ reading the whole object and slicing it, and pyarrow downloads in 1 MB ranges, s
 (file size)^2 / 1 MB of copying: 25 s-3 min for the 25m checkpoint's two 160 MB files, hours for 250m's 1.6 GB
 ones. That is moto's, not S3's. The saves (multipart uploads) are measured at every size.
 
-moto keeps the objects in this process's memory: a 250 M checkpoint (weights + 2 AdamW moments, ~3 GB) takes
-that much RAM beside the 2 ranks. moto is far from S3's throughput and latency; the figures show what the code
-path costs on this machine, not what AWS S3 gives.
+moto keeps the objects in this process's memory, several times their size while multipart uploads run: uploading
+a 250 M checkpoint (weights + 2 AdamW moments, 3.2 GB) to moto took a process past 22 GB and the OOM killer
+ended it on a 23 GiB machine (measured with ``bench_export.py --s3``). So the default is 25m; ``--sizes
+25m,250m`` needs a machine with far more memory. moto is far from S3's throughput and latency; the figures
+show what the code path costs on this machine, not what AWS S3 gives.
 
 Example::
 
-    .venv/bin/python benchmarks/bench_checkpoint_s3.py                 # 25m and 250m, ~5 min on 2 idle cores
+    .venv/bin/python benchmarks/bench_checkpoint_s3.py                 # 25m: ~3 min on 2 idle cores
     .venv/bin/python benchmarks/bench_checkpoint_s3.py --sizes 25m --step-time-s 0.8
 """
 
@@ -57,7 +59,7 @@ BUCKET = "bench-checkpoint-s3"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="25m,250m", help=f"comma-separated, of {', '.join(SIZES)} (default 25m,250m)")
+    p.add_argument("--sizes", default="25m", help=f"comma-separated, of {', '.join(SIZES)} (default 25m)")
     p.add_argument("--resume-sizes", default="25m", help="sizes whose resume (download + load) is measured (25m)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per rank of a measured step (256)")
     p.add_argument("--step-time-s", type=float, default=None, help="use this step time instead of measuring one")
