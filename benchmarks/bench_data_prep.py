@@ -11,6 +11,8 @@ process with its own embedded Ray (``--cpus`` CPUs), as ``raytrain-eks train`` d
   resident set (``VmHWM``) of any worker, which also counts the pages of Ray's shared object store the worker
   has read (blocks held once for the whole node, and spilled to disk past its size), so it grows with the
   data a worker has read over its life, not with what one task holds;
+- **read/tokenize tasks**: the highest private memory of a worker while it ran a read or tokenize task (the
+  worker's memory at that moment, so what earlier tasks left in its heap is included);
 - **driver**: the same two figures for the preparing process itself;
 - the rows, tokens and packed blocks, and the seconds it took.
 
@@ -116,6 +118,7 @@ def measure_one(path: Path, cpus: int, seq_len: int) -> dict[str, Any]:
     private: dict[int, float] = {}  # per worker, the highest RssAnon seen
     running: dict[int, str] = {}  # per worker, what it ran when that rose last
     hwm: dict[int, float] = {}  # per worker, VmHWM (object-store pages it mapped included)
+    by_task: dict[str, float] = {}  # per kind of task, the highest RssAnon of a worker while running it
     driver_private = 0.0
     done = threading.Event()
 
@@ -129,6 +132,8 @@ def measure_one(path: Path, cpus: int, seq_len: int) -> dict[str, Any]:
                     continue
                 hwm[pid] = max(hwm.get(pid, 0.0), _status_mb(pid, "VmHWM") or 0.0)
                 anon = _status_mb(pid, "RssAnon")
+                if anon is not None and title not in ("ray::IDLE", "ray::(starting)"):
+                    by_task[title] = max(by_task.get(title, 0.0), anon)
                 if anon is not None and anon > private.get(pid, 0.0):
                     private[pid] = anon
                     if title not in ("ray::IDLE", "ray::(starting)") or pid not in running:
@@ -160,6 +165,10 @@ def measure_one(path: Path, cpus: int, seq_len: int) -> dict[str, Any]:
         "largest_task_peak_private_mb": max(private.values()) if private else None,
         "largest_task": running.get(max(private, key=private.get)) if private else None,
         "largest_task_peak_rss_mb": max(hwm.values()) if hwm else None,
+        "read_tokenize_peak_private_mb": max(
+            (mb for task, mb in by_task.items() if "json" in task.lower() or "_encode_batch" in task), default=None
+        ),
+        "peak_private_mb_by_task": by_task,
         "workers_seen": len(private),
         "driver_peak_private_mb": driver_private,
         "driver_peak_rss_mb": _status_mb(os.getpid(), "VmHWM"),
@@ -203,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
             path.unlink()
             results.append(figures)
             print(
-                f"{figures['file_mb']:7.1f} MB JSONL: largest task {figures['largest_task_peak_private_mb']:5.0f} MB "
+                f"{figures['file_mb']:7.1f} MB JSONL: read/tokenize {figures['read_tokenize_peak_private_mb']:5.0f}"
+                f" MB private; largest task {figures['largest_task_peak_private_mb']:5.0f} MB "
                 f"private ({figures['largest_task']}), {figures['largest_task_peak_rss_mb']:5.0f} MB RSS; driver "
                 f"{figures['driver_peak_private_mb']:5.0f} MB private, {figures['driver_peak_rss_mb']:5.0f} MB RSS; "
                 f"{figures['rows']} rows, {figures['tokens']} tokens, {figures['blocks']} blocks, "

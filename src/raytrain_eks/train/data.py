@@ -20,8 +20,8 @@ size and the batch size, whichever node it runs on, and a position of (epoch, sa
 resumes exactly.
 
 Memory: JSON and JSONL files are read in chunks of :data:`READ_CHUNK_BYTES` (:func:`json_datasource`), never
-whole, and the pipeline keeps its blocks to :data:`PIPELINE_BLOCK_BYTES`, so no task's memory grows with the size
-of a file or of the data set.
+whole, and the pipeline keeps its blocks to :data:`PIPELINE_BLOCK_BYTES`, so no read or tokenize task holds a
+whole file, and every later task works a bounded block at a time.
 """
 
 from __future__ import annotations
