@@ -80,6 +80,12 @@ def train(
     reduce_precision: Annotated[
         str | None, typer.Option(help="Gradient reduction dtype across ranks: fp32 or bf16 (half the bytes).")
     ] = None,
+    compile_layers: Annotated[
+        bool | None,
+        typer.Option(
+            "--compile/--no-compile", help="Compile each decoder layer with torch.compile (inductor) before sharding."
+        ),
+    ] = None,
     resume: Annotated[
         Path | None,
         typer.Option(help="Continue this run folder from its newest complete checkpoint, with its config.yaml."),
@@ -104,6 +110,7 @@ def train(
         "storage_shared": storage_shared,
         "sharding": sharding,
         "reduce_precision": reduce_precision,
+        "compile": compile_layers,
         "output_dir": str(output_dir) if output_dir else None,
     }
     if resume is not None:

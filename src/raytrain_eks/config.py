@@ -376,6 +376,11 @@ class TrainingConfig(_Section):
         "(in fp32 runs too)",
     )
     activation_checkpointing: bool = False
+    compile: bool = Field(
+        False,
+        description="compile each decoder layer with torch.compile (the inductor) before sharding; the first steps "
+        "then take longer while it compiles",
+    )
     seed: int = Field(0, ge=0)
     log_every: int = Field(10, ge=1, description="steps between metric records sent to the driver")
     checkpoint_every: int = Field(

@@ -25,7 +25,12 @@ from raytrain_eks.train.evaluation import HeldOut, greedy_samples
 from raytrain_eks.train.fabric_gate import check_transport
 from raytrain_eks.train.faults import maybe_die
 from raytrain_eks.train.flops import flops_per_token, mfu, peak_flops_for
-from raytrain_eks.train.model import chunked_cross_entropy, load_model, output_projection_deferred
+from raytrain_eks.train.model import (
+    chunked_cross_entropy,
+    compile_layers,
+    load_model,
+    output_projection_deferred,
+)
 from raytrain_eks.train.precision import resolve_precision
 from raytrain_eks.train.sharding import Layout, choose_sharding, set_gradient_sync, shard_model
 
@@ -154,6 +159,8 @@ def train(
     n_params = sum(p.numel() for p in model.parameters())
     output_weight = output_projection_deferred(model)
     model.to(device)
+    if cfg.compile:  # before sharding: FSDP's gathers and reductions stay outside the compiled code
+        ctx.emit({"note": f"compile: {compile_layers(model)} decoder layers with torch.compile (inductor)"})
     layout = agreed_sharding(cfg.sharding, ctx, precision)
     ctx.emit({"note": f"sharding: {layout.describe()}"})
     shard_model(model, layout, precision=precision, reduce_precision=cfg.reduce_precision, device=device)

@@ -75,8 +75,15 @@ def compile_layers(model: Any) -> int:
     Called before sharding, so FSDP's gather and reduce hooks stay outside the compiled code. The layers share one
     structure, so the first forward compiles once and the others reuse it.
     """
+    import warnings
+
     from raytrain_eks.train.sharding import decoder_layers
 
+    # Tracing a layer whose parameters FSDP gathers reads ``.grad`` of the gathered (non-leaf) tensors, and torch
+    # warns about that read although nothing depends on it; the warning would repeat for every compiled graph.
+    warnings.filterwarnings(
+        "ignore", message="The .grad attribute of a Tensor that is not a leaf", category=UserWarning
+    )
     layers = decoder_layers(model)
     for layer in layers:
         layer.compile()
