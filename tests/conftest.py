@@ -12,8 +12,9 @@ import os
 import secrets
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import procs
 import pytest
@@ -64,6 +65,31 @@ def builtin_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = Path(os.environ.get("RAYTRAIN_EKS_TEST_CACHE") or tmp_path_factory.mktemp("cache"))
     os.environ["RAYTRAIN_EKS_CACHE"] = str(root)
     return root
+
+
+@pytest.fixture
+def train_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Any]:
+    """``train_settings("--flag", ...)``: the training settings ``raytrain-eks train`` resolves from those flags in a
+    fresh folder, stopping before anything is created (``run_training`` is not reached)."""
+    from raytrain_eks.cli import main
+
+    seen: dict[str, Any] = {}
+
+    def stop_at_run_training(cfg: Any, **_: Any) -> None:
+        seen["training"] = cfg.training
+        raise SystemExit(0)
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("raytrain_eks.train.launch.run_training", stop_at_run_training)
+
+    def settings(*flags: str) -> Any:
+        seen.clear()
+        with pytest.raises(SystemExit) as info:
+            main(["train", *flags])
+        assert info.value.code == 0, f"train {' '.join(flags)} exited {info.value.code}"
+        return seen["training"]
+
+    return settings
 
 
 @pytest.fixture(scope="session")

@@ -71,18 +71,7 @@ def test_compiled_layers_train_as_eager_ones(tmp_path, one_process_group, builti
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), a["step"]
 
 
-def test_the_flag_reaches_the_settings(tmp_path, monkeypatch):
-    from raytrain_eks.cli import main
-
-    seen: dict[str, Any] = {}
-
-    def fake_run_training(cfg, **_: Any):  # stops the command right after the settings are resolved
-        seen["training"] = cfg.training
-        raise SystemExit(0)
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("raytrain_eks.train.launch.run_training", fake_run_training)
+def test_the_flag_reaches_the_settings(train_settings):
     assert TrainingConfig().compile is False
-    with pytest.raises(SystemExit):
-        main(["train", "--compile"])
-    assert seen["training"].compile is True
+    assert train_settings("--compile").compile is True
+    assert train_settings().compile is False

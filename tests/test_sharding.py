@@ -116,21 +116,11 @@ def test_settings_from_the_file_and_bad_values_in_one_message(tmp_path, monkeypa
     assert "training.sharding" in text and "zero3" in text and "training.reduce_precision" in text
 
 
-def test_train_flags_reach_the_settings(tmp_path, monkeypatch, capsys):
+def test_train_flags_reach_the_settings(tmp_path, train_settings, capsys):
     from raytrain_eks.cli import main
 
-    seen: dict[str, Any] = {}
-
-    def fake_run_training(cfg, **_: Any):  # stops the command right after the settings are resolved
-        seen["training"] = cfg.training
-        raise SystemExit(0)
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("raytrain_eks.train.launch.run_training", fake_run_training)
-    with pytest.raises(SystemExit) as info:
-        main(["train", "--sharding", "fsdp", "--reduce-precision", "bf16"])
-    assert info.value.code == 0
-    assert (seen["training"].sharding, seen["training"].reduce_precision) == ("fsdp", "bf16")
+    training = train_settings("--sharding", "fsdp", "--reduce-precision", "bf16")
+    assert (training.sharding, training.reduce_precision) == ("fsdp", "bf16")
     with pytest.raises(SystemExit) as info:
         main(["train", "--sharding", "zero3", "--num-workers", "3"])
     assert info.value.code == 2
