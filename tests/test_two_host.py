@@ -3,10 +3,10 @@
 Each host has its own private ``/tmp`` (Ray's session folder, run folders); what they share goes through moto's
 S3 server on host 0's address. Covers: a ``train --address`` run with ``s3://`` storage places its ranks on both
 hosts and completes (placement proven from each host's own Ray Train logs), and ``--resume`` continues it from
-S3; a local storage folder not declared shared is refused with one message before anything starts; the
-bandwidth probe reports ranks on two nodes and a bandwidth figure, and with one
-host's link capped by ``tc`` it reports the lower figure and a ``degraded`` verdict against the configured line
-rate. Needs root and iproute2; skipped otherwise, with the reason.
+S3, and the other host (no run folder there) exports the model from S3; a local storage folder not declared
+shared is refused with one message before anything starts; the bandwidth probe reports ranks on two nodes and a
+bandwidth figure, and with one host's link capped by ``tc`` it reports the lower figure and a ``degraded``
+verdict against the configured line rate. Needs root and iproute2; skipped otherwise, with the reason.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from twohost import BUCKET, HOST_IPS, TwoHostCluster, requirement_missing, tool
 
 _MISSING = requirement_missing()
@@ -86,6 +88,16 @@ def test_train_places_ranks_on_both_hosts_and_resumes_from_s3(cluster, builtin_m
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["resumed_from_step"], summary["steps"]) == (5, 7)
     assert (run / "model" / "model.safetensors").is_file()
+
+    # Host 1 has no run folder: it exports the newest checkpoint straight from the S3 storage folder.
+    out = "/tmp/work/exported"
+    proc = cluster.run([tool("raytrain-eks"), "export", f"{storage}/run", out], host=1, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    exported = load_file(cluster.host_path(1, out) / "model.safetensors")
+    at_end = load_file(run / "model" / "model.safetensors")
+    assert exported.keys() == at_end.keys() and all(torch.equal(exported[k], at_end[k]) for k in at_end)
+    marker = json.loads((cluster.host_path(1, out) / ".raytrain-eks-export").read_text())
+    assert marker["checkpoint"] == f"{storage}/run/ray/checkpoint_00000007"
 
 
 def test_local_storage_on_two_hosts_is_refused_before_anything_starts(cluster):
