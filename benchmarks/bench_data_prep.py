@@ -17,9 +17,10 @@ process with its own embedded Ray (``--cpus`` CPUs), as ``raytrain-eks train`` d
 - the rows, tokens and packed blocks, and the seconds it took.
 
 Data preparation is flat when the largest task does not grow with the file. Each size runs in its own process,
-so one size's peaks never carry into the next. The built-in tokenizer runs at about 0.5 MB of text per second on
-one core of an Intel Xeon @ 2.00GHz (2 characters per token), so the defaults (10, 20, 40 MB) take a few
-minutes on 2 idle cores; ``--sizes 50,100,200,1000`` goes to 1 GB (hours there; minutes on a larger machine).
+so one size's peaks never carry into the next. The built-in tokenizer took in about 0.5 MB of text per second
+on one core of the 2-core AMD EPYC test machine (2 characters per token), so the defaults (10, 20, 40 MB) take a
+few minutes on 2 idle cores; ``--sizes 50,100,200,1000`` goes to 1 GB (about 17 minutes of tokenizing alone
+there; less on more cores).
 
 Example::
 
