@@ -28,7 +28,9 @@ from raytrain_eks.train.flops import flops_per_token, mfu, peak_flops_for
 from raytrain_eks.train.model import (
     chunked_cross_entropy,
     compile_layers,
+    fill_from_rank0,
     load_model,
+    load_model_shell,
     output_projection_deferred,
 )
 from raytrain_eks.train.precision import resolve_precision
@@ -155,15 +157,25 @@ def train(
     device = ctx.device
     precision, why = agreed_precision(cfg.precision, device)
     ctx.emit({"note": f"precision: {precision} ({why})"})
-    model = load_model(model_path, activation_checkpointing=cfg.activation_checkpointing)
-    n_params = sum(p.numel() for p in model.parameters())
-    output_weight = output_projection_deferred(model)
-    model.to(device)
-    if cfg.compile:  # before sharding: FSDP's gathers and reductions stay outside the compiled code
-        ctx.emit({"note": f"compile: {compile_layers(model)} decoder layers with torch.compile (inductor)"})
     layout = agreed_sharding(cfg.sharding, ctx, precision)
     ctx.emit({"note": f"sharding: {layout.describe()}"})
+    # Sharded over several ranks, only rank 0 reads the weights; the others build the model on the meta device and
+    # receive their shard from it after sharding, so their memory follows the shard, not the whole model.
+    from_rank0 = layout.mode != "none" and ctx.world_size > 1
+    if from_rank0 and ctx.rank != 0:
+        model, full_state = load_model_shell(model_path, activation_checkpointing=cfg.activation_checkpointing), None
+    else:
+        model = load_model(model_path, activation_checkpointing=cfg.activation_checkpointing)
+        full_state = {k: v.detach().clone() for k, v in model.state_dict().items()} if from_rank0 else None
+        model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    output_weight = output_projection_deferred(model)
+    if cfg.compile:  # before sharding: FSDP's gathers and reductions stay outside the compiled code
+        ctx.emit({"note": f"compile: {compile_layers(model)} decoder layers with torch.compile (inductor)"})
     shard_model(model, layout, precision=precision, reduce_precision=cfg.reduce_precision, device=device)
+    if from_rank0:
+        fill_from_rank0(model, full_state, device)
+        del full_state
     optimizer, scheduler = build_optimizer(model, cfg, device)
 
     start_step, resumed_from, position = 0, None, None

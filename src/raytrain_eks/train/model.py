@@ -69,6 +69,35 @@ def load_model(path: str, *, activation_checkpointing: bool) -> Any:
     return model
 
 
+def load_model_shell(path: str, *, activation_checkpointing: bool) -> Any:
+    """:func:`load_model`'s module tree on the meta device: shapes, no weights, no memory. A rank that gets its
+    shard of the weights from rank 0 (:func:`fill_from_rank0`) builds this instead of reading the whole model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    model.config.use_cache = False
+    if activation_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def fill_from_rank0(model: Any, full_state: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    """After sharding: every rank's shard of the weights from rank 0's ``full_state`` (the model's state dict,
+    taken before sharding; ``None`` on the ranks that built :func:`load_model_shell`, which get storage on
+    ``device`` here). Buffers outside the state dict (rotary frequencies) are sent whole. A collective: every
+    rank of the default group calls it."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if full_state is None:
+        model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full_state or {}, options=options)
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
 def compile_layers(model: Any) -> int:
     """Compile each decoder layer in place with ``torch.compile`` (the inductor); returns how many were compiled.
 
