@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = training_config(args)
     t = cfg.training
 
-    from raytrain_eks.train.model import resolve_model_path
+    from raytrain_eks.train.model_source import resolve_model_path
 
     resolve_model_path(t.model_id)  # build the built-in model now, so neither launcher's first run pays for it
 

@@ -1,33 +1,80 @@
-"""The Ray Data pipeline on hand-made files: reading JSONL/JSON/Parquet, counting malformed rows, packing, and
-the errors a user gets for unusable data before any worker starts."""
+"""The data pipeline on hand-made files: reading JSONL/JSON/Parquet, counting malformed rows, packing, and the
+errors a user gets for unusable data before any worker starts. Small local data is prepared in the driver, larger
+data by Ray Data's tasks: the tests that read rows run both ways (``where``), and both give the same packed blocks."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import raytrain_eks.train.data as data_module
 from raytrain_eks.errors import DataError
-from raytrain_eks.train.data import IGNORE_INDEX, prepare_dataset
+from raytrain_eks.train.builtin import sample_data_path
+from raytrain_eks.train.data import IGNORE_INDEX, prepare_dataset, prepared_in_driver
 
 pytestmark = pytest.mark.integration
 
 
-def prep(path, builtin_model, fmt="instruction", seq_len=32, min_blocks=1, **kw):
+def prep(path, builtin_model, fmt="instruction", seq_len=32, min_blocks=1, where=None, **kw):
     return prepare_dataset(
         data=str(path),
         data_format=fmt,
         text_field=kw.get("text_field", "text"),
         tokenizer_path=builtin_model,
         seq_len=seq_len,
-        seed=0,
+        seed=kw.get("seed", 0),
         min_blocks=min_blocks,
+        eval_fraction=kw.get("eval_fraction", 0.0),
+        in_driver=None if where is None else where == "driver",
     )
 
 
-def test_jsonl_with_malformed_rows_is_counted_and_packed(tmp_path, ray_local, builtin_model, tokenizer):
+@pytest.fixture(params=["driver", "ray"])
+def where(request):
+    return request.param
+
+
+def blocks(dataset) -> np.ndarray:
+    """The packed blocks, in order: input ids and labels side by side."""
+    rows = dataset.take_all()
+    return np.array([np.concatenate([r["input_ids"], r["labels"]]) for r in rows])
+
+
+def test_driver_and_ray_data_pack_the_same_blocks(tmp_path, ray_local, builtin_model, monkeypatch):
+    # Three packing groups (a group is PACK_ROWS rows; smaller here so a small file has several), malformed rows,
+    # rows held out for evaluation: both paths give the same training and held-out blocks in the same order.
+    monkeypatch.setattr(data_module, "PACK_ROWS", 150)
+    lines = sample_data_path().read_text().splitlines()
+    lines[7] = "{broken"
+    lines[20] = json.dumps({"instruction": "no answer"})
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert prepared_in_driver([str(path)]), "a small local file is prepared in the driver by default"
+    driver = prep(path, builtin_model, seq_len=64, where="driver", eval_fraction=0.05, seed=3)
+    ray_data = prep(path, builtin_model, seq_len=64, where="ray", eval_fraction=0.05, seed=3)
+    assert driver.describe("d", 64) == ray_data.describe("d", 64)
+    assert (driver.usable_rows, driver.eval_rows, len(driver.malformed)) == (len(lines) - 2, 19, 2)
+    assert driver.dataset.num_blocks() == ray_data.dataset.num_blocks() == 3
+    assert np.array_equal(blocks(driver.dataset), blocks(ray_data.dataset))
+    assert np.array_equal(blocks(driver.eval_dataset), blocks(ray_data.eval_dataset))
+    other_seed = prep(path, builtin_model, seq_len=64, where="driver", eval_fraction=0.05, seed=4)
+    assert not np.array_equal(blocks(other_seed.dataset), blocks(driver.dataset))
+
+
+def test_large_or_remote_data_goes_through_ray_data(tmp_path, monkeypatch):
+    path = tmp_path / "a.jsonl"
+    path.write_text("{}\n" * 10)
+    assert prepared_in_driver([str(path)])
+    monkeypatch.setattr(data_module, "DRIVER_PREP_BYTES", 29)
+    assert not prepared_in_driver([str(path)]), "30 bytes is over a 29-byte limit"
+    assert not prepared_in_driver(["s3://bucket/a.jsonl"])
+
+
+def test_jsonl_with_malformed_rows_is_counted_and_packed(tmp_path, ray_local, builtin_model, tokenizer, where):
     good = [{"instruction": f"What is {i} plus 1?", "output": f"{i + 1}."} for i in range(5)]
     lines = [json.dumps(r) for r in good] + [
         json.dumps({"instruction": "no answer"}),
@@ -37,7 +84,7 @@ def test_jsonl_with_malformed_rows_is_counted_and_packed(tmp_path, ray_local, bu
     ]
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(lines) + "\n")
-    prepared = prep(path, builtin_model)
+    prepared = prep(path, builtin_model, where=where)
     assert (prepared.rows, prepared.usable_rows) == (8, 5)
     assert prepared.malformed == {
         "missing field 'output'": 1,
@@ -57,7 +104,7 @@ def test_jsonl_with_malformed_rows_is_counted_and_packed(tmp_path, ray_local, bu
     assert "plus" not in text
 
 
-def test_json_array_folder_and_chat_format(tmp_path, ray_local, builtin_model):
+def test_json_array_folder_and_chat_format(tmp_path, ray_local, builtin_model, where):
     rows = [
         {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
         {"messages": [{"role": "user", "content": "only a question"}]},
@@ -65,24 +112,24 @@ def test_json_array_folder_and_chat_format(tmp_path, ray_local, builtin_model):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.json").write_text(json.dumps(rows))
     (tmp_path / "data" / "b.jsonl").write_text(json.dumps(rows[0]) + "\n")
-    prepared = prep(tmp_path / "data", builtin_model, fmt="chat")
+    prepared = prep(tmp_path / "data", builtin_model, fmt="chat", where=where)
     assert (prepared.rows, prepared.usable_rows) == (3, 2)
     assert prepared.malformed == {"no assistant message to learn from": 1}
 
 
-def test_parquet_text_format(tmp_path, ray_local, builtin_model):
+def test_parquet_text_format(tmp_path, ray_local, builtin_model, where):
     table = pa.table({"body": ["the river runs to the sea"] * 6 + [None]})
     pq.write_table(table, tmp_path / "t.parquet")
-    prepared = prep(tmp_path / "t.parquet", builtin_model, fmt="text", text_field="body", seq_len=16)
+    prepared = prep(tmp_path / "t.parquet", builtin_model, fmt="text", text_field="body", seq_len=16, where=where)
     assert (prepared.rows, prepared.usable_rows) == (7, 6)
     assert prepared.trained_tokens == prepared.tokens  # text trains on every token
 
 
-def test_no_usable_row_is_a_clear_error(tmp_path, ray_local, builtin_model):
+def test_no_usable_row_is_a_clear_error(tmp_path, ray_local, builtin_model, where):
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"instruction": "Q", "output": "A"}) + "\n")
     with pytest.raises(DataError) as info:
-        prep(path, builtin_model, fmt="chat")
+        prep(path, builtin_model, fmt="chat", where=where)
     assert "no usable row for format 'chat' (1 rows read: 1 x missing field 'messages'" in str(info.value)
     assert "--data-format" in info.value.hint
 

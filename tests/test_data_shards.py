@@ -4,8 +4,10 @@ which each rank takes its share; the position a checkpoint records (epoch, sampl
 every rank exactly, mid-epoch and in a later epoch, in a new Ray Train run too (no sample repeated, none dropped).
 
 These runs are on one Ray node. That the node does not matter either follows from the design (each rank reads the
-whole packed set in its fixed order and keeps its share, with shard locality off:
-:func:`~raytrain_eks.train.data.shard_data_config`), not from a test here.
+whole packed set, handed to it in the loop's configuration, in its fixed order and keeps its share:
+:func:`~raytrain_eks.train.data.train_datasets`), not from a test here. The data is prepared through Ray Data's
+tasks (``in_driver=False``), where blocks can be cut differently; the driver's path gives the same packed set
+(tests/test_data_pipeline.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def prepared(builtin_model, *, seed=0, block_bytes=None):
             seq_len=SEQ,
             seed=seed,
             min_blocks=WORLD * BATCH,
+            in_driver=False,
         )
     finally:
         context.target_max_block_size = before
@@ -137,8 +140,6 @@ def _streams(dataset, out_dir, take: int, cuts: list[int], resume: dict[str, lis
     import ray.train
     from ray.train.torch import TorchTrainer
 
-    from raytrain_eks.train.data import shard_data_config
-
     def loop(job):
         import hashlib as hl
         import json as js
@@ -148,7 +149,7 @@ def _streams(dataset, out_dir, take: int, cuts: list[int], resume: dict[str, lis
 
         from raytrain_eks.train.context import RayContext
 
-        ctx = RayContext(None, job["root"])
+        ctx = RayContext(None, job["root"], datasets=job["datasets"])
         digest = lambda b: hl.sha1(b["input_ids"].numpy().tobytes()).hexdigest()[:12]  # noqa: E731
         whole = ctx.data_batches(job["batch"], None, seed=0)
         first, positions = [], []
@@ -166,13 +167,12 @@ def _streams(dataset, out_dir, take: int, cuts: list[int], resume: dict[str, lis
 
     out_dir.mkdir()
     config = {"root": str(out_dir), "batch": BATCH, "take": take, "cuts": cuts, "resume": resume, "out": str(out_dir)}
+    config["datasets"] = train_datasets(dataset)
     trainer = TorchTrainer(
         loop,
         train_loop_config=config,
         scaling_config=ray.train.ScalingConfig(num_workers=WORLD),
         run_config=ray.train.RunConfig(name="shards", storage_path=str(out_dir / "ray")),
-        datasets=train_datasets(dataset),
-        dataset_config=shard_data_config(),
     )
     trainer.fit()
     return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)}

@@ -136,7 +136,8 @@ def test_mlflow_gets_params_curves_and_summary_in_a_local_store(tmp_path, monkey
     client = mlflow.MlflowClient()
     (found,) = client.search_runs([client.get_experiment_by_name("raytrain-eks").experiment_id])
     assert found.info.status == "FINISHED" and found.info.run_name == "run"
-    assert found.data.params["steps"] == "100" and found.data.params["model_id"] == "builtin:tiny-qwen2"
+    assert found.data.params["steps"] == str(presets.local_tiny().training.steps) == "40"
+    assert found.data.params["model_id"] == "builtin:tiny-qwen2"
     history = client.get_metric_history(found.info.run_id, "train_loss")
     assert [(m.step, m.value) for m in history] == [(1, 3.0), (10, 2.0)]
     assert found.data.metrics["eval_loss"] == 2.5 and found.data.metrics["summary_final_loss"] == 2.0

@@ -9,11 +9,13 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import socket
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from raytrain_eks.errors import UserError
@@ -74,8 +76,81 @@ def init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
     else:
         # Logical CPUs: one per training worker plus room for Ray Data's tasks, even on a 2-core machine.
         cpus = max(os.cpu_count() or 1, num_workers + 2)
+        # The modules a run needs next are imported while Ray's own processes start (most of ray.init is waiting).
+        warm = threading.Thread(target=_import_train_modules, name="import-ray-train", daemon=True)
+        warm.start()
         # address="local": always a new Ray of our own, never one some other program started on this machine.
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
+        with _environ(LOCAL_RAY_ENV):  # Ray's processes take the environment they start with; this one keeps it
+            ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
+        warm.join()
+
+
+class LocalRayStart:
+    """A Ray of our own (:func:`init_ray` without an address) started on a thread while the caller goes on.
+
+    A run starts it as soon as its quick checks pass, so Ray's processes come up on one core while the other loads
+    torch and transformers for the model check (both take seconds on a small machine). :meth:`wait` returns once Ray
+    is up (or raises what stopped it). Ray asks Linux to end its processes with the thread that started them, so the
+    thread stays until :meth:`stop`, which shuts Ray down.
+    """
+
+    def __init__(self, num_workers: int, verbose: bool) -> None:
+        self._up = threading.Event()
+        self._stopped = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(num_workers, verbose), name="start-local-ray", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, num_workers: int, verbose: bool) -> None:
+        try:
+            init_ray(None, num_workers, verbose)
+        except BaseException as exc:  # handed to whoever waits
+            self._error = exc
+        finally:
+            self._up.set()
+        self._stopped.wait()
+
+    def wait(self) -> None:
+        self._up.wait()
+        if self._error is not None:
+            raise self._error
+
+    def stop(self) -> None:
+        """Shut the Ray it started down (after it is up) and let its thread end."""
+        import ray
+
+        self._up.wait()
+        try:
+            if ray.is_initialized():
+                ray.shutdown()
+        finally:
+            self._stopped.set()
+            self._thread.join(timeout=30)
+
+
+# The environment of a Ray this tool starts on one machine. Ray Train's preemption watcher (one more actor process,
+# started before the workers: 4-5 s of the start-up on 2 cores) follows node drains of a cluster; one machine has none.
+# Its controller looks at the workers every 2 s by default, so a finished run waited up to 2 s to be noticed.
+LOCAL_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """``os.environ`` with ``values`` set while inside (those the user set stay as they are)."""
+    added = {k: v for k, v in values.items() if k not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
+def _import_train_modules() -> None:
+    with contextlib.suppress(Exception):  # whoever imports it for real reports the problem
+        import ray.train.torch  # noqa: F401  (Ray Train and Ray Data: about 2 s of imports on a small machine)
 
 
 def _check_reachable(address: str) -> None:

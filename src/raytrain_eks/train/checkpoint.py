@@ -21,13 +21,14 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from raytrain_eks.errors import UserError
 from raytrain_eks.train.storage import filesystem as _fs
 from raytrain_eks.train.storage import is_remote, join
+
+if TYPE_CHECKING:  # torch is imported where it is used: the driver's checks before a run read no tensor
+    import torch
 
 MARKER = "complete.json"
 # Written into every exported model folder (by .export): only a folder holding it may be replaced by a later export.
@@ -95,6 +96,8 @@ def _trainer_file(folder: Path, rank: int) -> Path:
 
 def save_trainer_state(folder: Path, *, rank: int, step: int, scheduler: Any, data_position: dict[str, int]) -> None:
     """This rank's step, schedule, data position and RNG state: tensors and plain values only (see below)."""
+    import torch
+
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -110,6 +113,8 @@ def load_trainer_state(folder: Path, rank: int) -> dict[str, Any]:
     with a :class:`UserError`.
     """
     import pickle
+
+    import torch
 
     own = _trainer_file(folder, rank)
     path = own if own.exists() else _trainer_file(folder, 0)
@@ -139,6 +144,7 @@ def load_sharded(
     folder: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int
 ) -> TrainerState:
     """Load model, optimizer, scheduler and RNG state of this rank from ``folder``; return the trainer state."""
+    import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

@@ -185,17 +185,23 @@ def _device(local_rank: int) -> torch.device:
 
 
 class RayContext:
-    """Inside a Ray Train worker: data from ``get_dataset_shard``, records to a Ray queue, checkpoints via report.
+    """Inside a Ray Train worker: the run's Ray datasets, records to a Ray queue, checkpoints via report.
 
     ``checkpoint_root`` is the run's Ray storage folder, a path every worker can reach (the run folder locally, a
     shared file system) or an ``s3://`` URI; the completion marker of each checkpoint is written there once every
-    rank has reported it.
+    rank has reported it. ``datasets`` are :func:`~raytrain_eks.train.data.train_datasets`'s materialized datasets,
+    handed over in the loop's configuration: every rank reads them whole, through Ray Data, in their stored order.
     """
 
     def __init__(
-        self, metrics_queue: Any | None, checkpoint_root: str, resume_from: str | None = None, has_eval: bool = False
+        self,
+        metrics_queue: Any | None,
+        checkpoint_root: str,
+        resume_from: str | None = None,
+        datasets: dict[str, Any] | None = None,
     ) -> None:
         import ray
+        import ray.data
         import ray.train
         import ray.train.torch
 
@@ -207,19 +213,18 @@ class RayContext:
         self._queue = metrics_queue
         self._root = checkpoint_root
         self._resume_from = resume_from
-        self._has_eval = has_eval
+        self._datasets = datasets or {}
+        # The packed set is read in its stored order (the epoch's order is drawn from it): blocks in input order.
+        ray.data.DataContext.get_current().execution_options.preserve_order = True
         self._downloads = Path(tempfile.mkdtemp(prefix=f"raytrain-eks-resume-r{self.rank}-"))
 
     def data_batches(self, batch_size: int, position: dict[str, int] | None, seed: int) -> DataCursor:
-        import ray.train
+        from raytrain_eks.train.data import TRAIN_DATASET
 
-        from raytrain_eks.train.data import TRAIN_DATASET, TRAIN_SIZE_DATASET
-
-        size = ray.train.get_dataset_shard(TRAIN_SIZE_DATASET).iter_rows()
-        whole = ray.train.get_dataset_shard(TRAIN_DATASET)  # every rank reads the whole set and keeps its share
+        whole = self._datasets[TRAIN_DATASET]  # every rank reads the whole set and keeps its share
         return DataCursor(
             lambda: whole.iter_batches(batch_size=256, batch_format="numpy"),
-            blocks=int(next(iter(size))["blocks"]),
+            blocks=whole.count(),  # a materialized dataset knows its rows without reading them
             seed=seed,
             rank=self.rank,
             world_size=self.world_size,
@@ -228,12 +233,12 @@ class RayContext:
         )
 
     def eval_batches(self, batch_size: int) -> Iterator[Batch] | None:
-        import ray.train
+        from raytrain_eks.train.data import EVAL_DATASET
 
-        if not self._has_eval:
+        if EVAL_DATASET not in self._datasets:
             return None
         # The whole held-out set reaches every rank (it is not split); each keeps every world_size-th batch.
-        every = ray.train.get_dataset_shard("eval").iter_torch_batches(
+        every = self._datasets[EVAL_DATASET].iter_torch_batches(
             batch_size=batch_size, drop_last=False, dtypes=torch.long, device="cpu"
         )
         return (b for i, b in enumerate(every) if i % self.world_size == self.rank)

@@ -464,21 +464,21 @@ def _shuffle_key(batch: Any, *, seed: int) -> Any:
     return batch.append_column("order", pa.array(order, pa.int64()))
 
 
-TRAIN_DATASET = "train"  # the packed training set among the datasets given to Ray Train, read whole by every rank
-TRAIN_SIZE_DATASET = "train_size"  # one row: the number of packed blocks in the training set
+TRAIN_DATASET = "train"  # the packed training set, read whole by every rank
+EVAL_DATASET = "eval"  # the packed held-out set, read whole by every rank
 
 
-def train_datasets(dataset: Any) -> dict[str, Any]:
-    """The datasets every training rank reads whole (give them to ``TorchTrainer`` with :func:`shard_data_config`).
+def train_datasets(dataset: Any, eval_dataset: Any = None) -> dict[str, Any]:
+    """The datasets every training rank reads whole, by name, for the loop's configuration
+    (:class:`~raytrain_eks.train.context.RayContext` takes them).
 
     ``dataset`` is the packed, materialized training set in its fixed order; it is not split: each rank walks it
     once per epoch and keeps the blocks that :func:`rank_epoch_blocks` gives it (see
-    :class:`~raytrain_eks.train.context.DataCursor`). Its block count travels beside it, so a rank knows the
-    epoch's order before reading a row.
+    :class:`~raytrain_eks.train.context.DataCursor`). Handing the materialized datasets over directly (their blocks
+    stay in the object store; the workers read them through Ray Data) spares Ray Train's dataset actors, which only
+    split and place data: seconds of start-up on a small machine, for no work here.
     """
-    import ray.data
-
-    return {TRAIN_DATASET: dataset, TRAIN_SIZE_DATASET: ray.data.from_items([{"blocks": dataset.count()}])}
+    return {TRAIN_DATASET: dataset} | ({EVAL_DATASET: eval_dataset} if eval_dataset is not None else {})
 
 
 def epoch_order(blocks: int, *, seed: int, epoch: int) -> np.ndarray:
@@ -509,18 +509,6 @@ def rank_epoch_blocks(
     return order.reshape(steps, world_size, batch_size)[:, rank].reshape(-1)
 
 
-def shard_data_config() -> Any:
-    """Ray Train's data settings for :func:`train_datasets`: no split, order kept, no locality preference."""
-    import ray.train
-    from ray.data import DataContext, ExecutionOptions
-
-    current = DataContext.get_current().execution_options
-    options = ExecutionOptions(
-        resource_limits=current.resource_limits, preserve_order=True, verbose_progress=current.verbose_progress
-    )
-    return ray.train.DataConfig(datasets_to_split=[], execution_options=options, enable_shard_locality=False)
-
-
 @contextlib.contextmanager
 def _order_preserved() -> Iterator[None]:
     """Ray Data's ``preserve_order`` on while inside: blocks come out in input order, so packing is reproducible."""
@@ -549,6 +537,80 @@ def _blocks_bounded() -> Iterator[None]:
         context.target_max_block_size = before
 
 
+# Local data up to this size in all is prepared in the driver process by the same steps (read, tokenize, shuffle,
+# pack), and the packed blocks are handed to Ray Data from there: for a few MiB, starting Ray Data's read, map and
+# sort tasks (each a process that imports the tokenizer) costs tens of seconds on a small machine, the work itself
+# well under one. Larger data, and any data on s3://, goes through Ray Data's tasks with bounded blocks.
+DRIVER_PREP_BYTES = 8 << 20
+
+
+def prepared_in_driver(files: Sequence[str]) -> bool:
+    """Whether :func:`prepare_dataset` prepares ``files`` in the driver: local, and :data:`DRIVER_PREP_BYTES` or less
+    in all."""
+    import os
+
+    from raytrain_eks.train.storage import is_remote
+
+    if any(is_remote(f) for f in files):
+        return False
+    try:
+        return sum(os.path.getsize(f) for f in files) <= DRIVER_PREP_BYTES
+    except OSError:  # gone or unreadable since it was listed: Ray Data's read says what is wrong
+        return False
+
+
+def _encode_in_driver(files: Sequence[str], kind: str, **encode: Any) -> Any:
+    """The rows of ``files`` encoded by :func:`_encode_batch`, as one pyarrow table (the driver's path)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tables = []
+    for path in files:
+        if kind == "parquet":
+            raw = pq.read_table(path)
+        else:
+            with open(path, "rb") as f:
+                raw = _rows_block(list(json_rows(iter(lambda f=f: f.read(READ_CHUNK_BYTES), b""))))
+        if raw.num_rows:
+            tables.append(pa.table(_encode_batch(raw, **encode)))
+    if not tables:
+        return pa.table(_encode_batch(_rows_block([]), **encode))
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def _group_bounds(count: int) -> list[int]:
+    """Where the packing groups of ``count`` rows start and end: ``ceil(count / PACK_ROWS)`` groups cut where Ray
+    Data's ``repartition(n, shuffle=False)`` cuts them, so both paths pack the same rows together."""
+    groups = max(1, -(-count // PACK_ROWS))
+    bounds, cut = [0], 0.0
+    for _ in range(groups - 1):
+        cut += count / groups
+        bounds.append(int(cut))
+    return [*bounds, count]
+
+
+def _packed_in_driver(rows: Any, seq_len: int, pad_id: int) -> Any:
+    """``rows`` (a pyarrow table, in order) packed like :func:`_packed`, as a Ray dataset of one block per group."""
+    import pyarrow as pa
+    import ray.data
+    from ray.data.extensions import ArrowTensorArray
+
+    bounds = _group_bounds(rows.num_rows)
+    blocks = []
+    for start, end in zip(bounds, bounds[1:], strict=False):
+        part = rows.slice(start, end - start)
+        ids, labels = pack(
+            zip(part.column("input_ids").to_pylist(), part.column("labels").to_pylist(), strict=True), seq_len, pad_id
+        )
+        if len(ids):
+            blocks.append(
+                pa.table({"input_ids": ArrowTensorArray.from_numpy(ids), "labels": ArrowTensorArray.from_numpy(labels)})
+            )
+    if not blocks:
+        return ray.data.from_items([]).materialize()
+    return ray.data.from_arrow(blocks).materialize()
+
+
 @_order_preserved()
 def prepare_dataset(
     *,
@@ -563,6 +625,7 @@ def prepare_dataset(
     eval_fraction: float = 0.0,
     stage: Callable[[str], None] | None = None,
     option: str = "--data",
+    in_driver: bool | None = None,
 ) -> PreparedData:
     """Read, tokenize, shuffle and pack the data with Ray Data; raise :class:`DataError` when it is unusable.
 
@@ -571,7 +634,8 @@ def prepare_dataset(
     when the caller already has it. ``eval_fraction`` of the usable rows (at least one), chosen by the seeded
     shuffle, are held out before packing and packed apart as ``eval_dataset``. ``stage`` (optional) hears what
     is being done now, as a short line such as ``"packing 390 rows (13359 tokens)"``. ``option`` is the setting
-    ``data`` came from, named in the errors (``training.eval_data`` for the evaluation set).
+    ``data`` came from, named in the errors (``training.eval_data`` for the evaluation set). ``in_driver`` forces
+    where the work is done (default: :func:`prepared_in_driver`); both paths give the same packed blocks.
     """
     import ray.data
     from ray.data import read_parquet
@@ -579,15 +643,16 @@ def prepare_dataset(
 
     say = stage or (lambda _: None)
     files, kind = listed or list_data_files(data, option)
+    in_driver = prepared_in_driver(files) if in_driver is None else in_driver
     say(f"reading and tokenizing {len(files)} file{'s' if len(files) > 1 else ''}")
+    encode = {"tokenizer_path": tokenizer_path, "data_format": data_format, "text_field": text_field}
     try:
-        with _blocks_bounded():  # the steps below inherit the read's settings
-            raw = read_parquet(files) if kind == "parquet" else ray.data.read_datasource(json_datasource(files))
-        encoded = raw.map_batches(
-            _encode_batch,
-            batch_format="pyarrow",
-            fn_kwargs={"tokenizer_path": tokenizer_path, "data_format": data_format, "text_field": text_field},
-        ).materialize()
+        if in_driver:
+            encoded = _encode_in_driver(files, kind, **encode)
+        else:
+            with _blocks_bounded():  # the steps below inherit the read's settings
+                raw = read_parquet(files) if kind == "parquet" else ray.data.read_datasource(json_datasource(files))
+            encoded = raw.map_batches(_encode_batch, batch_format="pyarrow", fn_kwargs=encode).materialize()
     except DataError:
         raise
     except Exception as exc:  # Ray wraps reader errors; show the root cause, not Ray's traceback.
@@ -595,7 +660,12 @@ def prepare_dataset(
 
     reasons: Counter[str] = Counter()
     tokens = trained = 0
-    for r in encoded.select_columns(["reason", "tokens", "trained"]).iter_rows():
+    counted = (
+        encoded.select(["reason", "tokens", "trained"]).to_pylist()
+        if in_driver
+        else encoded.select_columns(["reason", "tokens", "trained"]).iter_rows()
+    )
+    for r in counted:
         reasons[r["reason"]] += 1
         tokens += r["tokens"]
         trained += r["trained"]
@@ -611,19 +681,28 @@ def prepare_dataset(
     say(f"shuffling and packing {usable} rows ({tokens} tokens)")
     tokenizer = load_tokenizer(tokenizer_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    rows = (
-        encoded.filter(expr=col("reason") == "")
-        .drop_columns(["reason", "tokens", "trained"])
-        .map_batches(_shuffle_key, batch_format="pyarrow", fn_kwargs={"seed": seed})
-        .sort("order")
-        .drop_columns(["order"])
-        .materialize()
-    )
     eval_rows, eval_dataset = (max(1, round(eval_fraction * usable)) if eval_fraction else 0), None
-    if eval_rows:
-        held, rows = rows.split_at_indices([eval_rows])
-        eval_dataset = _packed(held, eval_rows, seq_len, pad_id)
-    packed = _packed(rows, usable - eval_rows, seq_len, pad_id)
+    if in_driver:
+        import pyarrow.compute as pc
+
+        kept = encoded.filter(pc.equal(encoded["reason"], "")).drop_columns(["reason", "tokens", "trained"])
+        rows = _shuffle_key(kept, seed=seed).sort_by("order").drop_columns(["order"])
+        if eval_rows:
+            eval_dataset = _packed_in_driver(rows.slice(0, eval_rows), seq_len, pad_id)
+        packed = _packed_in_driver(rows.slice(eval_rows), seq_len, pad_id)
+    else:
+        rows = (
+            encoded.filter(expr=col("reason") == "")
+            .drop_columns(["reason", "tokens", "trained"])
+            .map_batches(_shuffle_key, batch_format="pyarrow", fn_kwargs={"seed": seed})
+            .sort("order")
+            .drop_columns(["order"])
+            .materialize()
+        )
+        if eval_rows:
+            held, rows = rows.split_at_indices([eval_rows])
+            eval_dataset = _packed(held, eval_rows, seq_len, pad_id)
+        packed = _packed(rows, usable - eval_rows, seq_len, pad_id)
     blocks = packed.count()
     if blocks < min_blocks:
         left = f" left after {eval_rows} held out for evaluation" if eval_rows else ""

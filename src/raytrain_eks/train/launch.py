@@ -23,7 +23,14 @@ from typing import Any
 
 from raytrain_eks.config import BUILTIN_DATA, Config, check_sharding_for_nodes, check_storage_for_nodes
 from raytrain_eks.errors import TrainingError, UserError
-from raytrain_eks.ray_session import LOCAL_CPU_WORKERS, init_ray, resolve_num_workers, worker_error, worker_hosts
+from raytrain_eks.ray_session import (
+    LOCAL_CPU_WORKERS,
+    LocalRayStart,
+    init_ray,
+    resolve_num_workers,
+    worker_error,
+    worker_hosts,
+)
 from raytrain_eks.train.fabric_gate import nccl_env
 from raytrain_eks.train.faults import ENV as FAULT_ENV
 
@@ -60,6 +67,13 @@ def new_run_dir(cfg: Config, root: Path = Path("runs")) -> Path:
     return path.resolve()
 
 
+def _resume_root(run_dir: Path, storage_path: str | None) -> str | Path:
+    """Where ``--resume RUN_DIR`` looks for its checkpoints: the run's storage when set, else the run folder."""
+    from raytrain_eks.train.checkpoint import checkpoint_root
+
+    return checkpoint_root(run_dir, storage_path) if storage_path else run_dir
+
+
 def _data_source(cfg: Config) -> str:
     if cfg.training.data == BUILTIN_DATA:
         from raytrain_eks.train.builtin import sample_data_path
@@ -89,43 +103,45 @@ def run_training(
     """
     import ray
 
-    from raytrain_eks.train.checkpoint import check_compatible, checkpoint_root, resolve_checkpoint
+    from raytrain_eks.train.checkpoint import check_compatible, resolve_checkpoint
     from raytrain_eks.train.data import list_data_files
-    from raytrain_eks.train.model import check_model, resolve_model_path
+    from raytrain_eks.train.model_source import check_model, resolve_model_path
 
     t_start = time.perf_counter()
     training = cfg.training
-    if not verbose:  # no library progress bars (the built-in model's first save has one): the driver shows its own
-        from raytrain_eks.train.loop import quiet_libraries
-
-        quiet_libraries()
-    # Everything that can be checked before anything is created or started is checked first.
+    # Everything that can be checked before anything is created or started is checked first: the quick checks, then
+    # the model's config and tokenizer, which load torch and transformers (seconds on one core of a small machine),
+    # while a local Ray starts on the other core.
     model_path = resolve_model_path(training.model_id)
-    model_config = check_model(model_path)
     data_files = None if training.uses_random_data else list_data_files(_data_source(cfg))
     eval_files = list_data_files(training.eval_data, option="training.eval_data") if training.eval_data else None
+    resume_dir = resume.expanduser().resolve() if resume is not None else None
+    resume_from = None
     ray_was_running = ray.is_initialized()
+    local_ray = None
+    if address is None:  # a local run has one node
+        check_sharding_for_nodes(training, 1, training.num_workers or LOCAL_CPU_WORKERS, counted="a local run")
+        if resume_dir is not None:
+            resume_from = resolve_checkpoint(_resume_root(resume_dir, training.storage_path))
+        if not ray_was_running:
+            local_ray = LocalRayStart(training.num_workers or LOCAL_CPU_WORKERS, verbose)
     try:
+        if not verbose:  # no library progress bars (the built-in model's first save has one): the driver shows its own
+            from raytrain_eks.train.loop import quiet_libraries
+
+            quiet_libraries()
+        model_config = check_model(model_path)
         if address:
-            # Joining a cluster: its nodes decide whether the checkpoints need storage every node reaches.
-            # (_train_in's own init_ray then finds Ray initialised and leaves it as it is.)
+            # Joining a cluster: its nodes decide whether the checkpoints need storage every node reaches, and where
+            # the ranks can be placed. (_train_in's own init_ray then finds Ray initialised and leaves it as it is.)
             init_ray(address, training.num_workers or LOCAL_CPU_WORKERS, verbose)
-            check_storage_for_nodes(
-                training, worker_hosts(), counted="alive nodes of the Ray cluster that can host a training worker"
-            )
-        # Local runs have one node; on a cluster, the nodes a worker can run on.
-        check_sharding_for_nodes(
-            training,
-            worker_hosts() if address else 1,
-            training.num_workers or (None if address else LOCAL_CPU_WORKERS),
-            counted="alive nodes of the Ray cluster that can host a training worker" if address else "a local run",
-        )
-        resume_from = None
-        if resume is not None:
-            run_dir = resume.expanduser().resolve()
-            resume_from = resolve_checkpoint(
-                checkpoint_root(run_dir, training.storage_path) if training.storage_path else run_dir
-            )
+            counted = "alive nodes of the Ray cluster that can host a training worker"
+            check_storage_for_nodes(training, worker_hosts(), counted=counted)
+            check_sharding_for_nodes(training, worker_hosts(), training.num_workers or None, counted=counted)
+            if resume_dir is not None:
+                resume_from = resolve_checkpoint(_resume_root(resume_dir, training.storage_path))
+        if resume_dir is not None:
+            run_dir = resume_dir
             check_compatible(resume_from, model_config)
             say(f"resuming {run_dir} from {resume_from}")
         else:
@@ -133,6 +149,8 @@ def run_training(
             say(f"run folder: {run_dir}")
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
         try:
+            if local_ray is not None:
+                local_ray.wait()
             return _train_in(
                 run_dir,
                 cfg,
@@ -155,7 +173,9 @@ def run_training(
     finally:
         # A Ray this run started (or joined) is this run's to stop: its workers and controller go with it, whether
         # the run was refused before anything started, failed, or finished.
-        if not ray_was_running and ray.is_initialized():
+        if local_ray is not None:
+            local_ray.stop()
+        elif not ray_was_running and ray.is_initialized():
             ray.shutdown()
 
 
@@ -190,7 +210,7 @@ def _train_in(
         list_checkpoints,
         storage_root,
     )
-    from raytrain_eks.train.data import load_tokenizer, prepare_dataset, shard_data_config, train_datasets
+    from raytrain_eks.train.data import load_tokenizer, prepare_dataset, train_datasets
     from raytrain_eks.train.export import export_hf
     from raytrain_eks.train.prompts import sample_prompts, write_samples
 
@@ -217,9 +237,8 @@ def _train_in(
         say(prepared.describe(training.data, training.seq_len))
         if hasattr(progress, "stage"):
             progress.stage("ready; starting the training workers")
-        datasets = train_datasets(prepared.dataset)
         # Every rank reads all of the (small) held-out set and keeps its share: splitting would drop a remainder.
-        datasets.update(_eval_dataset(cfg, prepared, eval_files, model_path, say))
+        datasets = train_datasets(prepared.dataset, _eval_dataset(cfg, prepared, eval_files, model_path, say))
     else:
         say(f"data: random token ids, {training.seq_len} tokens per sample")
 
@@ -248,7 +267,7 @@ def _train_in(
             "checkpoint_root": root,
             "resume_from": resume_from,
             "fabric_require": cfg.fabric.require,
-            "has_eval": "eval" in datasets,
+            "datasets": datasets,
             "sample_prompts": prompts[1],
         },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
@@ -259,8 +278,6 @@ def _train_in(
             failure_config=ray.train.FailureConfig(max_failures=training.max_failures),
             worker_runtime_env={"env_vars": worker_env},
         ),
-        datasets=datasets,
-        dataset_config=shard_data_config(),
     )
 
     outcome: dict[str, Any] = {}
@@ -348,17 +365,17 @@ def _train_in(
 
 def _eval_dataset(
     cfg: Config, prepared: Any, eval_files: tuple[list[str], str] | None, model_path: str, say: Callable[[str], None]
-) -> dict[str, Any]:
-    """``{"eval": packed held-out data}``: the rows held out of the training data, or ``training.eval_data``
-    (``eval_files``, its listing)."""
+) -> Any:
+    """The packed held-out data: the rows held out of the training data, or ``training.eval_data`` (``eval_files``,
+    its listing); ``None`` without either."""
     from raytrain_eks.train.data import prepare_dataset
 
     training = cfg.training
     if prepared.eval_dataset is not None:
         say(f"eval: {prepared.eval_rows} rows held out (seed {training.seed}), every {training.eval_every} steps")
-        return {"eval": prepared.eval_dataset}
+        return prepared.eval_dataset
     if not training.eval_data:
-        return {}
+        return None
     held = prepare_dataset(
         data=training.eval_data,
         listed=eval_files,
@@ -371,7 +388,7 @@ def _eval_dataset(
         min_blocks=1,
     )
     say("eval " + held.describe(training.eval_data, training.seq_len).removeprefix("data: "))
-    return {"eval": held.dataset}
+    return held.dataset
 
 
 def _worker_entry(job: dict[str, Any]) -> None:

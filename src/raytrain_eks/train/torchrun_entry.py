@@ -28,7 +28,7 @@ from raytrain_eks.config import TrainingConfig
 from raytrain_eks.errors import UserError
 from raytrain_eks.train.context import ProcessContext
 from raytrain_eks.train.loop import quiet_libraries, train
-from raytrain_eks.train.model import resolve_model_path
+from raytrain_eks.train.model_source import resolve_model_path
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
