@@ -97,6 +97,7 @@ class LocalRayStart:
     def __init__(self, num_workers: int, verbose: bool) -> None:
         self._up = threading.Event()
         self._stopped = threading.Event()
+        self._stopping = threading.Lock()
         self._error: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, args=(num_workers, verbose), name="start-local-ray", daemon=True
@@ -118,16 +119,23 @@ class LocalRayStart:
             raise self._error
 
     def stop(self) -> None:
-        """Shut the Ray it started down (after it is up) and let its thread end."""
+        """Shut the Ray it started down (after it is up) and let its thread end; waits for a shutdown begun by
+        :meth:`stop_soon`. Calling it again does nothing more."""
         import ray
 
         self._up.wait()
-        try:
-            if ray.is_initialized():
-                ray.shutdown()
-        finally:
-            self._stopped.set()
-            self._thread.join(timeout=30)
+        with self._stopping:
+            try:
+                if not self._stopped.is_set() and ray.is_initialized():
+                    ray.shutdown()
+            finally:
+                self._stopped.set()
+        self._thread.join(timeout=30)
+
+    def stop_soon(self) -> None:
+        """Begin :meth:`stop` on another thread: for when nothing needs Ray any more but the caller has other work
+        (the export and report of a finished run), so Ray's processes end meanwhile."""
+        threading.Thread(target=self.stop, name="stop-local-ray", daemon=True).start()
 
 
 # The environment of a Ray this tool starts on one machine. Ray Train's preemption watcher (one more actor process,

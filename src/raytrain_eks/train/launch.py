@@ -164,6 +164,7 @@ def run_training(
                 resume_from=resume_from,
                 t_start=t_start,
                 price=price,
+                trained=local_ray.stop_soon if local_ray is not None else None,
             )
         except Exception as exc:
             logged = _logged(exc, run_dir)
@@ -193,8 +194,12 @@ def _train_in(
     resume_from: str | None,
     t_start: float,
     price: Callable[[dict[str, Any]], dict[str, Any] | None] | None,
+    trained: Callable[[], None] | None = None,
 ) -> RunResult:
-    """Everything of :func:`run_training` after the run folder exists: Ray, data, the trainer, the summary."""
+    """Everything of :func:`run_training` after the run folder exists: Ray, data, the trainer, the summary.
+
+    ``trained`` (optional) is called once the trainer has returned and Ray is needed no more (a local Ray then shuts
+    down while the export and the report are written)."""
     import ray
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -321,6 +326,8 @@ def _train_in(
                     progress(record, training.steps)
     thread.join()
     ray.kill(queue.actor)
+    if trained is not None:
+        trained()
     tracker.close()
 
     if "error" in outcome:
