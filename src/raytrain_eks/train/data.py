@@ -474,9 +474,8 @@ def train_datasets(dataset: Any, eval_dataset: Any = None) -> dict[str, Any]:
 
     ``dataset`` is the packed, materialized training set in its fixed order; it is not split: each rank walks it
     once per epoch and keeps the blocks that :func:`rank_epoch_blocks` gives it (see
-    :class:`~raytrain_eks.train.context.DataCursor`). Handing the materialized datasets over directly (their blocks
-    stay in the object store; the workers read them through Ray Data) spares Ray Train's dataset actors, which only
-    split and place data: seconds of start-up on a small machine, for no work here.
+    :class:`~raytrain_eks.train.context.DataCursor`). The materialized datasets are handed over directly (their
+    blocks stay in the object store; the workers read them through Ray Data): nothing is split or placed.
     """
     return {TRAIN_DATASET: dataset} | ({EVAL_DATASET: eval_dataset} if eval_dataset is not None else {})
 
@@ -578,10 +577,15 @@ def _encode_in_driver(files: Sequence[str], kind: str, **encode: Any) -> Any:
     return pa.concat_tables(tables, promote_options="permissive")
 
 
+def _pack_groups(count: int) -> int:
+    """How many packing groups ``count`` rows make (both paths): :data:`PACK_ROWS` rows or fewer each."""
+    return max(1, -(-count // PACK_ROWS))
+
+
 def _group_bounds(count: int) -> list[int]:
     """Where the packing groups of ``count`` rows start and end: ``ceil(count / PACK_ROWS)`` groups cut where Ray
     Data's ``repartition(n, shuffle=False)`` cuts them, so both paths pack the same rows together."""
-    groups = max(1, -(-count // PACK_ROWS))
+    groups = _pack_groups(count)
     bounds, cut = [0], 0.0
     for _ in range(groups - 1):
         cut += count / groups
@@ -728,7 +732,7 @@ def _packed(rows: Any, count: int, seq_len: int, pad_id: int) -> Any:
     """``rows`` (``count`` of them, in order) packed into ``seq_len`` blocks, in groups of rows fixed by the row count
     alone (not by how the blocks happen to be cut)."""
     return (
-        rows.repartition(max(1, -(-count // PACK_ROWS)), shuffle=False)
+        rows.repartition(_pack_groups(count), shuffle=False)
         .map_batches(_pack_batch, batch_size=None, fn_kwargs={"seq_len": seq_len, "pad_id": pad_id})
         .materialize()
     )
