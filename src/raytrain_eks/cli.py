@@ -7,8 +7,12 @@ raytrain-eks config show           # the resolved configuration (file + environm
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import logging
+import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -87,8 +91,11 @@ def train(
         ),
     ] = None,
     resume: Annotated[
-        Path | None,
-        typer.Option(help="Continue this run folder from its newest complete checkpoint, with its config.yaml."),
+        str | None,
+        typer.Option(
+            help="Continue a run from its newest complete checkpoint, with its config.yaml: its run folder, or "
+            "(on a machine without it) its storage folder, s3://BUCKET/PREFIX/RUN."
+        ),
     ] = None,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -117,13 +124,12 @@ def train(
         if output_dir is not None:
             raise UserError("--resume continues the run in its own folder; leave out --output-dir")
         if config is None:
-            config = resume / "config.yaml"
-            if not config.is_file():
-                raise UserError(
-                    f"--resume {str(resume)!r}: no config.yaml there, so it is not a run folder of raytrain-eks",
-                    hint="Give the folder printed as 'Run folder:' by the run you want to continue.",
-                )
-    cfg = load_config(preset=presets.choose(preset, address=address), path=config, overrides={"training": flags})
+            config = _resume_config(resume)
+    try:
+        cfg = load_config(preset=presets.choose(preset, address=address), path=config, overrides={"training": flags})
+    finally:
+        if config is not None and config.parent.name.startswith(_RESUME_TMP):  # a copy of a storage folder's
+            shutil.rmtree(config.parent, ignore_errors=True)
     price = None
     if address is not None:  # on a cluster this tool deploys: what the run cost while it ran
         from raytrain_eks.eks.pricing import run_cost
@@ -145,6 +151,29 @@ def train(
         f"{s['tokens_per_s']:.0f} tokens/s, MFU {mfu}, {s['wall_s']:.0f} s"
     )
     out.print(f"Run folder: {result.run_dir}")
+
+
+_RESUME_TMP = "raytrain-eks-resume-"
+
+
+def _resume_config(resume: str) -> Path:
+    """The config.yaml of the run ``--resume`` names: in its run folder, or (a URI) copied from its storage folder."""
+    if "://" in resume:
+        import tempfile
+
+        from raytrain_eks.train.checkpoint import read_storage_config
+
+        config = Path(tempfile.mkdtemp(prefix=_RESUME_TMP)) / "config.yaml"
+        config.write_text(read_storage_config(resume.rstrip("/")))
+        return config
+    config = Path(resume).expanduser() / "config.yaml"
+    if not config.is_file():
+        raise UserError(
+            f"--resume {resume!r}: no config.yaml there, so it is not a run folder of raytrain-eks",
+            hint="Give the folder printed as 'Run folder:' by the run you want to continue, or its storage folder "
+            "(s3://...) from another machine.",
+        )
+    return config
 
 
 def _storage_path(value: str | None) -> str | None:
@@ -288,5 +317,26 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(getattr(exc, "exit_code", 2))
 
 
+def console() -> None:
+    """The installed ``raytrain-eks`` command: :func:`main`, then the exit handlers, then the process ends without
+    tearing down its modules one by one (torch, transformers and Ray's core worker: 1-2 s on a small machine).
+    An error that escapes :func:`main` (a bug) ends the usual way, with its traceback."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:  # sys.exit("message")
+            print(exc.code, file=sys.stderr)
+            code = 1
+    atexit._run_exitfuncs()  # Ray's shutdown and every other handler still run
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    console()

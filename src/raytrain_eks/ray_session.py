@@ -82,6 +82,7 @@ def init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
         # address="local": always a new Ray of our own, never one some other program started on this machine.
         with _environ(LOCAL_RAY_ENV):  # Ray's processes take the environment they start with; this one keeps it
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
+        _start_resource_coordinator()
         warm.join()
 
 
@@ -154,6 +155,22 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
     finally:
         for key in added:
             os.environ.pop(key, None)
+
+
+def _start_resource_coordinator() -> None:
+    """Start the resource coordinator actor that Ray Train's controller asks for its workers' resources.
+
+    The controller creates it on first use and waits for its answer (up to 5 s) before it starts any worker; its
+    process (which imports Ray Data) then comes up on a machine busy starting the others. Started here, right after
+    a local Ray, it is ready by the time a trainer asks, and the controller finds it by name. Only an optimisation:
+    if this Ray has no such actor, the controller creates its own as before.
+    """
+    with contextlib.suppress(Exception):
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+
+        get_or_create_autoscaling_coordinator()
 
 
 def _import_train_modules() -> None:

@@ -32,11 +32,18 @@ def _series(records: list[dict[str, Any]], field: str) -> tuple[list[int], list[
     return steps, [points[s] for s in steps]
 
 
-def draw_curves(runs: list[tuple[str, list[dict[str, Any]]]], out_dir: Path) -> dict[str, Path]:
-    """One PNG per figure of :data:`FIGURES` that has data; ``runs`` is ``[(label, metric records)]``."""
+def load_plotting() -> None:
+    """Import matplotlib for :func:`draw_curves` (file output only): about a second on a small machine, which a
+    caller can spend on a thread beside other work."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
+
+def draw_curves(runs: list[tuple[str, list[dict[str, Any]]]], out_dir: Path) -> dict[str, Path]:
+    """One PNG per figure of :data:`FIGURES` that has data; ``runs`` is ``[(label, metric records)]``."""
+    load_plotting()
     import matplotlib.pyplot as plt
 
     out_dir.mkdir(parents=True, exist_ok=True)

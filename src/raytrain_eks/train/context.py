@@ -189,8 +189,8 @@ class RayContext:
 
     ``checkpoint_root`` is the run's Ray storage folder, a path every worker can reach (the run folder locally, a
     shared file system) or an ``s3://`` URI; the completion marker of each checkpoint is written there once every
-    rank has reported it. ``datasets`` are :func:`~raytrain_eks.train.data.train_datasets`'s materialized datasets,
-    handed over in the loop's configuration: every rank reads them whole, through Ray Data, in their stored order.
+    rank has reported it. ``datasets`` are :func:`~raytrain_eks.train.data.train_datasets`'s packed sets (block
+    references), handed over in the loop's configuration: every rank reads them whole, in their stored order.
     """
 
     def __init__(
@@ -201,7 +201,6 @@ class RayContext:
         datasets: dict[str, Any] | None = None,
     ) -> None:
         import ray
-        import ray.data
         import ray.train
         import ray.train.torch
 
@@ -214,8 +213,6 @@ class RayContext:
         self._root = checkpoint_root
         self._resume_from = resume_from
         self._datasets = datasets or {}
-        # The packed set is read in its stored order (the epoch's order is drawn from it): blocks in input order.
-        ray.data.DataContext.get_current().execution_options.preserve_order = True
         self._downloads = Path(tempfile.mkdtemp(prefix=f"raytrain-eks-resume-r{self.rank}-"))
 
     def data_batches(self, batch_size: int, position: dict[str, int] | None, seed: int) -> DataCursor:
@@ -223,8 +220,8 @@ class RayContext:
 
         whole = self._datasets[TRAIN_DATASET]  # every rank reads the whole set and keeps its share
         return DataCursor(
-            lambda: whole.iter_batches(batch_size=256, batch_format="numpy"),
-            blocks=whole.count(),  # a materialized dataset knows its rows without reading them
+            lambda: whole.batches(256),
+            blocks=whole.rows,
             seed=seed,
             rank=self.rank,
             world_size=self.world_size,
@@ -238,10 +235,12 @@ class RayContext:
         if EVAL_DATASET not in self._datasets:
             return None
         # The whole held-out set reaches every rank (it is not split); each keeps every world_size-th batch.
-        every = self._datasets[EVAL_DATASET].iter_torch_batches(
-            batch_size=batch_size, drop_last=False, dtypes=torch.long, device="cpu"
+        every = self._datasets[EVAL_DATASET].batches(batch_size)
+        return (
+            {k: torch.from_numpy(v.astype(np.int64)) for k, v in b.items()}
+            for i, b in enumerate(every)
+            if i % self.world_size == self.rank
         )
-        return (b for i, b in enumerate(every) if i % self.world_size == self.rank)
 
     def emit(self, record: dict[str, Any]) -> None:
         if self.rank == 0 and self._queue is not None:

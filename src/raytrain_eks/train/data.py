@@ -468,16 +468,55 @@ TRAIN_DATASET = "train"  # the packed training set, read whole by every rank
 EVAL_DATASET = "eval"  # the packed held-out set, read whole by every rank
 
 
-def train_datasets(dataset: Any, eval_dataset: Any = None) -> dict[str, Any]:
-    """The datasets every training rank reads whole, by name, for the loop's configuration
+@dataclass(frozen=True)
+class PackedSet:
+    """A materialized packed set as its blocks' object references, in their stored order, and its row count.
+
+    What the training ranks read: each gets the blocks with ``ray.get`` (zero-copy from the object store), so no
+    Ray Data execution (nor its stats actor) starts inside a training worker. Picklable: it travels in the loop's
+    configuration; the driver that prepared the data owns the blocks for as long as the run lasts.
+    """
+
+    blocks: tuple[Any, ...]
+    rows: int
+
+    @classmethod
+    def of(cls, dataset: Any) -> PackedSet:
+        """The blocks of a materialized Ray dataset (``prepare_dataset``'s), without reading them."""
+        return cls(blocks=tuple(dataset.to_arrow_refs()), rows=dataset.count())
+
+    def batches(self, size: int) -> Iterator[dict[str, np.ndarray]]:
+        """The whole set in order as numpy batches of ``size`` rows (the last one may be shorter), across blocks."""
+        import ray
+        from ray.data.block import BlockAccessor
+
+        held: list[dict[str, np.ndarray]] = []
+        count = 0
+        for ref in self.blocks:
+            part = BlockAccessor.for_block(ray.get(ref)).to_batch_format("numpy")
+            held.append(part)
+            count += len(next(iter(part.values()))) if part else 0
+            while count >= size:
+                joined = {k: np.concatenate([h[k] for h in held]) for k in held[0]}
+                yield {k: v[:size] for k, v in joined.items()}
+                held, count = [{k: v[size:] for k, v in joined.items()}], count - size
+        if count:
+            yield {k: np.concatenate([h[k] for h in held]) for k in held[0]}
+
+
+def train_datasets(dataset: Any, eval_dataset: Any = None) -> dict[str, PackedSet]:
+    """The packed sets every training rank reads whole, by name, for the loop's configuration
     (:class:`~raytrain_eks.train.context.RayContext` takes them).
 
     ``dataset`` is the packed, materialized training set in its fixed order; it is not split: each rank walks it
     once per epoch and keeps the blocks that :func:`rank_epoch_blocks` gives it (see
-    :class:`~raytrain_eks.train.context.DataCursor`). The materialized datasets are handed over directly (their
-    blocks stay in the object store; the workers read them through Ray Data): nothing is split or placed.
+    :class:`~raytrain_eks.train.context.DataCursor`). Only the blocks' references are handed over (the blocks stay
+    in the object store): nothing is split or placed.
     """
-    return {TRAIN_DATASET: dataset} | ({EVAL_DATASET: eval_dataset} if eval_dataset is not None else {})
+    sets = {TRAIN_DATASET: PackedSet.of(dataset)}
+    if eval_dataset is not None:
+        sets[EVAL_DATASET] = PackedSet.of(eval_dataset)
+    return sets
 
 
 def epoch_order(blocks: int, *, seed: int, epoch: int) -> np.ndarray:
