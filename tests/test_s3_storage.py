@@ -64,8 +64,11 @@ def test_checkpoints_live_in_s3_and_survive_a_kill(tmp_path, monkeypatch, s3_and
     root = f"s3://{BUCKET}/runs/run/ray"
     assert result.summary["checkpoints"] == [f"{root}/checkpoint_00000004", f"{root}/checkpoint_00000006"]
     assert [step for step, _, ok in list_checkpoints(root) if ok] == [4, 6]
-    keys = [o["Key"] for o in s3_and_ray.list_objects_v2(Bucket=BUCKET, Prefix="runs/run/ray/")["Contents"]]
+    keys = [o["Key"] for o in s3_and_ray.list_objects_v2(Bucket=BUCKET, Prefix="runs/run/")["Contents"]]
     assert "runs/run/ray/checkpoint_00000006/complete.json" in keys
+    # The run's configuration lies beside its checkpoints, for `train --resume s3://...` on another machine.
+    stored = s3_and_ray.get_object(Bucket=BUCKET, Key="runs/run/config.yaml")["Body"].read().decode()
+    assert stored == (result.run_dir / "config.yaml").read_text()
     assert not (tmp_path / "run" / "ray").exists(), "nothing of the checkpoints is kept on the driver's disk"
 
     # `export RUN_DIR` finds the run's checkpoints in S3 through its config.yaml.
@@ -76,3 +79,32 @@ def test_checkpoints_live_in_s3_and_survive_a_kill(tmp_path, monkeypatch, s3_and
     assert all(torch.equal(exported[k], at_end[k]) for k in exported)
     history = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in history].count(3) == 2  # steps 3-4 ran twice: before the kill and after the resume
+
+
+def test_a_resume_from_a_storage_folder_is_checked_before_anything_starts(aws_env, tmp_path, monkeypatch, capsys):
+    import boto3
+
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="held")
+
+    def refused(*args: str) -> str:
+        with pytest.raises(SystemExit) as info:
+            main(["train", *args])
+        assert info.value.code == 1  # a UserError: one message, no traceback
+        return " ".join(capsys.readouterr().err.split())
+
+    # Nothing of a run there.
+    err = refused("--resume", "s3://held/runs/gone")
+    assert "--resume 's3://held/runs/gone': no config.yaml there" in err and "storage folder" in err, err
+    # A config.yaml whose storage is elsewhere: its checkpoints are not under the folder given.
+    config = "training:\n  storage_path: s3://held/elsewhere\n"
+    s3.put_object(Bucket="held", Key="runs/r1/config.yaml", Body=config.encode())
+    err = refused("--resume", "s3://held/runs/r1")
+    assert "puts its checkpoints in 's3://held/elsewhere/r1'" in err and "not there" in err, err
+    # The right storage, but no checkpoint written yet.
+    s3.put_object(Bucket="held", Key="runs/r2/config.yaml", Body=b"training:\n  storage_path: s3://held/runs\n")
+    err = refused("--resume", "s3://held/runs/r2")
+    assert "s3://held/runs/r2" in err and "Traceback" not in err, err
+    assert not (tmp_path / "runs").exists(), "nothing is created on this machine before the checks pass"

@@ -2,11 +2,14 @@
 
 Each host has its own private ``/tmp`` (Ray's session folder, run folders); what they share goes through moto's
 S3 server on host 0's address. Covers: a ``train --address`` run with ``s3://`` storage places its ranks on both
-hosts and completes (placement proven from each host's own Ray Train logs), and ``--resume`` continues it from
-S3, and the other host (no run folder there) exports the model from S3; a local storage folder not declared
-shared is refused with one message before anything starts; the bandwidth probe reports ranks on two nodes and a
-bandwidth figure, and with one host's link capped by ``tc`` it reports the lower figure and a ``degraded``
-verdict against the configured line rate. Needs root and iproute2; skipped otherwise, with the reason.
+hosts and completes (placement proven from each host's own Ray Train logs), ``--resume`` continues it from S3 on
+the host with the run folder, then on the other host (no run folder there) from the S3 storage folder, which also
+exports the model from S3; a local storage folder not declared shared is refused with one message before anything
+starts; the bandwidth probe reports ranks on two nodes and a bandwidth figure, and with one host's link capped by
+``tc`` it reports the lower figure and a ``degraded`` verdict against the configured line rate; a run whose worker
+on host 1 is killed (SIGKILL), and then loses host 1 itself (replaced by a fresh host with an empty disk), ends with
+the losses and the weights of the same run without faults. Needs root and iproute2; skipped otherwise, with the
+reason.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -60,7 +64,7 @@ except OSError:
 """
 
 
-def test_train_places_ranks_on_both_hosts_and_resumes_from_s3(cluster, builtin_model):
+def test_train_places_ranks_on_both_hosts_and_resumes_from_s3_on_either_host(cluster, builtin_model):
     before = {w.job_id for w in cluster.train_workers()}
     cmd = [tool("raytrain-eks"), "train", "--address", cluster.address, "--preset", "local-tiny"]
     storage = f"s3://{BUCKET}/runs"
@@ -89,15 +93,25 @@ def test_train_places_ranks_on_both_hosts_and_resumes_from_s3(cluster, builtin_m
     assert (summary["resumed_from_step"], summary["steps"]) == (5, 7)
     assert (run / "model" / "model.safetensors").is_file()
 
-    # Host 1 has no run folder: it exports the newest checkpoint straight from the S3 storage folder.
+    # Host 1 has no run folder: it continues the run from the S3 storage folder (the run's config.yaml is there),
+    # in a run folder of its own, the checkpoints still going to S3.
+    proc = cluster.run([*cmd, "--resume", f"{storage}/run", "--steps", "9"], host=1, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"from {storage}/run/ray/checkpoint_00000007" in proc.stdout
+    elsewhere = cluster.host_path(1, "/tmp/work/runs/run")
+    summary = json.loads((elsewhere / "summary.json").read_text())
+    assert (summary["resumed_from_step"], summary["steps"]) == (7, 9)
+    assert summary["checkpoints"][-1] == f"{storage}/run/ray/checkpoint_00000009"
+
+    # And exports the newest checkpoint straight from the S3 storage folder.
     out = "/tmp/work/exported"
     proc = cluster.run([tool("raytrain-eks"), "export", f"{storage}/run", out], host=1, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     exported = load_file(cluster.host_path(1, out) / "model.safetensors")
-    at_end = load_file(run / "model" / "model.safetensors")
+    at_end = load_file(elsewhere / "model" / "model.safetensors")
     assert exported.keys() == at_end.keys() and all(torch.equal(exported[k], at_end[k]) for k in at_end)
     marker = json.loads((cluster.host_path(1, out) / ".raytrain-eks-export").read_text())
-    assert marker["checkpoint"] == f"{storage}/run/ray/checkpoint_00000007"
+    assert marker["checkpoint"] == f"{storage}/run/ray/checkpoint_00000009"
 
 
 def test_local_storage_on_two_hosts_is_refused_before_anything_starts(cluster):
@@ -127,7 +141,7 @@ def test_probe_measures_the_link_and_sees_a_cap(cluster):
     free = _probe(cluster, config)
     assert free["num_nodes"] == 2 and free["world_size"] == 2 and free["backend"] == "gloo"
     # One rank on each host (which one gets rank 0 is Ray's choice).
-    assert sorted(free["nodes"]) == sorted(HOST_IPS) and sorted(free["nodes"].values()) == [[0], [1]]
+    assert sorted(free["nodes"]) == sorted(cluster.ips) and sorted(free["nodes"].values()) == [[0], [1]]
     assert sorted((r["rank"], r["node_rank"]) for r in free["ranks"]) == [(0, 0), (1, 1)]
     assert {r["op"] for r in free["results"]} == {"all_reduce", "all_gather", "reduce_scatter"}
     assert (free["expected_gbps"], free["expected_source"]) == (EXPECTED_GBPS, "fabric.expected_gbps")
@@ -141,3 +155,87 @@ def test_probe_measures_the_link_and_sees_a_cap(cluster):
     assert capped["best_busbw_gbps"] < free["best_busbw_gbps"] / 3
     # Print the figures (pytest -s shows them): the benchmark reports the same with more sizes.
     print(f"\nprobe busbw: {free['best_busbw_gbps']:.3f} Gbit/s free, {capped['best_busbw_gbps']:.3f} capped at {CAP}")
+
+
+# Every step logged, a checkpoint every 4 steps: the runs below are compared step by step.
+FAULTS_CONFIG = "training:\n  log_every: 1\n  checkpoint_every: 4\n"
+FAULT_STEPS = 16
+
+
+def _records(path) -> list[dict]:
+    text = path.read_text() if path.exists() else ""
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line being written
+            break
+    return records
+
+
+def _wait_for(proc, metrics, done, what: str, timeout: float = 400) -> list[dict]:
+    """Wait until ``done(records)`` holds for the run's metric records; fail if the run ends first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        records = _records(metrics)
+        if done(records):
+            return records
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}")
+        time.sleep(0.1)
+    pytest.fail(f"no {what} within {timeout:.0f} s")
+
+
+def test_a_killed_worker_and_a_lost_node_end_as_an_uninterrupted_run(cluster, builtin_model, tmp_path):
+    """SIGKILL of the training worker on host 1, then the loss of host 1 itself (a fresh host with an empty disk
+    takes its place): the run goes back to its last checkpoint in S3 each time and ends exactly where the same run
+    without faults ends."""
+    cluster.host_path(0, "/tmp/work/faults.yaml").write_text(FAULTS_CONFIG)
+    cmd = [tool("raytrain-eks"), "train", "--address", cluster.address, "--preset", "local-tiny"]
+    cmd += ["--config", "/tmp/work/faults.yaml", "--steps", str(FAULT_STEPS), "--storage-path", f"s3://{BUCKET}/faults"]
+    proc = cluster.run([*cmd, "--output-dir", "steady"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steady = _records(cluster.host_path(0, "/tmp/work/steady/metrics.jsonl"))
+    assert [r["step"] for r in steady] == list(range(1, FAULT_STEPS + 1))
+
+    before = {w.job_id for w in cluster.train_workers()}
+    run = cluster.popen([*cmd, "--output-dir", "faulty"], log=tmp_path / "faulty.log")
+    try:
+        metrics = cluster.host_path(0, "/tmp/work/faulty/metrics.jsonl")
+        # Checkpoint 4 is written before step 5 runs: kill host 1's worker once step 5 is logged.
+        seen = _wait_for(run, metrics, lambda rs: any(r["step"] >= 5 for r in rs), "step 5")
+        assert cluster.kill_train_workers(1), "no Ray Train worker process found on host 1"
+        killed_at = len(seen)
+        # Back from checkpoint 4 and past checkpoint 8: then host 1 is lost, disk and all, and replaced.
+        seen = _wait_for(
+            run, metrics, lambda rs: any(r["step"] >= 9 for r in rs[killed_at:]), "step 9 after the worker kill"
+        )
+        cluster.replace_host(1)
+        lost_at = len(seen)
+        assert run.wait(timeout=600) == 0, (tmp_path / "faulty.log").read_text()[-4000:]
+    finally:
+        if run.poll() is None:
+            run.kill()
+    output = (tmp_path / "faulty.log").read_text()
+    records = _records(metrics)
+    steps = [r["step"] for r in records]
+    # The run went back twice: after the kill and after the loss of the node, each time to a checkpoint.
+    backs = [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
+    assert len(backs) == 2 and backs[0] >= killed_at - 1 and backs[1] >= lost_at - 1, steps
+    assert all(steps[i] - 1 in (0, 4, 8, 12) for i in backs), steps
+    # Step by step, the last record of each step equals the run without faults.
+    last = {r["step"]: r for r in records}
+    assert sorted(last) == list(range(1, FAULT_STEPS + 1))
+    for want in steady:
+        got = last[want["step"]]
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-6), (want["step"], got["loss"], want["loss"])
+    summary = json.loads(cluster.host_path(0, "/tmp/work/faulty/summary.json").read_text())
+    assert summary["resumed_from_step"] in (4, 8, 12) and summary["steps"] == FAULT_STEPS
+    # The final weights are bit for bit those of the run without faults.
+    faulty = load_file(cluster.host_path(0, "/tmp/work/faulty/model/model.safetensors"))
+    steady_weights = load_file(cluster.host_path(0, "/tmp/work/steady/model/model.safetensors"))
+    assert faulty.keys() == steady_weights.keys()
+    assert all(torch.equal(faulty[k], steady_weights[k]) for k in steady_weights)
+    # The last attempt ran one rank on the new host (its own Ray logs say so).
+    workers = [w for w in cluster.train_workers() if w.job_id not in before]
+    assert any(w.host == 1 for w in workers), (workers, output[-2000:])

@@ -7,8 +7,9 @@ killed before its teardown is cleaned up by the next one)::
     netns Ph0   eth0 10.213.0.11/24 <-veth-> h0    Ray head (GCS 10.213.0.11:6379), drivers run here
     netns Ph1   eth0 10.213.0.12/24 <-veth-> h1    Ray worker node
 
-Every Ray process and every driver runs on a host: in its network and mount namespaces (``nsenter`` into the
-host's first process, which ``ip netns exec ... unshare --mount`` started), with:
+Every Ray process and every driver runs on a host: in its network, mount and PID namespaces (``nsenter`` into the
+host's first process, which ``ip netns exec ... unshare --mount --pid`` started; each host sees only its own
+processes, as a pod does, so a driver attaches to its own host's raylet), with:
 
 - ``GLOO_SOCKET_IFNAME=eth0`` (and ``NCCL_SOCKET_IFNAME``): without it gloo picks loopback and rendezvous fails;
   the Ray workers inherit it from their raylet;
@@ -130,8 +131,9 @@ class TwoHostCluster:
     ) -> None:
         self.prefix = f"{_PREFIX}{os.getpid()}"
         self.bridge_ns = f"{self.prefix}br"
-        self.host_ns = tuple(f"{self.prefix}h{i}" for i in range(len(HOST_IPS)))
-        self.ips = HOST_IPS
+        self.host_ns = [f"{self.prefix}h{i}" for i in range(len(HOST_IPS))]
+        self.ips = list(HOST_IPS)
+        self._made = len(HOST_IPS)  # hosts made so far: a replacement gets the next number and address
         self.address = f"{HOST_IPS[0]}:{GCS_PORT}"
         self._start_ray = start_ray
         self._num_cpus = num_cpus
@@ -197,24 +199,67 @@ class TwoHostCluster:
     # -- hosts: a mount namespace each ---------------------------------------------------------------------------
 
     def _start_hosts(self) -> None:
+        for ns in self.host_ns:
+            self._holders.append(self._start_host(ns))
+
+    def _start_host(self, ns: str) -> subprocess.Popen[str]:
+        """The first process of a host: its mount namespace, with an empty private ``/tmp``."""
         cache = os.environ.get("RAYTRAIN_EKS_CACHE", "")
         keep = [cache] if cache else []
         # This project and its Python environment stay visible when a clone lives under /tmp.
         for path in (str(Path(__file__).resolve().parents[1]), sys.prefix):
             if Path(path).resolve().is_relative_to("/tmp") and not any(Path(path).is_relative_to(k) for k in keep):
                 keep.append(str(Path(path).resolve()))
-        for ns in self.host_ns:
-            argv = ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private"]
-            argv += ["sh", "-c", _HOST_INIT, "host-init", *keep]
-            holder = subprocess.Popen(argv, cwd=cache or "/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            self._holders.append(holder)
-            assert holder.stdout is not None
-            if holder.stdout.readline().strip() != "ready":
-                raise ClusterError(f"the mount namespace of {ns} did not start: {holder.stderr.read()[-2000:]}")
+        # A PID namespace of its own too (with its own /proc): Ray finds "its" raylet by listing the processes it
+        # can see, and a driver that saw both hosts' raylets would attach to the head's, not to its own host's.
+        argv = ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private"]
+        argv += ["--pid", "--fork", "--mount-proc", "sh", "-c", _HOST_INIT, "host-init", *keep]
+        holder = subprocess.Popen(argv, cwd=cache or "/", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert holder.stdout is not None
+        if holder.stdout.readline().strip() != "ready":
+            holder.kill()
+            raise ClusterError(f"the mount namespace of {ns} did not start: {holder.stderr.read()[-2000:]}")
+        return holder
+
+    def replace_host(self, host: int) -> None:
+        """Lose host ``host`` as a node is lost, and put a fresh one in its place.
+
+        Every process of the host is killed at once (SIGKILL: its Ray node, its workers, its first process), so
+        its private ``/tmp`` goes with its mount namespace; its network namespace is deleted. The new host gets
+        the next name and address on the bridge, an empty ``/tmp``, and a Ray node that joins the head (as a node
+        group's replacement instance would). ``host_path(host, ...)`` then means the new host.
+        """
+        old = self.host_ns[host]
+        _kill_namespace_processes(old, grace=0.0)
+        holder = self._holders[host]
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            holder.wait(timeout=10)
+        for pipe in (holder.stdout, holder.stderr):
+            if pipe is not None:
+                pipe.close()
+        _delete_namespace(old)
+        number = self._made
+        self._made += 1
+        self.host_ns[host] = ns = f"{self.prefix}h{number}"
+        self.ips[host] = f"{SUBNET}.{11 + number}"
+        _ip("netns", "add", ns)
+        _ip("-n", ns, "link", "set", "lo", "up")
+        self._link(host)
+        self._holders[host] = self._start_host(ns)
+        if self._start_ray:
+            self._start_worker_node(host)
 
     def host_path(self, host: int, path: str | Path) -> Path:
         """Where this process sees ``path`` of host ``host`` (an absolute path inside that host)."""
-        return Path(f"/proc/{self._holders[host].pid}/root") / str(path).lstrip("/")
+        return Path(f"/proc/{self._init_pid(host)}/root") / str(path).lstrip("/")
+
+    def _init_pid(self, host: int) -> int:
+        """The pid (as this process sees it) of host ``host``'s first process, PID 1 of its PID namespace."""
+        holder = self._holders[host].pid
+        children = Path(f"/proc/{holder}/task/{holder}/children").read_text().split()
+        if not children:
+            raise ClusterError(f"host {host} has no first process (its namespace holder {holder} has no child)")
+        return int(children[0])
 
     def _start_s3(self) -> None:
         server = [tool("moto_server"), "-H", self.ips[0], "-p", str(S3_PORT)]
@@ -237,23 +282,28 @@ class TwoHostCluster:
             _ip("-n", ns, "link", "set", "lo", "up")
         _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
-        for i, (ns, ip) in enumerate(zip(self.host_ns, self.ips, strict=True)):
-            port = f"h{i}"
-            # Both ends are created directly inside their namespaces: nothing appears in the machine's own.
-            _ip("-n", self.bridge_ns, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", ns)
-            _ip("-n", self.bridge_ns, "link", "set", port, "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", IFNAME)
-            _ip("-n", ns, "link", "set", IFNAME, "up")
+        for i in range(len(self.host_ns)):
+            self._link(i)
+
+    def _link(self, host: int) -> None:
+        """Join host ``host``'s network namespace to the bridge (port ``h<number in its name>``), with its address."""
+        ns, ip = self.host_ns[host], self.ips[host]
+        port = ns.removeprefix(self.prefix)
+        # Both ends are created directly inside their namespaces: nothing appears in the machine's own.
+        _ip("-n", self.bridge_ns, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", ns)
+        _ip("-n", self.bridge_ns, "link", "set", port, "master", "br0", "up")
+        _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", IFNAME)
+        _ip("-n", ns, "link", "set", IFNAME, "up")
 
     def cap(self, host: int, rate: str) -> None:
         """Limit host ``host``'s link to ``rate`` (tc syntax: ``100mbit``, ``1gbit``) in both directions."""
-        for ns, dev in ((self.host_ns[host], IFNAME), (self.bridge_ns, f"h{host}")):
+        for ns, dev in ((self.host_ns[host], IFNAME), (self.bridge_ns, self.host_ns[host].removeprefix(self.prefix))):
             # burst: room for a 64 KiB GSO packet several times over; latency bounds the queue.
             qdisc = ["tbf", "rate", rate, "burst", "256kb", "latency", "50ms"]
             _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", *qdisc])
 
     def uncap(self, host: int) -> None:
-        for ns, dev in ((self.host_ns[host], IFNAME), (self.bridge_ns, f"h{host}")):
+        for ns, dev in ((self.host_ns[host], IFNAME), (self.bridge_ns, self.host_ns[host].removeprefix(self.prefix))):
             subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], capture_output=True, timeout=30)
 
     @contextlib.contextmanager
@@ -288,10 +338,14 @@ class TwoHostCluster:
         head += ["--include-dashboard=false", f"--temp-dir={RAY_TEMP}", *common]
         self.run(head, host=0, timeout=180, check=True)
         for i in range(1, len(self.host_ns)):
-            worker = [ray, "start", f"--address={self.address}", f"--node-ip-address={self.ips[i]}"]
-            worker += [f"--temp-dir={RAY_TEMP}", *common]
-            self.run(worker, host=i, timeout=180, check=True)
+            self._start_worker_node(i)
         self.wait_for_nodes(len(self.host_ns))
+
+    def _start_worker_node(self, host: int) -> None:
+        worker = [tool("ray"), "start", f"--address={self.address}", f"--node-ip-address={self.ips[host]}"]
+        worker += [f"--num-cpus={self._num_cpus}", f"--object-store-memory={self._object_store_mb * 2**20}"]
+        worker += ["--disable-usage-stats", f"--temp-dir={RAY_TEMP}"]
+        self.run(worker, host=host, timeout=180, check=True)
 
     def wait_for_nodes(self, count: int, timeout: float = 90) -> None:
         """Wait until ``count`` Ray nodes are alive, asked from a driver on the head host."""
@@ -321,12 +375,35 @@ class TwoHostCluster:
     ) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` on host ``host`` (its network and mount namespaces), in ``cwd`` (a path inside that host),
         with the cluster's environment (plus ``env``)."""
-        target = str(self._holders[host].pid)
-        cmd = ["nsenter", "--target", target, "--mount", "--net", "--", "env", f"--chdir={cwd}", *argv]
+        target = str(self._init_pid(host))
+        cmd = ["nsenter", "--target", target, "--mount", "--net", "--pid", "--", "env", f"--chdir={cwd}", *argv]
         proc = subprocess.run(cmd, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout)
         if check and proc.returncode != 0:
             raise ClusterError(f"{' '.join(argv)} failed on host {host} (exit {proc.returncode}): {_tail(proc)}")
         return proc
+
+    def popen(
+        self, argv: Sequence[str], *, host: int = 0, log: Path, cwd: str | Path = WORKDIR
+    ) -> subprocess.Popen[str]:
+        """Start ``argv`` on host ``host`` as :meth:`run` does, without waiting; its output goes to ``log``."""
+        target = str(self._init_pid(host))
+        cmd = ["nsenter", "--target", target, "--mount", "--net", "--pid", "--", "env", f"--chdir={cwd}", *argv]
+        with log.open("w") as out:
+            return subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+    def kill_train_workers(self, host: int) -> list[int]:
+        """SIGKILL every Ray Train worker process (``ray::RayTrainWorker``) running on host ``host``; their pids."""
+        killed = []
+        for pid in _namespace_pids(self.host_ns[host]):
+            try:
+                title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+            except OSError:
+                continue
+            if title.startswith(b"ray::RayTrainWorker"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+        return killed
 
     def train_workers(self) -> list[WorkerRecord]:
         """Every Ray Train worker each host's own Ray logs show (Ray Train's structured ``logs/train`` files)."""
@@ -398,8 +475,10 @@ def _namespace_pids(ns: str) -> list[int]:
 
 
 def _kill_namespace_processes(ns: str, grace: float = 3.0) -> None:
-    """SIGTERM every process in ``ns``, SIGKILL what is left after ``grace`` seconds, wait until none is left."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+    """SIGTERM every process in ``ns``, SIGKILL what is left after ``grace`` seconds (at once when it is 0), wait
+    until none is left."""
+    steps = ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)) if grace > 0 else ((signal.SIGKILL, 10.0),)
+    for sig, wait in steps:
         pids = _namespace_pids(ns)
         if not pids:
             return

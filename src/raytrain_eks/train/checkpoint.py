@@ -268,6 +268,43 @@ def storage_root(run_dir: Path, storage_path: str | None) -> str:
     return join(storage_path, run_dir.name) if storage_path else str(run_dir)
 
 
+RUN_CONFIG = "config.yaml"  # a run's configuration, in its run folder and beside its checkpoints in its storage
+
+
+def write_storage_config(run_dir: Path, storage_path: str | None, text: str) -> None:
+    """Put the run's ``config.yaml`` into its storage folder (when ``storage_path`` is set), beside its checkpoints,
+    so that a machine without the run folder can continue the run: ``train --resume STORAGE_PATH/RUN``."""
+    if not storage_path:
+        return
+    location = join(storage_root(run_dir, storage_path), RUN_CONFIG)
+    try:
+        fs, base = _fs(location)
+        if not is_remote(location):
+            fs.create_dir(base.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(base) as f:
+            f.write(text.encode())
+    except OSError as exc:
+        raise UserError(
+            f"training.storage_path {storage_path!r}: cannot write {location}: {str(exc).strip().splitlines()[0]}",
+            hint="Check that the bucket or folder exists and that this machine may write there (credentials, role).",
+        ) from None
+
+
+def read_storage_config(location: str) -> str:
+    """The ``config.yaml`` a run left in its storage folder ``location`` (see :func:`write_storage_config`)."""
+    from pyarrow import fs as pafs
+
+    path = join(location, RUN_CONFIG)
+    fs, base = _fs(path)
+    if fs.get_file_info(base).type != pafs.FileType.File:
+        raise UserError(
+            f"--resume {location!r}: no {RUN_CONFIG} there, so it is not the storage folder of a raytrain-eks run",
+            hint="Give the run's storage folder (training.storage_path followed by the run folder's name), or the "
+            "run folder itself on the machine that has it.",
+        )
+    return _read_text(path)
+
+
 def checkpoint_root(run_dir: Path, storage_path: str | None) -> str:
     """The folder (path or URI) holding a run's ``checkpoint_*`` folders: :data:`RAY_DIR` in its storage root."""
     return join(storage_root(run_dir, storage_path), RAY_DIR)

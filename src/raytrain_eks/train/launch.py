@@ -67,11 +67,33 @@ def new_run_dir(cfg: Config, root: Path = Path("runs")) -> Path:
     return path.resolve()
 
 
-def _resume_root(run_dir: Path, storage_path: str | None) -> str | Path:
-    """Where ``--resume RUN_DIR`` looks for its checkpoints: the run's storage when set, else the run folder."""
-    from raytrain_eks.train.checkpoint import checkpoint_root
+def _resume_source(resume: Path | str | None, cfg: Config, runs_root: Path) -> tuple[Path | None, str | Path | None]:
+    """(the run folder to continue in, where its checkpoints are) for ``--resume``, or ``(None, None)``.
 
-    return checkpoint_root(run_dir, storage_path) if storage_path else run_dir
+    ``resume`` is a run folder (its checkpoints: the run's storage when set, else the folder itself), or the run's
+    storage folder as a URI (``STORAGE_PATH/RUN``, for a machine without the run folder): the run then continues in
+    ``runs_root/RUN`` here, its checkpoints still going to that storage folder.
+    """
+    from raytrain_eks.train.checkpoint import checkpoint_root, storage_root
+    from raytrain_eks.train.storage import is_remote
+
+    if resume is None:
+        return None, None
+    storage = cfg.training.storage_path
+    if is_remote(resume):
+        text = str(resume).rstrip("/")
+        name = text.rsplit("/", 1)[-1]
+        expected = storage_root(Path(name), storage) if storage else None
+        if expected != text:
+            raise UserError(
+                f"--resume {text!r}: the run's configuration puts its checkpoints in "
+                f"{expected or 'the run folder'!r} (training.storage_path = {storage!r}), not there",
+                hint="Give the storage folder the run wrote (training.storage_path followed by the run's name), "
+                "with its own config.yaml (leave out --config and --storage-path).",
+            )
+        return (runs_root / name).expanduser().resolve(), text
+    run_dir = Path(resume).expanduser().resolve()
+    return run_dir, (checkpoint_root(run_dir, storage) if storage else run_dir)
 
 
 def _data_source(cfg: Config) -> str:
@@ -90,7 +112,7 @@ def run_training(
     say: Callable[[str], None] = print,
     progress: Any | None = None,
     verbose: bool = False,
-    resume: Path | None = None,
+    resume: Path | str | None = None,
     price: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
 ) -> RunResult:
     """Train with Ray Train as configured and write the run folder; raise a :class:`UserError` on failure.
@@ -98,12 +120,13 @@ def run_training(
     ``say`` prints one-line status messages; ``progress`` (optional) is called as ``progress(record, total_steps)``
     for every metric record as it arrives, and told what data preparation is doing with ``progress.stage(text)`` when
     it has that method. ``resume`` is an earlier run folder to continue, from its newest
-    complete checkpoint, to ``cfg.training.steps``. ``price``, given the finished summary, returns what the run cost
+    complete checkpoint, to ``cfg.training.steps``, or that run's storage folder as a URI (see
+    :func:`_resume_source`). ``price``, given the finished summary, returns what the run cost
     (or ``None``); it goes into ``summary.json`` and the report as ``cost``.
     """
     import ray
 
-    from raytrain_eks.train.checkpoint import check_compatible, resolve_checkpoint
+    from raytrain_eks.train.checkpoint import check_compatible, resolve_checkpoint, write_storage_config
     from raytrain_eks.train.data import list_data_files
     from raytrain_eks.train.model_source import check_model, resolve_model_path
 
@@ -115,14 +138,14 @@ def run_training(
     model_path = resolve_model_path(training.model_id)
     data_files = None if training.uses_random_data else list_data_files(_data_source(cfg))
     eval_files = list_data_files(training.eval_data, option="training.eval_data") if training.eval_data else None
-    resume_dir = resume.expanduser().resolve() if resume is not None else None
+    resume_dir, resume_root = _resume_source(resume, cfg, runs_root)
     resume_from = None
     ray_was_running = ray.is_initialized()
     local_ray = None
     if address is None:  # a local run has one node
         check_sharding_for_nodes(training, 1, training.num_workers or LOCAL_CPU_WORKERS, counted="a local run")
         if resume_dir is not None:
-            resume_from = resolve_checkpoint(_resume_root(resume_dir, training.storage_path))
+            resume_from = resolve_checkpoint(resume_root)
         if not ray_was_running:
             local_ray = LocalRayStart(training.num_workers or LOCAL_CPU_WORKERS, verbose)
     try:
@@ -139,16 +162,18 @@ def run_training(
             check_storage_for_nodes(training, worker_hosts(), counted=counted)
             check_sharding_for_nodes(training, worker_hosts(), training.num_workers or None, counted=counted)
             if resume_dir is not None:
-                resume_from = resolve_checkpoint(_resume_root(resume_dir, training.storage_path))
+                resume_from = resolve_checkpoint(resume_root)
         if resume_dir is not None:
             run_dir = resume_dir
             check_compatible(resume_from, model_config)
+            run_dir.mkdir(parents=True, exist_ok=True)  # a run continued on a machine that does not have its folder
             say(f"resuming {run_dir} from {resume_from}")
         else:
             run_dir = new_run_dir(cfg, runs_root)
             say(f"run folder: {run_dir}")
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
         try:
+            write_storage_config(run_dir, training.storage_path, cfg.to_yaml())
             if local_ray is not None:
                 local_ray.wait()
             return _train_in(
@@ -204,8 +229,10 @@ def _train_in(
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
     from ray.util.queue import Queue
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from raytrain_eks.report.html import write_report
+    from raytrain_eks.report.plots import load_plotting
     from raytrain_eks.report.tracking import Tracker
     from raytrain_eks.train.checkpoint import (
         RAY_DIR,
@@ -262,7 +289,14 @@ def _train_in(
         training.sample_prompts, data_files, training.data_format, training.text_field, load_tokenizer(model_path)
     )
     tracker = Tracker(run_dir, cfg)
-    queue = Queue()
+    # The metric records' queue lives on the driver's node, with no CPU of its own (a cluster's head offers none):
+    # a worker node that is lost and replaced mid-run takes none of the run's driver-side state with it.
+    queue = Queue(
+        actor_options={
+            "num_cpus": 0,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+        }
+    )
     trainer = TorchTrainer(
         _worker_entry,
         train_loop_config={
@@ -328,6 +362,8 @@ def _train_in(
     ray.kill(queue.actor)
     if trained is not None:
         trained()
+    # The report's plotting library loads on a thread while the model is exported (both take a second or two).
+    threading.Thread(target=load_plotting, name="import-plotting", daemon=True).start()
     tracker.close()
 
     if "error" in outcome:
