@@ -107,4 +107,7 @@ def test_a_resume_from_a_storage_folder_is_checked_before_anything_starts(aws_en
     s3.put_object(Bucket="held", Key="runs/r2/config.yaml", Body=b"training:\n  storage_path: s3://held/runs\n")
     err = refused("--resume", "s3://held/runs/r2")
     assert "s3://held/runs/r2" in err and "Traceback" not in err, err
+    # A bucket that does not exist: one message too, not a traceback.
+    err = refused("--resume", "s3://no-such-bucket/runs/r1")
+    assert "--resume 's3://no-such-bucket/runs/r1'" in err and "Traceback" not in err, err
     assert not (tmp_path / "runs").exists(), "nothing is created on this machine before the checks pass"

@@ -158,7 +158,9 @@ _RESUME_TMP = "raytrain-eks-resume-"
 
 def _resume_config(resume: str) -> Path:
     """The config.yaml of the run ``--resume`` names: in its run folder, or (a URI) copied from its storage folder."""
-    if "://" in resume:
+    from raytrain_eks.train.storage import is_remote
+
+    if is_remote(resume):
         import tempfile
 
         from raytrain_eks.train.checkpoint import read_storage_config

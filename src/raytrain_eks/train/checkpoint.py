@@ -295,14 +295,22 @@ def read_storage_config(location: str) -> str:
     from pyarrow import fs as pafs
 
     path = join(location, RUN_CONFIG)
-    fs, base = _fs(path)
-    if fs.get_file_info(base).type != pafs.FileType.File:
+    try:
+        fs, base = _fs(path)
+        found = fs.get_file_info(base).type == pafs.FileType.File
+        text = _read_text(path) if found else None
+    except OSError as exc:  # no such bucket, no credentials, no network
+        raise UserError(
+            f"--resume {location!r}: cannot read {path}: {str(exc).strip().splitlines()[0]}",
+            hint="Check the bucket name and that this machine may read it (credentials, role).",
+        ) from None
+    if text is None:
         raise UserError(
             f"--resume {location!r}: no {RUN_CONFIG} there, so it is not the storage folder of a raytrain-eks run",
             hint="Give the run's storage folder (training.storage_path followed by the run folder's name), or the "
             "run folder itself on the machine that has it.",
         )
-    return _read_text(path)
+    return text
 
 
 def checkpoint_root(run_dir: Path, storage_path: str | None) -> str:
