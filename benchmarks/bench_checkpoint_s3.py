@@ -197,6 +197,14 @@ def _work(rank: int, spec: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
+def _peak_rss_mb() -> float | None:
+    """This process's peak resident set (``VmHWM``) in MB: moto's server runs in it, so this bounds what S3 held."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / MB
+    return None
+
+
 def start_moto() -> tuple[Any, dict[str, str]]:
     import boto3
     from moto.server import ThreadedMotoServer
@@ -276,6 +284,7 @@ def bench_size(name: str, args: argparse.Namespace, tmp: Path, env: dict[str, st
             100 * (saves * save + resume) / (train + saves * save + resume) if resume is not None else None
         ),
         "ranks_wall_s": wall,
+        "server_peak_rss_mb": _peak_rss_mb(),
         "load_average": os.getloadavg()[0],
     }
     resumed = (
@@ -293,7 +302,8 @@ def bench_size(name: str, args: argparse.Namespace, tmp: Path, env: dict[str, st
     print(
         f"    step {step_s:.2f} s ({row['step_source']}): a save is {row['interval_share_pct']:.1f}% of its "
         f"{ref.checkpoint_every}-step interval; {saves} saves are {row['run_share_pct']:.1f}% of a {ref.steps}-step "
-        f"run{with_resume} (load average {row['load_average']:.1f})"
+        f"run{with_resume} (load average {row['load_average']:.1f}); moto's process peaked at "
+        f"{row['server_peak_rss_mb']:.0f} MB"
     )
     return row
 

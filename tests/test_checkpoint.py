@@ -19,7 +19,7 @@ from raytrain_eks import presets
 from raytrain_eks.cli import main
 from raytrain_eks.config import load_config
 from raytrain_eks.errors import TrainingError, UserError
-from raytrain_eks.train.checkpoint import EXPORT_MARKER, MARKER, RAY_SNAPSHOT, list_checkpoints, resolve_checkpoint
+from raytrain_eks.train.checkpoint import EXPORT_MARKER, FILES_PER_RANK, MARKER, RAY_SNAPSHOT, list_checkpoints, resolve_checkpoint
 from raytrain_eks.train.faults import ENV as FAULT_ENV
 from raytrain_eks.train.launch import ERROR_LOG, run_training
 
@@ -64,6 +64,11 @@ def test_reference_run_writes_checkpoints_and_exports(reference_run):
     assert reference_run.summary["resumed_from_step"] is None
     assert len(reference_run.summary["checkpoints"]) == 2
     assert (run / "model" / "model.safetensors").exists()
+    for _, folder, _ in found:  # each rank's share in FILES_PER_RANK files, so storage moves them in parallel
+        ranks = len(list(Path(folder).glob("trainer_rank*.pt")))
+        assert ranks == 2
+        names = sorted(p.name for p in Path(folder).glob("*.distcp"))
+        assert names == sorted(f"__{r}_{i}.distcp" for r in range(ranks) for i in range(FILES_PER_RANK))
 
 
 def test_sigkilled_worker_resumes_and_ends_with_identical_weights(tmp_path, reference_run):
