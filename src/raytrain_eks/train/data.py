@@ -396,8 +396,9 @@ def json_datasource(files: list[str]) -> Any:
     return JsonRowsDatasource(files)
 
 
-def _encode_batch(batch: Any, *, tokenizer_path: str, data_format: str, text_field: str) -> dict[str, Any]:
-    """Ray Data ``map_batches`` step: encode a batch of rows, marking malformed ones instead of failing."""
+def _encode_batch(batch: Any, *, tokenizer_path: str, data_format: str, text_field: str) -> Any:
+    """Ray Data ``map_batches`` step: encode a batch of rows (a pyarrow table), marking malformed ones instead of
+    failing."""
     tokenizer = load_tokenizer(tokenizer_path)
     rows = batch.to_pylist()
     ids_out, labels_out, reasons = [], [], []
@@ -417,13 +418,15 @@ def _encode_batch(batch: Any, *, tokenizer_path: str, data_format: str, text_fie
     import pyarrow as pa
 
     tokens = pa.list_(pa.int32())  # half of int64's bytes through the sort and the object store; ids < 2**31
-    return {
-        "input_ids": pa.array(ids_out, tokens),
-        "labels": pa.array(labels_out, tokens),
-        "reason": reasons,
-        "tokens": [len(i) for i in ids_out],
-        "trained": [sum(t != IGNORE_INDEX for t in lab) for lab in labels_out],
-    }
+    return pa.table(
+        {
+            "input_ids": pa.array(ids_out, tokens),
+            "labels": pa.array(labels_out, tokens),
+            "reason": pa.array(reasons, pa.string()),
+            "tokens": pa.array([len(i) for i in ids_out], pa.int64()),
+            "trained": pa.array([sum(t != IGNORE_INDEX for t in lab) for lab in labels_out], pa.int64()),
+        }
+    )
 
 
 def _pack_batch(batch: dict[str, Any], *, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
@@ -620,9 +623,9 @@ def _encode_in_driver(files: Sequence[str], kind: str, **encode: Any) -> Any:
             with open(path, "rb") as f:
                 raw = _rows_block(list(json_rows(iter(lambda f=f: f.read(READ_CHUNK_BYTES), b""))))
         if raw.num_rows:
-            tables.append(pa.table(_encode_batch(raw, **encode)))
+            tables.append(_encode_batch(raw, **encode))
     if not tables:
-        return pa.table(_encode_batch(_rows_block([]), **encode))
+        return _encode_batch(_rows_block([]), **encode)
     return pa.concat_tables(tables, promote_options="permissive")
 
 
