@@ -65,6 +65,22 @@ def test_driver_and_ray_data_pack_the_same_blocks(tmp_path, ray_local, builtin_m
     assert not np.array_equal(blocks(other_seed.dataset), blocks(driver.dataset))
 
 
+def test_a_sort_cut_into_many_small_tasks_packs_the_same_blocks(tmp_path, ray_local, builtin_model, monkeypatch):
+    # Blocks of 8 KiB and at most 16 KiB of input per sort task (the defaults are 16 and 64 MiB): the sample's rows
+    # go through many small sort tasks, and the packed blocks are still those the driver makes.
+    import ray.data
+
+    monkeypatch.setattr(data_module, "PIPELINE_BLOCK_BYTES", 8 << 10)
+    monkeypatch.setattr(data_module, "SORT_BATCH_BYTES", 16 << 10)
+    before = ray.data.DataContext.get_current().shuffle_input_batch_bytes
+    ray_data = prep(sample_data_path(), builtin_model, seq_len=64, where="ray")
+    assert ray_data.dataset.context.shuffle_input_batch_bytes == 16 << 10
+    assert ray.data.DataContext.get_current().shuffle_input_batch_bytes == before, "the caller's setting is back"
+    driver = prep(sample_data_path(), builtin_model, seq_len=64, where="driver")
+    assert ray_data.dataset.num_blocks() > 1
+    assert np.array_equal(blocks(driver.dataset), blocks(ray_data.dataset))
+
+
 def test_large_or_remote_data_goes_through_ray_data(tmp_path, monkeypatch):
     path = tmp_path / "a.jsonl"
     path.write_text("{}\n" * 10)
