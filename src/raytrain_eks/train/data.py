@@ -467,11 +467,19 @@ def _shuffle_key(batch: Any, *, seed: int) -> Any:
 
     key = seed.to_bytes(8, "little")
     order = []
-    for ids, labels in zip(batch.column("input_ids").to_pylist(), batch.column("labels").to_pylist(), strict=True):
-        digest = hashlib.blake2b(np.asarray(ids, np.int64).tobytes(), digest_size=8, key=key)
-        digest.update(np.asarray(labels, np.int64).tobytes())
+    for ids, labels in zip(_lists(batch.column("input_ids")), _lists(batch.column("labels")), strict=True):
+        digest = hashlib.blake2b(ids.astype(np.int64).tobytes(), digest_size=8, key=key)
+        digest.update(labels.astype(np.int64).tobytes())
         order.append(int.from_bytes(digest.digest(), "little") >> 1)  # fits int64
     return batch.append_column("order", pa.array(order, pa.int64()))
+
+
+def _lists(column: Any) -> Iterator[np.ndarray]:
+    """Each row of a list column as a NumPy view of its values (no Python int per token, as ``to_pylist`` makes)."""
+    for chunk in column.chunks:
+        values, offsets = chunk.values.to_numpy(zero_copy_only=False), chunk.offsets.to_numpy()
+        for start, end in zip(offsets[:-1], offsets[1:], strict=True):
+            yield values[start:end]
 
 
 TRAIN_DATASET = "train"  # the packed training set, read whole by every rank
