@@ -18,20 +18,24 @@ the same 2 processes (batch 1 x ``--seq-len`` tokens per rank, fp32; the median 
 ``--step-time-s`` (e.g. a GPU step time): a save every ``checkpoint_every`` steps of the default
 ``TrainingConfig`` (and one at the end), and one resume.
 
-``--resume-sizes`` (default 25m) names the sizes whose resume is measured: moto answers every ranged GET by
-reading the whole object and slicing it, and pyarrow downloads in 1 MB ranges, so a download from moto costs
-(file size)^2 / 1 MB of copying: 25 s-3 min for the 25m checkpoint's two 160 MB files, hours for 250m's 1.6 GB
-ones. That is moto's, not S3's. The saves (multipart uploads) are measured at every size.
+``--resume-sizes`` (default 25m) names the sizes whose resume is measured. Each rank writes its share as
+``FILES_PER_RANK`` files, so the upload and download move several files at once, and a download reads 16 MiB
+ranges (``READ_RANGE_BYTES``). moto answers every ranged GET by reading the whole object and slicing it, so with
+pyarrow's default 1 MiB ranges a download from moto cost (file size)^2 / 1 MiB of copying (186 s for the 25m
+checkpoint's two 160 MB files); that is moto's, not S3's.
 
-moto keeps the objects in this process's memory, several times their size while multipart uploads run: uploading
-a 250 M checkpoint (weights + 2 AdamW moments, 3.2 GB) to moto took a process past 22 GB and the OOM killer
-ended it on a 23 GiB machine (measured with ``bench_export.py --s3``). So the default is 25m; ``--sizes
-25m,250m`` needs a machine with far more memory. moto is far from S3's throughput and latency; the figures
-show what the code path costs on this machine, not what AWS S3 gives.
+moto keeps each object's bytes in a temporary file but assembles a multipart upload in memory (its parts joined,
+then copied), several times the file's size while the uploads of a rank's files run at once. With a rank's share
+in one 1.6 GB file, a 250m checkpoint (weights + 2 AdamW moments, 3.1 GB) took moto's process past 22 GB and the
+OOM killer ended it on a 23 GiB machine; in 4 files per rank it peaked at 6.8 GB (shown as "moto's process
+peaked at"), so ``--sizes 25m,250m --resume-sizes 25m,250m`` runs on a 24 GiB machine (about 8 minutes on 2
+cores). moto is far from S3's throughput and latency; the figures show what the code path costs on this
+machine, not what AWS S3 gives.
 
 Example::
 
-    .venv/bin/python benchmarks/bench_checkpoint_s3.py                 # 25m: ~3 min on 2 idle cores
+    .venv/bin/python benchmarks/bench_checkpoint_s3.py                 # 25m: ~1 min on 2 idle cores
+    .venv/bin/python benchmarks/bench_checkpoint_s3.py --sizes 25m,250m --resume-sizes 25m,250m
     .venv/bin/python benchmarks/bench_checkpoint_s3.py --sizes 25m --step-time-s 0.8
 """
 

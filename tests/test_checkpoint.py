@@ -19,7 +19,14 @@ from raytrain_eks import presets
 from raytrain_eks.cli import main
 from raytrain_eks.config import load_config
 from raytrain_eks.errors import TrainingError, UserError
-from raytrain_eks.train.checkpoint import EXPORT_MARKER, FILES_PER_RANK, MARKER, RAY_SNAPSHOT, list_checkpoints, resolve_checkpoint
+from raytrain_eks.train.checkpoint import (
+    EXPORT_MARKER,
+    FILES_PER_RANK,
+    MARKER,
+    RAY_SNAPSHOT,
+    list_checkpoints,
+    resolve_checkpoint,
+)
 from raytrain_eks.train.faults import ENV as FAULT_ENV
 from raytrain_eks.train.launch import ERROR_LOG, run_training
 

@@ -247,7 +247,11 @@ def materialize(location: str | Path, into: Path) -> Path:
     fs, base = _fs(location)
     into.mkdir(parents=True, exist_ok=True)
     pafs.copy_files(
-        base, str(into), source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem(), chunk_size=READ_RANGE_BYTES
+        base,
+        str(into),
+        source_filesystem=fs,
+        destination_filesystem=pafs.LocalFileSystem(),
+        chunk_size=READ_RANGE_BYTES,
     )
     return into
 
