@@ -54,7 +54,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_checkpoint import SIZES, _fingerprint, checkpoints_in_run, free_port, make_model  # noqa: E402
+from bench_checkpoint import (  # noqa: E402
+    SIZES,
+    _fingerprint,
+    checkpoints_in_run,
+    free_port,
+    make_model,
+    peak_rss_gib,
+)
 
 WORLD_SIZE = 2
 MB = 1e6
@@ -201,14 +208,6 @@ def _work(rank: int, spec: dict[str, Any]) -> None:
     dist.destroy_process_group()
 
 
-def _peak_rss_mb() -> float | None:
-    """This process's peak resident set (``VmHWM``) in MB: moto's server runs in it, so this bounds what S3 held."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024 / MB
-    return None
-
-
 def start_moto() -> tuple[Any, dict[str, str]]:
     import boto3
     from moto.server import ThreadedMotoServer
@@ -288,7 +287,7 @@ def bench_size(name: str, args: argparse.Namespace, tmp: Path, env: dict[str, st
             100 * (saves * save + resume) / (train + saves * save + resume) if resume is not None else None
         ),
         "ranks_wall_s": wall,
-        "server_peak_rss_mb": _peak_rss_mb(),
+        "server_peak_rss_mb": peak_rss_gib() * 2**30 / MB,  # moto serves from this process
         "load_average": os.getloadavg()[0],
     }
     resumed = (

@@ -399,6 +399,8 @@ def json_datasource(files: list[str]) -> Any:
 def _encode_batch(batch: Any, *, tokenizer_path: str, data_format: str, text_field: str) -> Any:
     """Ray Data ``map_batches`` step: encode a batch of rows (a pyarrow table), marking malformed ones instead of
     failing."""
+    import pyarrow as pa
+
     tokenizer = load_tokenizer(tokenizer_path)
     rows = batch.to_pylist()
     ids_out, labels_out, reasons = [], [], []
@@ -415,8 +417,6 @@ def _encode_batch(batch: Any, *, tokenizer_path: str, data_format: str, text_fie
             reasons.append(str(exc))
         ids_out.append(ids)
         labels_out.append(labels)
-    import pyarrow as pa
-
     tokens = pa.list_(pa.int32())  # half of int64's bytes through the sort and the object store; ids < 2**31
     return pa.table(
         {
