@@ -232,6 +232,13 @@ class FakeTools:
         return 0, f'Release "{name}" has been upgraded. Happy Helming!\n', ""
 
 
+# The end of what `ray job submit` (Ray 2.60) prints when the dashboard found no job agent within its 10 s.
+AGENT_BUSY = """  File ".../ray/dashboard/modules/dashboard_sdk.py", line 305, in _raise_error
+    raise RuntimeError(
+RuntimeError: Request failed with status code 500: No available agent to submit job, please try again later..
+"""
+
+
 class FakeRay:
     """Answers the commands the steps run inside the Ray pods.
 
@@ -250,11 +257,21 @@ class FakeRay:
             FIXTURES / "ray_session_logs" / "node-1",
         ]
         self.unpacked: Path | None = None
+        # The first ``agent_busy`` submits get the dashboard's 500 while its job agent is not ready; with
+        # ``agent_took_it`` the agent took the job all the same (the dashboard stopped waiting for its answer).
+        self.agent_busy = 0
+        self.agent_took_it = False
 
     def __call__(self, ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:
         if argv[:3] == ["ray", "job", "submit"]:
             self.submitted.append(argv)
             sid = argv[argv.index("--submission-id") + 1]
+            if sid in self.jobs:
+                return ExecResult(1, "", f"RuntimeError: Request failed with status code 400: Job {sid} exists.\n")
+            if len(self.submitted) <= self.agent_busy:
+                if self.agent_took_it:
+                    self.jobs[sid] = "RUNNING"
+                return ExecResult(1, "", AGENT_BUSY)
             self.jobs[sid] = "RUNNING"
             return ExecResult(0, f"Job '{sid}' submitted successfully\n")
         if argv[:3] == ["ray", "job", "logs"]:
@@ -264,7 +281,10 @@ class FakeRay:
             return ExecResult(0, "step 10 loss 2.31\nstep 20 loss 1.87\n")
         if argv[:3] == ["ray", "job", "status"]:
             # As Ray's job CLI prints it: the status while pending or running, a sentence once the job has ended.
-            sid, status = argv[-1], self.jobs.get(argv[-1], "PENDING")
+            sid = argv[-1]
+            if sid not in self.jobs:
+                return ExecResult(1, "", f"RuntimeError: Request failed with status code 404: no job {sid}.\n")
+            status = self.jobs[sid]
             ended = {"SUCCEEDED": "succeeded", "FAILED": "failed", "STOPPED": "was stopped"}
             if status in ended:
                 return ExecResult(0, f"-----\nJob '{sid}' {ended[status]}\n-----\n")
@@ -683,6 +703,54 @@ def test_up_plan_shows_the_helm_commands_up_runs(world: World):
 # ------------------------------------------------------------------------------------------------------------------
 # submit
 # ------------------------------------------------------------------------------------------------------------------
+
+
+def test_submit_waits_for_the_job_agent_of_a_head_that_has_just_started(ready: World):
+    ready.ray.agent_busy = 2
+    start = ready.kube.time
+    result = ready.submit(hf_token=TOKEN)
+    assert result.exit_code == 0 and result.job_status == "SUCCEEDED"
+    # The same submission three times, five seconds apart, and one job.
+    ids = [argv[argv.index("--submission-id") + 1] for argv in ready.ray.submitted]
+    assert len(ids) == 3 and set(ids) == {result.submission_id} and list(ready.ray.jobs) == ids[:1]
+    assert ready.said().count("job agent in ray-train-head-0 is not ready yet; submitting again in 5 s") == 2
+    assert ready.kube.time - start >= 2 * sub.AGENT_RETRY_S
+
+
+def test_submit_does_not_submit_twice_a_job_the_busy_agent_took(ready: World):
+    ready.ray.agent_busy, ready.ray.agent_took_it = 1, True
+    result = ready.submit(hf_token=TOKEN)
+    assert result.exit_code == 0 and result.job_status == "SUCCEEDED"
+    assert len(ready.ray.submitted) == 1 and list(ready.ray.jobs) == [result.submission_id]
+    assert "not ready yet" not in ready.said()
+
+
+def test_submit_gives_up_when_the_job_agent_never_comes(ready: World):
+    ready.ray.agent_busy = 10**6
+    with pytest.raises(CommandError) as err:
+        ready.submit(hf_token=TOKEN)
+    assert "No available agent to submit job" in err.value.message
+    assert f"still not ready after {sub.AGENT_WAIT_S:.0f} s" in (err.value.hint or "")
+    tries = sub.AGENT_WAIT_S / sub.AGENT_RETRY_S  # one every 5 s for 3 minutes, then no more
+    assert tries <= len(ready.ray.submitted) <= tries + 2
+    assert not ready.ray.jobs
+
+
+def test_submit_does_not_retry_other_errors(ready: World):
+    ready.ray.jobs["x"] = "RUNNING"
+    real = ready.ray.__call__
+
+    def refuse(ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:
+        if argv[:3] == ["ray", "job", "submit"]:
+            ready.ray.submitted.append(argv)
+            return ExecResult(1, "", "RuntimeError: Request failed with status code 400: runtime_env is invalid\n")
+        return real(ns, pod, argv, stdin)
+
+    ready.kube.exec_handler = refuse
+    with pytest.raises(CommandError) as err:
+        ready.submit(hf_token=TOKEN)
+    assert "runtime_env is invalid" in err.value.message and len(ready.ray.submitted) == 1
+    assert "not ready" not in (err.value.hint or "")
 
 
 def test_submit_runs_the_job_from_the_head_pod_and_checks_efa(ready: World):

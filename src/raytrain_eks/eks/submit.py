@@ -192,18 +192,39 @@ def _upload_package(d: Deployment, head: Pod) -> str:
     return dest
 
 
-def submit_job(d: Deployment, head: Pod, code_dir: str) -> str:
-    """``ray job submit --no-wait`` in the head pod; returns the submission id."""
+# What Ray's dashboard answers (HTTP 500) when the head's job agent has not registered yet, or did not take the job
+# within the dashboard's own 10 s: a head that has just started, or a busy one. Ray asks the caller to try again.
+AGENT_NOT_READY = "No available agent to submit job"
+AGENT_WAIT_S = 180.0  # how long submit keeps trying while the agent is not ready
+AGENT_RETRY_S = 5.0
+
+
+def submit_job(d: Deployment, head: Pod, code_dir: str, *, agent_wait: float = AGENT_WAIT_S) -> str:
+    """``ray job submit --no-wait`` in the head pod; returns the submission id.
+
+    While the dashboard says its job agent is not ready, the same submission is tried again every
+    :data:`AGENT_RETRY_S` for up to ``agent_wait`` seconds; a try that reached the agent after all (its status is
+    known) is not submitted twice."""
     submission_id = time.strftime("raytrain-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
     argv = ray_job_submit_argv(code_dir, submission_id=submission_id, wait=False)
-    res = head_exec(d, head, argv)
-    if not res.ok:
-        raise CommandError(
-            argv[:4] + ["..."],
-            res.returncode,
-            res.stderr or res.stdout,
-            hint="Read the error above, fix it and submit again.",
-        )
+    start = d.clock()
+    while True:
+        res = head_exec(d, head, argv)
+        if res.ok:
+            break
+        not_ready = AGENT_NOT_READY in res.stderr + res.stdout
+        if not_ready and job_status(d, head, submission_id) != "UNKNOWN":
+            break  # the dashboard gave up waiting, but the agent took the job
+        if not not_ready or d.clock() - start >= agent_wait:
+            waited = f" (Ray's job agent was still not ready after {agent_wait:.0f} s)" if not_ready else ""
+            raise CommandError(
+                argv[:4] + ["..."],
+                res.returncode,
+                res.stderr or res.stdout,
+                hint=f"Read the error above{waited}, fix it and submit again.",
+            )
+        d.say(f"Ray's job agent in {head.name} is not ready yet; submitting again in {AGENT_RETRY_S:.0f} s")
+        d.sleep(AGENT_RETRY_S)
     d.say(f"Submitted job {submission_id} from inside {head.name} (the dashboard stays inside the cluster)")
     return submission_id
 
