@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain_eks.train.data import IGNORE_INDEX, MalformedRow, encode_row, pack, random_batch
+from raytrain_eks.train.data import IGNORE_INDEX, MalformedRow, encode_row, pack, pack_table, random_batch
 
 
 def trained_text(tok, ids, labels) -> str:
@@ -104,6 +104,31 @@ def test_pack_exact_fit_has_no_padding_and_rejects_ragged_rows():
     assert ids.tolist() == [[1, 2], [3, 4]] and labels.tolist() == ids.tolist()
     with pytest.raises(ValueError, match="differ in length"):
         pack([([1, 2], [1])], seq_len=2, pad_id=0)
+
+
+def test_pack_table_packs_a_sliced_chunked_table_as_pack_packs_its_rows():
+    import pyarrow as pa
+
+    rng = np.random.default_rng(7)
+    rows = [rng.integers(0, 50_000, int(n)).tolist() for n in rng.integers(0, 40, 60)]
+    labels = [[t if i % 3 else -100 for i, t in enumerate(r)] for r in rows]
+    tokens = pa.list_(pa.int32())
+    table = pa.Table.from_batches(
+        [
+            pa.record_batch({"input_ids": pa.array(rows[a:b], tokens), "labels": pa.array(labels[a:b], tokens)})
+            for a, b in [(0, 25), (25, 26), (26, 60)]
+        ]
+    )
+    part = table.slice(10, 41)  # across all three chunks, starting inside the first
+    assert part.column("input_ids").num_chunks == 3
+    got = pack_table(part, seq_len=16, pad_id=5)
+    want = pack(list(zip(rows[10:51], labels[10:51], strict=True)), seq_len=16, pad_id=5)
+    assert got[0].dtype == np.int64 and got[0].shape == want[0].shape and len(got[0]) > 10
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    assert pack_table(table.slice(0, 0), seq_len=16, pad_id=5)[0].shape == (0, 16)
+    ragged = pa.table({"input_ids": pa.array([[1, 2]], tokens), "labels": pa.array([[1]], tokens)})
+    with pytest.raises(ValueError, match="differ in length"):
+        pack_table(ragged, seq_len=2, pad_id=0)
 
 
 def test_random_batch_gives_the_same_global_batch_for_any_world_size():

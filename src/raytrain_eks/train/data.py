@@ -167,21 +167,44 @@ def pack(
 
     Returns ``(input_ids, labels)``, both ``int64`` arrays of shape ``[blocks, seq_len]``.
     """
-    ids: list[int] = []
-    labels: list[int] = []
+    ids: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
     for row_ids, row_labels in rows:
         if len(row_ids) != len(row_labels):
             raise ValueError("input_ids and labels of a row differ in length")
-        ids.extend(row_ids)
-        labels.extend(row_labels)
+        ids.append(np.asarray(row_ids, dtype=np.int64))
+        labels.append(np.asarray(row_labels, dtype=np.int64))
+    flat = (np.concatenate(ids), np.concatenate(labels)) if ids else (np.empty(0, np.int64), np.empty(0, np.int64))
+    return _cut(*flat, seq_len, pad_id)
+
+
+def _cut(ids: np.ndarray, labels: np.ndarray, seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """The concatenated tokens of :func:`pack` cut into ``seq_len`` blocks (``int64``), the tail padded and masked."""
     n_blocks = -(-len(ids) // seq_len)
     out_ids = np.full((n_blocks, seq_len), pad_id, dtype=np.int64)
     out_labels = np.full((n_blocks, seq_len), IGNORE_INDEX, dtype=np.int64)
-    flat_ids = out_ids.reshape(-1)
-    flat_labels = out_labels.reshape(-1)
-    flat_ids[: len(ids)] = ids
-    flat_labels[: len(labels)] = labels
+    out_ids.reshape(-1)[: len(ids)] = ids
+    out_labels.reshape(-1)[: len(labels)] = labels
     return out_ids, out_labels
+
+
+def pack_table(table: Any, seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`pack` of a pyarrow table's ``input_ids`` and ``labels`` list columns, from their values as they lie
+    (no Python int per token)."""
+    import pyarrow.compute as pc
+
+    ids, labels = table.column("input_ids"), table.column("labels")
+    if pc.any(pc.not_equal(pc.list_value_length(ids), pc.list_value_length(labels))).as_py():
+        raise ValueError("input_ids and labels of a row differ in length")
+    return _cut(_values(ids), _values(labels), seq_len, pad_id)
+
+
+def _values(column: Any) -> np.ndarray:
+    """All the values of a list column, rows one after another (sliced and chunked columns included)."""
+    import pyarrow.compute as pc
+
+    chunks = [pc.list_flatten(chunk).to_numpy(zero_copy_only=False) for chunk in column.chunks]
+    return np.concatenate(chunks) if chunks else np.empty(0, np.int64)
 
 
 def random_batch(
@@ -429,8 +452,9 @@ def _encode_batch(batch: Any, *, tokenizer_path: str, data_format: str, text_fie
     )
 
 
-def _pack_batch(batch: dict[str, Any], *, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
-    ids, labels = pack(zip(batch["input_ids"], batch["labels"], strict=True), seq_len, pad_id)
+def _pack_batch(batch: Any, *, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+    """Ray Data ``map_batches`` step: a group of rows (a pyarrow table) packed into ``seq_len`` blocks."""
+    ids, labels = pack_table(batch, seq_len, pad_id)
     return {"input_ids": ids, "labels": labels}
 
 
@@ -663,9 +687,7 @@ def _packed_in_driver(rows: Any, seq_len: int, pad_id: int) -> Any:
     blocks = []
     for start, end in zip(bounds, bounds[1:], strict=False):
         part = rows.slice(start, end - start)
-        ids, labels = pack(
-            zip(part.column("input_ids").to_pylist(), part.column("labels").to_pylist(), strict=True), seq_len, pad_id
-        )
+        ids, labels = pack_table(part, seq_len, pad_id)
         if len(ids):
             blocks.append(
                 pa.table({"input_ids": ArrowTensorArray.from_numpy(ids), "labels": ArrowTensorArray.from_numpy(labels)})
@@ -793,7 +815,9 @@ def _packed(rows: Any, count: int, seq_len: int, pad_id: int) -> Any:
     alone (not by how the blocks happen to be cut)."""
     return (
         rows.repartition(_pack_groups(count), shuffle=False)
-        .map_batches(_pack_batch, batch_size=None, fn_kwargs={"seq_len": seq_len, "pad_id": pad_id})
+        .map_batches(
+            _pack_batch, batch_size=None, batch_format="pyarrow", fn_kwargs={"seq_len": seq_len, "pad_id": pad_id}
+        )
         .materialize()
     )
 
