@@ -744,17 +744,12 @@ def prepare_dataset(
     except Exception as exc:  # Ray wraps reader errors; show the root cause, not Ray's traceback.
         raise DataError(f"{option} {data!r}: cannot be read: {_root_cause(exc)}") from None
 
-    reasons: Counter[str] = Counter()
-    tokens = trained = 0
-    counted = (
-        encoded.select(["reason", "tokens", "trained"]).to_pylist()
+    counted = ["reason", "tokens", "trained"]
+    reasons, tokens, trained = _tally(
+        [encoded.select(counted)]
         if in_driver
-        else encoded.select_columns(["reason", "tokens", "trained"]).iter_rows()
+        else encoded.select_columns(counted).iter_batches(batch_size=None, batch_format="pyarrow")
     )
-    for r in counted:
-        reasons[r["reason"]] += 1
-        tokens += r["tokens"]
-        trained += r["trained"]
     total = sum(reasons.values())
     malformed = {why: n for why, n in reasons.items() if why}
     usable = reasons.get("", 0)
@@ -808,6 +803,20 @@ def prepare_dataset(
         eval_dataset=eval_dataset,
         eval_rows=eval_rows,
     )
+
+
+def _tally(tables: Iterable[Any]) -> tuple[Counter[str], int, int]:
+    """Rows by reason (``""``: usable), tokens and trained tokens of encoded tables (counted column-wise)."""
+    import pyarrow.compute as pc
+
+    reasons: Counter[str] = Counter()
+    tokens = trained = 0
+    for table in tables:
+        for pair in pc.value_counts(table.column("reason")).to_pylist():
+            reasons[pair["values"]] += pair["counts"]
+        tokens += pc.sum(table.column("tokens")).as_py() or 0
+        trained += pc.sum(table.column("trained")).as_py() or 0
+    return reasons, tokens, trained
 
 
 def _packed(rows: Any, count: int, seq_len: int, pad_id: int) -> Any:
