@@ -14,7 +14,8 @@ process with its own embedded Ray (``--cpus`` CPUs), as ``raytrain-eks train`` d
 - **read/tokenize tasks**: the highest private memory of a worker while it ran a read or tokenize task (the
   worker's memory at that moment, so what earlier tasks left in its heap is included);
 - **driver**: the same two figures for the preparing process itself;
-- the rows, tokens and packed blocks, and the seconds it took.
+- the rows, tokens and packed blocks, and the seconds it took: in all, reading (read, tokenize, count) and
+  shuffling (keyed sort, pack, materialize).
 
 Data preparation is flat when the largest task does not grow with the file. Each size runs in its own process,
 so one size's peaks never carry into the next. The built-in tokenizer took in about 0.5 MB of text per second
@@ -144,6 +145,11 @@ def measure_one(path: Path, cpus: int, seq_len: int) -> dict[str, Any]:
     watcher = threading.Thread(target=poll, daemon=True)
     watcher.start()
     start = time.perf_counter()
+    stages: list[tuple[str, float]] = []  # what prepare_dataset says it does, and when it began
+
+    def stage(text: str) -> None:
+        stages.append((text.split(" ", 1)[0], time.perf_counter()))
+
     prepared = prepare_dataset(
         data=str(path),
         data_format="text",
@@ -152,8 +158,13 @@ def measure_one(path: Path, cpus: int, seq_len: int) -> dict[str, Any]:
         seq_len=seq_len,
         seed=0,
         min_blocks=1,
+        stage=stage,
     )
-    seconds = time.perf_counter() - start
+    end = time.perf_counter()
+    seconds = end - start
+    # "reading" (read, tokenize, count) and "shuffling" (keyed sort, pack, materialize), in seconds
+    ends = [t for _, t in stages[1:]] + [end]
+    stage_seconds = {name: after - began for (name, began), after in zip(stages, ends, strict=True)}
     done.set()
     watcher.join()
     ray.shutdown()
@@ -163,6 +174,7 @@ def measure_one(path: Path, cpus: int, seq_len: int) -> dict[str, Any]:
         "tokens": prepared.tokens,
         "blocks": prepared.blocks,
         "seconds": seconds,
+        "stage_seconds": stage_seconds,
         "largest_task_peak_private_mb": max(private.values()) if private else None,
         "largest_task": running.get(max(private, key=private.get)) if private else None,
         "largest_task_peak_rss_mb": max(hwm.values()) if hwm else None,
@@ -218,7 +230,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"private ({figures['largest_task']}), {figures['largest_task_peak_rss_mb']:5.0f} MB RSS; driver "
                 f"{figures['driver_peak_private_mb']:5.0f} MB private, {figures['driver_peak_rss_mb']:5.0f} MB RSS; "
                 f"{figures['rows']} rows, {figures['tokens']} tokens, {figures['blocks']} blocks, "
-                f"{figures['seconds']:.0f} s",
+                f"{figures['seconds']:.0f} s ("
+                + ", ".join(f"{name} {sec:.0f} s" for name, sec in figures["stage_seconds"].items())
+                + ")",
                 flush=True,
             )
     print(json.dumps({"bench": "data_prep", "cpus": args.cpus, "seq_len": args.seq_len, "results": results}))
