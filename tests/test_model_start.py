@@ -33,6 +33,7 @@ def _rank(rank: int, world: int, store: str, model_path: str, out: str) -> None:
         buffers = {k: b.clone() for k, b in model.named_buffers()}
         if rank == world - 1:
             torch.save({"state": state, "buffers": buffers}, out)
+        dist.barrier()  # both ranks leave the group together
     finally:
         dist.destroy_process_group()
 
@@ -61,3 +62,6 @@ def test_a_rank_that_read_nothing_gets_rank_0s_weights_and_buffers(tmp_path: Pat
 
 if __name__ == "__main__":  # one rank of the test above: RANK WORLD STORE MODEL OUT
     _rank(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as the torchrun entry does: no interpreter shutdown racing gloo's threads (SIGABRT at exit)
