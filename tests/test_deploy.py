@@ -737,7 +737,6 @@ def test_submit_gives_up_when_the_job_agent_never_comes(ready: World):
 
 
 def test_submit_does_not_retry_other_errors(ready: World):
-    ready.ray.jobs["x"] = "RUNNING"
     real = ready.ray.__call__
 
     def refuse(ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:

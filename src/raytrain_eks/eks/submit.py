@@ -199,11 +199,11 @@ AGENT_WAIT_S = 180.0  # how long submit keeps trying while the agent is not read
 AGENT_RETRY_S = 5.0
 
 
-def submit_job(d: Deployment, head: Pod, code_dir: str, *, agent_wait: float = AGENT_WAIT_S) -> str:
+def submit_job(d: Deployment, head: Pod, code_dir: str) -> str:
     """``ray job submit --no-wait`` in the head pod; returns the submission id.
 
     While the dashboard says its job agent is not ready, the same submission is tried again every
-    :data:`AGENT_RETRY_S` for up to ``agent_wait`` seconds; a try that reached the agent after all (its status is
+    :data:`AGENT_RETRY_S` for up to :data:`AGENT_WAIT_S`; a try that reached the agent after all (its status is
     known) is not submitted twice."""
     submission_id = time.strftime("raytrain-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
     argv = ray_job_submit_argv(code_dir, submission_id=submission_id, wait=False)
@@ -215,8 +215,8 @@ def submit_job(d: Deployment, head: Pod, code_dir: str, *, agent_wait: float = A
         not_ready = AGENT_NOT_READY in res.stderr + res.stdout
         if not_ready and job_status(d, head, submission_id) != "UNKNOWN":
             break  # the dashboard gave up waiting, but the agent took the job
-        if not not_ready or d.clock() - start >= agent_wait:
-            waited = f" (Ray's job agent was still not ready after {agent_wait:.0f} s)" if not_ready else ""
+        if not not_ready or d.clock() - start >= AGENT_WAIT_S:
+            waited = f" (Ray's job agent was still not ready after {AGENT_WAIT_S:.0f} s)" if not_ready else ""
             raise CommandError(
                 argv[:4] + ["..."],
                 res.returncode,
