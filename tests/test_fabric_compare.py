@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -493,3 +494,23 @@ def test_an_out_folder_holding_a_comparison_is_refused_before_the_cluster_is_tou
         assert why in str(result.exception) and "--out" in str(result.exception)
     assert (tmp_path / "cmp" / "comparison.json").read_text() == "{}"
     assert raycluster(eks) == before and len(eks.kube.deleted) == calls and len(eks.ray.submitted) == 1
+
+
+def test_comparisons_made_in_the_same_second_each_get_their_own_default_folder(eks: World, tmp_path, monkeypatch):
+    class SameSecond(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(2026, 12, 2, 3, 24, 57, tzinfo=UTC)
+
+    monkeypatch.setattr(deploy_commands, "datetime", SameSecond)
+    runs, stem = tmp_path / "runs", "compare-fabric-20261202-032457"
+    first = compare_on_eks("-y")
+    assert first.exit_code == 0, first.output
+    kept = (runs / stem / "comparison.json").stat()
+    second = compare_on_eks("-y")  # before: refused, the default folder already holding the first comparison
+    assert second.exit_code == 0, second.output
+    assert sorted(p.name for p in runs.iterdir()) == [stem, f"{stem}-2"]
+    assert f"report: {(runs / f'{stem}-2' / 'report.html').resolve()}" in second.stderr
+    assert json.loads((runs / f"{stem}-2" / "comparison.json").read_text())["speedup"] == pytest.approx(2.5)
+    now = (runs / stem / "comparison.json").stat()
+    assert (now.st_ino, now.st_mtime_ns) == (kept.st_ino, kept.st_mtime_ns), "the first comparison is not rewritten"

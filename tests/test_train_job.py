@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 
 import pytest
 
 from raytrain_eks import presets
 from raytrain_eks.config import load_config
 from raytrain_eks.errors import DataError, TrainingError, UserError
+from raytrain_eks.train import launch
 from raytrain_eks.train.launch import run_training
 
 pytestmark = pytest.mark.integration
@@ -151,6 +154,28 @@ def test_unusable_output_dir_is_one_clear_message(tmp_path, monkeypatch):
     cfg = config(tmp_path, monkeypatch, data="random", output_dir=str(tmp_path / "full"))
     with pytest.raises(UserError, match="already exists and is not empty"):
         run_training(cfg, runs_root=tmp_path, say=lambda _: None)
+
+
+class FrozenClock(datetime):
+    """Every ``now()`` in the same second, as when runs start together."""
+
+    @classmethod
+    def now(cls, tz=None):
+        return datetime(2026, 12, 2, 3, 24, 57, tzinfo=UTC)
+
+
+def test_runs_started_in_the_same_second_each_get_their_own_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "datetime", FrozenClock)
+    cfg = config(tmp_path, monkeypatch, data="random")
+    first = launch.new_run_dir(cfg, tmp_path / "runs")
+    (first / "metrics.jsonl").write_text("{}\n")
+    with ThreadPoolExecutor(8) as pool:  # several at once: each folder is claimed in one step
+        others = list(pool.map(lambda _: launch.new_run_dir(cfg, tmp_path / "runs"), range(8)))
+    names = sorted(p.name for p in [first, *others])
+    stem = "20261202-032457-tiny-qwen2"  # the time, then the model (builtin:tiny-qwen2)
+    assert first.name == stem and len(set(names)) == 9
+    assert set(names) == {stem, *(f"{stem}-{n}" for n in range(2, 10))}
+    assert (first / "metrics.jsonl").read_text() == "{}\n" and all(not any(p.iterdir()) for p in others)
 
 
 def test_required_fabric_not_met_stops_after_the_first_step(tmp_path, monkeypatch, ray_local):

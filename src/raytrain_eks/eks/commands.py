@@ -34,6 +34,7 @@ from rich.console import Console
 from raytrain_eks import presets
 from raytrain_eks.config import Config, load_config
 from raytrain_eks.eks import compare
+from raytrain_eks.folders import new_folder
 from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, JsonOpt, StateDirOpt, YesOpt
 
 if TYPE_CHECKING:
@@ -286,7 +287,7 @@ def compare_fabric(
         Path | None,
         typer.Option(
             help="Folder for the two runs' files and report.html overlaying them "
-            "(default: runs/compare-fabric-YYYYMMDD-HHMMSS)."
+            "(default: runs/compare-fabric-YYYYMMDD-HHMMSS, with -2, -3... when that one exists)."
         ),
     ] = None,
     json_output: JsonOpt = False,
@@ -316,7 +317,8 @@ def compare_fabric(
     if steps is not None:  # checked as any setting is (warmup_steps within the steps); only the two runs take it
         load_config(preset=presets.choose(preset), path=config, overrides={"training": {"steps": steps}})
     warmup_steps = cfg.fabric.compare_warmup_steps if warmup_steps is None else warmup_steps
-    out = out or Path("runs") / f"compare-fabric-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    # The default is a name not yet taken: a comparison is never written over, even one made in the same second.
+    out = out or new_folder(Path("runs"), f"compare-fabric-{datetime.now(UTC):%Y%m%d-%H%M%S}", create=False)
     compare.check_report_folder(out)  # before any run: a bad --out found after two runs would waste them
     # The token goes from this environment into a Secret through the API: never a file, argv or log line.
     with compare.eks_runner(

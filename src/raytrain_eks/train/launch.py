@@ -23,6 +23,7 @@ from typing import Any
 
 from raytrain_eks.config import BUILTIN_DATA, Config, check_sharding_for_nodes, check_storage_for_nodes
 from raytrain_eks.errors import TrainingError, UserError
+from raytrain_eks.folders import new_folder
 from raytrain_eks.ray_session import (
     LOCAL_CPU_WORKERS,
     LocalRayStart,
@@ -46,7 +47,8 @@ class RunResult:
 
 
 def new_run_dir(cfg: Config, root: Path = Path("runs")) -> Path:
-    """``runs/<UTC time>-<model name>``, created now; an explicit ``training.output_dir`` is used as given."""
+    """``runs/<UTC time>-<model name>`` (``-2``, ``-3``... when taken), created now; an explicit
+    ``training.output_dir`` is used as given."""
     if cfg.training.output_dir:
         path = Path(cfg.training.output_dir).expanduser()
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
@@ -58,7 +60,10 @@ def new_run_dir(cfg: Config, root: Path = Path("runs")) -> Path:
         slug = re.sub(r"[^A-Za-z0-9.-]+", "-", cfg.training.model_id.split("/")[-1].split(":")[-1]).strip("-")
         path = root / f"{datetime.now(UTC):%Y%m%d-%H%M%S}-{slug}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        if cfg.training.output_dir:
+            path.mkdir(parents=True, exist_ok=True)
+        else:  # a second run started in the same second gets its own folder (-2), never a share of this one
+            path = new_folder(root, path.name)
     except OSError as exc:  # a file where a parent folder should be, no permission
         raise UserError(
             f"cannot create the run folder {str(path)!r}: {exc.strerror or exc}",
