@@ -13,6 +13,7 @@ import secrets
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,22 @@ def cfg_for(tmp_path, monkeypatch):
         return load_config(environ=environ)
 
     return build
+
+
+@pytest.fixture
+def same_second(monkeypatch):
+    """``hold(module)``: that module's ``datetime.now()`` answers 2026-12-02 03:24:57 UTC every time, as when two
+    things start within one second."""
+
+    class SameSecond(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(2026, 12, 2, 3, 24, 57, tzinfo=UTC)
+
+    def hold(module: Any) -> None:
+        monkeypatch.setattr(module, "datetime", SameSecond)
+
+    return hold
 
 
 @pytest.fixture(scope="module")

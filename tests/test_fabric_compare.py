@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -496,13 +495,8 @@ def test_an_out_folder_holding_a_comparison_is_refused_before_the_cluster_is_tou
     assert raycluster(eks) == before and len(eks.kube.deleted) == calls and len(eks.ray.submitted) == 1
 
 
-def test_comparisons_made_in_the_same_second_each_get_their_own_default_folder(eks: World, tmp_path, monkeypatch):
-    class SameSecond(datetime):
-        @classmethod
-        def now(cls, tz=None):
-            return datetime(2026, 12, 2, 3, 24, 57, tzinfo=UTC)
-
-    monkeypatch.setattr(deploy_commands, "datetime", SameSecond)
+def test_comparisons_made_in_the_same_second_each_get_their_own_default_folder(eks: World, tmp_path, same_second):
+    same_second(deploy_commands)
     runs, stem = tmp_path / "runs", "compare-fabric-20261202-032457"
     first = compare_on_eks("-y")
     assert first.exit_code == 0, first.output

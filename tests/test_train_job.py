@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
 
 import pytest
 
@@ -156,16 +155,8 @@ def test_unusable_output_dir_is_one_clear_message(tmp_path, monkeypatch):
         run_training(cfg, runs_root=tmp_path, say=lambda _: None)
 
 
-class FrozenClock(datetime):
-    """Every ``now()`` in the same second, as when runs start together."""
-
-    @classmethod
-    def now(cls, tz=None):
-        return datetime(2026, 12, 2, 3, 24, 57, tzinfo=UTC)
-
-
-def test_runs_started_in_the_same_second_each_get_their_own_folder(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "datetime", FrozenClock)
+def test_runs_started_in_the_same_second_each_get_their_own_folder(tmp_path, monkeypatch, same_second):
+    same_second(launch)
     cfg = config(tmp_path, monkeypatch, data="random")
     first = launch.new_run_dir(cfg, tmp_path / "runs")
     (first / "metrics.jsonl").write_text("{}\n")

@@ -16,15 +16,16 @@ def new_folder(root: Path, stem: str, *, create: bool = True) -> Path:
     """``root/stem``, or ``root/stem-2``, ``-3``... when that is taken. With ``create`` the folder is made here, in
     one step that fails when another process made it first, so two processes never get the same one; without, it is
     the first name that does not exist yet (for a command that writes its folder only once it has something)."""
-    for n in range(1, 10_000):
-        path = root / (stem if n == 1 else f"{stem}-{n}")
+    path, n = root / stem, 1
+    while True:
         if not create:
             if not path.exists():
                 return path
-            continue
-        try:
-            path.mkdir(parents=True)
-        except FileExistsError:
-            continue
-        return path
-    raise FileExistsError(f"{root / stem} and 9,998 numbered folders beside it already exist")
+        else:
+            try:
+                path.mkdir(parents=True)
+                return path
+            except FileExistsError:
+                pass
+        n += 1
+        path = root / f"{stem}-{n}"
