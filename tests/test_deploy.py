@@ -25,11 +25,15 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import eksctl_source
+import fake_eksctl_stacks as cfn
 import jsonschema
 import pytest
 import typer
 import yaml
-from fake_kube import FakeKube, parse_quantity
+from charts import crds, eksctl_efa_daemon_set, rendered, values_path, vendored
+from fake_eksctl_auth import FakeIamServiceAccounts, kubeconfig
+from fake_kube import CLUSTER_SCOPED, FakeKube, parse_quantity
 from typer.testing import CliRunner
 
 from raytrain_eks.config import Config, load_config
@@ -50,12 +54,6 @@ SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, s
 ZONES = ["us-east-1a", "us-east-1b", "us-east-1c"]
 TOKEN = "hf_SECRETtoken1234567890"
 ALLOCATABLE = {"g6.12xlarge": {"cpu": "47", "memory": "185Gi"}, "m7i.xlarge": {"cpu": "3920m", "memory": "14Gi"}}
-CAPACITY_ERROR = (
-    "Error: waiting for CloudFormation stack: ResourceNotReady: failed waiting for successful resource state\n"
-    "Nodegroup gpu-efa failed to stabilize: [{{Code: AsgInstanceLaunchFailures, Message: Could not launch On-Demand "
-    "Instances. InsufficientInstanceCapacity - We currently do not have sufficient g6.12xlarge capacity in the "
-    "Availability Zone you requested ({az}).}}]"
-)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -68,7 +66,7 @@ class FakeTools:
 
     ``no_capacity``: zones where the GPU instances cannot launch. ``fail_once``: argv prefix (joined) -> stderr of
     one failure. ``crash_plugins``: releases whose DaemonSet pods never become ready. ``missing``: tools not
-    installed.
+    installed. ``iam``: eksctl's IAM service accounts (their roles in moto's IAM, see fake_eksctl_auth.py).
     """
 
     def __init__(self, kube: FakeKube) -> None:
@@ -81,6 +79,16 @@ class FakeTools:
         self.fail_once: dict[str, str] = {}
         self.crash_plugins: set[str] = set()
         self.missing: set[str] = set()
+        self.iam = FakeIamServiceAccounts(kube)
+        # eksctl: every command line is read as eksctl v0.230.0's own source reads it (eksctl_source.py), and one it
+        # would refuse gets its error. ``timeouts``: the runner's limit of each call. ``launch_minutes``: zone ->
+        # minutes until the GPU instances there are Ready (eksctl's --timeout, or the runner, may end first).
+        # ``cluster_fails``: the status a failed create leaves the cluster's stack in. ``kubeconfig_writes``: every
+        # file eksctl writes a kubeconfig into (the default one is recorded, never written: it is the user's own).
+        self.timeouts: list[float] = []
+        self.launch_minutes: dict[str, float] = {}
+        self.cluster_fails: str | None = None
+        self.kubeconfig_writes: list[Path] = []
 
     def require(self, name: str) -> str:
         if name in self.missing:
@@ -104,6 +112,7 @@ class FakeTools:
         assert timeout > 0
         self.require(argv[0])
         self.calls.append(list(argv))
+        self.timeouts.append(timeout)
         joined = " ".join(argv)
         for prefix, stderr in list(self.fail_once.items()):
             if joined.startswith(prefix):
@@ -123,29 +132,63 @@ class FakeTools:
 
     def _dispatch(self, argv: list[str]) -> tuple[int, str, str]:
         verb = tuple(argv[:3])
+        if argv[0] == "eksctl":
+            try:
+                eksctl_source.parse_argv(argv)
+            except eksctl_source.ArgvError as exc:  # cobra prints a flag's or a loader's error as "Error: ..."
+                return 1, "", f"Error: {exc}\n"
         if verb == ("eksctl", "get", "cluster"):
             if self.cluster is None:
-                return (
-                    1,
-                    "",
-                    f"Error: ResourceNotFoundException: No cluster found for name: {self._opt(argv, '--name')}.",
-                )
+                name = self._opt(argv, "--name")
+                return 1, "", cfn.no_cluster(name, wrap=f'unable to describe control plane "{name}"')
             return 0, json.dumps([{"Name": self.cluster["name"], "Status": "ACTIVE"}]), ""
         if verb == ("eksctl", "create", "cluster"):
             doc = yaml.safe_load(Path(self._opt(argv, "-f")).read_text())
             assert doc["managedNodeGroups"] == [], "the cluster is created without node groups"
+            name, region = doc["metadata"]["name"], doc["metadata"]["region"]
+            refused = cfn.create_cluster_stack(name, region)
+            if refused is not None:
+                return 1, *cfn.create_stack_refused(name, region, refused)
+            if self.cluster_fails is not None:
+                cfn.fail_cluster_stack(name, region, self.cluster_fails)
+                return 1, *cfn.create_cluster_failed(name, region, self.cluster_fails)
+            self._write_kubeconfig(argv, name, region)
             self.cluster = {"name": doc["metadata"]["name"], "azs": doc["availabilityZones"]}
+            # fixtures/eksctl/pkg/eks/tasks.go: with iam.withOIDC, the OIDC provider and then iam.serviceAccounts.
+            if not doc["iam"].get("withOIDC"):
+                self.iam.without_oidc.add(doc["metadata"]["name"])
+            for sa in doc["iam"].get("serviceAccounts", []) if doc["iam"].get("withOIDC") else []:
+                self.iam.make(doc["metadata"]["name"], doc["metadata"]["region"], sa)
             return 0, "", "[✔]  EKS cluster ready\n"
         if verb == ("eksctl", "utils", "write-kubeconfig"):
-            Path(self._opt(argv, "--kubeconfig")).write_text("apiVersion: v1\nkind: Config\n")
+            config = kubeconfig(self._opt(argv, "--cluster"), self._opt(argv, "--region"), self.missing)
+            Path(self._opt(argv, "--kubeconfig")).write_text(yaml.safe_dump(config))
             return 0, "", ""
-        if verb == ("eksctl", "get", "nodegroup"):
-            if self.cluster is None:
-                name = self._opt(argv, "--cluster")
+        if verb in (
+            ("eksctl", "create", "iamserviceaccount"),
+            ("eksctl", "update", "iamserviceaccount"),
+            ("eksctl", "utils", "associate-iam-oidc-provider"),
+        ):
+            path = self._opt(argv, "--config-file" if "--config-file" in argv else "-f")
+            doc = yaml.safe_load(Path(path).read_text())
+            name, region = doc["metadata"]["name"], doc["metadata"]["region"]
+            if self.cluster is None or self.cluster["name"] != name:
                 return 1, "", f"Error: ResourceNotFoundException: No cluster found for name: {name}."
+            if argv[1] == "update":
+                return self.iam.update(name, region, doc, approve="--approve" in argv)
+            if argv[1] == "utils":
+                return self.iam.associate_oidc(name, approve="--approve" in argv)
+            include = self._opt(argv, "--include").split(",") if "--include" in argv else []
+            override = "--override-existing-serviceaccounts" in argv
+            return self.iam.create(name, region, doc, approve="--approve" in argv, override=override, include=include)
+        if verb == ("eksctl", "get", "nodegroup"):
+            if self.cluster is None:  # pkg/ctl/get/nodegroup.go: NewProviderForExistingCluster
+                name = self._opt(argv, "--cluster")
+                return 1, "", cfn.no_cluster(name, wrap="unable to describe cluster control plane")
             return 0, json.dumps([{"Name": n, "Status": g["status"]} for n, g in self.nodegroups.items()]), ""
         if verb == ("eksctl", "create", "nodegroup"):
-            return self._create_nodegroup(yaml.safe_load(Path(self._opt(argv, "-f")).read_text()))
+            doc = yaml.safe_load(Path(self._opt(argv, "-f")).read_text())
+            return self._slow_launch(argv, doc) or self._create_nodegroup(doc)
         if verb == ("eksctl", "scale", "nodegroup"):
             name, nodes = self._opt(argv, "--name"), int(self._opt(argv, "--nodes"))
             self.kube.remove_nodes({"alpha.eksctl.io/nodegroup-name": name})
@@ -153,43 +196,93 @@ class FakeTools:
             return 0, "", ""
         if verb == ("eksctl", "delete", "nodegroup"):
             name = self._opt(argv, "--name")
+            cfn.delete_nodegroup_stack(self._opt(argv, "--cluster"), self._opt(argv, "--region"), name)
             self.nodegroups.pop(name, None)
             self.kube.remove_nodes({"alpha.eksctl.io/nodegroup-name": name})
             return 0, "", ""
         if verb == ("eksctl", "delete", "cluster"):
+            name, region = self._opt(argv, "--name"), self._opt(argv, "--region")
+            if self.cluster is None:
+                # pkg/ctl/delete/cluster.go: describing the missing cluster fails, and only --force goes on; then
+                # pkg/actions/cluster/cluster.go deletes the cluster's stack when there is one, else says it is not.
+                if "--force" not in argv:
+                    return 1, "", cfn.no_cluster(name, wrap="unable to describe cluster control plane")
+                if not cfn.delete_cluster_stack(name, region):
+                    return 1, "", f'Error: cluster "{name}" does not exist\n'
+                stack = cfn.cluster_stack(name)
+                return 0, f'[ℹ]  deleting EKS cluster "{name}"\n[ℹ]  will delete stack "{stack}"\n', ""
+            cfn.delete_cluster_stack(name, region)
             self.cluster, self.nodegroups, self.releases = None, {}, {}
             self.kube.remove_nodes({})
             return 0, "", ""
-        if argv[:2] == ["helm", "list"]:
-            ns, name = self._opt(argv, "--namespace"), self._opt(argv, "--filter").strip("^$")
-            rel = self.releases.get((ns, name))
-            return 0, json.dumps([{"name": name, "namespace": ns, **rel}] if rel else []), ""
+        if argv[0] == "helm":
+            assert Path(self._opt(argv, "--kubeconfig")).is_file(), "helm uses this folder's kubeconfig"
+        if argv[:3] == ["helm", "get", "metadata"]:
+            return self._helm_metadata(argv)
         if argv[:3] == ["helm", "upgrade", "--install"]:
             return self._helm_install(argv)
         if argv[:2] == ["helm", "uninstall"]:
-            ns, name = self._opt(argv, "--namespace"), argv[2]
-            self.releases.pop((ns, name), None)
-            self.kube.remove_daemon_set(ns, name)
-            return 0, f'release "{name}" uninstalled\n', ""
+            return self._helm_uninstall(argv)
         raise AssertionError(f"unexpected command: {shlex.join(argv)}")
+
+    def _write_kubeconfig(self, argv: list[str], cluster: str, region: str) -> None:
+        """What ``eksctl create cluster`` does with the kubeconfig (pkg/ctl/create/cluster.go, flags' defaults as
+        eksctl's source sets them): with --write-kubeconfig, the file of --kubeconfig (--auto-kubeconfig:
+        kubeconfig.AutoPath) gets the cluster, and becomes its current context with --set-kubeconfig-context."""
+        cmd, given = eksctl_source.parse_argv(argv)
+        if cmd.value(given, "write-kubeconfig") is not True:
+            return
+        path = cmd.value(given, "kubeconfig")
+        target = cfn.default_kubeconfig() if path == "kubeconfig.DefaultPath()" else Path(str(path))
+        if cmd.value(given, "auto-kubeconfig") is True:
+            target = cfn.auto_kubeconfig(cluster)
+        self.kubeconfig_writes.append(target)
+        if "kubeconfig" in given and cmd.value(given, "auto-kubeconfig") is not True:
+            target.write_text(yaml.safe_dump(kubeconfig(cluster, region, self.missing)))
+
+    def _slow_launch(self, argv: list[str], doc: dict[str, Any]) -> tuple[int, str, str] | None:
+        """The GPU instances of ``launch_minutes``' zone are not Ready before a wait ends: the runner's (it stops
+        eksctl: the CommandError runner.run raises) or eksctl's own --timeout, whose error eksctl logs
+        (pkg/eks/nodegroup_service.go DoAllNodegroupStackTasks; the wording is the SDK's CloudFormation waiter's,
+        which eksctl itself matches in pkg/actions/addon/addon.go). The node group stays CREATING either way."""
+        (group,) = doc["managedNodeGroups"]
+        az = (group.get("availabilityZones") or doc["availabilityZones"])[0]
+        minutes = self.launch_minutes.get(az) if group.get("efaEnabled") else None
+        if minutes is None:
+            return None
+        cmd, given = eksctl_source.parse_argv(argv)
+        waited = min(eksctl_source.wait_seconds(cmd, given), self.timeouts[-1])
+        if minutes * 60 <= waited:
+            return None
+        self.nodegroups[group["name"]] = {"status": "CREATING", "az": az}
+        if self.timeouts[-1] <= eksctl_source.wait_seconds(cmd, given):
+            raise CommandError(argv, None, "", timeout=self.timeouts[-1])
+        cluster, region = doc["metadata"]["name"], doc["metadata"]["region"]
+        out = (
+            f'[ℹ]  waiting for CloudFormation stack "eksctl-{cluster}-nodegroup-{group["name"]}"\n'
+            "[ℹ]  1 error(s) occurred and nodegroups haven't been created properly, you may wish to check "
+            f"CloudFormation console\n[ℹ]  to cleanup resources, run 'eksctl delete nodegroup --region={region} "
+            f"--cluster={cluster} --name=<name>' for each of the failed nodegroup\n"
+            "[✖]  exceeded max wait time for StackCreateComplete waiter\n"
+        )
+        return 1, out, f'Error: failed to create nodegroups for cluster "{cluster}"\n'
 
     def _create_nodegroup(self, doc: dict[str, Any]) -> tuple[int, str, str]:
         (group,) = doc["managedNodeGroups"]
         name = group["name"]
         az = (group.get("availabilityZones") or doc["availabilityZones"])[0]
         assert az in self.cluster["azs"], "a node group's zone must have a subnet of the cluster"
-        if group.get("efaEnabled") and az in self.no_capacity:
+        if group.get("efaEnabled") and az in self.no_capacity:  # eksctl's output and the stack's events
             self.nodegroups[name] = {"status": "CREATE_FAILED", "az": az}
-            return 1, "", CAPACITY_ERROR.format(az=az)
+            cluster, region = doc["metadata"]["name"], doc["metadata"]["region"]
+            return 1, *cfn.nodegroup_launch_failed(cluster, region, name, az, group["instanceType"])
         self.nodegroups[name] = {"status": "ACTIVE", "az": az, "group": group}
         self._add_nodes(name, group["desiredCapacity"])
-        if group.get("efaEnabled"):  # eksctl applies its own EFA plugin; `up` must remove it (infra-facts §1)
-            self.kube.add_daemon_set(
-                "kube-system",
-                "aws-efa-k8s-device-plugin-daemonset",
-                node_selector={"role": "gpu-worker"},
-                advertises={m.EFA_RESOURCE: "1"},
-            )
+        if group.get("efaEnabled"):
+            # eksctl applies its own EFA plugin, creating or replacing the DaemonSet of its embedded asset
+            # (fixtures/eksctl: pkg/eks/tasks.go, pkg/addons/device_plugin.go CreateOrReplace): `up` must remove it.
+            self.kube.put(eksctl_efa_daemon_set())
+            self.kube.tick()
         return 0, "", ""
 
     def _add_nodes(self, name: str, count: int) -> None:
@@ -202,34 +295,143 @@ class FakeTools:
                 "topology.kubernetes.io/zone": az,
                 "node.kubernetes.io/instance-type": group["instanceType"],
             }
-            self.kube.add_node(f"ip-{name}-{i}", labels=labels, allocatable=ALLOCATABLE[group["instanceType"]])
+            self.kube.add_node(
+                f"ip-{name}-{i}", labels=labels, allocatable=ALLOCATABLE[group["instanceType"]],
+                taints=group.get("taints", []),
+            )  # fmt: skip
+
+    # -- helm: answers as Helm 3.17.3 and 4.1.4 do (github.com/helm/helm at those tags; files named below). The
+    # objects a chart creates are its `helm template` output with the tool's values, fixtures/charts/rendered/
+    # (charts.py; test_charts.py renders them again with real Helm). `--wait` is not simulated: helm returns at once.
+
+    def _helm_metadata(self, argv: list[str]) -> tuple[int, str, str]:
+        """``helm get metadata NAME -o json``: cmd/helm/get_metadata.go and pkg/action/get_metadata.go (Metadata,
+        its JSON in the struct's order); a missing release: pkg/storage/driver/driver.go ErrReleaseNotFound."""
+        name, ns = argv[3], self._opt(argv, "--namespace")
+        assert self._opt(argv, "--output") == "json"
+        rel = self.releases.get((ns, name))
+        if rel is None:
+            return 1, "", "Error: release: not found\n"
+        meta = {
+            "name": name,
+            "chart": rel["chart"],
+            "version": rel["version"],
+            "appVersion": rel["appVersion"],
+            "namespace": ns,
+            "revision": rel["revision"],
+            "status": rel["status"],
+            "deployedAt": rel["deployedAt"],
+        }
+        return 0, json.dumps(meta, separators=(",", ":")) + "\n", ""
 
     def _helm_install(self, argv: list[str]) -> tuple[int, str, str]:
-        name, chart = argv[3], argv[4]
-        ns, version = self._opt(argv, "--namespace"), self._opt(argv, "--version")
-        assert Path(self._opt(argv, "--values")).is_file(), "the values file is written before helm runs"
-        assert Path(self._opt(argv, "--kubeconfig")).is_file(), "helm uses this folder's kubeconfig"
-        self.releases[(ns, name)] = {"status": "deployed", "chart": f"{chart}-{version}"}
-        labels = {"app.kubernetes.io/instance": name}
-        crash = name in self.crash_plugins
-        if name == "nvidia-device-plugin":
-            self.kube.add_daemon_set(
-                ns, name, labels=labels, node_selector={"nvidia.com/gpu.present": "true"},
-                advertises={m.GPU_RESOURCE: "4"}, crash=crash,
-            )  # fmt: skip
-        elif name == "aws-efa-k8s-device-plugin":
-            self.kube.add_daemon_set(
-                ns, name, labels=labels, node_selector={"role": "gpu-worker"}, advertises={m.EFA_RESOURCE: "1"},
-                crash=crash,
-            )  # fmt: skip
-        elif name == "kuberay-operator":
-            self.kube.add_pod(
-                ns, "kuberay-operator-7d9f", labels={"app.kubernetes.io/instance": name}, node="ip-system-0"
-            )
-            crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition"}
-            self.kube.apply({**crd, "metadata": {"name": "rayclusters.ray.io"}})
+        """``helm upgrade --install``: cmd/helm/upgrade.go runs an install when the release has no history, else an
+        upgrade; pkg/action/install.go creates the namespace (--create-namespace) and the chart's crds/, refuses
+        every object that exists without the release's ownership metadata (validate.go existingResourceConflict),
+        then creates the objects with that metadata (setMetadataVisitor); pkg/action/upgrade.go checks only the
+        objects new to the release, and creates any that are missing (pkg/kube/client.go Update)."""
+        name, chart_name = argv[3], argv[4]
+        ns, version, repo = self._opt(argv, "--namespace"), self._opt(argv, "--version"), self._opt(argv, "--repo")
+        values = Path(self._opt(argv, "--values"))
+        assert values.is_file(), "the values file is written before helm runs"
+        chart = vendored(chart_name, version)
+        if chart is None or chart.repo_url != repo:  # pkg/repo/chartrepo.go FindChartInAuthAndTLSAndPassRepoURL
+            return 1, "", f'Error: chart "{chart_name}" version "{version}" not found in {repo} repository\n'
+        assert values.read_text() == values_path(name).read_text(), f"{values_path(name)} was rendered with others"
+        objects = [self._helm_owned(o, name, ns) for o in rendered(name)]
+        old = self.releases.get((ns, name))
+        installing = old is None
+        new = objects if installing else [o for o in objects if _object_key(o) not in old["objects"]]
+        for obj in new:
+            found = self.kube.get(*_object_key(obj))
+            if found is not None and not _helm_owns(found, name, ns):
+                verb = "install" if installing else "update"
+                return 1, "", f"Error: Unable to continue with {verb}: {_not_importable(found, name, ns)}\n"
+        if installing:
+            if "--create-namespace" in argv and self.kube.get("v1", "Namespace", ns) is None:
+                self.kube.put(
+                    {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {"name": ns}}}
+                )
+            for crd in crds(chart):  # created as they are, and kept when the release goes
+                if self.kube.get(crd["apiVersion"], crd["kind"], crd["metadata"]["name"]) is None:
+                    self.kube.put(crd)
+        if name in self.crash_plugins:
+            self.kube.crashing |= {(ns, o["metadata"]["name"]) for o in objects if o["kind"] == "DaemonSet"}
+        for obj in objects:
+            self.kube.put(obj)
+        app_version = yaml.safe_load(chart.file("Chart.yaml")).get("appVersion", "")
+        revision = 1 if installing else old["revision"] + 1
+        self.releases[(ns, name)] = {
+            "status": "deployed", "chart": chart_name, "version": version, "appVersion": str(app_version),
+            "revision": revision, "deployedAt": f"2026-12-02T10:{int(self.kube.time) // 60 % 60:02d}:00Z",
+            "objects": [_object_key(o) for o in objects],
+        }  # fmt: skip
         self.kube.tick()
-        return 0, f'Release "{name}" has been upgraded. Happy Helming!\n', ""
+        # cmd/helm/upgrade.go, then its statusPrinter (cmd/helm/status.go) for the table output.
+        first = f'Release "{name}" does not exist. Installing it now.\n' if installing else (
+            f'Release "{name}" has been upgraded. Happy Helming!\n'
+        )  # fmt: skip
+        status = f"NAME: {name}\nNAMESPACE: {ns}\nSTATUS: deployed\nREVISION: {revision}\nTEST SUITE: None\n"
+        return 0, first + status, ""
+
+    def _helm_owned(self, obj: dict[str, Any], release: str, ns: str) -> dict[str, Any]:
+        """A rendered object as Helm creates it: in the release's namespace when the kind is namespaced, with
+        the label and annotations of pkg/action/validate.go setMetadataVisitor."""
+        meta = obj["metadata"]
+        if obj["kind"] not in CLUSTER_SCOPED:
+            meta.setdefault("namespace", ns)
+        meta["labels"] = {**meta.get("labels", {}), "app.kubernetes.io/managed-by": "Helm"}
+        meta["annotations"] = {
+            **meta.get("annotations", {}), "meta.helm.sh/release-name": release, "meta.helm.sh/release-namespace": ns
+        }  # fmt: skip
+        return obj
+
+    def _helm_uninstall(self, argv: list[str]) -> tuple[int, str, str]:
+        """``helm uninstall NAME``: cmd/helm/uninstall.go; pkg/action/uninstall.go deletes the release's objects
+        (not its CRDs), and answers a missing release with "uninstall: Release not loaded"."""
+        ns, name = self._opt(argv, "--namespace"), argv[2]
+        rel = self.releases.pop((ns, name), None)
+        if rel is None:
+            return 1, "", f"Error: uninstall: Release not loaded: {name}: release: not found\n"
+        for key in reversed(rel["objects"]):
+            self.kube.remove(*key)
+        self.kube.tick()
+        return 0, f'release "{name}" uninstalled\n', ""
+
+
+def _object_key(obj: dict[str, Any]) -> tuple[str, str, str, str | None]:
+    meta = obj["metadata"]
+    return obj["apiVersion"], obj["kind"], meta["name"], meta.get("namespace")
+
+
+def _helm_owns(obj: dict[str, Any], release: str, ns: str) -> bool:
+    meta = obj.get("metadata", {})
+    labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+    return (labels.get("app.kubernetes.io/managed-by"), annotations.get("meta.helm.sh/release-name")) == (
+        "Helm", release
+    ) and annotations.get("meta.helm.sh/release-namespace") == ns  # fmt: skip
+
+
+def _not_importable(obj: dict[str, Any], release: str, ns: str) -> str:
+    """Helm's refusal of an object it did not create for this release: pkg/action/validate.go
+    (existingResourceConflict, checkOwnership, requireValue, resourceString), v3.17.3."""
+    meta = obj.get("metadata", {})
+    labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+    wanted = [
+        ("label", labels, "app.kubernetes.io/managed-by", "Helm"),
+        ("annotation", annotations, "meta.helm.sh/release-name", release),
+        ("annotation", annotations, "meta.helm.sh/release-namespace", ns),
+    ]
+    errors = []
+    for what, found, key, value in wanted:
+        if key not in found:
+            errors.append(f'{what} validation error: missing key "{key}": must be set to "{value}"')
+        elif found[key] != value:
+            errors.append(f'{what} validation error: key "{key}" must equal "{value}": current value is "{found[key]}"')
+    where = f'{obj["kind"]} "{meta["name"]}" in namespace "{meta.get("namespace", "")}"'
+    return f"{where} exists and cannot be imported into the current release: invalid ownership metadata; " + "; ".join(
+        errors
+    )
 
 
 # The end of what `ray job submit` (Ray 2.60) prints when the dashboard found no job agent within its 10 s.
@@ -338,6 +540,7 @@ class World:
         self.tools = FakeTools(self.kube)
         self.ray = FakeRay(tmp)
         self.kube.exec_handler = self.ray
+        self.kube.ray_job_status = self.ray.jobs.get  # what a RayJob's dashboard tells the KubeRay fake
         self.lines: list[str] = []
         self.store = StateStore(tmp / ".raytrain-eks")
         self.d = Deployment(
@@ -454,9 +657,11 @@ def test_up_creates_cluster_node_groups_plugins_and_kuberay_in_order(world: Worl
         "aws-efa-k8s-device-plugin",
         "kuberay-operator",
     ]
-    # eksctl's own EFA plugin is gone: only the pinned charts advertise devices.
+    # eksctl's own EFA plugin is gone: only the pinned charts' DaemonSets (the NVIDIA chart's MPS daemon, for nodes
+    # labelled nvidia.com/mps.capable, among them) advertise devices.
     assert [ds.name for ds in world.kube.daemon_sets("kube-system")] == [
         "nvidia-device-plugin",
+        "nvidia-device-plugin-mps-control-daemon",
         "aws-efa-k8s-device-plugin",
     ]
     nodes = world.kube.nodes({"role": "gpu-worker"})
@@ -1296,8 +1501,9 @@ def test_quantities_and_events():
 
 
 def test_launch_failure_reason_is_the_line_that_says_why():
-    text = CAPACITY_ERROR.format(az="us-east-1a")
-    assert nodegroups.launch_failure(text).startswith("Nodegroup gpu-efa failed to stabilize")
+    reason = cfn.no_capacity_reason("gpu-efa", "us-east-1a", "g6.12xlarge")  # the node group stack's event
+    text = f"[✖]  waiter state transitioned to Failure\n{reason}"
+    assert nodegroups.launch_failure(text).startswith('Resource handler returned message: "[Issue(Code=AsgInstance')
     assert nodegroups.launch_failure("Error: AccessDenied") is None
 
 
@@ -1372,3 +1578,206 @@ def test_down_deletes_an_empty_bucket_it_created(ready: World):
     result = lifecycle.down(ready.d, confirm=lambda q: True)
     assert f"S3 bucket {bucket} (checkpoints and exports)" in result.deleted and not result.kept
     assert bucket not in [b["Name"] for b in boto3.client("s3", region_name="us-east-1").list_buckets()["Buckets"]]
+
+
+def test_efa_only_selected_after_a_two_node_job_fails_with_the_reason(ready: World):
+    # Real output (NVIDIA/nccl#1597): both hosts selected aws-ofi-nccl's efa provider, no connection line followed.
+    log = FIXTURES / "real" / "nccl1597_p5en_efa_selected.log"
+    ready.ray.worker_logs = [log, log]
+    result = ready.submit()
+    assert ready.d.cfg.derived.worker_nodes == 2
+    assert result.report is not None and (result.report.verdict, result.report.basis) == ("efa", "selected")
+    assert result.job_status == "SUCCEEDED" and result.efa_provider is True
+    assert result.exit_code == 1
+    assert "FAILED: NCCL's inter-node transport does not meet fabric.require = efa" in result.summary
+    assert "still do not prove that 'efa' carries the inter-node links of this 2-node job" in ready.said()
+
+
+def test_submit_tells_the_job_its_cluster_and_price_only_when_up_made_it(world: World, tmp_path: Path):
+    from raytrain_eks.eks.pricing import check_deployable, cost_per_hour, job_price
+    from raytrain_eks.fabric.deployment import DEPLOYMENT_RECORD
+
+    cfg = world.d.cfg
+    name, ns = m.config_map_name(cfg), cfg.ray.namespace
+    # From a folder where `up` did not run, the state does not say the cluster is this tool's: no record.
+    sub.apply_job_config(dataclasses.replace(world.d, state=StateStore(tmp_path / "elsewhere")), None)
+    assert list(world.kube.get("v1", "ConfigMap", name, ns)["data"]) == [m.CONFIG_FILE]
+
+    world.up()
+    world.submit()
+    data = world.kube.get("v1", "ConfigMap", name, ns)["data"]
+    hourly = cost_per_hour(cfg, *check_deployable(cfg))["total_usd"]
+    record = json.loads(data[DEPLOYMENT_RECORD])
+    assert (record["cluster"], record["gpu_node_type"]) == (cfg.cluster.name, "g6.12xlarge")
+    assert record["usd_per_hour"] == hourly
+    # What the head pod's volume shows of the ConfigMap (the kubelet's part), read as `train --config` reads it.
+    mounted = tmp_path / "mounted"
+    mounted.mkdir()
+    for key, text in data.items():
+        (mounted / key).write_text(text)
+    price, why_not = job_price(mounted / m.CONFIG_FILE)
+    assert price is not None and why_not is None
+    cost = price({"wall_s": 1800.0, "trained_tokens": 1_000_000})
+    assert cost["usd"] == pytest.approx(hourly / 2, abs=1e-4) and cost["cluster"] == cfg.cluster.name
+
+
+def test_rayjob_is_refused_while_the_rayclusters_pods_hold_the_gpus(ready: World):
+    assert ready.submit().exit_code == 0  # --mode raycluster: its RayCluster stays, its workers on both GPU nodes
+    applied = len(ready.kube.applied)
+    with pytest.raises(UserError) as info:
+        ready.submit(mode="rayjob")
+    assert info.value.message.startswith(
+        "RayCluster default/ray-train (of `submit --mode raycluster`) still holds the GPU nodes (2 of its 2 worker "
+        "pods placed): the RayJob's own RayCluster would wait for their GPUs"
+    )
+    delete = f"kubectl --kubeconfig {ready.d.kubeconfig} -n default delete raycluster ray-train"
+    assert f"`{delete}`" in (info.value.hint or "")
+    assert len(ready.kube.applied) == applied and not ready.kube.objects("RayJob"), "nothing was applied"
+    assert ready.kube.get("ray.io/v1", "RayCluster", "ray-train", "default"), "nothing was deleted"
+
+
+def test_rayjob_evidence_is_read_before_its_cluster_is_deleted(ready: World):
+    # Reading a long job's Ray session logs in a worker pod takes a while: 45 s per pod here. KubeRay deletes a
+    # finished RayJob's cluster ttlSecondsAfterFinished after the job's end, whatever submit is still reading.
+    def slow_logs(ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:
+        result = ready.ray(ns, pod, argv, stdin)
+        if argv[:3] == [m.IMAGE_PYTHON, "-c", sub._NCCL_LINES]:
+            ready.kube.sleep(45)
+        return result
+
+    ready.kube.exec_handler = slow_logs
+    result = ready.submit(mode="rayjob")
+    assert result.exit_code == 0, result.summary
+    assert result.report is not None and result.report.verdict == "efa"
+    assert result.efa_provider is True and result.versions == {"driver": "570.172.08", "cuda": "13.0"}
+    # Then submit deletes the cluster itself, before the GPU nodes go.
+    assert ("ray.io/v1", "RayCluster", "ray-train-raycluster", "default") in ready.kube.deleted
+    assert not ready.kube.pods("default", {"ray.io/cluster": "ray-train-raycluster"})
+    assert ready.kube.get("ray.io/v1", "RayJob", "ray-train", "default")["status"]["jobDeploymentStatus"] == "Complete"
+    said = ready.said()
+    assert said.index("Deleted RayCluster default/ray-train-raycluster") < said.index("scaling GPU node group")
+
+
+KUBERAY_CONTROLLER = Path(__file__).parent / "fixtures/kuberay/ray-operator/controllers/ray/rayjob_controller.go"
+
+
+def test_the_kuberay_fake_deletes_a_finished_rayjobs_cluster_after_its_ttl(cfg: Config):
+    # What the fake plays, as KubeRay v1.7.0's RayJob controller has it.
+    source = KUBERAY_CONTROLLER.read_text()
+    assert "RayJobDefaultRequeueDuration    = 3 * time.Second" in source
+    from fake_kube import KUBERAY_REQUEUE_S
+
+    assert KUBERAY_REQUEUE_S == 3.0
+    assert "newRayJob.Status.EndTime = &metav1.Time{Time: time.Now()}" in source  # when it turns Complete/Failed
+    shutdown = source[source.index("func (r *RayJobReconciler) handleShutdownAfterJobFinishes(") :]
+    shutdown = shutdown[: shutdown.index("\n}\n")]
+    assert "shutdownTime := rayJob.Status.EndTime.Add(time.Duration(ttlSeconds) * time.Second)" in shutdown
+    assert "r.deleteClusterResources(ctx, rayJob)" in shutdown
+
+    for shutdown_after in (True, False):
+        kube = FakeKube()
+        jobs: dict[str, str] = {}
+        kube.ray_job_status = jobs.get
+        doc = m.rayjob(cfg)
+        # KubeRay v1.7.0 refuses a TTL without shutdownAfterJobFinishes (ray-operator/controllers/ray/utils/
+        # validation.go, validateDeletionConfiguration): none then.
+        ttl = 100 if shutdown_after else 0
+        doc["spec"].update(shutdownAfterJobFinishes=shutdown_after, ttlSecondsAfterFinished=ttl)
+        kube.apply(doc)
+        kube.sleep(1)
+        status = kube.get("ray.io/v1", "RayJob", "ray-train", "default")["status"]
+        cluster = ("ray.io/v1", "RayCluster", status["rayClusterName"], "default")
+        assert kube.get(*cluster) and kube.pods("default", {"ray.io/cluster": cluster[2]})
+        jobs[status["jobId"]] = "RUNNING"
+        kube.sleep(30)
+        assert kube.get("ray.io/v1", "RayJob", "ray-train", "default")["status"]["jobDeploymentStatus"] == "Running"
+        jobs[status["jobId"]] = "SUCCEEDED"
+        kube.sleep(1)  # within one requeue: endTime is now
+        assert kube.get("ray.io/v1", "RayJob", "ray-train", "default")["status"]["jobDeploymentStatus"] == "Complete"
+        kube.sleep(98)
+        assert kube.get(*cluster), "before the TTL"
+        kube.sleep(2)
+        assert (kube.get(*cluster) is None) is shutdown_after
+        assert bool(kube.pods("default", {"ray.io/cluster": cluster[2]})) is not shutdown_after
+
+
+# -- the device plugins eksctl applies by itself, and Helm's ownership of the charts' objects ---------------------
+
+
+def _efa_daemon_set(w: World) -> dict[str, Any]:
+    found = w.kube.get("apps/v1", "DaemonSet", "aws-efa-k8s-device-plugin", "kube-system")
+    assert found is not None
+    return found
+
+
+def _owned_by_the_efa_release(obj: dict[str, Any]) -> bool:
+    meta = obj["metadata"]
+    annotations = meta.get("annotations", {})
+    return (
+        meta.get("labels", {}).get("app.kubernetes.io/managed-by") == "Helm"
+        and annotations.get("meta.helm.sh/release-name") == "aws-efa-k8s-device-plugin"
+        and annotations.get("meta.helm.sh/release-namespace") == "kube-system"
+    )
+
+
+def test_eksctls_efa_plugin_gives_way_to_the_charts_own(world: World):
+    # eksctl applies its EFA DaemonSet under the very name of the chart's: up deletes it, and Helm installs its own.
+    world.up()
+    assert "Removed eksctl's own DaemonSet kube-system/aws-efa-k8s-device-plugin" in world.said()
+    ds = _efa_daemon_set(world)
+    assert _owned_by_the_efa_release(ds)
+    assert ds["metadata"]["labels"]["helm.sh/chart"] == "aws-efa-k8s-device-plugin-v0.5.30"
+    gpus = world.kube.nodes({"role": "gpu-worker"})
+    pods = world.kube.pods("kube-system", {"name": "aws-efa-k8s-device-plugin"})
+    assert sorted(p.node_name for p in pods if p.ready) == sorted(n.name for n in gpus)
+    assert all(n.allocatable[m.EFA_RESOURCE] == "1" for n in gpus)
+    # Running up again keeps the chart's own DaemonSet and installs nothing again.
+    calls = len(world.tools.calls)
+    world.up()
+    assert _owned_by_the_efa_release(_efa_daemon_set(world))
+    assert not [c for c in world.tools.calls[calls:] if c[:2] == ["helm", "upgrade"]]
+
+
+def test_a_gpu_node_group_made_again_gets_the_efa_chart_installed_again(ready: World):
+    # The GPU group is made again (here after it degraded): eksctl applies its DaemonSet over the chart's, whose
+    # release Helm still calls deployed. up must see that the DaemonSet is no longer the release's and reinstall.
+    ready.tools.nodegroups["gpu-efa"]["status"] = "DEGRADED"
+    calls = len(ready.tools.calls)
+    ready.up()
+    again = ready.tools.calls[calls:]
+    assert [c[:2] for c in again if c[:3] == ["eksctl", "create", "nodegroup"]] == [["eksctl", "create"]]
+    assert [c[3] for c in again if c[:2] == ["helm", "upgrade"]] == ["aws-efa-k8s-device-plugin"]
+    said = ready.said()
+    assert "Removed eksctl's own DaemonSet kube-system/aws-efa-k8s-device-plugin" in said
+    assert "Helm release aws-efa-k8s-device-plugin is deployed but its DaemonSet kube-system/" in said
+    assert _owned_by_the_efa_release(_efa_daemon_set(ready))
+    assert all(n.allocatable[m.EFA_RESOURCE] == "1" for n in ready.kube.nodes({"role": "gpu-worker"}))
+    assert ready.tools.releases[("kube-system", "aws-efa-k8s-device-plugin")]["revision"] == 2
+
+
+def test_helm_refuses_to_install_the_efa_chart_over_eksctls_daemonset(ready: World):
+    # What real Helm answers when the chart's DaemonSet exists without the release's ownership metadata: the fake
+    # helm says it as Helm does (its refusal is what up must avoid).
+    (install,) = [c for c in ready.tools.commands("helm", "upgrade") if c[3] == "aws-efa-k8s-device-plugin"]
+    ready.tools(["helm", "uninstall", "aws-efa-k8s-device-plugin", "--namespace", "kube-system", "--kubeconfig",
+                 ready.d.kubeconfig], timeout=60)  # fmt: skip
+    ready.kube.put(eksctl_efa_daemon_set())
+    done = ready.tools(install, timeout=60, check=False)
+    assert done.returncode == 1 and done.stderr == (
+        'Error: Unable to continue with install: DaemonSet "aws-efa-k8s-device-plugin" in namespace "kube-system" '
+        "exists and cannot be imported into the current release: invalid ownership metadata; label validation error: "
+        'missing key "app.kubernetes.io/managed-by": must be set to "Helm"; annotation validation error: missing key '
+        '"meta.helm.sh/release-name": must be set to "aws-efa-k8s-device-plugin"; annotation validation error: '
+        'missing key "meta.helm.sh/release-namespace": must be set to "kube-system"\n'
+    )
+    assert not _owned_by_the_efa_release(_efa_daemon_set(ready))
+
+
+def test_release_lookups_are_helm_get_metadata_and_a_missing_release_is_none(ready: World):
+    # `helm list --all` is gone in Helm 4 ("Error: unknown flag: --all"); both majors have `helm get metadata`.
+    looked = [c for c in ready.tools.calls if c[0] == "helm" and c[1] not in ("upgrade", "uninstall")]
+    assert looked and all(c[:3] == ["helm", "get", "metadata"] for c in looked)
+    assert addons.release_info(ready.d, "kuberay-operator", "kuberay-system")["version"] == "1.7.0"
+    assert addons.release_info(ready.d, "no-such-release", "kube-system") is None
+    lifecycle.down(ready.d, confirm=lambda q: True)
+    assert not [c for c in ready.tools.calls if c[:2] == ["helm", "list"]]

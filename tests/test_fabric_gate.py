@@ -1,22 +1,91 @@
 """The in-job transport gate: what it does with each verdict and basis, and on one node versus several.
 
-``gate_decision`` is tested on reports of real analyses (fixture logs and small synthetic logs); ``check_transport``
-runs as the job runs it, as a collective on a one-process gloo group reading the file ``NCCL_DEBUG_FILE`` names.
+``gate_decision`` is tested on reports of real analyses (fixture logs, real Ray logs among them, and small synthetic
+logs); ``check_transport`` runs as the job runs it, as a collective on a one-process gloo group reading the file
+that NCCL, given the job's own ``nccl_env``, writes (NCCL's file handling reproduced by :func:`nccl_debug_init`).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import socket
+import tempfile
 from pathlib import Path
+from typing import TextIO
 
 import pytest
 import torch.distributed as dist
 
 from raytrain_eks.fabric import analyze, analyze_paths
-from raytrain_eks.train.fabric_gate import check_transport, gate_decision
+from raytrain_eks.train.fabric_gate import check_transport, gate_decision, nccl_env, own_nccl_lines
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
+REAL = FIXTURES / "real"
+DOTTED_HOST = "ip-10-0-1-5.ec2.internal"  # an EC2 host name: NCCL's %h is its part before the first '.'
+
+
+def nccl_debug_init(stdout: TextIO) -> TextIO:
+    """Where NCCL writes its debug lines once ``ncclDebugInit`` has read ``NCCL_DEBUG_FILE`` from the environment.
+
+    As NVIDIA/nccl src/debug.cc does it at v2.30.7-1 (commit 73cf112295c33aee2b895f329f592f2a9b4b0f97; the same in
+    v2.18.5-1 to v2.27.3-1 but for the '-' replacement):
+    - line 194 ``getHostNameForLog(hostname, 1024, '.')``: ``gethostname()`` cut at its first ``.``
+      (src/misc/utils.cc lines 73-82), with ``%`` and ``/`` made ``-`` (debug.cc lines 113-129);
+    - lines 206-235: ``%h`` becomes that host name, ``%p`` the pid, ``%%`` one ``%``; any other ``%x`` is echoed;
+    - line 237 ``fopen(debugFn, "w")``: no folder is created; when it fails, ``ncclDebugFile`` stays ``stdout``
+      (line 37) and nothing says so.
+    """
+    pattern = os.environ["NCCL_DEBUG_FILE"]
+    host = socket.gethostname().split(".")[0].replace("%", "-").replace("/", "-")
+    path, chars = "", iter(pattern)
+    for ch in chars:
+        if ch != "%":
+            path += ch
+            continue
+        nxt = next(chars, "")
+        path += {"%": "%", "h": host, "p": str(os.getpid())}.get(nxt, "%" + nxt)
+    try:
+        return open(path, "w")  # noqa: SIM115 - NCCL keeps its debug file open for the life of the process
+    except OSError:
+        return stdout
+
+
+@pytest.fixture
+def worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A worker as the job sets it up: its temporary directory (this test's own, standing in for the pod's /tmp),
+    a host name with dots, and the environment ``nccl_env`` gives it. Nothing else is created."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(socket, "gethostname", lambda: DOTTED_HOST)
+    for name, value in nccl_env("run-20260101-120000-4242").items():
+        monkeypatch.setenv(name, value)
+    return tmp_path
+
+
+def nccl_logs(lines: list[str]) -> str:
+    """Start "NCCL" in this process as the worker's NCCL would and log ``lines``; returns what went to stdout."""
+    stdout = io.StringIO()
+    log = nccl_debug_init(stdout)
+    for line in lines:
+        log.write(line + "\n")
+    if log is not stdout:
+        log.close()
+    return stdout.getvalue()
+
+
+def test_nccl_writes_its_lines_where_the_gate_reads_them(worker: Path):
+    lines = (FIXTURES / "single_node_nccl2.27.log").read_text().splitlines()
+    assert nccl_logs(lines) == "", "NCCL could not open the file NCCL_DEBUG_FILE names and logged to stdout"
+    assert own_nccl_lines() == [line for line in lines if "NCCL" in line]
+    (written,) = worker.iterdir()
+    assert written.name == f"raytrain-eks-nccl.run-20260101-120000-4242.ip-10-0-1-5.{os.getpid()}.log"
+
+
+def test_characters_nccl_would_expand_never_reach_its_pattern(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    pattern = nccl_env("100%/done %h")["NCCL_DEBUG_FILE"]
+    assert Path(pattern).parent == tmp_path
+    assert Path(pattern).name == "raytrain-eks-nccl.100--done--h.%h.%p.log"
 
 
 def two_hosts(*, channels: bool, net: str = "Libfabric", provider: str = "efa") -> list[str]:
@@ -70,19 +139,15 @@ def test_not_met_or_undecided_stops_at_the_first_look(lines, verdict):
 
 
 @pytest.fixture
-def one_process_group(tmp_path, monkeypatch):
-    log = tmp_path / "nccl" / "%h.%p.log"
-    monkeypatch.setenv("NCCL_DEBUG_FILE", str(log))
-    store = dist.FileStore(str(tmp_path / "store"), 1)
+def one_process_group(worker: Path, tmp_path_factory: pytest.TempPathFactory):
+    store = dist.FileStore(str(tmp_path_factory.mktemp("store") / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield Path(str(log).replace("%h", socket.gethostname()).replace("%p", str(os.getpid())))
+    yield worker
     dist.destroy_process_group()
 
 
 def test_check_transport_on_a_one_node_job_passes_single_node_lines(one_process_group):
-    own_log = one_process_group
-    own_log.parent.mkdir(parents=True)
-    own_log.write_text((FIXTURES / "single_node_nccl2.27.log").read_text())
+    assert nccl_logs((FIXTURES / "single_node_nccl2.27.log").read_text().splitlines()) == ""
     result, lines = check_transport("efa", rank=0, world_size=1, node="node-a")
     assert (result["verdict"], result["met"], result["action"], result["job_nodes"]) == (
         "single-node",
@@ -91,3 +156,24 @@ def test_check_transport_on_a_one_node_job_passes_single_node_lines(one_process_
         1,
     )
     assert lines and lines[0], "rank 0 gets every rank's lines"
+
+
+# -- real Ray logs: one worker's lines stand for the others ------------------------------------------------------
+
+
+def test_gate_stops_a_ray_train_job_whose_workers_fell_back_to_sockets():
+    # Rank 0 logged the two-node communicator; the workers' 'Using network Socket' came folded by Ray into one's.
+    report = analyze_paths([REAL / "ofi386_ray_train_socket_folded.log"])
+    d = gate_decision(report, "efa", job_nodes=2, last_look=False)
+    assert (d["verdict"], d["basis"], d["met"], d["action"]) == ("socket", "selected", False, "stop")
+    assert "'socket' (selected), not 'efa'" in d["note"]
+
+
+def test_gate_on_ib_selected_for_a_two_node_communicator_looks_again_then_stops():
+    report = analyze_paths([REAL / "llmk8s_ray_ib_selected_folded.log"])
+    first = gate_decision(report, "ib", job_nodes=2, last_look=False)
+    assert (first["verdict"], first["basis"], first["met"], first["action"]) == ("ib", "selected", None, "look-again")
+    last = gate_decision(report, "ib", job_nodes=2, last_look=True)
+    assert (last["met"], last["action"]) == (False, "stop") and "still do not prove" in last["note"]
+    assert gate_decision(report, "efa", job_nodes=2, last_look=False)["action"] == "stop"
+    assert gate_decision(report, "any", job_nodes=2, last_look=True)["met"] is True

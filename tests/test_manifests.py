@@ -5,8 +5,14 @@ and for other instance types. Fast and hermetic: no cluster, no network."""
 from __future__ import annotations
 
 import copy
+import http.server
 import json
+import re
 import shlex
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +23,7 @@ import yaml
 from schema_errors import schema_errors
 
 from raytrain_eks.config import Config, load_config
+from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
 
 SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md
@@ -277,3 +284,162 @@ def test_rayjob_entrypoint_is_a_quoted_argv(cfg_for):
 def test_rayjob_runtime_env_is_yaml(cfg_for):
     spec = m.rayjob(cfg_for(), runtime_env={"pip": ["a==1"], "env_vars": {"X": "1"}})["spec"]
     assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"pip": ["a==1"], "env_vars": {"X": "1"}}
+
+
+# --- the RayJob's submitter, against KubeRay's own source ------------------------------------------------------------
+
+KUBERAY = Path(__file__).parent / "fixtures" / "kuberay"  # KubeRay v1.7.0's files, see its SOURCE.md
+CONTROLLER = KUBERAY / "ray-operator" / "controllers" / "ray"
+
+
+def _go(rel: str) -> str:
+    path = KUBERAY / rel
+    assert path.exists(), f"{path} is missing: tests/fixtures/kuberay/ holds KubeRay's files (see its SOURCE.md)"
+    return path.read_text()
+
+
+def _go_const(text: str, name: str) -> str | int:
+    """A Go constant's value as written upstream: a string (quoted or raw) or an integer."""
+    match = re.search(rf"^\s*{name}\s*=\s*(\"[^\"\n]*\"|`[^`]*`|\d+)\s*$", text, re.MULTILINE)
+    assert match, f"constant {name} not found"
+    value = match.group(1)
+    return int(value) if value.isdigit() else value[1:-1]
+
+
+def _go_func(text: str, signature: str) -> str:
+    """The body of the Go function whose declaration starts with ``signature`` (up to the next top-level ``}``)."""
+    start = text.index(signature)
+    return text[start : text.index("\n}\n", start)]
+
+
+@pytest.fixture
+def rayjob_doc(cfg_for) -> dict[str, Any]:
+    cfg = cfg_for()
+    code_map, items = shipping.code_config_map(cfg, {"raytrain_eks/__init__.py": ""})
+    return shipping.rayjob_manifest(cfg, hf_token=True, code_map=code_map, items=items)
+
+
+def test_kuberays_default_submitter_needs_a_python_the_image_does_not_promise():
+    # KubeRay's own command for the submitter waits for the dashboard with BasePythonHealthCommand: `python -c`.
+    constants = _go("ray-operator/controllers/ray/utils/constant.go")
+    health = _go_const(constants, "BasePythonHealthCommand")
+    assert isinstance(health, str) and health.split()[:2] == ["python", "-c"]
+    build = _go_func(_go("ray-operator/controllers/ray/common/job.go"), "func BuildJobSubmitCommand(")
+    assert "utils.BasePythonHealthCommand" in build and '"until", rayDashboardGCSHealthCommand' in build
+    assert m.IMAGE_PYTHON == "python3" != health.split()[0], "the image promises python3 only"
+
+
+def test_kuberay_runs_the_submitter_command_the_rayjob_gives(rayjob_doc, rayjob_schema):
+    controller = _go("ray-operator/controllers/ray/rayjob_controller.go")
+    configure = _go_func(controller, "func configureSubmitterContainer(")
+    # In K8sJobMode a container with a command of its own keeps it; only an empty one gets the default.
+    assert "if len(container.Command) == 0 || submissionMode == rayv1.SidecarMode {" in configure
+    assert rayjob_doc["spec"]["submissionMode"] == "K8sJobMode"
+    # The whole submitterPodTemplate is taken when given, and its first container is the one configured.
+    template = _go_func(_go("ray-operator/controllers/ray/common/job.go"), "func GetSubmitterTemplate(")
+    assert "return *rayJobSpec.SubmitterPodTemplate.DeepCopy()" in template
+    constants = _go("ray-operator/controllers/ray/utils/constant.go")
+    assert "configureSubmitterContainer(&submitterTemplate.Spec.Containers[utils.RayContainerIndex]" in controller
+    assert _go_const(constants, "RayContainerIndex") == 0
+    (container,) = rayjob_doc["spec"]["submitterPodTemplate"]["spec"]["containers"]
+    assert container["name"] == _go_const(constants, "SubmitterContainerName") == shipping.SUBMITTER_CONTAINER
+    # What the submitter reads is what KubeRay gives it: the dashboard address and the RayJob's job id.
+    for env, field in ((shipping.SUBMITTER_ADDRESS_ENV, "DashboardURL"), (shipping.SUBMITTER_JOB_ID_ENV, "JobId")):
+        assert _go_const(constants, env) == env
+        assert f"{{Name: utils.{env}, Value: rayJobInstance.Status.{field}}}" in configure
+    assert _go_const(constants, "RayDashboardGCSHealthPath") == shipping.DASHBOARD_HEALTH_PATH
+    assert container["command"][:2] == [m.IMAGE_PYTHON, "-c"]
+    assert schema_errors(rayjob_schema, rayjob_doc) == []
+    _strict(_as_pod(rayjob_doc["spec"]["submitterPodTemplate"] | {"metadata": {}}, "submitter"))
+
+
+def test_every_rayjob_field_set_is_one_kuberay_reads(rayjob_doc):
+    types = _go("ray-operator/apis/ray/v1/rayjob_types.go")
+    spec_struct = types[types.index("type RayJobSpec struct {") :]
+    spec_struct = spec_struct[: spec_struct.index("\n}\n")]
+    fields = set(re.findall(r'`json:"([A-Za-z]+)[,"]', spec_struct))
+    assert {"submitterPodTemplate", "ttlSecondsAfterFinished", "shutdownAfterJobFinishes"} <= fields
+    assert set(rayjob_doc["spec"]) <= fields
+
+
+_FAKE_RAY = """\
+#!{python}
+# `ray job ...` as Ray's job CLI answers it: `status` of a job the dashboard does not know exits 1.
+import json, os, sys
+calls = os.environ["FAKE_RAY_CALLS"]
+with open(calls, "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\\n")
+if sys.argv[1:3] == ["job", "status"]:
+    sys.exit(0 if os.environ.get("FAKE_RAY_KNOWS_JOB") else 1)
+if sys.argv[1:3] == ["job", "logs"]:
+    print("step 1 loss 2.0")
+"""
+
+
+class _Healthy(http.server.BaseHTTPRequestHandler):
+    """The dashboard's GCS health check as Ray answers it when the GCS is up."""
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body = b"success" if self.path == f"/{shipping.DASHBOARD_HEALTH_PATH}" else b"not found"
+        self.send_response(200 if body == b"success" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def dashboard() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Healthy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"  # status.dashboardURL: host:port, no scheme
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def test_the_submitter_runs_ray_job_submit_as_kuberay_would(rayjob_doc, dashboard, tmp_path):
+    spec = rayjob_doc["spec"]
+    (container,) = spec["submitterPodTemplate"]["spec"]["containers"]
+    command = container["command"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ray").write_text(_FAKE_RAY.format(python=sys.executable))
+    (bin_dir / "ray").chmod(0o755)
+    calls = tmp_path / "calls.jsonl"
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "FAKE_RAY_CALLS": str(calls),
+        shipping.SUBMITTER_ADDRESS_ENV: dashboard,
+        shipping.SUBMITTER_JOB_ID_ENV: "ray-train-x7k2p",
+    }
+    # python3 in the image; this interpreter here.
+    run = subprocess.run([sys.executable, *command[1:]], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "step 1 loss 2.0" in run.stdout
+    address = f"http://{dashboard}"
+    status, submit, logs = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert status == ["job", "status", "--address", address, "ray-train-x7k2p"]
+    assert logs == ["job", "logs", "--address", address, "--follow", "ray-train-x7k2p"]
+    flags, entrypoint = submit[: submit.index("--")], submit[submit.index("--") + 1 :]
+    assert flags[:5] == ["job", "submit", "--address", address, "--no-wait"]
+    assert flags[flags.index("--submission-id") + 1] == "ray-train-x7k2p"
+    assert json.loads(flags[flags.index("--runtime-env-json") + 1]) == yaml.safe_load(spec["runtimeEnvYAML"])
+    assert entrypoint == shlex.split(spec["entrypoint"]) == m.train_argv()
+    # Only flags KubeRay's own command passes.
+    build = _go_func(_go("ray-operator/controllers/ray/common/job.go"), "func BuildJobSubmitCommand(")
+    assert {f for f in flags if f.startswith("--")} <= set(re.findall(r'"(--[a-z-]+)"', build))
+
+    # A submitter run again (its Job retried) finds the job known and only follows it, as KubeRay's does.
+    calls.unlink()
+    again = subprocess.run(
+        [sys.executable, *command[1:]], env={**env, "FAKE_RAY_KNOWS_JOB": "1"}, capture_output=True, timeout=60
+    )
+    assert again.returncode == 0
+    assert [json.loads(line)[:3] for line in calls.read_text().splitlines()] == [
+        ["job", "status", "--address"],
+        ["job", "logs", "--address"],
+    ]

@@ -166,3 +166,32 @@ def test_inconclusive_says_which_lines_are_missing_and_how_to_get_them():
     assert (report.verdict, report.basis) == ("inconclusive", "none")
     assert "Using network" in report.reason and "via NET/" in report.reason
     assert "NCCL_DEBUG_SUBSYS=INIT,NET" in report.render("efa")
+
+
+def test_what_other_processes_of_the_job_selected_decides_for_the_one_that_logged_the_nodes():
+    # Real Ray Train output: rank 0 logged 'nNodes 2' but no network of its own; the workers' fallback to sockets
+    # came as one worker's lines that Ray's driver printed for all of them ('repeated 15x across cluster').
+    report = analyze_paths([REAL / "ofi386_ray_train_socket_folded.log"])
+    assert (report.verdict, report.basis) == ("socket", "selected"), report.render()
+    assert "pid 954" in report.reason and "15 more worker(s)" in report.reason
+    assert "job's other processes" in report.reason
+
+
+def test_efa_selected_by_another_process_of_a_two_node_job_is_efa_selected():
+    lines = proc("node-a", 1, "comm 0x1 rank 0 nRanks 2 nNodes 2 localRanks 1 localRank 0 MNNVL 0")
+    lines += [
+        f"(RayTrainWorker pid=2, ip=10.0.0.2) node-b:2:2 [0] NCCL INFO {m} [repeated 1x across cluster]"
+        for m in ("NET/OFI Selected provider is efa, fabric is efa (found 4 nics)", "Using network Libfabric")
+    ]
+    report = analyze(lines)
+    assert (report.verdict, report.basis) == ("efa", "selected"), report.render()
+    assert analyze(lines[:1]).verdict == "inconclusive", "with no process's selection there is nothing to go on"
+
+
+def test_the_processes_that_logged_the_nodes_decide_when_they_selected():
+    lines = proc(
+        "node-a", 1, "Using network Libfabric", "NET/OFI Selected provider is efa, fabric is efa (found 4 nics)"
+    )
+    lines += proc("node-a", 1, "comm 0x1 rank 0 nRanks 2 nNodes 2 localRanks 1 localRank 0 MNNVL 0")
+    lines += proc("node-c", 3, "Using network Socket")  # a process not in that communicator
+    assert (analyze(lines).verdict, analyze(lines).basis) == ("efa", "selected")

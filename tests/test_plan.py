@@ -36,6 +36,7 @@ RAYCLUSTER_STEPS = [
     "preflight",
     "checkpoint-bucket",
     "create-cluster",
+    "iam-service-account",
     "remove-eksctl-device-plugins",
     "helm-nvidia-device-plugin",
     "helm-aws-efa-k8s-device-plugin",
@@ -197,14 +198,13 @@ def test_no_duplicate_device_plugin_daemonsets(cfg_for):
     # ... and the EFA one (no opt-out) is deleted before the pinned charts are installed.
     remove = steps["remove-eksctl-device-plugins"].command
     assert remove[:3] == ["kubectl", "delete", "daemonset"] and "--ignore-not-found" in remove
-    assert {eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET, eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET} <= set(remove)
+    assert remove[remove.index("--field-selector") + 1] == f"metadata.name={eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET}"
     assert names.index("remove-eksctl-device-plugins") < names.index("helm-nvidia-device-plugin")
     assert names.index("remove-eksctl-device-plugins") < names.index("helm-aws-efa-k8s-device-plugin")
-    # The charts' DaemonSets (named after their releases) are not the ones deleted.
-    assert not {r.name for r in plan.helm_releases} & {
-        eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET,
-        eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET,
-    }
+    # eksctl's EFA DaemonSet has the very name of the EFA chart's: only a copy without Helm's label is deleted.
+    (efa,) = [r for r in plan.helm_releases if r.chart == "aws-efa-k8s-device-plugin"]
+    assert efa.workload == ("DaemonSet", eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET)
+    assert remove[remove.index("--selector") + 1] == "app.kubernetes.io/managed-by!=Helm"
 
 
 # --- steps and cost -------------------------------------------------------------------------------------------------
@@ -333,6 +333,7 @@ def test_everything_plan_writes_validates(cfg_for, schemas, tmp_path, itype, gpu
     manifest = f"{mode}.yaml"
     expected = {
         "eksctl-cluster.yaml",
+        "eksctl-iamserviceaccount.yaml",
         "helm-releases.yaml",
         "helm/nvidia-device-plugin.values.yaml",
         "helm/aws-efa-k8s-device-plugin.values.yaml",

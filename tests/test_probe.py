@@ -15,6 +15,8 @@ from typer.testing import CliRunner
 
 from raytrain_eks import presets
 from raytrain_eks.config import load_config
+from raytrain_eks.eks.pricing import deployment_record
+from raytrain_eks.eks.state import StateStore
 from raytrain_eks.fabric import commands, probe
 from raytrain_eks.fabric.probe import (
     HEALTHY_RATIO,
@@ -35,6 +37,7 @@ from raytrain_eks.fabric.probe import (
     parse_size,
     summarize,
 )
+from raytrain_eks.instances import INSTANCE_TYPES
 
 MiB = 1 << 20
 
@@ -199,15 +202,30 @@ def test_judge_cannot_decide_on_one_node_or_without_a_line_rate():
         judge([], nodes=2, expected_gbps=40)
 
 
+def deployed(cfg, tmp_path) -> dict:
+    """The deployment record submit gives the job of a cluster that ``up`` recorded in its state."""
+    state = StateStore(tmp_path / ".raytrain-eks")
+    state.update(cluster=cfg.cluster.name, region=cfg.cluster.region)
+    record = deployment_record(cfg, state)
+    assert record is not None
+    return record
+
+
 @pytest.mark.parametrize(
     ("instance", "gbps"),
     [("g6.12xlarge", 40), ("g5.48xlarge", 100), ("g6.48xlarge", 100), ("p4d.24xlarge", 400), ("p5.48xlarge", 3200)],
 )
-def test_expected_line_rate_from_the_instance_type(instance, gbps):
-    cfg = load_config(
-        preset=presets.reference(), path=None, environ={}, overrides={"cluster": {"gpu_node_type": instance}}
-    )
-    assert expected_line_rate(cfg) == (gbps, f"{instance} network rate")
+def test_expected_line_rate_from_the_deployed_nodes_instance_type(instance, gbps, tmp_path):
+    gpus = INSTANCE_TYPES[instance].gpus
+    overrides = {"cluster": {"gpu_node_type": instance, "gpus_per_node": gpus}}
+    cfg = load_config(preset=presets.reference(), path=None, environ={}, overrides=overrides)
+    assert expected_line_rate(cfg, deployed=deployed(cfg, tmp_path)) == (gbps, f"{instance} network rate")
+
+
+def test_the_configured_instance_type_is_not_taken_for_the_nodes_of_an_unknown_cluster():
+    # A Ray cluster joined with --address: the configuration's (default) g6.12xlarge says nothing of its nodes.
+    cfg = load_config(preset=presets.reference(), path=None, environ={})
+    assert expected_line_rate(cfg) == (None, None)
 
 
 def test_expected_line_rate_flag_beats_config_beats_instance(tmp_path):
@@ -220,10 +238,10 @@ def test_expected_line_rate_flag_beats_config_beats_instance(tmp_path):
         expected_line_rate(cfg, 0)
 
 
-def test_expected_line_rate_of_an_unknown_instance_type_is_none():
+def test_expected_line_rate_of_an_unknown_instance_type_is_none(tmp_path):
     cfg = load_config(preset=presets.reference(), path=None, environ={})
-    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"gpu_node_type": "x9.huge"})})
-    assert expected_line_rate(cfg) == (None, None)
+    record = {**deployed(cfg, tmp_path), "gpu_node_type": "x9.huge"}
+    assert expected_line_rate(cfg, deployed=record) == (None, None)
 
 
 # -- the report ----------------------------------------------------------------------------------------------------
@@ -313,7 +331,7 @@ def fake_probe(monkeypatch):
     def run(cfg, spec, **kwargs):
         calls.append({"cfg": cfg, "spec": spec, **kwargs})
         gathered, measured = _gathered(0.001)
-        line_rate, source = expected_line_rate(cfg, kwargs["expected_gbps"])
+        line_rate, source = expected_line_rate(cfg, kwargs["expected_gbps"], kwargs["deployed"])
         return build_report(
             gathered,
             measured,
@@ -336,11 +354,12 @@ def test_command_passes_options_and_exits_by_verdict(cli, fake_probe, tmp_path, 
     assert call["spec"] == ProbeSpec(ops=("all_reduce", "all_gather"), min_bytes=MiB, max_bytes=2 * MiB, iters=3)
     assert call["address"] == "10.0.0.1:6379" and call["expected_gbps"] == 10
     assert call["cfg"].cluster.gpu_node_type == "g6.12xlarge", "--address defaults to the reference preset"
-    # 8.4 Gbit/s against the reference's g6.12xlarge line rate (40): degraded, exit 1.
+    # No deployment record: the joined cluster's nodes are not known, so no line rate is assumed from the preset's
+    # g6.12xlarge; the verdict is undecided (exit 2) and says how to give one.
     result = CliRunner().invoke(cli, [*args, "--json"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2 and fake_probe[-1]["deployed"] is None
     data = json.loads(result.output)
-    assert data["verdict"] == "degraded" and data["expected_source"] == "g6.12xlarge network rate"
+    assert data["verdict"] == "unknown" and data["expected_gbps"] is None and "--expected-gbps" in data["reason"]
 
 
 def test_command_reads_the_expectation_from_the_config(cli, fake_probe, tmp_path):

@@ -37,7 +37,8 @@ def s3_and_ray(moto_url):
         for name, value in env.items():
             mp.setenv(name, value)
         boto3.client("s3").create_bucket(Bucket=BUCKET)
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # address="local": a Ray of its own, never one already running on this machine.
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
         try:
             yield boto3.client("s3")
         finally:

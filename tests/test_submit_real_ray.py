@@ -36,7 +36,9 @@ from test_deploy import ZONES, FakeTools
 from raytrain_eks.config import Config, load_config
 from raytrain_eks.eks import lifecycle, nodegroups
 from raytrain_eks.eks import submit as sub
+from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
 from raytrain_eks.eks.state import Deployment, StateStore
+from raytrain_eks.fabric.nccl_lines import NCCL_LOG_PREFIX
 from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import ExecResult
@@ -256,13 +258,12 @@ def test_submit_runs_the_job_on_a_real_ray_and_reports_what_it_saw(
 
     # The places in the pods, moved to this test's own folders and its Ray.
     head_code = tmp_path / "head-code"
-    nccl_dir = tmp_path / "nccl"  # the transport gate's NCCL_DEBUG_FILE folder: empty on CPU (gloo)
-    nccl_dir.mkdir()
+    nccl_files = str(tmp_path / f"{NCCL_LOG_PREFIX}*.log")  # the transport gate's NCCL_DEBUG_FILE files: none on CPU
     monkeypatch.setattr(sub, "DASHBOARD", ray_head.dashboard)
     monkeypatch.setattr(shipping, "DASHBOARD", ray_head.dashboard)
     monkeypatch.setattr(shipping, "HEAD_CODE_ROOT", str(head_code))
     monkeypatch.setattr(sub, "RAY_SESSION_LOGS", str(ray_head.session_logs))
-    monkeypatch.setattr(sub, "POD_NCCL_LOGS", str(nccl_dir))
+    monkeypatch.setattr(sub, "POD_NCCL_LOGS", nccl_files)
     monkeypatch.setattr(m, "CONFIG_DIR", str(tmp_path / "etc"))
     monkeypatch.setattr(shipping, "image_missing_requirements", list)  # no network: this venv has every package
     # The copy the job gets says so when imported; the package installed here (editable) does not.
@@ -317,6 +318,12 @@ def test_submit_runs_the_job_on_a_real_ray_and_reports_what_it_saw(
     assert lines.count(f"Run folder: {run_dir.resolve()}") == 1, said[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == STEPS and summary["world_size"] == 1
+    # `up` recorded this cluster in the state, so submit put its deployment record beside the job's configuration and
+    # the run is priced at the cluster's hourly cost, as `up` quoted it.
+    hourly = cost_per_hour(cfg, *check_deployable(cfg))["total_usd"]
+    assert summary["cost"]["usd_per_hour"] == hourly and summary["cost"]["cluster"] == cfg.cluster.name
+    assert summary["cost"]["usd"] == pytest.approx(hourly * summary["wall_s"] / 3600, abs=1e-4)
+    assert f"cost: ${summary['cost']['usd']:.2f} at ${hourly:.2f}/h" in said
 
     # The job imported the shipped copy: Ray's py_modules copy of it, in this Ray's session, not the editable one.
     imported = [ln.split(MARKER, 1)[1].strip() for ln in lines if MARKER in ln]
@@ -332,7 +339,7 @@ def test_submit_runs_the_job_on_a_real_ray_and_reports_what_it_saw(
     # lines, so the verdict is inconclusive and the exit code says so instead of claiming a fabric.
     nccl_calls = [c for c in kube.exec_calls if c[2][:3] == [m.IMAGE_PYTHON, "-c", sub._NCCL_LINES]]
     assert [c[1] for c in nccl_calls] == ["ray-train-gpu-workers-worker-0", "ray-train-gpu-workers-worker-1"]
-    assert nccl_calls[0][2][3:] == [str(ray_head.session_logs), str(nccl_dir)]
+    assert nccl_calls[0][2][3:] == [str(ray_head.session_logs), nccl_files]
     assert (ray_head.session_logs / f"job-driver-{result.submission_id}.log").is_file()
     assert result.report is not None and result.report.verdict == "inconclusive"
     assert "no NCCL set-up lines found" in result.report.reason

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import functools
 import logging
 import os
 import shutil
@@ -130,21 +129,28 @@ def train(
     finally:
         if config is not None and config.parent.name.startswith(_RESUME_TMP):  # a copy of a storage folder's
             shutil.rmtree(config.parent, ignore_errors=True)
-    price = None
-    if address is not None:  # on a cluster this tool deploys: what the run cost while it ran
-        from raytrain_eks.eks.pricing import run_cost
+    price = unpriced = None
+    if address is not None:  # priced only on a cluster this tool deployed: submit tells the job so, beside its config
+        from raytrain_eks.eks.pricing import job_price
 
-        price = functools.partial(run_cost, cfg)
+        price, unpriced = job_price(config)
 
     with _Progress() as progress:
         result = run_training(
-            cfg, address=address, say=progress.say, progress=progress, verbose=verbose, resume=resume, price=price
+            cfg,
+            address=address,
+            say=progress.say,
+            progress=progress,
+            verbose=verbose,
+            resume=resume,
+            price=price,
+            unpriced=unpriced,
         )
     s = result.summary
-    if s.get("cost") is not None:
+    if "cost" in s:
         from raytrain_eks.report.html import cost_text
 
-        out.print(f"cost: {cost_text(s['cost'])}")
+        out.print(f"cost: {cost_text(s['cost'], s.get('cost_note'))}")
     mfu = "n/a on CPU" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"
     out.print(
         f"done: {s['steps']} steps, loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}, "

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from raytrain_eks.aws import services as svc
+from raytrain_eks.aws.eksctl import AVOIDED_ZONE_IDS
 from raytrain_eks.aws.session import Aws, AwsCredentialsError
 from raytrain_eks.config import Config
 from raytrain_eks.errors import ConfigError, UserError
@@ -632,9 +633,18 @@ def _check_type(cfg: Config, surveys: list[_Survey]) -> TypeInfo:
 def _check_gpu_az(cfg: Config, surveys: list[_Survey]) -> None:
     c = cfg.cluster
     home = next((s for s in surveys if s.region == c.region), None)
+    field_ = f"cluster.gpu_az = {c.gpu_az!r} (GPU_AZ)"
+    zone_id = home.zones.get(c.gpu_az) if c.gpu_az and home is not None else None
+    if home is not None and c.gpu_az in home.offered and zone_id in AVOIDED_ZONE_IDS.get(c.region, ()):
+        usable = [z for z in sorted(home.offered) if home.zones.get(z) not in AVOIDED_ZONE_IDS.get(c.region, ())]
+        raise ConfigError(
+            [
+                f"{field_}: it is zone {zone_id}, where EKS cannot create a cluster (eksctl never picks it either); "
+                f"zones of {c.region} that offer {c.gpu_node_type}: {', '.join(usable) or 'none'}"
+            ]
+        )
     if not c.gpu_az or home is None or c.gpu_az in home.offered:
         return
-    field_ = f"cluster.gpu_az = {c.gpu_az!r} (GPU_AZ)"
     if c.gpu_az not in home.zones:
         raise ConfigError([f"{field_}: not an availability zone of {c.region}; its zones: {', '.join(home.zones)}"])
     offered = ", ".join(sorted(home.offered)) or "none"

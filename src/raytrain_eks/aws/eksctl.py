@@ -23,10 +23,28 @@ from raytrain_eks.k8s.manifests import GPU_NODE_LABELS, GPU_TAINT, RAY_SERVICE_A
 SYSTEM_NODEGROUP = "system"
 CONFIG_FILE = "eksctl-cluster.yaml"
 
-# DaemonSets eksctl applies by itself (infra-facts §1). The pinned Helm charts replace them; two plugins
-# advertising the same resource on one node is what must never happen.
+# eksctl's own wait for its CloudFormation stacks (``--timeout``). Its default, ``DefaultWaitTimeout`` (eksctl
+# v0.230.0, pkg/apis/eksctl.io/v1alpha5/types.go), is 25 minutes: shorter than a cluster (15-20 minutes) plus
+# margin, and than a GPU node group whose instances are slow to come. These are given on every create, delete and
+# scale, and kept below the runner's own limits (raytrain_eks.eks.nodegroups), so eksctl's message is the one seen.
+CLUSTER_WAIT_MIN = 40
+NODEGROUP_WAIT_MIN = 35
+
+# Zone IDs eksctl leaves out when it picks a cluster's zones itself (``zoneIDsToAvoid``, eksctl v0.230.0,
+# pkg/az/az.go): EKS lacks the capacity for control planes there (UnsupportedAvailabilityZoneException). Zone names
+# map to IDs differently in each account, so zones are matched by ID (EC2 DescribeAvailabilityZones).
+AVOIDED_ZONE_IDS: dict[str, tuple[str, ...]] = {
+    "us-east-1": ("use1-az3",),
+    "us-west-1": ("usw1-az2",),
+    "ca-central-1": ("cac1-az3",),
+}
+
+# DaemonSets eksctl applies by itself in kube-system (infra-facts §1), named as in eksctl's
+# pkg/addons/assets/{nvidia,efa}-device-plugin.yaml (v0.230.0). The pinned Helm charts replace them; two plugins
+# advertising the same resource on one node is what must never happen. The EFA one has the very name of the EFA
+# chart's DaemonSet: it is told apart by Helm's ownership metadata (raytrain_eks.eks.addons).
 EKSCTL_NVIDIA_PLUGIN_DAEMONSET = "nvidia-device-plugin-daemonset"
-EKSCTL_EFA_PLUGIN_DAEMONSET = "aws-efa-k8s-device-plugin-daemonset"
+EKSCTL_EFA_PLUGIN_DAEMONSET = "aws-efa-k8s-device-plugin"
 
 
 @dataclass(frozen=True)
@@ -64,9 +82,10 @@ def cluster_tags(cfg: Config) -> dict[str, str]:
     return {"created-by": "raytrain-eks", "raytrain-eks/cluster": cfg.cluster.name}
 
 
-def cluster_config(cfg: Config, zones: Zones, bucket: str | None = None) -> dict[str, Any]:
+def cluster_config(cfg: Config, zones: Zones, bucket: str | None = None, kms_key: str | None = None) -> dict[str, Any]:
     """The whole ClusterConfig for ``eksctl create cluster -f`` (see :func:`create_cluster_argv`); with ``bucket``,
-    the Ray pods' service account gets an IAM role (IRSA) that may use that S3 bucket and nothing else."""
+    the Ray pods' service account gets an IAM role (IRSA) that may use that S3 bucket (and ``kms_key``, the ARN of
+    the KMS key that encrypts it, when it has one) and nothing else."""
     c = cfg.cluster
     tags = cluster_tags(cfg)
     system = {
@@ -101,13 +120,7 @@ def cluster_config(cfg: Config, zones: Zones, bucket: str | None = None) -> dict
     }
     iam: dict[str, Any] = {"withOIDC": True}
     if bucket:
-        iam["serviceAccounts"] = [
-            {
-                "metadata": {"name": RAY_SERVICE_ACCOUNT, "namespace": cfg.ray.namespace},
-                "attachPolicy": bucket_policy(bucket),
-                "tags": dict(tags),
-            }
-        ]
+        iam["serviceAccounts"] = [ray_service_account(cfg, bucket, kms_key)]
     if zones.reservation:
         # Launch into the existing reservation (its zone is gpu_az). eksctl then adds no placement group.
         gpu["capacityReservation"] = {"capacityReservationTarget": {"capacityReservationID": zones.reservation}}
@@ -126,12 +139,46 @@ def cluster_config(cfg: Config, zones: Zones, bucket: str | None = None) -> dict
     }
 
 
-def create_cluster_argv(config_path: str = CONFIG_FILE) -> list[str]:
+def ray_service_account(cfg: Config, bucket: str, kms_key: str | None = None) -> dict[str, Any]:
+    """The Ray pods' service account as an entry of ``iam.serviceAccounts``: eksctl gives it an IAM role whose
+    inline policy is :func:`bucket_policy`, and annotates it with the role's ARN."""
+    return {
+        "metadata": {"name": RAY_SERVICE_ACCOUNT, "namespace": cfg.ray.namespace},
+        "attachPolicy": bucket_policy(bucket, kms_key),
+        "tags": cluster_tags(cfg),
+    }
+
+
+def service_account_config(cfg: Config, bucket: str, kms_key: str | None = None) -> dict[str, Any]:
+    """The ClusterConfig for ``eksctl create iamserviceaccount -f`` (and ``update``): the cluster's name and region
+    and the Ray pods' service account, nothing else, so the command touches only that service account."""
+    c = cfg.cluster
+    return {
+        "apiVersion": "eksctl.io/v1alpha5",
+        "kind": "ClusterConfig",
+        "metadata": {"name": c.name, "region": c.region},
+        "iam": {"withOIDC": True, "serviceAccounts": [ray_service_account(cfg, bucket, kms_key)]},
+    }
+
+
+def wait_flag(minutes: int) -> list[str]:
+    """``--timeout`` in eksctl's (Go's) duration syntax: how long eksctl waits for its CloudFormation stacks."""
+    return ["--timeout", f"{minutes}m"]
+
+
+def create_cluster_argv(config_path: str = CONFIG_FILE, *, kubeconfig: str | None = None) -> list[str]:
     """``eksctl create cluster``; the NVIDIA flag stops eksctl's own static plugin (the Helm chart is used).
 
-    eksctl has no such switch for its EFA plugin: that DaemonSet is removed afterwards (a plan step).
+    eksctl has no such switch for its EFA plugin: that DaemonSet is removed afterwards (a plan step). eksctl writes
+    the new cluster's kubeconfig and makes it the current context (``--write-kubeconfig`` and
+    ``--set-kubeconfig-context`` default to true) in ``--kubeconfig``, by default ``$KUBECONFIG`` or
+    ``~/.kube/config``: ``up`` gives its own folder's file, so the user's is never touched; the plan's commands
+    use the default one, as ``kubectl`` and ``helm`` there do.
     """
-    return ["eksctl", "create", "cluster", "-f", config_path, "--install-nvidia-plugin=false"]
+    argv = ["eksctl", "create", "cluster", "-f", config_path, "--install-nvidia-plugin=false"]
+    if kubeconfig is not None:
+        argv += ["--kubeconfig", kubeconfig]
+    return argv + wait_flag(CLUSTER_WAIT_MIN)
 
 
 def scale_gpu_nodegroup_argv(cfg: Config, nodes: int) -> list[str]:
@@ -151,12 +198,21 @@ def scale_gpu_nodegroup_argv(cfg: Config, nodes: int) -> list[str]:
         str(nodes),
         "--nodes-min",
         str(min(nodes, c.gpu_node_count)),
+        *wait_flag(NODEGROUP_WAIT_MIN),
     ]
 
 
-def bucket_policy(bucket: str) -> dict[str, Any]:
-    """The IAM policy of the Ray pods' role: list, read, write and delete objects of this bucket, nothing else."""
+# What S3 asks KMS for on behalf of the Ray pods' role, for objects of a bucket encrypted with a KMS key: a data
+# key to write one (also for each part of a multipart upload), and its decryption to read one back.
+KMS_ACTIONS = ("kms:GenerateDataKey", "kms:Decrypt")
+
+
+def bucket_policy(bucket: str, kms_key: str | None = None) -> dict[str, Any]:
+    """The IAM policy of the Ray pods' role: list, read, write and delete objects of this bucket, nothing else; and,
+    for a bucket encrypted with a KMS key (SSE-KMS; ``kms_key`` is the key's ARN), make and read that key's data
+    keys, without which every write of a checkpoint is refused (AccessDenied)."""
     arn = f"arn:aws:s3:::{bucket}"
+    kms = [{"Effect": "Allow", "Action": list(KMS_ACTIONS), "Resource": [kms_key]}] if kms_key else []
     return {
         "Version": "2012-10-17",
         "Statement": [
@@ -172,5 +228,6 @@ def bucket_policy(bucket: str) -> dict[str, Any]:
                 ],
                 "Resource": [f"{arn}/*"],
             },
+            *kms,
         ],
     }

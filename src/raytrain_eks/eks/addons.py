@@ -3,11 +3,19 @@
 The NVIDIA and EFA device plugins and the KubeRay operator are pinned Helm releases. helm's exit status is not taken
 as proof: the plugins' DaemonSets must be Ready on every GPU node, and every GPU node must advertise
 ``nvidia.com/gpu`` and ``vpc.amazonaws.com/efa``; KubeRay's operator must run and its RayCluster CRD exist.
+
+Nor is a release's status taken as proof that its objects are there: eksctl applies its own EFA plugin DaemonSet,
+``aws-efa-k8s-device-plugin`` in kube-system, whenever it creates an EFA node group, under the very name the EFA
+chart gives its DaemonSet, and over the chart's copy when there is one. So eksctl's copy is deleted whenever it
+lacks Helm's ownership metadata for the release (Helm refuses to install over it), and a chart whose workload is
+missing or not its own is installed again even when Helm says the release is deployed. The helm commands work
+with Helm 3 (3.13 and later) and Helm 4 alike.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +23,7 @@ from typing import Any
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
 from raytrain_eks.eks.nodegroups import GPU_NODE_SELECTOR, QUICK_TIMEOUT_S
-from raytrain_eks.eks.runner import Completed
+from raytrain_eks.eks.runner import CommandError, Completed
 from raytrain_eks.eks.state import Deployment
 from raytrain_eks.errors import UserError
 from raytrain_eks.instances import InstanceType
@@ -30,6 +38,15 @@ DEVICE_PLUGIN_RELEASES = ("nvidia-device-plugin", "aws-efa-k8s-device-plugin")
 KUBERAY_RELEASE = "kuberay-operator"
 RAYCLUSTER_CRD = "rayclusters.ray.io"
 
+# The metadata by which Helm knows an object as a release's own, and refuses to take over one that lacks it
+# ("... exists and cannot be imported into the current release: invalid ownership metadata"): helm/helm
+# pkg/action/validate.go (checkOwnership), v3.17.3 and v4.1.4.
+HELM_MANAGED_BY = ("app.kubernetes.io/managed-by", "Helm")
+HELM_RELEASE_NAME = "meta.helm.sh/release-name"
+HELM_RELEASE_NAMESPACE = "meta.helm.sh/release-namespace"
+# What Helm 3 and 4 print when a release does not exist (pkg/storage/driver/driver.go, ErrReleaseNotFound).
+RELEASE_NOT_FOUND = "release: not found"
+
 
 @dataclass(frozen=True)
 class HelmRelease:
@@ -43,6 +60,9 @@ class HelmRelease:
     version: str
     values: dict[str, Any]
     purpose: str
+    # The chart's object that does the work, (kind, name) in ``namespace`` (apps/v1): what the checks look for, and
+    # what must carry the release's ownership metadata for the release to count as installed.
+    workload: tuple[str, str]
 
     @property
     def values_file(self) -> str:
@@ -94,6 +114,9 @@ def helm_releases(cfg: Config) -> list[HelmRelease]:
             # default toleration of the nvidia.com/gpu taint are what we need; nothing to override.
             values={},
             purpose="advertises nvidia.com/gpu on the GPU nodes",
+            # The chart also renders nvidia-device-plugin-mps-control-daemon, which runs only on nodes labelled
+            # nvidia.com/mps.capable=true: not on these, and not checked.
+            workload=("DaemonSet", "nvidia-device-plugin"),
         ),
         HelmRelease(
             name="aws-efa-k8s-device-plugin",
@@ -105,6 +128,8 @@ def helm_releases(cfg: Config) -> list[HelmRelease]:
             # The chart tolerates only CriticalAddonsOnly; without this it would never run on the tainted GPU nodes.
             values={"tolerations": [dict(m.GPU_TOLERATION)]},
             purpose="advertises vpc.amazonaws.com/efa on the GPU nodes",
+            # The same name as the DaemonSet eksctl applies by itself (remove_eksctl_device_plugins).
+            workload=("DaemonSet", "aws-efa-k8s-device-plugin"),
         ),
         HelmRelease(
             name="kuberay-operator",
@@ -115,6 +140,7 @@ def helm_releases(cfg: Config) -> list[HelmRelease]:
             version=a.kuberay_version,
             values={"nodeSelector": dict(m.SYSTEM_NODE_LABELS)},
             purpose="installs the RayCluster/RayJob CRDs and runs the operator on the system node",
+            workload=("Deployment", "kuberay-operator"),
         ),
     ]
 
@@ -148,17 +174,57 @@ def helm(d: Deployment, argv: list[str], **kwargs: Any) -> Completed:
     return d.run([*argv, "--kubeconfig", d.kubeconfig], **kwargs)
 
 
+def shown(d: Deployment, *argv: str) -> str:
+    """A helm or kubectl command for the user to run, on this folder's cluster (its kubeconfig named)."""
+    return shlex.join([argv[0], "--kubeconfig", d.kubeconfig, *argv[1:]])
+
+
+def release_info_argv(name: str, namespace: str) -> list[str]:
+    """``helm get metadata``: the one command of Helm 3 (3.13 and later) and Helm 4 alike whose JSON holds a release's
+    status and chart version. (``helm list --all`` is gone in Helm 4; ``helm status`` leaves the chart out.)"""
+    return ["helm", "get", "metadata", name, "--namespace", namespace, "--output", "json"]
+
+
 def release_info(d: Deployment, name: str, namespace: str) -> dict[str, Any] | None:
-    """``helm list`` entry of a release (``status``, ``chart`` = ``<chart>-<version>``), or ``None``."""
-    done = helm(
-        d,
-        ["helm", "list", "--all", "--namespace", namespace, "--filter", f"^{name}$", "--output", "json"],
-        timeout=QUICK_TIMEOUT_S,
+    """The release's metadata (``status``, ``chart``, ``version`` = the chart's version, ``revision``), or ``None``
+    when there is no such release. Only Helm's "release: not found" means that; any other failure (the cluster
+    unreachable, a refused token) raises :class:`~raytrain_eks.eks.runner.CommandError`."""
+    done = helm(d, release_info_argv(name, namespace), timeout=QUICK_TIMEOUT_S, check=False)
+    if done.returncode != 0:
+        if RELEASE_NOT_FOUND in done.stderr:
+            return None
+        hint = "Fix the problem above, then run the same command again."
+        # A Helm before 3.13 has no `helm get metadata`: its `helm get` then refuses the flags ("Error: unknown flag:
+        # --output", as Helm 3.17 answers `helm get` of a subcommand it does not have).
+        if "unknown flag" in done.stderr or "unknown command" in done.stderr:
+            hint = "Install Helm 3.13 or later, or Helm 4 (`helm version` shows yours), then run the command again."
+        raise CommandError(done.argv, done.returncode, done.stderr, hint=hint)
+    try:
+        info = json.loads(done.stdout)
+    except ValueError:
+        info = None
+    if not isinstance(info, dict) or not isinstance(info.get("status"), str):
+        raise CommandError(
+            done.argv, 0, f"printed no release metadata as JSON: {done.stdout[:200]!r}", hint="Check helm's version."
+        )
+    return info
+
+
+def owned_by(obj: dict[str, Any] | None, rel: HelmRelease) -> bool:
+    """Whether ``obj`` carries the ownership metadata Helm looks for before it takes an object into ``rel``."""
+    meta = (obj or {}).get("metadata") or {}
+    labels, annotations = meta.get("labels") or {}, meta.get("annotations") or {}
+    key, value = HELM_MANAGED_BY
+    return (
+        labels.get(key) == value
+        and annotations.get(HELM_RELEASE_NAME) == rel.name
+        and annotations.get(HELM_RELEASE_NAMESPACE) == rel.namespace
     )
-    for entry in json.loads(done.stdout or "[]") or []:
-        if entry.get("name") == name:
-            return dict(entry)
-    return None
+
+
+def workload_of(d: Deployment, rel: HelmRelease) -> dict[str, Any] | None:
+    kind, name = rel.workload
+    return d.kube.get("apps/v1", kind, name, rel.namespace)
 
 
 def install_argv(rel: HelmRelease, values: str, kubeconfig: str) -> list[str]:
@@ -169,24 +235,47 @@ def install_argv(rel: HelmRelease, values: str, kubeconfig: str) -> list[str]:
 
 
 def ensure_release(d: Deployment, rel: HelmRelease) -> None:
-    """Install or upgrade one pinned chart, unless that exact chart version is already deployed."""
+    """Install or upgrade one pinned chart, unless that exact chart version is deployed and its workload (a
+    DaemonSet or Deployment) is there as the release's own: eksctl replaces the EFA chart's DaemonSet with its own
+    whenever it creates an EFA node group, and the release's status does not show that."""
     info = release_info(d, rel.name, rel.namespace)
-    if info and info.get("status") == "deployed" and info.get("chart") == f"{rel.chart}-{rel.version}":
-        d.say(f"Helm release {rel.name} ({rel.chart} {rel.version}) is installed")
-        return
+    if info and info.get("status") == "deployed" and info.get("version") == rel.version:
+        kind, name = rel.workload
+        workload = workload_of(d, rel)
+        if owned_by(workload, rel):
+            d.say(f"Helm release {rel.name} ({rel.chart} {rel.version}) is installed")
+            return
+        d.say(
+            f"Helm release {rel.name} is deployed but its {kind} {rel.namespace}/{name} is "
+            + ("missing" if workload is None else "not the release's own")
+            + " (eksctl applies its own when it creates a node group); installing the chart again"
+        )
     values = d.state.write_file(rel.values_file, to_yaml([rel.values]))
     d.state.record(helm_item(rel))
     d.say(f"Installing {rel.repo_name}/{rel.chart} {rel.version} ({rel.purpose})")
     d.run(
         install_argv(rel, str(values), d.kubeconfig),
         timeout=HELM_TIMEOUT_S,
-        hint=f"Run `raytrain-eks up` again; `helm status {rel.name} -n {rel.namespace}` shows the release.",
+        hint=f"Run `raytrain-eks up` again; `{shown(d, 'helm', 'status', rel.name, '-n', rel.namespace)}` shows the "
+        "release.",
     )
 
 
 def remove_eksctl_device_plugins(d: Deployment) -> None:
-    """Delete the plugin DaemonSets eksctl applies by itself: only the pinned charts may advertise GPUs and EFA."""
+    """Delete the plugin DaemonSets eksctl applies by itself: only the pinned charts may advertise GPUs and EFA.
+
+    eksctl's EFA DaemonSet has the name of the EFA chart's own, so a DaemonSet of that name is deleted only while
+    it lacks the release's Helm ownership metadata: that is eksctl's copy (just applied, or applied over the
+    chart's when a node group was created again), and Helm would refuse to install the chart over it.
+    """
+    owners = {rel.workload: rel for rel in helm_releases(d.cfg) if rel.namespace == "kube-system"}
     for name in (eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET, eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET):
+        found = d.kube.get("apps/v1", "DaemonSet", name, "kube-system")
+        if found is None:
+            continue
+        owner = owners.get(("DaemonSet", name))
+        if owner is not None and owned_by(found, owner):
+            continue
         if d.kube.delete("apps/v1", "DaemonSet", name, "kube-system"):
             d.say(f"Removed eksctl's own DaemonSet kube-system/{name} (the pinned chart replaces it)")
 
@@ -217,11 +306,13 @@ def gpu_node_problems(d: Deployment, gpu: InstanceType, zone: str | None) -> tup
         )
     for node in nodes:
         if not node.ready:
-            problems.append(f"node {node.name} is not Ready; `kubectl describe node {node.name}` says why")
+            problems.append(
+                f"node {node.name} is not Ready; `{shown(d, 'kubectl', 'describe', 'node', node.name)}` says why"
+            )
         if node.labels.get("nvidia.com/gpu.present") != "true":
             problems.append(
                 f"node {node.name} lacks the label nvidia.com/gpu.present=true, so the NVIDIA device plugin does not "
-                f"run there; fix: `kubectl label node {node.name} nvidia.com/gpu.present=true`"
+                f"run there; fix: `{shown(d, 'kubectl', 'label', 'node', node.name, 'nvidia.com/gpu.present=true')}`"
             )
         if zone and node.zone and node.zone != zone:
             problems.append(f"node {node.name} is in {node.zone}, not {zone}: EFA traffic cannot cross zones")
@@ -243,22 +334,26 @@ def gpu_node_problems(d: Deployment, gpu: InstanceType, zone: str | None) -> tup
 
 
 def _plugin_problems(d: Deployment, nodes: list[Node]) -> list[str]:
+    """The device-plugin DaemonSet of each plugin release (found by the release's label, as the chart sets it)
+    without a Ready pod on some GPU node."""
     problems = []
-    for release in DEVICE_PLUGIN_RELEASES:
-        sets = d.kube.daemon_sets("kube-system", {"app.kubernetes.io/instance": release})
-        if not sets:
-            problems.append(f"no DaemonSet of Helm release {release} in kube-system (fix: `raytrain-eks up`)")
+    plugins = [rel for rel in helm_releases(d.cfg) if rel.name in DEVICE_PLUGIN_RELEASES]
+    for rel in plugins:
+        name = rel.workload[1]
+        sets = d.kube.daemon_sets(rel.namespace, {"app.kubernetes.io/instance": rel.name})
+        ds = next((s for s in sets if s.name == name), None)
+        if ds is None:
+            problems.append(f"no DaemonSet {rel.namespace}/{name} of Helm release {rel.name} (fix: `raytrain-eks up`)")
             continue
-        for ds in sets:
-            pods = d.kube.pods("kube-system", ds.pod_selector)
-            for node in nodes:
-                on_node = [p for p in pods if p.node_name == node.name]
-                if not any(p.ready for p in on_node):
-                    state = ", ".join(f"{p.name} {p.waiting_reason or p.phase}" for p in on_node) or "no pod"
-                    problems.append(
-                        f"DaemonSet kube-system/{ds.name} has no Ready pod on node {node.name} ({state}); "
-                        f"`kubectl -n kube-system describe daemonset {ds.name}` says why"
-                    )
+        pods = d.kube.pods(rel.namespace, ds.pod_selector)
+        for node in nodes:
+            on_node = [p for p in pods if p.node_name == node.name]
+            if not any(p.ready for p in on_node):
+                state = ", ".join(f"{p.name} {p.waiting_reason or p.phase}" for p in on_node) or "no pod"
+                problems.append(
+                    f"DaemonSet {rel.namespace}/{ds.name} has no Ready pod on node {node.name} ({state}); "
+                    f"`{shown(d, 'kubectl', '-n', rel.namespace, 'describe', 'daemonset', ds.name)}` says why"
+                )
     return problems
 
 
@@ -305,7 +400,8 @@ def wait_kuberay(d: Deployment, timeout: float = GPU_READY_TIMEOUT_S) -> None:
         timeout=timeout,
         on_timeout=lambda last, waited: UserError(
             f"the KubeRay operator is not Ready after {timeout:.0f} s ({last})",
-            hint="`kubectl -n kuberay-system describe pods` says why; then run `raytrain-eks up` again.",
+            hint=f"`{shown(d, 'kubectl', '-n', 'kuberay-system', 'describe', 'pods')}` says why; then run "
+            "`raytrain-eks up` again.",
         ),
     )
     d.say("KubeRay operator is Ready")

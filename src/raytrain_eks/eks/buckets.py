@@ -3,8 +3,9 @@
 ``up`` creates it before the cluster (or adopts ``cluster.checkpoint_bucket`` as it is): public access blocked,
 encrypted at rest (SSE-S3), tagged with the cluster. Its name is made once and remembered in the state file, so a
 later ``up`` finds the same bucket. The Ray pods reach it through an IAM role for their service account, limited
-to this bucket (:func:`raytrain_eks.aws.eksctl.bucket_policy`). ``down`` deletes a bucket it created only when it
-is empty or when asked to (``--delete-checkpoints``); nothing a job wrote is lost by default. Example::
+to this bucket (:func:`raytrain_eks.aws.eksctl.bucket_policy`) and, when a KMS key encrypts it, to that key
+(:func:`bucket_kms_key`, remembered as ``bucket_kms_key``). ``down`` deletes a bucket it created only when it is
+empty or when asked to (``--delete-checkpoints``); nothing a job wrote is lost by default. Example::
 
     name = ensure_bucket(d)          # "ray-train-eks-checkpoints-3f9a1c2e"
     storage_uri(name)                # (raytrain_eks.eks.state) "s3://ray-train-eks-checkpoints-3f9a1c2e/runs"
@@ -12,6 +13,7 @@ is empty or when asked to (``--delete-checkpoints``); nothing a job wrote is los
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import Any
 
@@ -61,10 +63,12 @@ def storage_estimate(cfg: Config) -> dict[str, Any] | None:
     }
 
 
-def _s3(d: Deployment) -> Any:
+def _s3(d: Deployment, aws: Any = None) -> Any:
+    """The S3 client of the cluster's region: of ``aws`` (a :class:`raytrain_eks.aws.session.Aws` already made),
+    else of a new session."""
     from raytrain_eks.aws.session import connect
 
-    return connect(d.cfg.cluster.region).client("s3", d.cfg.cluster.region)
+    return (aws or connect(d.cfg.cluster.region)).client("s3", d.cfg.cluster.region)
 
 
 def _exists(s3: Any, name: str) -> bool:
@@ -102,10 +106,13 @@ def ensure_bucket(d: Deployment) -> str:
                 f"cluster.checkpoint_bucket = {name!r}: no such bucket",
                 hint="Create it first, or leave CHECKPOINT_BUCKET empty and `up` creates one.",
             )
+        _remember_kms_key(d, name)
         d.say(f"Checkpoints and exports go to the existing bucket s3://{name} (kept by `down`)")
         return name
     if _exists(s3, name):
+        _remember_kms_key(d, name)  # its encryption may have been changed since up created it
         return name
+    d.state.update(bucket_kms_key=None)
     d.state.record(bucket_item(name))
     with aws_errors(f"creating the S3 bucket {name} in {c.region}"):
         kwargs: dict[str, Any] = {"Bucket": name}
@@ -133,6 +140,71 @@ def ensure_bucket(d: Deployment) -> str:
         )
     d.say(f"Created the checkpoint bucket s3://{name} (private, encrypted)")
     return name
+
+
+# How a bucket's default encryption names its KMS key: a key ARN is used as it is; a key id or an alias (or an
+# alias's ARN) is resolved to the key's ARN through KMS, since an IAM policy grants the use of a key by its ARN.
+_KEY_ARN = re.compile(r"^arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:key/[A-Za-z0-9-]+$")
+_KMS_ALGORITHMS = ("aws:kms", "aws:kms:dsse")
+
+
+def bucket_kms_key(d: Deployment, name: str, aws: Any = None) -> str | None:
+    """The ARN of the KMS key the bucket's default encryption uses (SSE-KMS), or ``None`` when it uses none of its
+    own: SSE-S3, or ``aws:kms`` without a key named (S3's AWS managed key ``aws/s3``, whose key policy lets every
+    principal of the account that may use S3 use it through S3, so no IAM grant is needed).
+
+    A key named by id or alias is resolved through KMS; when that fails, one :class:`UserError` names the key, since
+    the Ray pods' role cannot be given the use of a key whose ARN is not known. Example: ``bucket_kms_key(d,
+    "team-ckpt")`` -> ``"arn:aws:kms:us-east-1:123456789012:key/1234abcd-..."``. ``aws``: the session to use
+    (a new one by default).
+    """
+    import botocore.exceptions
+
+    from raytrain_eks.aws.session import aws_errors, connect, short_reason
+
+    try:
+        with aws_errors(
+            f"reading the default encryption of the S3 bucket {name}",
+            expected=("ServerSideEncryptionConfigurationNotFoundError",),
+        ):
+            s3 = _s3(d, aws)
+            rules = s3.get_bucket_encryption(Bucket=name)["ServerSideEncryptionConfiguration"].get("Rules", [])
+    except botocore.exceptions.ClientError:  # no default encryption configured (buckets made before 2023)
+        return None
+    for rule in rules:
+        default = rule.get("ApplyServerSideEncryptionByDefault") or {}
+        key = default.get("KMSMasterKeyID")
+        if default.get("SSEAlgorithm") not in _KMS_ALGORITHMS or not key:
+            continue
+        if _KEY_ARN.match(key):
+            return str(key)
+        try:
+            region = key.split(":")[3] if key.startswith("arn:") else _bucket_region(s3, name)  # keys are regional
+            kms = (aws or connect(region)).client("kms", region)
+            return str(kms.describe_key(KeyId=key)["KeyMetadata"]["Arn"])
+        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as exc:
+            reason = short_reason(exc) if isinstance(exc, botocore.exceptions.ClientError) else str(exc)
+            raise UserError(
+                f"the checkpoint bucket s3://{name} is encrypted with the KMS key {key!r}, and KMS could not tell "
+                f"which key that is ({reason}): the Ray pods' IAM role needs kms:GenerateDataKey and kms:Decrypt on "
+                "that key's ARN, or every checkpoint it writes is refused",
+                hint="Allow these credentials kms:DescribeKey on the key (or name the key by its ARN in the bucket's "
+                "default encryption), or use a bucket encrypted with SSE-S3; then run the same command again.",
+            ) from None
+    return None
+
+
+def _bucket_region(s3: Any, name: str) -> str:
+    """The bucket's region (S3 answers no location constraint for us-east-1)."""
+    return str(s3.get_bucket_location(Bucket=name).get("LocationConstraint") or "us-east-1")
+
+
+def _remember_kms_key(d: Deployment, name: str) -> None:
+    """Keep the bucket's KMS key in the state file, for the Ray pods' role (see :func:`bucket_kms_key`)."""
+    key = bucket_kms_key(d, name)
+    d.state.update(bucket_kms_key=key)
+    if key:
+        d.say(f"s3://{name} is encrypted with the KMS key {key}: the Ray pods' role may use that key too")
 
 
 def bucket_objects(d: Deployment, name: str) -> int | None:

@@ -10,7 +10,9 @@ raytrain-eks down [-y]                        # delete everything up and submit 
 raytrain-eks compare-fabric [-y]              # the job over EFA, then over TCP: the speed-up of EFA
 
 ``plan`` and ``up --plan`` are pure: no AWS credentials, and none of eksctl, helm or kubectl, are needed. The
-other commands remember the cluster, region and zone in ``.raytrain-eks/state.json`` of the working folder.
+other commands remember the cluster, region and zone in ``.raytrain-eks/state.json`` of the working folder, and
+check first that every program they will run is installed (:mod:`raytrain_eks.eks.programs`: eksctl, helm, and the
+``aws`` or ``aws-iam-authenticator`` the kubeconfig runs for every call to the cluster), naming all missing ones.
 Example::
 
     app = typer.Typer()
@@ -187,6 +189,10 @@ def up(
         _say(f"Cost while it runs: about ${cost['total_usd']:.2f} per hour ({cost['price_region']} on-demand).")
         return
     d = make_deployment(cfg, state_dir)
+    if train:  # up checks its own programs; --train runs submit's too, checked before up starts
+        from raytrain_eks.eks.programs import require_programs
+
+        require_programs(d, "up", "submit", mode=mode.value)
     lifecycle.up(d, confirm=_confirm(yes), offered_zones=lambda: nodegroups.placement_zones(d.cfg))
     if train:  # with what up remembered on the way, the checkpoint bucket it created among it
         from raytrain_eks.eks.state import apply_state
@@ -201,7 +207,11 @@ def submit(
     state_dir: StateDirOpt = Path(".raytrain-eks"),
 ) -> None:
     """Run the training job in the cluster and check that EFA carried it (exit 1 if not, 2 if undecided)."""
-    _submit(make_deployment(_load(config, preset), state_dir), mode)
+    from raytrain_eks.eks.programs import require_programs
+
+    d = make_deployment(_load(config, preset), state_dir)
+    require_programs(d, "submit", mode=mode.value)
+    _submit(d, mode)
 
 
 def _submit(d: Deployment, mode: PlanMode) -> None:
@@ -232,9 +242,12 @@ def logs(
     state_dir: StateDirOpt = Path(".raytrain-eks"),
 ) -> None:
     """Print the last submitted job's output (read inside the head pod)."""
+    from raytrain_eks.eks.programs import require_programs
     from raytrain_eks.eks.submit import logs as job_logs
 
-    code = job_logs(make_deployment(_load(config, preset), state_dir), follow=follow)
+    d = make_deployment(_load(config, preset), state_dir)
+    require_programs(d, "logs")
+    code = job_logs(d, follow=follow)
     if code:
         raise typer.Exit(code)
 
@@ -320,6 +333,9 @@ def compare_fabric(
     # The default is a name not yet taken: a comparison is never written over, even one made in the same second.
     out = out or new_folder(Path("runs"), f"compare-fabric-{datetime.now(UTC):%Y%m%d-%H%M%S}", create=False)
     compare.check_report_folder(out)  # before any run: a bad --out found after two runs would waste them
+    from raytrain_eks.eks.programs import require_programs
+
+    require_programs(make_deployment(cfg, state_dir, lambda _: None), "compare-fabric")  # before the RayCluster
     # The token goes from this environment into a Secret through the API: never a file, argv or log line.
     with compare.eks_runner(
         cfg,

@@ -39,6 +39,9 @@ from raytrain_eks.eks.addons import (
     wait_kuberay,
 )
 from raytrain_eks.eks.buckets import bucket_exists, bucket_objects, delete_bucket, ensure_bucket, kept_note
+from raytrain_eks.eks.irsa import CONFIG_FILE as SERVICE_ACCOUNT_FILE
+from raytrain_eks.eks.irsa import create_argv as create_service_account_argv
+from raytrain_eks.eks.irsa import ensure_service_account
 from raytrain_eks.eks.nodegroups import (
     CLUSTER_TIMEOUT_S,
     NODEGROUP_TIMEOUT_S,
@@ -46,14 +49,17 @@ from raytrain_eks.eks.nodegroups import (
     choose_zones,
     cluster_status,
     create_nodegroup_argv,
+    delete_cluster_argv,
     delete_nodegroup_argv,
     ensure_cluster,
     ensure_gpu_nodegroup,
     ensure_system_nodegroup,
     kubeconfig_argv,
+    leftover_cluster_stack,
     nodegroup_statuses,
 )
 from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
+from raytrain_eks.eks.programs import declared_programs, require_programs
 from raytrain_eks.eks.runner import Interrupted
 from raytrain_eks.eks.state import KUBECONFIG_FILE, STATE_DIR, Cancelled, Deployment, describe
 from raytrain_eks.errors import UserError
@@ -103,17 +109,30 @@ def planned_actions(cfg: Config) -> list[Action]:
         zones = f"the first zone of {c.region} offering {gpu.name} that can launch it (EC2 is asked at deploy)"
     state = f"{STATE_DIR}/"
     actions = [
-        Action("preflight", f"Check the configuration, that eksctl and helm are installed, and the zones ({zones})."),
+        Action(
+            "preflight",
+            f"Check the configuration, that the programs up runs are installed ({declared_programs('up')}), and the "
+            f"zones ({zones}).",
+        ),
         Action(
             "create-cluster",
             f"Create EKS cluster {c.name} (Kubernetes {c.k8s_version}, private subnets behind one NAT gateway) "
             "without node groups.",
-            eksctl.create_cluster_argv(f"{state}eksctl-cluster.yaml"),
+            eksctl.create_cluster_argv(f"{state}eksctl-cluster.yaml", kubeconfig=f"{state}{KUBECONFIG_FILE}"),
         ),
         Action(
             "kubeconfig",
             "Write the cluster's kubeconfig into this folder; helm and the Kubernetes client use only that file.",
             kubeconfig_argv(cfg, f"{state}{KUBECONFIG_FILE}"),
+        ),
+        Action(
+            "iam-service-account",
+            f"Make sure the Ray pods' service account {cfg.ray.namespace}/{m.RAY_SERVICE_ACCOUNT} exists with an IAM "
+            "role that may use the checkpoint bucket (and its KMS key, when one encrypts it), on a cluster this "
+            "folder did not create too; nothing is run when it does. Else the cluster gets its IAM OIDC provider "
+            "when it has none (`eksctl utils associate-iam-oidc-provider`), then this; an existing role whose policy "
+            "does not fit is updated with `eksctl update iamserviceaccount` instead.",
+            create_service_account_argv(f"{state}{SERVICE_ACCOUNT_FILE}"),
         ),
         Action(
             "nodegroup-system",
@@ -128,7 +147,10 @@ def planned_actions(cfg: Config) -> list[Action]:
         ),
         Action(
             "remove-eksctl-device-plugins",
-            "Delete the device-plugin DaemonSets eksctl installs by itself, so only the pinned charts run.",
+            f"Delete the device-plugin DaemonSets eksctl applies by itself ({eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET}, "
+            f"{eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET}) unless Helm's metadata shows one is the pinned chart's own "
+            "(the EFA chart's DaemonSet has eksctl's name), so only the pinned charts run; a chart whose DaemonSet "
+            "eksctl replaced is installed again.",
         ),
     ]
     for rel in helm_releases(cfg):
@@ -168,10 +190,10 @@ def up(
 ) -> UpResult:
     """Create or resume the whole infrastructure; returns the GPU zone and nodes. Asks ``confirm`` once.
 
-    Order: preflight -> cluster -> system node group -> GPU node group (zone by zone) -> eksctl's own plugins
-    removed -> pinned charts -> GPU nodes proven ready -> KubeRay Ready. Each step skips what exists. Ctrl-C or
-    SIGTERM stops the running eksctl or helm and raises :class:`~raytrain_eks.eks.runner.Interrupted` naming what the
-    state file records.
+    Order: preflight -> cluster -> the Ray pods' service account and IAM role -> system node group -> GPU node
+    group (zone by zone) -> eksctl's own plugins removed -> pinned charts -> GPU nodes proven ready -> KubeRay
+    Ready. Each step skips what exists. Ctrl-C or SIGTERM stops the running eksctl or helm and raises
+    :class:`~raytrain_eks.eks.runner.Interrupted` naming what the state file records.
     """
     with _say_state_when_interrupted(d):
         return _up(d, confirm=confirm, offered_zones=offered_zones)
@@ -181,8 +203,7 @@ def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callabl
     cfg = d.cfg
     c = cfg.cluster
     gpu, system = check_deployable(cfg)
-    for tool in ("eksctl", "helm"):
-        d.require_tool(tool)
+    require_programs(d, "up")  # every program up runs, all the missing ones named at once
     _check_state_matches(d)
     plan = choose_zones(cfg, d.state, offered_zones)
     cost = cost_per_hour(cfg, gpu, system)["total_usd"]
@@ -198,6 +219,7 @@ def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callabl
     )
     ensure_bucket(d)  # first: the cluster's IAM role for the Ray pods names it
     ensure_cluster(d, plan)
+    ensure_service_account(d)  # on any cluster: one this folder did not create, or an up resumed after the cluster
     ensure_system_nodegroup(d, plan)
     az = ensure_gpu_nodegroup(d, plan)
     remove_eksctl_device_plugins(d)
@@ -245,11 +267,14 @@ def _delete(d: Deployment, item: dict[str, Any], cluster_exists: bool) -> bool:
         d.run(delete_nodegroup_argv(d.cfg, item["name"]), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say)
         return True
     if kind == "cluster":
-        if not cluster_exists:
-            return False
         c = d.cfg.cluster
+        left = None if cluster_exists else leftover_cluster_stack(d)
+        if not cluster_exists and left is None:
+            return False
+        if left is not None:  # a create that failed: EKS has no cluster, its stack holds the name (and maybe a VPC)
+            d.say(f"EKS has no cluster {c.name}, but its CloudFormation stack is left ({left}): deleting it")
         d.run(
-            ["eksctl", "delete", "cluster", "--name", c.name, "--region", c.region, "--wait"],
+            delete_cluster_argv(d.cfg, force=left is not None),
             timeout=CLUSTER_TIMEOUT_S,
             on_output=d.say,
             hint="Run `raytrain-eks down` again; if it keeps failing, the CloudFormation console shows which "
@@ -305,6 +330,7 @@ def _kept_buckets(d: Deployment, created: list[dict[str, Any]], delete_checkpoin
 
 
 def _down(d: Deployment, *, confirm: Callable[[str], bool], delete_checkpoints: bool = False) -> DownResult:
+    require_programs(d, "down")  # what deleting the recorded items runs, before anything is asked
     created = d.state.created
     kept = _kept_buckets(d, created, delete_checkpoints)
     keep = [i for i in created if i["type"] == "bucket" and i["name"] in kept]
@@ -323,8 +349,6 @@ def _down(d: Deployment, *, confirm: Callable[[str], bool], delete_checkpoints: 
     keeping = "".join(f"\nKeep: {note}" for note in kept.values())
     if not confirm(f"Delete, in this order:\n{listing}{keeping}\nContinue?"):
         raise Cancelled("cancelled: nothing was deleted")
-    for tool in ("eksctl", "helm"):
-        d.require_tool(tool)
     exists = cluster_status(d) is not None
     deleted = []
     for item in reversed(created):
@@ -373,6 +397,7 @@ def status(d: Deployment) -> list[str]:
     s, c = d.state, d.cfg.cluster
     if not s.created and not s.get("cluster"):
         return [f"Nothing deployed from this folder ({s.path} does not exist). Start with `raytrain-eks up`."]
+    require_programs(d, "status")
     lines = [f"Cluster {c.name} in {c.region}, GPU zone {s.get('gpu_az') or 'not chosen yet'}"]
     lines += [f"  created: {describe(i)}" for i in s.created]
     cluster = cluster_status(d)

@@ -1,8 +1,11 @@
 """Zones, the EKS cluster and its node groups, through eksctl.
 
 The placement search picks the GPU zone (capacity, quotas, reservations); the cluster gets private subnets in every
-candidate zone behind one NAT gateway; the system node group comes first, then the EFA GPU node group in one zone,
-moving to the next candidate zone when EC2 cannot launch the instances there (after removing the failed group).
+candidate zone behind one NAT gateway, never in a zone EKS cannot take a cluster in (the zone IDs eksctl itself
+avoids); a stack a failed create left under the cluster's name is removed first; the system node group comes first,
+then the EFA GPU node group in one zone, moving to the next candidate zone when EC2 cannot launch the instances there
+or they are not up within eksctl's wait (after removing the failed group). Every eksctl command that waits gets its
+``--timeout``, below the runner's own limit, so eksctl's own message says why it stopped.
 """
 
 from __future__ import annotations
@@ -10,12 +13,13 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raytrain_eks.aws import eksctl
+from raytrain_eks.aws import eksctl, stacks
 from raytrain_eks.config import Config
 from raytrain_eks.eks.runner import CommandError, Completed
 from raytrain_eks.eks.state import Deployment, StateStore, UnreadableAnswer, cluster_item, nodegroup_item
@@ -23,18 +27,27 @@ from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.manifests import to_yaml
 
-# Seconds. eksctl's CloudFormation stacks take 15-20 minutes for a cluster and 5-15 for a node group.
-CLUSTER_TIMEOUT_S = 45 * 60
-NODEGROUP_TIMEOUT_S = 40 * 60
+# Seconds. eksctl's CloudFormation stacks take 15-20 minutes for a cluster and 5-15 for a node group. The runner lets
+# eksctl run for its own wait (--timeout, eksctl.CLUSTER_WAIT_MIN / NODEGROUP_WAIT_MIN) and then some, for what it
+# does after the wait (add-ons, the kubeconfig, device plugins): eksctl stops first and says why.
+CLUSTER_TIMEOUT_S = (eksctl.CLUSTER_WAIT_MIN + 10) * 60
+NODEGROUP_TIMEOUT_S = (eksctl.NODEGROUP_WAIT_MIN + 5) * 60
 QUICK_TIMEOUT_S = 120
 GPU_NODE_SELECTOR = {"role": m.GPU_NODE_LABELS["role"]}
 BUSY_POLL_S = 30.0  # a CloudFormation stack changes state in minutes
 MAX_ZONES = 3  # zones given subnets (and so GPU zones to try) when the config names none
 
-# What eksctl prints when EC2 cannot start the instances in a zone: no capacity, or no offering of the type there.
+# What eksctl prints when EC2 cannot start the instances in a zone: no capacity, or no offering of the type there;
+# or its own wait (--timeout) ending before the node group's stack is complete. eksctl waits for a node group's
+# stack with the CloudFormation StackCreateComplete waiter of the AWS SDK for Go (pkg/cfn/manager/waiters.go, eksctl
+# v0.230.0), whose error when the wait ends is "exceeded max wait time for StackCreateComplete waiter" (eksctl
+# itself matches "exceeded max wait time", pkg/actions/addon/addon.go); it logs that error as it is
+# (pkg/eks/nodegroup_service.go: DoAllNodegroupStackTasks).
+_WAIT_ENDED = "exceeded max wait time"
 _LAUNCH_FAILURE = re.compile(
     r"InsufficientInstanceCapacity|InsufficientCapacity|Unsupported|not supported in (your requested )?"
-    r"Availability Zone|AsgInstanceLaunchFailures|NodeCreationFailure|Could not launch On-Demand Instances",
+    r"Availability Zone|AsgInstanceLaunchFailures|NodeCreationFailure|Could not launch On-Demand Instances|"
+    + _WAIT_ENDED,
     re.IGNORECASE,
 )
 # Only what eksctl says when the EKS API answered that the thing is not there: the API's error code, or eksctl's own
@@ -49,21 +62,26 @@ _BUSY = {"CREATING", "UPDATING", "DELETING", "CREATE_IN_PROGRESS", "DELETE_IN_PR
 @dataclass(frozen=True)
 class ZonePlan:
     """``candidates``: GPU zones to try, in order. ``cluster_azs``: the zones given subnets (every candidate).
-    ``reservations``: zone -> the existing capacity reservation the GPU node group targets there."""
+    ``reservations``: zone -> the existing capacity reservation the GPU node group targets there. ``notes``: what
+    was left out of the configured zones, and why, said before the cluster is created."""
 
     candidates: tuple[str, ...]
     cluster_azs: tuple[str, ...]
     reservations: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Placement:
     """What the placement search found: the zones that can take the GPU node group now, best first, and for each
-    zone an existing capacity reservation holding every GPU node, when there is one."""
+    zone an existing capacity reservation holding every GPU node, when there is one. ``avoided``: zone -> zone ID
+    of the region's zones EKS cannot take a cluster in (:data:`raytrain_eks.aws.eksctl.AVOIDED_ZONE_IDS`); they are
+    in neither list."""
 
     zones: list[str]
     reservations: dict[str, str] = field(default_factory=dict)
     offered: list[str] = field(default_factory=list)  # every zone of the region offering the type, best first
+    avoided: dict[str, str] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -88,23 +106,63 @@ def placement_zones(cfg: Config, services: Any | None = None) -> Placement:
     problem = report.problem()
     if problem is not None:
         raise problem
-    usable = [c for c in report.targets if c.viable and c.zone]
+    avoid = eksctl.AVOIDED_ZONE_IDS.get(cfg.cluster.region, ())
+    home = [c for c in report.candidates if c.zone and c.region == cfg.cluster.region]
+    avoided = {c.zone: c.zone_id for c in home if c.zone and c.zone_id in avoid}
+    usable = [c for c in report.targets if c.viable and c.zone and c.zone not in avoided]
     return Placement(
         zones=[c.zone for c in usable if c.zone],
         reservations={c.zone: c.reservation.id for c in usable if c.zone and c.covered and c.reservation},
-        offered=[c.zone for c in report.candidates if c.offered and c.zone and c.region == cfg.cluster.region],
+        offered=[c.zone for c in home if c.offered and c.zone and c.zone not in avoided],
+        avoided={z: i for z, i in avoided.items() if z and i},
     )
 
 
-def _with_second_zone(cfg: Config, gpu_az: str, found: Placement | None) -> tuple[str, ...]:
+def _without_avoided(cfg: Config, found: Placement | None) -> tuple[list[str], list[str]]:
+    """The configured ``availability_zones`` EKS can take a cluster in, and a note for each one it cannot;
+    ``UserError`` for a configured ``gpu_az`` it cannot, or fewer than the two zones eksctl needs left."""
+    c = cfg.cluster
+    avoided = found.avoided if found is not None else {}
+    if c.gpu_az in avoided:
+        raise UserError(
+            f"cluster.gpu_az = {c.gpu_az!r} (GPU_AZ): it is zone {avoided[c.gpu_az]}, where EKS cannot create a "
+            f"cluster (eksctl never picks it either)",
+            hint=f"Choose another zone of {c.region} (`raytrain-eks capacity` lists them), or leave GPU_AZ empty.",
+        )
+    kept = [z for z in c.availability_zones if z not in avoided]
+    notes = [
+        f"Left out {z} of cluster.availability_zones: it is zone {avoided[z]}, where EKS cannot create a cluster"
+        for z in c.availability_zones
+        if z in avoided
+    ]
+    if c.availability_zones and len(kept) < 2:
+        raise UserError(
+            f"cluster.availability_zones: {', '.join(c.availability_zones)} leave {len(kept)} zone(s) EKS can create "
+            f"a cluster in ({', '.join(f'{z} is {avoided[z]}' for z in c.availability_zones if z in avoided)}); "
+            "eksctl needs two",
+            hint=f"Add another zone of {c.region} to availability_zones, or leave it empty.",
+        )
+    return kept, notes
+
+
+def _with_second_zone(
+    cfg: Config, gpu_az: str, found: Placement | None, configured: list[str] | None = None
+) -> tuple[str, ...]:
     """``gpu_az`` and the cluster's other zones (eksctl needs two; the others only hold subnets): the configured
-    ``availability_zones`` when there are some, else the best other zone that offers the GPU type when the
-    placement search ran, else the planned default."""
+    ``availability_zones`` (``configured``: those EKS can take a cluster in) when there are some, else the best
+    other zone that offers the GPU type when the placement search ran, else the planned default."""
     other = next((z for z in (found.offered if found is not None else []) if z != gpu_az), None)
     if other is not None and not cfg.cluster.availability_zones:
         return (gpu_az, other)
+    zones = list(cfg.cluster.availability_zones if configured is None else configured)
+    if not zones and found is not None and found.avoided:  # the planned default, past zones EKS cannot take
+        region = cfg.cluster.region
+        skip = {gpu_az, *found.avoided}
+        return (gpu_az, next(f"{region}{ch}" for ch in string.ascii_lowercase if f"{region}{ch}" not in skip))
     return eksctl.planned_zones(
-        cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"gpu_az": gpu_az})})
+        cfg.model_copy(
+            update={"cluster": cfg.cluster.model_copy(update={"gpu_az": gpu_az, "availability_zones": zones})}
+        )
     ).cluster_azs
 
 
@@ -122,6 +180,7 @@ def choose_zones(cfg: Config, store: StateStore, offered: Callable[[], Placement
     if offered is not None and not store.has(nodegroup_item(c.gpu_nodegroup_name)):
         found = offered()
     remembered = tuple(store.get("cluster_azs") or ())
+    configured, notes = _without_avoided(cfg, found) if not remembered else (list(c.availability_zones), [])
     if remembered:
         cluster_azs = remembered
         pool = [c.gpu_az] if c.gpu_az else list(remembered)
@@ -132,9 +191,9 @@ def choose_zones(cfg: Config, store: StateStore, offered: Callable[[], Placement
                 hint="Choose one of those zones (GPU_AZ), or run `raytrain-eks down` and `up` again for another.",
             )
     elif c.gpu_az:
-        pool, cluster_azs = [c.gpu_az], _with_second_zone(cfg, c.gpu_az, found)
-    elif c.availability_zones:
-        pool, cluster_azs = list(c.availability_zones), tuple(c.availability_zones)
+        pool, cluster_azs = [c.gpu_az], _with_second_zone(cfg, c.gpu_az, found, configured)
+    elif configured:
+        pool, cluster_azs = list(configured), tuple(configured)
     else:
         zones = list(found.zones) if found is not None else []
         if not zones:
@@ -162,7 +221,9 @@ def choose_zones(cfg: Config, store: StateStore, offered: Callable[[], Placement
     last = store.get("gpu_az")
     ordered = sorted(pool, key=lambda z: (z != last, z in failed))
     reservations = dict(found.reservations) if found is not None else dict(store.get("reservations") or {})
-    return ZonePlan(tuple(ordered), tuple(cluster_azs), {z: r for z, r in reservations.items() if z in ordered})
+    return ZonePlan(
+        tuple(ordered), tuple(cluster_azs), {z: r for z, r in reservations.items() if z in ordered}, tuple(notes)
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -179,7 +240,9 @@ def _zones(cfg: Config, plan: ZonePlan, gpu_az: str) -> eksctl.Zones:
 
 def write_eksctl_config(d: Deployment, plan: ZonePlan, gpu_az: str, nodegroup: str | None) -> Path:
     """The ClusterConfig for one eksctl call: the cluster alone (``nodegroup=None``) or one node group of it."""
-    doc = eksctl.cluster_config(d.cfg, _zones(d.cfg, plan, gpu_az), bucket=d.state.get("bucket"))
+    doc = eksctl.cluster_config(
+        d.cfg, _zones(d.cfg, plan, gpu_az), bucket=d.state.get("bucket"), kms_key=d.state.get("bucket_kms_key")
+    )
     groups = [g for g in doc["managedNodeGroups"] if g["name"] == nodegroup]
     doc = {**doc, "managedNodeGroups": groups}
     name = "eksctl-cluster.yaml" if nodegroup is None else f"eksctl-nodegroup-{nodegroup}.yaml"
@@ -259,12 +322,18 @@ def nodegroup_statuses(d: Deployment) -> dict[str, str]:
     return statuses
 
 
-def _wait_while_busy(d: Deployment, what: str, status: Callable[[], str | None], timeout: float) -> str | None:
+def _wait_while_busy(
+    d: Deployment,
+    what: str,
+    status: Callable[[], str | None],
+    timeout: float,
+    busy: Callable[[str | None], bool] = _BUSY.__contains__,
+) -> str | None:
     """``status()`` once it is no longer one of the busy states (creating, updating, deleting); None: not there."""
 
     def probe() -> tuple[tuple[str | None] | None, str]:
         current = status()
-        return (None, str(current)) if current in _BUSY else ((current,), str(current))
+        return (None, str(current)) if busy(current) else ((current,), str(current))
 
     return d.wait(
         probe,
@@ -277,17 +346,66 @@ def _wait_while_busy(d: Deployment, what: str, status: Callable[[], str | None],
     )[0]
 
 
+def _cluster_stack(d: Deployment) -> Callable[[], str | None]:
+    """The status of the cluster's CloudFormation stack (None: none), read through boto3 each time it is called."""
+    from raytrain_eks.aws.session import connect
+
+    c = d.cfg.cluster
+    aws = connect(c.region)
+    return lambda: stacks.stack_status(aws, c.region, stacks.cluster_stack_name(c.name))
+
+
+def leftover_cluster_stack(d: Deployment) -> str | None:
+    """When EKS has no cluster of this name: the status of the stack a create left under its name, or None."""
+    c = d.cfg.cluster
+    return _wait_while_busy(
+        d, f"CloudFormation stack {stacks.cluster_stack_name(c.name)}", _cluster_stack(d), CLUSTER_TIMEOUT_S,
+        busy=stacks.busy_stack,
+    )  # fmt: skip
+
+
+def remove_stale_cluster_stack(d: Deployment) -> None:
+    """Before creating the cluster (EKS has none): delete, through CloudFormation, a stack of the cluster's name that
+    a failed create left (``ROLLBACK_COMPLETE``, ``CREATE_FAILED``, ``ROLLBACK_FAILED``, ``DELETE_FAILED``), which
+    would make eksctl fail on the name; wait out one in progress; stop on one in use."""
+    from raytrain_eks.aws.session import connect
+
+    c = d.cfg.cluster
+    name = stacks.cluster_stack_name(c.name)
+    status = leftover_cluster_stack(d)
+    if status is None:
+        return
+    if not stacks.stale_stack(status):
+        raise UserError(
+            f"the CloudFormation stack {name} exists ({status}) in {c.region}, but EKS has no cluster {c.name}",
+            hint="It is not what a failed create leaves. If nothing uses it, delete it (`aws cloudformation "
+            f"delete-stack --stack-name {name} --region {c.region}`), then run `raytrain-eks up` again.",
+        )
+    d.say(f"CloudFormation stack {name} is {status}, left by a create that failed: deleting it first")
+    stacks.delete_stack(connect(c.region), c.region, name)
+    after = leftover_cluster_stack(d)
+    if after is not None:
+        raise UserError(
+            f"the CloudFormation stack {name} could not be deleted: it is {after}",
+            hint="Its Events in the CloudFormation console name the resource that could not be deleted; remove that, "
+            "then run `raytrain-eks up` again.",
+        )
+
+
 def ensure_cluster(d: Deployment, plan: ZonePlan) -> None:
     """Create the EKS cluster (no node groups) unless it exists; write this folder's kubeconfig for it."""
     c = d.cfg.cluster
     item = cluster_item(d.cfg)
     status = _wait_while_busy(d, f"cluster {c.name}", lambda: cluster_status(d), CLUSTER_TIMEOUT_S)
     if status is None:
+        remove_stale_cluster_stack(d)
+        for note in plan.notes:
+            d.say(note)
         path = write_eksctl_config(d, plan, plan.candidates[0], None)
         d.state.record(item)
         d.say(f"Creating EKS cluster {c.name} in {c.region} (zones {', '.join(plan.cluster_azs)}); about 15-20 minutes")
         d.run(
-            eksctl.create_cluster_argv(str(path)),
+            eksctl.create_cluster_argv(str(path), kubeconfig=d.kubeconfig),
             timeout=CLUSTER_TIMEOUT_S,
             on_output=d.say,
             hint="Run `raytrain-eks up` again to resume, or `raytrain-eks down` to delete what was created.",
@@ -314,12 +432,25 @@ def kubeconfig_argv(cfg: Config, path: str) -> list[str]:
 
 def create_nodegroup_argv(path: Path) -> list[str]:
     # The NVIDIA flag stops eksctl's own static plugin; the pinned chart replaces it (infra-facts §1).
-    return ["eksctl", "create", "nodegroup", "-f", str(path), "--install-nvidia-plugin=false"]
+    argv = ["eksctl", "create", "nodegroup", "-f", str(path), "--install-nvidia-plugin=false"]
+    return argv + eksctl.wait_flag(eksctl.NODEGROUP_WAIT_MIN)
 
 
 def delete_nodegroup_argv(cfg: Config, name: str) -> list[str]:
     c = cfg.cluster
-    return ["eksctl", "delete", "nodegroup", "--cluster", c.name, "--region", c.region, "--name", name, "--wait"]
+    wait = eksctl.wait_flag(eksctl.NODEGROUP_WAIT_MIN)
+    return ["eksctl", "delete", "nodegroup", "--cluster", c.name, "--region", c.region, *wait, "--name", name, "--wait"]
+
+
+def delete_cluster_argv(cfg: Config, *, force: bool = False) -> list[str]:
+    """``eksctl delete cluster``, its stacks included. ``force``: EKS has no such cluster but its stack is left (a
+    create that failed): without ``--force`` eksctl stops at describing the missing cluster; with it, it goes on
+    and deletes the stacks it finds (eksctl v0.230.0, pkg/ctl/delete/cluster.go and pkg/actions/cluster/cluster.go).
+    eksctl does not apply ``--timeout`` to this wait (pkg/ctl/delete/cluster.go says so); it is given all the same,
+    for the day it does."""
+    c = cfg.cluster
+    argv = ["eksctl", "delete", "cluster", "--name", c.name, "--region", c.region, "--wait"]
+    return argv + (["--force"] if force else []) + eksctl.wait_flag(eksctl.CLUSTER_WAIT_MIN)
 
 
 def ensure_system_nodegroup(d: Deployment, plan: ZonePlan) -> None:
@@ -338,11 +469,27 @@ def ensure_system_nodegroup(d: Deployment, plan: ZonePlan) -> None:
 
 
 def launch_failure(text: str) -> str | None:
-    """The line of eksctl's output that says EC2 could not launch the instances, or ``None`` for another error."""
+    """The line of eksctl's output that says EC2 could not launch the instances (or that eksctl's wait for them
+    ended), or ``None`` for another error."""
     for line in text.splitlines():
         if _LAUNCH_FAILURE.search(line):
+            if _WAIT_ENDED in line.lower():
+                return f"no Ready instances within eksctl's {eksctl.NODEGROUP_WAIT_MIN}-minute wait ({line.strip()})"
             return line.strip()[:400]
     return None
+
+
+def _stack_failures(d: Deployment, nodegroup: str) -> list[str]:
+    """The failure reasons in the node group's CloudFormation stack; [] when AWS cannot be asked (eksctl's own
+    error is then the one reported)."""
+    from raytrain_eks.aws.session import connect
+
+    c = d.cfg.cluster
+    try:
+        return stacks.failure_reasons(connect(c.region), c.region, stacks.nodegroup_stack_name(c.name, nodegroup))
+    except UserError as exc:
+        d.say(f"Could not read why the node group's stack failed: {exc.message}")
+        return []
 
 
 def ensure_gpu_nodegroup(d: Deployment, plan: ZonePlan) -> str:
@@ -376,8 +523,11 @@ def ensure_gpu_nodegroup(d: Deployment, plan: ZonePlan) -> str:
         d.say(f"Creating node group {name} ({c.gpu_node_count} x {c.gpu_node_type}, EFA) in {az}{into}")
         try:
             done = d.run(create_nodegroup_argv(path), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say, check=False)
-            # eksctl logs the stack's failure reasons on stdout and its final error on stderr: read both.
+            # eksctl logs its errors on stdout and its final one on stderr: read both. For a node group's stack it
+            # says only that the waiter failed; the stack's events say why (EKS's health issues).
             reason = None if done.ok else launch_failure(f"{done.stderr}\n{done.stdout}")
+            if not done.ok and reason is None:
+                reason = launch_failure("\n".join(_stack_failures(d, name)))
             if not done.ok and reason is None:
                 raise CommandError(done.argv, done.returncode, done.stderr or done.stdout)
         except CommandError as exc:

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
+from raytrain_eks.eks import irsa
 from raytrain_eks.eks.addons import HelmRelease, helm_releases
 from raytrain_eks.eks.buckets import planned_bucket, storage_estimate
 from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
@@ -139,10 +140,24 @@ def _steps(
             [eksctl.CONFIG_FILE],
         ),
         Step(
+            "iam-service-account",
+            f"Make sure the service account {ns}/{m.RAY_SERVICE_ACCOUNT} exists with its IAM role (what create-cluster "
+            "makes; an existing cluster gets them here): nothing is run when they do; else eksctl creates the role "
+            "and the service account, or annotates one that exists (when the bucket is encrypted with a KMS key, "
+            "the role may also use that key).",
+            irsa.create_argv(irsa.CONFIG_FILE),
+            [irsa.CONFIG_FILE],
+        ),
+        Step(
             "remove-eksctl-device-plugins",
-            "Delete the device-plugin DaemonSets eksctl applies by itself (EFA always, NVIDIA when the cluster was "
-            "created without --install-nvidia-plugin=false), so that only the pinned charts run: never two plugins "
-            "on one node.",
+            f"Delete the EFA device-plugin DaemonSet eksctl applies by itself for an EFA node group, kube-system/"
+            f"{eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET}: it has the name of the EFA chart's DaemonSet, and Helm refuses to "
+            "install the chart over an object without its ownership metadata. Only a copy without Helm's label "
+            "app.kubernetes.io/managed-by=Helm is deleted, never the chart's own. eksctl applies its copy again, "
+            "over the chart's, whenever it creates an EFA node group: then run this step and the EFA chart's step "
+            "again. (eksctl's NVIDIA plugin, DaemonSet "
+            f"{eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET}, is not applied: the cluster is created with "
+            "--install-nvidia-plugin=false.) Only the pinned charts then run: never two plugins on one node.",
             [
                 "kubectl",
                 "delete",
@@ -150,8 +165,10 @@ def _steps(
                 "--namespace",
                 "kube-system",
                 "--ignore-not-found",
-                eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET,
-                eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET,
+                "--selector",
+                "app.kubernetes.io/managed-by!=Helm",
+                "--field-selector",
+                f"metadata.name={eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET}",
             ],
         ),
     ]
@@ -227,6 +244,12 @@ def _steps(
     else:
         steps += [
             Step(
+                "check-no-raycluster",
+                f"Refuse while RayCluster {ns}/{r.cluster_name} (of --mode raycluster) exists: its worker pods hold "
+                "the GPU nodes, and the RayJob's own RayCluster would wait for GPUs until its start deadline. "
+                "Nothing is deleted; the message names the command that deletes it.",
+            ),
+            Step(
                 "code-configmap",
                 f"Store the raytrain_eks package as ConfigMap {ns}/{r.cluster_name}-code; the RayJob's submitter pod "
                 f"mounts it at {job_files.SUBMITTER_CODE_DIR}, where the job's runtime_env ships it to every worker "
@@ -238,8 +261,9 @@ def _steps(
             Step(
                 "apply-rayjob",
                 f"Apply RayJob {ns}/{r.cluster_name}: its own RayCluster ({workers}) runs "
-                f"{shlex.join(m.train_argv())}; the cluster is deleted {m.RAYJOB_TTL_S} s after the job ends, "
-                f"or after {r.job_deadline_s} s, or if it is not running within {r.job_start_deadline_s} s.",
+                f"{shlex.join(m.train_argv())}, submitted by its submitter pod under {m.IMAGE_PYTHON}; the job is "
+                f"stopped after {r.job_deadline_s} s, or if it is not running within {r.job_start_deadline_s} s. "
+                f"KubeRay deletes the cluster {m.RAYJOB_TTL_S} s after the job ended unless submit has (below).",
                 ["kubectl", "apply", "-f", manifest],
                 [manifest],
             ),
@@ -256,7 +280,8 @@ def _steps(
         steps.append(
             Step(
                 "scale-down-gpus",
-                f"Scale node group {c.gpu_nodegroup_name} to 0 so the GPU instances stop billing once the job ended "
+                "Once NCCL's lines, fi_info -p efa and nvidia-smi were read from its pods, delete the RayJob's "
+                f"RayCluster; then scale node group {c.gpu_nodegroup_name} to 0 so the GPU instances stop billing "
                 "(the RayJob removes its pods, not the nodes).",
                 eksctl.scale_gpu_nodegroup_argv(cfg, 0),
             )
@@ -287,6 +312,7 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
         job = job_files.rayjob_manifest(cfg, hf_token=hf_token, code_map=code_map, items=items)
     files: dict[str, list[dict[str, Any]]] = {
         eksctl.CONFIG_FILE: [eksctl.cluster_config(cfg, zones, bucket=bucket)],
+        irsa.CONFIG_FILE: [eksctl.service_account_config(cfg, bucket)],
         HELM_FILE: [{"releases": [r.to_dict() for r in releases]}],
         JOB_CONFIG_FILE: [m.job_config_map(cfg)],
         MANIFEST_FILE[mode]: [job],

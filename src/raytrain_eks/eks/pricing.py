@@ -1,22 +1,28 @@
 """The cluster's instance types, checked against what deploying needs, and what the cluster costs.
 
-Example::
+A run is priced only on a cluster this tool deployed: ``submit`` gives the job a deployment record
+(:mod:`raytrain_eks.fabric.deployment`) when the state says ``up`` made the cluster, and :func:`job_price` prices a
+run from that record alone. Example::
 
     gpu, system = check_deployable(cfg)              # ConfigError listing every problem at once
     cost_per_hour(cfg, gpu, system)["total_usd"]     # 9.5498 for the reference cluster (us-east-1 prices)
     run_cost(cfg, summary)                           # a finished run's cost, from its summary.json
+    price, why_not = job_price("/etc/raytrain-eks/raytrain-eks.yaml")   # (None, reason) without a record
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from datetime import date
 from typing import Any
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
+from raytrain_eks.eks.state import StateStore
 from raytrain_eks.errors import ConfigError, UserError
+from raytrain_eks.fabric.deployment import RECORD_KIND, no_record_reason, read_deployment
 from raytrain_eks.instances import (
     EFA_GPU_TYPES,
     EKS_CONTROL_PLANE_USD_PER_HOUR,
@@ -154,10 +160,9 @@ def cost_per_hour(cfg: Config, gpu: InstanceType, system: InstanceType, *, on: d
 
 
 def run_cost(cfg: Config, summary: Mapping[str, Any]) -> dict[str, Any] | None:
-    """What a run on the configured cluster cost while it ran, from its ``summary.json`` fields: the cluster's hourly
-    cost times this attempt's ``wall_s``, and per million tokens this attempt trained (``trained_tokens``; a summary
-    without it, from before that field, gives ``tokens_per_s`` x (``train_s`` - ``eval_s``); ``tokens`` would also
-    count the steps before a resume). ``None`` when the cluster is not one this tool can price.
+    """What a run would have cost on the configured cluster at its on-demand prices (see :func:`priced_run`); ``None``
+    when the cluster is not one this tool can price. A finished run is priced by :func:`job_price` instead, only on a
+    cluster this tool deployed.
 
     Example: 9.5498 $/h for 600 s and 30 M tokens -> ``{"usd": 1.5916, "usd_per_million_tokens": 0.0531, ...}``.
     """
@@ -166,13 +171,61 @@ def run_cost(cfg: Config, summary: Mapping[str, Any]) -> dict[str, Any] | None:
     except UserError:
         return None
     hourly = cost_per_hour(cfg, gpu, system)
-    usd = hourly["total_usd"] * summary["wall_s"] / 3600
+    return priced_run(hourly["total_usd"], hourly["price_region"], summary)
+
+
+def priced_run(usd_per_hour: float, price_region: str, summary: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's cost from its ``summary.json`` fields: ``usd_per_hour`` times this attempt's ``wall_s``, and per
+    million tokens this attempt trained (``trained_tokens``; a summary without it, from before that field, gives
+    ``tokens_per_s`` x (``train_s`` - ``eval_s``); ``tokens`` would also count the steps before a resume)."""
+    usd = usd_per_hour * summary["wall_s"] / 3600
     tokens = summary.get("trained_tokens")
     if tokens is None:  # an older summary: the training rate over the time spent training (evaluation left out)
         tokens = round(summary["tokens_per_s"] * (summary["train_s"] - summary.get("eval_s", 0.0)))
     return {
         "usd": round(usd, 4),
         "usd_per_million_tokens": round(usd / tokens * 1e6, 4) if tokens else None,
-        "usd_per_hour": hourly["total_usd"],
-        "basis": f"{hourly['price_region']} on-demand prices x the run's wall time; excludes EBS, data and IPv4",
+        "usd_per_hour": usd_per_hour,
+        "basis": f"{price_region} on-demand prices x the run's wall time; excludes EBS, data and IPv4",
     }
+
+
+def deployment_record(cfg: Config, state: StateStore) -> dict[str, Any] | None:
+    """What ``submit`` tells the job about its cluster (:mod:`raytrain_eks.fabric.deployment`), or None when the
+    state does not say that ``up`` made the cluster ``cfg`` names. Its price is the cluster's hourly cost on that day.
+    Example: ``deployment_record(cfg, d.state)["usd_per_hour"] == 9.5498`` for the reference cluster."""
+    c = cfg.cluster
+    if state.get("cluster") != c.name:
+        return None
+    gpu, system = check_deployable(cfg)
+    hourly = cost_per_hour(cfg, gpu, system)
+    return {
+        "kind": RECORD_KIND,
+        "cluster": c.name,
+        "region": state.get("region") or c.region,
+        "gpu_node_type": gpu.name,
+        "gpu_node_count": c.gpu_node_count,
+        "system_node_type": system.name,
+        "system_node_count": c.system_node_count,
+        "usd_per_hour": hourly["total_usd"],
+        "price_region": hourly["price_region"],
+    }
+
+
+Price = Callable[[Mapping[str, Any]], dict[str, Any]]
+
+
+def job_price(config: str | os.PathLike[str] | None) -> tuple[Price | None, str | None]:
+    """How ``train --address`` prices its run: from the deployment record beside its configuration ``config`` (the
+    one ``submit`` mounts in the head pod). Returns ``(price, None)``, ``price(summary)`` being the run's cost; or
+    ``(None, why)`` on a Ray cluster without a record (one this tool did not deploy): nothing is assumed from the
+    configuration's instance types."""
+    record = read_deployment(config)
+    if record is None:
+        return None, no_record_reason(config)
+
+    def price(summary: Mapping[str, Any]) -> dict[str, Any]:
+        cost = priced_run(float(record["usd_per_hour"]), str(record["price_region"]), summary)
+        return {**cost, "cluster": record["cluster"]}
+
+    return price, None

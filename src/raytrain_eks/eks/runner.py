@@ -3,7 +3,8 @@
 Nothing here builds a shell string: ``shell=True`` is never used, so no value from a configuration or a user can
 become shell syntax. A failure raises :class:`CommandError`, which names the command, its exit status, the end of
 what it printed on stderr and the next thing to do. A program that is not installed raises
-:class:`MissingToolError` with how to install it. Example::
+:class:`MissingToolError` with how to install it; :func:`require_tools` checks every program a command needs before
+it starts and names all the missing ones at once (:class:`MissingToolsError`). Example::
 
     done = run(["helm", "version", "--short"], timeout=30)
     done.stdout  # "v3.19.0+g..."
@@ -24,7 +25,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Protocol
 
@@ -45,6 +46,13 @@ INSTALL_HINTS: dict[str, str] = {
     "`brew install helm`.",
     "kubectl": "Install kubectl (https://kubernetes.io/docs/tasks/tools/), for example `brew install kubectl`, "
     "or the binary from https://dl.k8s.io/release/stable.txt.",
+    "aws": "Install the AWS CLI v2 (https://docs.aws.amazon.com/cli/latest/userguide/getting-started-install.html), "
+    "for example `curl -sSLo awscliv2.zip https://awscli.amazonaws.com/awscli-exe-linux-x86_64.zip && unzip -q "
+    "awscliv2.zip && sudo ./aws/install` on Linux or `brew install awscli` on macOS; or `pip install awscli`.",
+    "aws-iam-authenticator": "Install aws-iam-authenticator "
+    "(https://github.com/kubernetes-sigs/aws-iam-authenticator/releases), for example `brew install "
+    "aws-iam-authenticator`; or, with the AWS CLI installed instead, run `raytrain-eks up` again: it writes the "
+    "kubeconfig anew, and eksctl then names `aws eks get-token` in it.",
 }
 
 
@@ -158,6 +166,59 @@ class MissingToolError(UserError):
             f"`{name}` is not installed (not found on PATH)",
             hint=INSTALL_HINTS.get(name, f"Install {name} and make sure it is on PATH."),
         )
+
+
+class MissingToolsError(MissingToolError):
+    """Programs a command needs are not installed: every one named in one message, each with what it is needed for
+    and how to install it. ``tools``: their names, in the order given; ``tool``: the first."""
+
+    exit_code = 2
+
+    def __init__(self, missing: Mapping[str, str]) -> None:
+        self.tools = list(missing)
+        self.tool = self.tools[0]
+        names = ", ".join(f"`{name}`" for name in self.tools)
+        if len(self.tools) == 1:
+            head = f"{names} is not installed (not found on PATH), and this command needs it:"
+        else:
+            head = f"{len(self.tools)} programs this command needs are not installed (not found on PATH): {names}"
+        lines = [head, *(f"  - {name}: {why}" for name, why in missing.items())]
+        hints = [f"{name}: {_install_hint(name)}" for name in missing]
+        UserError.__init__(
+            self,
+            "\n".join(lines),
+            hint="\n".join([*hints, "Then run the same raytrain-eks command again: nothing was created or changed."]),
+        )
+
+
+def _install_hint(name: str) -> str:
+    """How to install ``name`` (a kubeconfig may name a program by its full path)."""
+    return INSTALL_HINTS.get(os.path.basename(name), f"Install {name} and make sure it is on PATH.")
+
+
+def require_tools(needs: Sequence[tuple[Sequence[str], str]], require: Callable[[str], object] | None = None) -> None:
+    """Check every program of ``needs`` before anything runs; raise one :class:`MissingToolsError` naming all the
+    missing ones. Each need is ``(names, why)``: any one of ``names`` will do (the first is the one named when none
+    is installed), ``why`` says what it is needed for. ``require`` checks one name (default :func:`require_tool`).
+
+    Example: ``require_tools([(["eksctl"], "the cluster"), (["aws", "aws-iam-authenticator"], "credentials")])``.
+    """
+    check = require or require_tool
+    missing: dict[str, str] = {}
+    for names, why in needs:
+        if not names or names[0] in missing:
+            continue
+        for name in names:
+            try:
+                check(name)
+                break
+            except MissingToolError:
+                continue
+        else:
+            others = [f"`{n}`" for n in names[1:]]
+            missing[names[0]] = why + (f" (or {' or '.join(others)} instead)" if others else "")
+    if missing:
+        raise MissingToolsError(missing)
 
 
 class Runner(Protocol):

@@ -20,19 +20,23 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from raytrain_eks.eks.addons import NodesNotReady, gpu_node_problems, wait_gpu_nodes
+from raytrain_eks.eks.irsa import check_before_pods
 from raytrain_eks.eks.nodegroups import scale_gpu_nodes
-from raytrain_eks.eks.pricing import check_deployable
+from raytrain_eks.eks.pricing import check_deployable, deployment_record
 from raytrain_eks.eks.runner import CommandError
 from raytrain_eks.eks.state import Deployment, object_item
 from raytrain_eks.eks.wait import POLL_S
 from raytrain_eks.errors import UserError
-from raytrain_eks.fabric.nccl_lines import NCCL_LOG_FOLDER
+from raytrain_eks.fabric.decision import gate_decision
+from raytrain_eks.fabric.deployment import DEPLOYMENT_RECORD
+from raytrain_eks.fabric.nccl_lines import NCCL_LOG_PREFIX
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import KubeApiError, Pod
@@ -50,26 +54,33 @@ from raytrain_eks.k8s.job import (
 Mode = Literal["raycluster", "rayjob"]
 
 RAY_SESSION_LOGS = f"{m.RAY_LOG_DIR}/session_latest/logs"
-# The transport gate's NCCL_DEBUG_FILE folder as the worker pods see it: under their tempdir, /tmp.
-POD_NCCL_LOGS = f"/tmp/{NCCL_LOG_FOLDER}"
+# The transport gate's NCCL_DEBUG_FILE files as the worker pods see them: directly in their tempdir, /tmp.
+POD_NCCL_LOGS = f"/tmp/{NCCL_LOG_PREFIX}*.log"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 EXEC_TIMEOUT_S = 120
 
-# Runs in a worker pod: print every line holding "NCCL" under the given folders (rotated .gz files too): Ray's
-# session logs, and the per-process NCCL_DEBUG_FILE folder the training job's transport gate uses.
+# Runs in a worker pod: print every line holding "NCCL" of the given paths, each a folder (read whole) or a glob
+# pattern of files, rotated .gz files too: Ray's session logs, and the per-process NCCL_DEBUG_FILE files of the
+# training job's transport gate.
 _NCCL_LINES = """\
-import gzip, os, sys
-for folder, _, files in sorted(w for root in sys.argv[1:] for w in os.walk(root)):
-    for name in sorted(files):
-        path = os.path.join(folder, name)
-        try:
-            opener = gzip.open if name.endswith(".gz") else open
-            with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    if "NCCL" in line:
-                        sys.stdout.write(line if line.endswith("\\n") else line + "\\n")
-        except (OSError, EOFError):
-            continue
+import glob, gzip, os, sys
+paths = []
+for arg in sys.argv[1:]:
+    for found in sorted(glob.glob(arg)):
+        if os.path.isdir(found):
+            for folder, _, files in sorted(os.walk(found)):
+                paths += [os.path.join(folder, name) for name in sorted(files)]
+        else:
+            paths.append(found)
+for path in paths:
+    try:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if "NCCL" in line:
+                    sys.stdout.write(line if line.endswith("\\n") else line + "\\n")
+    except (OSError, EOFError):
+        continue
 """
 
 
@@ -330,16 +341,40 @@ def _wait_rayjob_cluster(d: Deployment, timeout: float) -> tuple[str, str]:
     )
 
 
+def refuse_raycluster_holding_gpus(d: Deployment) -> None:
+    """Before a RayJob: a UserError when this deployment's RayCluster (``submit --mode raycluster``) exists. Its
+    worker pods hold every GPU of the node group, so the RayJob's own RayCluster would sit Pending until its
+    start deadline. Nothing is deleted: a job may be running on it."""
+    ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
+    if d.kube.get("ray.io/v1", "RayCluster", name, ns) is None:
+        return
+    _, workers = ray_pods(d, ns, name)
+    on_nodes = sum(1 for w in workers if w.node_name)
+    delete = ["kubectl", "--kubeconfig", d.kubeconfig, "-n", ns, "delete", "raycluster", name]
+    raise UserError(
+        f"RayCluster {ns}/{name} (of `submit --mode raycluster`) still holds the GPU nodes ({on_nodes} of its "
+        f"{len(workers)} worker pods placed): the RayJob's own RayCluster would wait for their GPUs until its start "
+        f"deadline ({d.cfg.ray.job_start_deadline_s:.0f} s). Nothing was applied",
+        hint=f"Delete that RayCluster first (a Ray job running on it stops with it): `{shlex.join(delete)}`; then run "
+        "`raytrain-eks submit --mode rayjob` again. Or keep it and run `raytrain-eks submit` (--mode raycluster).",
+    )
+
+
 def apply_job_config(d: Deployment, hf_token: str | None) -> None:
     """What every job of ``d.cfg`` needs first: its namespace (unless ``default``), the Hugging Face token's Secret
-    (when a token is given) and the ConfigMap with the job's configuration."""
+    (when a token is given) and the ConfigMap with the job's configuration, beside it the deployment record when the
+    state says ``up`` made this cluster (what prices the run and tells the probe its nodes)."""
     cfg = d.cfg
     ns = cfg.ray.namespace
     if ns != "default":
         _apply(d, m.namespace(cfg), f"namespace {ns}")
     if hf_token:
         _apply(d, m.hf_token_secret(cfg, hf_token), f"Secret {ns}/{cfg.ray.hf_token_secret} (the Hugging Face token)")
-    _apply(d, m.job_config_map(cfg), f"ConfigMap {ns}/{m.config_map_name(cfg)} (the job's configuration)")
+    config_map = m.job_config_map(cfg)
+    record = deployment_record(cfg, d.state)
+    if record is not None:
+        config_map["data"][DEPLOYMENT_RECORD] = json.dumps(record, indent=2) + "\n"
+    _apply(d, config_map, f"ConfigMap {ns}/{m.config_map_name(cfg)} (the job's configuration)")
 
 
 def apply_raycluster(d: Deployment, *, hf_token: bool) -> None:
@@ -352,13 +387,18 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
     """Apply the Ray objects, run the job from inside the head pod, stream its logs and judge the fabric.
 
     Resumes: a job of this folder still running is followed instead of submitted twice; a finished RayJob is
-    replaced. ``hf_token`` goes into a Secret through the API only. Returns the result; its ``exit_code`` is 0 only
-    when the job succeeded, NCCL's log meets ``fabric.require``, and (for ``efa``) ``fi_info`` sees EFA.
+    replaced. A RayJob is refused while this deployment's RayCluster holds the GPU nodes, and its own RayCluster is
+    deleted once the evidence in its pods is read (then the GPU node group is scaled to 0). ``hf_token`` goes into
+    a Secret through the API only. Returns the result; its ``exit_code`` is 0 only when the job succeeded, NCCL's
+    log meets ``fabric.require``, and (for ``efa``) ``fi_info`` sees EFA.
     """
     cfg = d.cfg
     ns = cfg.ray.namespace
     gpu, _ = check_deployable(cfg)
     cfg.check_cluster_storage()  # checkpoints every node reaches, before any node is scaled or job submitted
+    if mode == "rayjob":
+        refuse_raycluster_holding_gpus(d)  # the RayJob's own cluster would wait for GPUs that one holds
+    check_before_pods(d)  # the pods' service account, and its IAM role's grants on the bucket, before any pod
     if d.state.get("gpu_scaled_to") == 0:  # a finished RayJob left the GPU group at 0 nodes
         d.say(f"Scaling GPU node group {cfg.cluster.gpu_nodegroup_name} back to {cfg.cluster.gpu_node_count} nodes")
         scale_gpu_nodes(d, cfg.cluster.gpu_node_count)
@@ -411,6 +451,10 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
     result = _judge(d, submission_id, final, workers)
     result.run_dir = run_dirs[-1] if run_dirs else None
     if mode == "rayjob":
+        # The evidence above was read from the RayJob's pods: only now may its cluster go (KubeRay's own deletion,
+        # ttlSecondsAfterFinished after the job ended, is the backstop for when submit is not there).
+        if d.kube.delete("ray.io/v1", "RayCluster", cluster, ns):
+            d.say(f"Deleted RayCluster {ns}/{cluster} of the RayJob (its pods' evidence is read)")
         # The RayJob removes its pods, not the GPU instances: scale the group to 0 so they stop billing.
         d.say(
             f"RayJob done: scaling GPU node group {cfg.cluster.gpu_nodegroup_name} to 0 (the next submit or up "
@@ -425,15 +469,19 @@ _RUN_FOLDER = re.compile(r"^\s*Run folder: (/\S.*)$", re.IGNORECASE)  # printed 
 
 def _judge(d: Deployment, submission_id: str, final: str, workers: list[Pod]) -> SubmitResult:
     require = d.cfg.fabric.require
+    job_nodes = d.cfg.derived.worker_nodes  # the GPU nodes the job's ranks span
     report = collect_transport(d, workers) if workers else None
     efa_ok, efa_said = check_efa_provider(d, workers[0]) if workers else (False, "no worker pod")
     versions = gpu_versions(d, workers[0]) if workers else {}
 
     summary = [f"Job {submission_id}: {final}"]
-    if report is not None:
+    # The job has ended: this is the last look, and the in-job gate's rule decides (a job on several nodes meets
+    # efa or ib only on proven evidence).
+    decision = None if report is None else gate_decision(report, require, job_nodes=job_nodes, last_look=True)
+    if report is not None and decision is not None:
         rendered = report.render(require)
         path = d.state.write_file(f"transport-{submission_id}.json", report.to_json(require) + "\n")
-        if report.meets(require):
+        if decision["met"]:
             summary += [rendered.splitlines()[0], f"  full report: {path}"]
         else:  # the evidence, plugin errors and notes are what the user needs to fix it
             summary += [*rendered.splitlines(), f"full report: {path}"]
@@ -447,9 +495,10 @@ def _judge(d: Deployment, submission_id: str, final: str, workers: list[Pod]) ->
     if final != "SUCCEEDED":
         code = 1
         summary.append(f"FAILED: the job ended {final}; `raytrain-eks logs` shows its output")
-    elif report is not None and report.exit_code(require) != 0:
-        code = report.exit_code(require)
+    elif decision is not None and not decision["met"]:
+        code = 2 if report is not None and report.verdict == "inconclusive" else 1
         summary.append(f"FAILED: NCCL's inter-node transport does not meet fabric.require = {require}")
+        summary.append(f"  {decision['note']}")
     elif require == "efa" and not efa_ok:
         code = 1
         summary.append("FAILED: libfabric does not see an EFA device on the worker (fi_info -p efa)")

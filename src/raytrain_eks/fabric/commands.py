@@ -23,6 +23,7 @@ from rich.console import Console
 from raytrain_eks import presets
 from raytrain_eks.config import load_config
 from raytrain_eks.errors import UserError
+from raytrain_eks.fabric.deployment import read_deployment
 from raytrain_eks.fabric.nccl_log import LogInputError, analyze_paths
 from raytrain_eks.fabric.probe import (
     DEFAULT_ITERS,
@@ -122,8 +123,8 @@ def probe(
     expected_gbps: Annotated[
         float | None,
         typer.Option(
-            help="Line rate in Gbit/s to compare with (default: fabric.expected_gbps, else the GPU "
-            "instance type's network rate)."
+            help="Line rate in Gbit/s to compare with (default: fabric.expected_gbps, else the network rate of "
+            "the GPU nodes' instance type on a cluster this tool deployed)."
         ),
     ] = None,
     healthy_ratio: Annotated[
@@ -159,6 +160,7 @@ def probe(
         healthy_ratio=healthy_ratio,
         say=err.print,
         verbose=verbose,
+        deployed=read_deployment(config) if address is not None else None,
     )
     typer.echo(report.to_json() if json_output else report.render())
     if report.exit_code:

@@ -27,9 +27,11 @@ from typing import BinaryIO, NamedTuple
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_report import LineRef, PluginInfo
 
-# The folder, under each worker's temporary directory, where the training job has NCCL write its debug files
-# (NCCL_DEBUG_FILE): on the worker's own disk, since workers may not share the run folder.
-NCCL_LOG_FOLDER = "raytrain-eks-nccl"
+# How the training job names each worker's NCCL debug file (NCCL_DEBUG_FILE):
+# "raytrain-eks-nccl.<token>.<host>.<pid>.log", directly in the worker's temporary directory (its own disk: workers
+# may not share the run folder). Not in a folder of its own: NCCL opens the file with a bare fopen and logs to stdout
+# when that fails, and nothing creates a folder before NCCL starts.
+NCCL_LOG_PREFIX = "raytrain-eks-nccl."
 
 # Reading: 4 MiB chunks keep the per-call overhead low; a "line" longer than 1 MiB (binary data, a log without
 # newlines) is cut so memory stays bounded whatever the input.
@@ -262,7 +264,9 @@ _MARK = re.compile(r"NCCL (INFO|WARN|TRACE) ")
 _HOST_PID = re.compile(r"([^\s:\[\]()<>|,=]+):(\d+):(\d+) \Z")
 _RAY = re.compile(r"\((?:[^()\s]+ )?pid=(\d+)(?:, ip=([^)\s,]+))?[^)]*\)")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-_REPEATED = re.compile(r"\s*\[repeated \d+x across cluster\]")
+# Ray's driver prints the first of the lines that several workers print alike and folds the rest into one later copy
+# of it, " [repeated 15x across cluster]": one worker's line then stands for that many more.
+_REPEATED = re.compile(r"\s*\[repeated (\d+)x across cluster\]")
 _HEX = re.compile(r"0x[0-9a-fA-F]+")
 
 _VERSION = re.compile(r"NCCL version (\d+\.\d+\.\d+)(\S*)")
@@ -417,6 +421,8 @@ class _Proc:
     ofi_failed: bool = False
     ib_devices: bool = False
     ib_absent: bool = False
+    # Other workers whose identical network lines Ray folded into this process's ("repeated Nx across cluster").
+    folded: int = 0
 
 
 class NcclLineReader:
@@ -452,6 +458,7 @@ class NcclLineReader:
         self._lines = 0
         self._nccl_lines = 0
         self._records = 0
+        self._folded = 0  # "[repeated Nx across cluster]" of the record being read
         self._handlers: dict[str, Callable[[_Ctx, str, str, Callable[[], LineRef]], None]] = {
             "Channel": self._on_conn,
             "Ring": self._on_conn,
@@ -507,8 +514,12 @@ class NcclLineReader:
 
     def _record(self, level: str, prefix: str, msg: str, raw: str, source: str, lineno: int) -> None:
         msg = msg.strip()
+        self._folded = 0
         if msg.endswith("]") and "repeated" in msg:
-            msg = _REPEATED.sub("", msg)
+            folded = _REPEATED.search(msg)
+            if folded:
+                self._folded = int(folded.group(1))
+                msg = msg[: folded.start()] + msg[folded.end() :]
         if msg.endswith("|"):
             msg = msg.rstrip(" |")
         sp = msg.find(" ")
@@ -681,6 +692,7 @@ class NcclLineReader:
                 proc = self._procs[ctx.proc]
                 if name in proc.networks or len(proc.networks) < 8:
                     proc.networks[name] += 1
+                proc.folded = max(proc.folded, self._folded)
                 self._keep("network:" + name, ref)
                 return
 
@@ -691,6 +703,7 @@ class NcclLineReader:
         if m:
             provider = m.group(1).strip()[:40]
             proc.provider = provider
+            proc.folded = max(proc.folded, self._folded)
             if provider in self._providers or len(self._providers) < 8:
                 self._providers[provider] += 1
             p = self._plugin
@@ -708,6 +721,7 @@ class NcclLineReader:
             self._plugin.gdr_disabled = True
         if level == "WARN" or "No eligible providers" in body or "initialization failed" in body:
             proc.ofi_failed = True
+            proc.folded = max(proc.folded, self._folded)
             self._failure(msg, ref)
 
     def _on_plugin(self, ctx: _Ctx, msg: str, level: str, ref: Callable[[], LineRef]) -> None:
@@ -748,6 +762,7 @@ class NcclLineReader:
     def _on_ib(self, ctx: _Ctx, msg: str, level: str, ref: Callable[[], LineRef]) -> None:
         if "No device found" in msg:
             self._procs[ctx.proc].ib_absent = True
+            self._procs[ctx.proc].folded = max(self._procs[ctx.proc].folded, self._folded)
             self._keep("ib-no-device", ref)
             return
         m = _IB_USING.search(msg)

@@ -11,7 +11,7 @@ Example::
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from raytrain_eks.fabric import nccl_lines
 from raytrain_eks.fabric.nccl_lines import (
@@ -287,11 +287,15 @@ class _Decision:
         # decides, so that one process on sockets is never hidden by others on EFA.
         a = self.a
         members = {p for k in multi_comms for ps in a._members.get(k, {}).values() for p in ps}
-        choices: dict[str, list[tuple[ProcKey, str]]] = {}
-        for key in members or a._procs:
-            choice = self._choice(a._procs[key])
-            if choice is not None:
-                choices.setdefault(choice[0], []).append((key, choice[1]))
+        choices = self._choices(members or a._procs)
+        for_the_job = False
+        if members and not choices:
+            # The processes that logged the multi-node communicator said nothing of their network here, but other
+            # processes of the same job did: Ray's driver folds the lines that workers print alike into one worker's
+            # ("[repeated 15x across cluster]"), and a cut log keeps some processes' set-up only. What the job's
+            # processes selected is then what its inter-node links used (the weakest choice still decides).
+            choices = self._choices(a._procs)
+            for_the_job = bool(choices)
         if not choices:
             if multi_comms:
                 reason = (
@@ -303,6 +307,11 @@ class _Decision:
         support = ["nnodes>1"] + [f"network:{n}" for p in a._procs.values() for n in p.networks]
         scope = " for a communicator that spans nodes" if multi_comms else ""
         base = f"no per-connection lines were logged, so the network NCCL selected{scope} decides"
+        if for_the_job:
+            base = (
+                "no per-connection lines were logged, and the processes that logged a communicator spanning nodes "
+                "selected no network in this log, so what the job's other processes selected decides"
+            )
         fams = set(choices)
         if "socket" in fams:
             why = choices["socket"][0][1]
@@ -324,10 +333,21 @@ class _Decision:
             reason = f"{base}, but it is a network this tool cannot classify ({mixed})"
         return "inconclusive", "none", reason, _sorted_refs(self._support(support))
 
+    def _choices(self, keys: Iterable[ProcKey]) -> dict[str, list[tuple[ProcKey, str]]]:
+        """The processes ``keys`` by the network family each selected (those that said nothing are left out)."""
+        choices: dict[str, list[tuple[ProcKey, str]]] = {}
+        for key in keys:
+            choice = self._choice(self.a._procs[key])
+            if choice is not None:
+                choices.setdefault(choice[0], []).append((key, choice[1]))
+        return choices
+
     def _who(self, procs: list[tuple[ProcKey, str]], n: int = 4) -> str:
         names = [f"{self.nodes.get(k) or '?'} pid {k[1] or '?'}" for k, _ in procs[:n]]
         more = f" and {len(procs) - n} more" if len(procs) > n else ""
-        return f"{len(procs)} process(es) ({', '.join(names)}{more})"
+        folded = max((self.a._procs[k].folded for k, _ in procs), default=0)
+        ray = f"; Ray folded the same lines of {folded} more worker(s) into theirs" if folded else ""
+        return f"{len(procs)} process(es) ({', '.join(names)}{more}{ray})"
 
     def _support(self, kinds: Sequence[str]) -> list[LineRef]:
         out: list[LineRef] = []

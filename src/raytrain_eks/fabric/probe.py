@@ -11,7 +11,8 @@ them, and times each collective over a range of message sizes. Bandwidth is comp
 
 busbw is comparable across collectives and rank counts: it approaches the bandwidth of the slowest link, here
 the inter-node fabric. The verdict compares the best large-message busbw with the expected line rate (the
-``fabric.expected_gbps`` setting, else the GPU instance type's network rate, e.g. 40 Gbit/s for g6.12xlarge)::
+``fabric.expected_gbps`` setting, else the network rate of the GPU nodes' instance type when the cluster's deployment
+record gives it, e.g. 40 Gbit/s for g6.12xlarge)::
 
     report = run_probe(load_config(preset=reference()), ProbeSpec(), address="auto")
     print(report.render())
@@ -254,7 +255,10 @@ def judge(
         reason = "every rank ran on one node, so no traffic crossed the fabric; run with workers on at least two nodes"
         return Verdict("single-node", reason, ratio=None, **common)
     if not expected_gbps:
-        reason = "no expected line rate: pass --expected-gbps or set fabric.expected_gbps"
+        reason = (
+            "no expected line rate: the nodes' instance type is known only on a cluster this tool deployed and "
+            "submitted to; pass --expected-gbps or set fabric.expected_gbps"
+        )
         return Verdict("unknown", reason, ratio=None, **common)
     ratio = best / expected_gbps
     verdict = "healthy" if ratio >= healthy_ratio else "degraded"
@@ -266,10 +270,16 @@ def judge(
     return Verdict(verdict, reason, ratio=ratio, **common)
 
 
-def expected_line_rate(cfg: Config, override: float | None = None) -> tuple[float | None, str | None]:
-    """(Gbit/s, where it came from): ``override``, else ``fabric.expected_gbps``, else the GPU instance type's rate.
+def expected_line_rate(
+    cfg: Config, override: float | None = None, deployed: Mapping[str, Any] | None = None
+) -> tuple[float | None, str | None]:
+    """(Gbit/s, where it came from): ``override``, else ``fabric.expected_gbps``, else the network rate of the GPU
+    nodes' instance type when it is known: from ``deployed``, the deployment record ``submit`` gave the job
+    (:mod:`raytrain_eks.fabric.deployment`). The configuration's instance type says nothing of the nodes of a Ray
+    cluster this tool did not deploy, so it is never assumed; ``(None, None)`` then.
 
-    Example: ``expected_line_rate(reference()) == (40, "g6.12xlarge network rate")``.
+    Example: ``expected_line_rate(reference(), deployed={"gpu_node_type": "g6.12xlarge", ...}) == (40, "g6.12xlarge
+    network rate")``.
     """
     if override is not None:
         if override <= 0:
@@ -277,7 +287,7 @@ def expected_line_rate(cfg: Config, override: float | None = None) -> tuple[floa
         return override, "--expected-gbps"
     if cfg.fabric.expected_gbps is not None:
         return cfg.fabric.expected_gbps, "fabric.expected_gbps"
-    it = INSTANCE_TYPES.get(cfg.cluster.gpu_node_type)
+    it = INSTANCE_TYPES.get(str(deployed.get("gpu_node_type"))) if deployed else None
     if it is None:
         return None, None
     return it.network_gbps, f"{it.name} network rate"
@@ -408,12 +418,14 @@ def run_probe(
     healthy_ratio: float = HEALTHY_RATIO,
     say: Callable[[str], None] = lambda _line: None,
     verbose: bool = False,
+    deployed: Mapping[str, Any] | None = None,
 ) -> ProbeReport:
     """Run the probe on Ray Train and judge it; raise a :class:`UserError` when it cannot run.
 
     ``address``: join a cluster (``"auto"`` or ``HOST:PORT``), else start Ray on this machine. ``num_workers``:
     ranks (default ``training.num_workers``; 0 = one per GPU in the cluster, else 2 CPU workers), placed as
-    training places them.
+    training places them. ``deployed``: the deployment record of the cluster (its nodes' instance type gives the
+    expected line rate, see :func:`expected_line_rate`).
     """
     import ray
     import ray.train
@@ -429,7 +441,7 @@ def run_probe(
     )
 
     t_start = time.perf_counter()
-    line_rate, source = expected_line_rate(cfg, expected_gbps)
+    line_rate, source = expected_line_rate(cfg, expected_gbps, deployed)
     requested = cfg.training.num_workers if num_workers is None else num_workers
     init_ray(address, requested or LOCAL_CPU_WORKERS, verbose)
     workers, use_gpu = resolve_num_workers(requested, int(ray.cluster_resources().get("GPU", 0)))

@@ -36,6 +36,13 @@ IMAGE_PROVIDED = frozenset({"torch", "torchvision", "ray", "pyarrow"})
 DEPLOY_ONLY = frozenset({"kubernetes", "boto3"})
 
 DASHBOARD = f"http://127.0.0.1:{m.HEAD_PORTS['dashboard']}"
+# What KubeRay's RayJob controller gives the submitter container (configureSubmitterContainer in
+# ray-operator/controllers/ray/rayjob_controller.go, v1.7.0): the head service's dashboard address, without a scheme,
+# and the Ray job id it chose for the RayJob (status.jobId).
+SUBMITTER_CONTAINER = "ray-job-submitter"  # utils.SubmitterContainerName
+SUBMITTER_ADDRESS_ENV = "RAY_DASHBOARD_ADDRESS"
+SUBMITTER_JOB_ID_ENV = "RAY_JOB_SUBMISSION_ID"
+DASHBOARD_HEALTH_PATH = "api/gcs_healthz"  # utils.RayDashboardGCSHealthPath
 HEAD_CODE_ROOT = "/tmp/raytrain-eks"  # where the package is unpacked in the head pod (raycluster mode)
 SUBMITTER_CODE_DIR = "/opt/raytrain-eks"  # where the code ConfigMap is mounted in a RayJob's submitter pod
 
@@ -53,6 +60,43 @@ with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
     tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
 print("unpacked", dest)
 """
+
+# The command of a RayJob's submitter pod (argv: the runtime_env as JSON, the entrypoint). KubeRay's default command
+# (BuildJobSubmitCommand in ray-operator/controllers/ray/common/job.go, v1.7.0) waits for the dashboard with a bare
+# `python -c ...`, an interpreter the image does not promise; this one runs the same steps under python3, calling
+# no shell: wait until the dashboard's GCS health check answers "success" (every 2 s, 10 s per try), submit the job
+# under the RayJob's job id unless `ray job status` knows it already (a retried submitter must not submit twice),
+# then follow its logs; the exit status is that of `ray job logs`, as with KubeRay's. It reads SUBMITTER_ADDRESS_ENV,
+# SUBMITTER_JOB_ID_ENV and DASHBOARD_HEALTH_PATH.
+_SUBMITTER = """\
+import os, shlex, subprocess, sys, time, urllib.request
+runtime_env, entrypoint = sys.argv[1], sys.argv[2]
+address = os.environ["RAY_DASHBOARD_ADDRESS"]
+address = address if address.startswith("http://") else "http://" + address
+job_id = os.environ["RAY_JOB_SUBMISSION_ID"]
+while True:
+    try:
+        with urllib.request.urlopen(address + "/api/gcs_healthz", timeout=10) as answer:
+            if b"success" in answer.read():
+                break
+    except Exception:
+        pass
+    print("Waiting for Ray Dashboard GCS to become healthy at " + address + " ...", flush=True)
+    time.sleep(2)
+quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+if subprocess.run(["ray", "job", "status", "--address", address, job_id], **quiet).returncode != 0:
+    submit = ["ray", "job", "submit", "--address", address, "--no-wait", "--runtime-env-json", runtime_env]
+    code = subprocess.run([*submit, "--submission-id", job_id, "--", *shlex.split(entrypoint)]).returncode
+    if code != 0:
+        sys.exit(code)
+sys.exit(subprocess.run(["ray", "job", "logs", "--address", address, "--follow", job_id]).returncode)
+"""
+
+
+def submitter_argv(entrypoint: str, runtime_env_json: str) -> list[str]:
+    """The submitter container's command: :data:`_SUBMITTER` under ``python3`` with the RayJob's runtime_env (JSON,
+    as KubeRay converts ``runtimeEnvYAML``) and entrypoint (one string, split as the shell splits it for KubeRay)."""
+    return [m.IMAGE_PYTHON, "-c", _SUBMITTER, runtime_env_json, entrypoint]
 
 
 def image_missing_requirements() -> list[str]:
@@ -152,15 +196,18 @@ def rayjob_manifest(
 ) -> dict[str, Any]:
     """The RayJob of :func:`raytrain_eks.k8s.manifests.rayjob` (its entrypoint is the same driver command as
     :func:`submit_job`'s), plus the runtime_env and a submitter pod that mounts the code ConfigMap where
-    ``py_modules`` points (``ray job submit`` runs in that pod)."""
-    doc = m.rayjob(cfg, hf_token=hf_token, runtime_env=runtime_env(SUBMITTER_CODE_DIR))
+    ``py_modules`` points and runs :func:`submitter_argv` (``ray job submit`` runs in that pod)."""
+    env = runtime_env(SUBMITTER_CODE_DIR)
+    doc = m.rayjob(cfg, hf_token=hf_token, runtime_env=env)
     submitter = {
         "spec": {
             "restartPolicy": "Never",
             "containers": [
                 {
-                    "name": "ray-job-submitter",
+                    "name": SUBMITTER_CONTAINER,
                     "image": cfg.ray.image,
+                    # KubeRay keeps a command it is given (K8sJobMode) instead of its default, which calls `python`.
+                    "command": submitter_argv(doc["spec"]["entrypoint"], json.dumps(env)),
                     "resources": {
                         "requests": {"cpu": "500m", "memory": "512Mi"},
                         "limits": {"cpu": "1", "memory": "1Gi"},

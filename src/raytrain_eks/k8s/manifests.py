@@ -38,7 +38,12 @@ CONFIG_DIR = "/etc/raytrain-eks"
 CONFIG_FILE = "raytrain-eks.yaml"
 RAY_LOG_DIR = "/tmp/ray"
 HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
-RAYJOB_TTL_S = 60
+# How long after a RayJob's end KubeRay deletes its RayCluster (ttlSecondsAfterFinished; the operator counts from
+# status.endTime, the moment it saw the job end: handleShutdownAfterJobFinishes in
+# ray-operator/controllers/ray/rayjob_controller.go, v1.7.0). `submit` reads the evidence in the pods (NCCL's lines,
+# fi_info, nvidia-smi) and then deletes the cluster itself: this is only the backstop for when it is not there to
+# (interrupted, or the plan's rayjob.yaml applied by hand), long enough never to cut the reading short.
+RAYJOB_TTL_S = 3600
 # The Ray pods' service account: eksctl gives it an IAM role that may use the checkpoint bucket (IRSA).
 RAY_SERVICE_ACCOUNT = "raytrain-eks-ray"
 # The interpreter every command run inside the image calls: the reference's scripts rely on python3 only (a bare
@@ -249,7 +254,8 @@ def raycluster(cfg: Config, *, hf_token: bool = False) -> dict[str, Any]:
 
 
 def rayjob(cfg: Config, *, hf_token: bool = False, runtime_env: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """A ``ray.io/v1`` RayJob: its own RayCluster, the training entrypoint, and a cluster deleted when it ends.
+    """A ``ray.io/v1`` RayJob: its own RayCluster, the training entrypoint, and a cluster deleted after it ends
+    (by ``submit`` once it has read the pods' evidence, else by KubeRay :data:`RAYJOB_TTL_S` later).
 
     ``activeDeadlineSeconds`` bounds the whole run and ``preRunningDeadlineSeconds`` the wait for pods, so a job
     that hangs or never gets its GPUs stops costing. ``runtime_env`` (packages the image lacks) is optional.

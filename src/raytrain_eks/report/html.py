@@ -115,7 +115,7 @@ def _overview(runs: list[Run]) -> str:
         ("workers × device", lambda s: f"{_num(s.get('world_size'), '{}')} × {escape(str(s.get('device', '—')))}"),
         ("precision", lambda s: escape(str(s.get("precision", "—")))),
         ("wall time (s)", lambda s: _num(s.get("wall_s"), "{:,.0f}")),
-        ("cost", lambda s: escape(cost_text(s.get("cost")))),
+        ("cost", lambda s: escape(cost_text(s.get("cost"), s.get("cost_note")))),
         ("checkpoints", lambda s: escape(", ".join(map(str, s.get("checkpoints") or [])) or "—")),
         ("exported model", lambda s: escape(str(s.get("model_dir") or "—"))),
     ]
@@ -127,11 +127,11 @@ def _overview(runs: list[Run]) -> str:
     return f"<table><tr><th></th>{head}</tr>{body}</table>"
 
 
-def cost_text(cost: dict[str, Any] | None) -> str:
-    """A summary's ``cost`` in words, as the report and ``train`` print it. Example:
-    ``$1.59 at $9.55/h; $0.05 per million tokens``."""
+def cost_text(cost: dict[str, Any] | None, note: str | None = None) -> str:
+    """A summary's ``cost`` in words, as the report and ``train`` print it; without one, ``note`` (the summary's
+    ``cost_note``) says why. Example: ``$1.59 at $9.55/h; $0.05 per million tokens``."""
     if not cost:
-        return "— (known for runs on a cluster this tool deployed)"
+        return f"not known: {note}" if note else "— (known for runs on a cluster this tool deployed)"
     per_million = cost.get("usd_per_million_tokens")  # None when the attempt trained no token
     return f"${cost['usd']:.2f} at ${cost['usd_per_hour']:.2f}/h; " + (
         "no token trained" if per_million is None else f"${per_million:.2f} per million tokens"

@@ -2,31 +2,71 @@
 
 Each worker's NCCL writes its ``NCCL_DEBUG=INFO`` lines to a file of its own (``NCCL_DEBUG_FILE``, set by the
 launcher). After step 1 every rank hands its lines to rank 0, which runs the fabric analysis of
-:mod:`raytrain_eks.fabric` on all of them; the decision goes back to every rank. When the requirement is not
-met the job stops there — in its first minute — instead of training for hours over TCP sockets; when the lines
-only show what NCCL selected, not what carried the links, the gate looks once more after step 2.
+:mod:`raytrain_eks.fabric` on all of them and decides with :func:`raytrain_eks.fabric.decision.gate_decision`; the
+decision goes back to every rank. When the requirement is not met the job stops there — in its first minute —
+instead of training for hours over TCP sockets; when the lines only show what NCCL selected, not what carried the
+links, the gate looks once more after step 2.
+
+Where the file lies matters: NCCL opens it with a bare ``fopen(path, "w")`` and, when that fails, logs to stdout
+without a word (``ncclDebugInit`` in NCCL's src/debug.cc), and the training function cannot make a folder for it in
+time (Ray Train sets up the process group before that function runs). So the file lies directly in the temporary
+directory, which exists, with the run's token in its name::
+
+    /tmp/raytrain-eks-nccl.<token>.<host>.<pid>.log      # <host>: the host name up to its first '.'
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from raytrain_eks.fabric import TransportReport, analyze
-from raytrain_eks.fabric.nccl_lines import NCCL_LOG_FOLDER
+from raytrain_eks.fabric import analyze
+from raytrain_eks.fabric.decision import gate_decision
+from raytrain_eks.fabric.nccl_lines import NCCL_LOG_PREFIX
 
+__all__ = ["check_transport", "gate_decision", "nccl_env", "nccl_log_path", "own_nccl_lines"]
 
-def nccl_log_dir(token: str) -> Path:
-    """A folder on each worker's own disk for NCCL's debug files (workers may not share the run folder)."""
-    return Path(tempfile.gettempdir()) / NCCL_LOG_FOLDER / token
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def nccl_env(token: str) -> dict[str, str]:
-    """The worker environment that makes NCCL log its set-up to one file per process (%h host, %p pid)."""
-    return {"NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "INFO"), "NCCL_DEBUG_FILE": f"{nccl_log_dir(token)}/%h.%p.log"}
+    """The worker environment that makes NCCL log its set-up to one file per process (%h host, %p pid).
+
+    The file is named after ``token`` (characters other than letters, digits, ``.``, ``_`` and ``-`` become ``-``,
+    so that no ``%`` or ``/`` of it reaches NCCL's pattern) and lies directly in the temporary directory. Example:
+    ``nccl_env("run-1")["NCCL_DEBUG_FILE"] == "/tmp/raytrain-eks-nccl.run-1.%h.%p.log"``.
+    """
+    name = f"{NCCL_LOG_PREFIX}{_UNSAFE.sub('-', token)}.%h.%p.log"
+    return {
+        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "INFO"),
+        "NCCL_DEBUG_FILE": str(Path(tempfile.gettempdir(), name)),
+    }
+
+
+def nccl_log_path(pattern: str, hostname: str, pid: int) -> Path:
+    """The file NCCL opens for ``NCCL_DEBUG_FILE`` = ``pattern`` in process ``pid`` on host ``hostname``.
+
+    As NCCL's ``ncclDebugInit`` expands it: ``%h`` is the host name up to its first ``.`` (``getHostName(...,
+    '.')``) with ``%`` and ``/`` made ``-``, ``%p`` the pid, ``%%`` one ``%``; any other ``%x`` stays as it is.
+    Example: ``nccl_log_path("/tmp/n.%h.%p.log", "ip-10-0-1-5.ec2.internal", 42) == Path("/tmp/n.ip-10-0-1-5.42.log")``.
+    """
+    host = hostname.split(".", 1)[0].replace("%", "-").replace("/", "-")
+    out: list[str] = []
+    i = 0
+    while i < len(pattern):
+        ch = pattern[i]
+        nxt = pattern[i + 1] if i + 1 < len(pattern) else ""
+        if ch != "%":
+            out.append(ch)
+            i += 1
+            continue
+        out.append({"%": "%", "h": host, "p": str(pid)}.get(nxt, "%" + nxt))
+        i += 2
+    return Path("".join(out))
 
 
 def own_nccl_lines() -> list[str]:
@@ -34,46 +74,11 @@ def own_nccl_lines() -> list[str]:
     pattern = os.environ.get("NCCL_DEBUG_FILE")
     if not pattern:
         return []
-    path = Path(pattern.replace("%h", socket.gethostname()).replace("%p", str(os.getpid())))
+    path = nccl_log_path(pattern, socket.gethostname(), os.getpid())
     if not path.is_file():
         return []
     with path.open(errors="replace") as f:
         return [line.rstrip("\n") for line in f if "NCCL" in line]
-
-
-def gate_decision(report: TransportReport, require: str, *, job_nodes: int, last_look: bool) -> dict[str, Any]:
-    """What the gate does with one look at the job's NCCL lines: ``continue``, ``look-again`` or ``stop``.
-
-    A job on one node sends nothing between nodes, so ``single-node`` meets any requirement there. A job on
-    several nodes continues only on ``proven`` evidence that meets ``require`` (its own logs hold connection
-    lines); evidence that is only ``selected`` makes the gate look again after the next step, and stop if that
-    last look still cannot prove it. A verdict that does not meet ``require``, or none, stops the run at once.
-    Example::
-
-        gate_decision(analyze(lines), "efa", job_nodes=2, last_look=False)["action"]  # "look-again"
-    """
-    result = {"require": require, "verdict": report.verdict, "basis": report.basis, "job_nodes": job_nodes}
-    if job_nodes <= 1 and report.verdict == "single-node":
-        met, action = True, "continue"
-        note = "the job runs on one node: no inter-node link existed, so any fabric requirement is met"
-    elif report.verdict == "single-node":
-        met, action = False, "stop"
-        note = f"the job spans {job_nodes} nodes, but NCCL's lines show no link between them"
-    elif report.verdict == "inconclusive":
-        met, action, note = False, "stop", "NCCL's lines do not show which network it selected or used"
-    elif not report.meets(require):
-        met, action = False, "stop"
-        note = f"the transport is {report.verdict!r} ({report.basis}), not {require!r}"
-    elif report.basis == "proven":
-        met, action, note = True, "continue", f"connection lines prove the {report.verdict!r} transport"
-    elif last_look:
-        met, action = False, "stop"
-        note = f"after a second look, NCCL's lines still do not prove that {require!r} carries the inter-node links"
-    else:
-        met, action = None, "look-again"
-        note = "no connection line proves the transport yet: looking again after the next step"
-    text = report.render(require)
-    return {**result, "met": met, "action": action, "note": note, "report": f"{text}\n\nTransport gate: {note}"}
 
 
 def check_transport(

@@ -119,6 +119,7 @@ def run_training(
     verbose: bool = False,
     resume: Path | str | None = None,
     price: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+    unpriced: str | None = None,
 ) -> RunResult:
     """Train with Ray Train as configured and write the run folder; raise a :class:`UserError` on failure.
 
@@ -127,7 +128,8 @@ def run_training(
     it has that method. ``resume`` is an earlier run folder to continue, from its newest
     complete checkpoint, to ``cfg.training.steps``, or that run's storage folder as a URI (see
     :func:`_resume_source`). ``price``, given the finished summary, returns what the run cost
-    (or ``None``); it goes into ``summary.json`` and the report as ``cost``.
+    (or ``None``); it goes into ``summary.json`` and the report as ``cost``. ``unpriced`` (without ``price``) says
+    why the run cannot be priced: ``cost`` is then null and ``cost_note`` says why.
     """
     import ray
 
@@ -194,6 +196,7 @@ def run_training(
                 resume_from=resume_from,
                 t_start=t_start,
                 price=price,
+                unpriced=unpriced,
                 trained=local_ray.stop_soon if local_ray is not None else None,
             )
         except Exception as exc:
@@ -224,6 +227,7 @@ def _train_in(
     resume_from: str | None,
     t_start: float,
     price: Callable[[dict[str, Any]], dict[str, Any] | None] | None,
+    unpriced: str | None = None,
     trained: Callable[[], None] | None = None,
 ) -> RunResult:
     """Everything of :func:`run_training` after the run folder exists: Ray, data, the trainer, the summary.
@@ -405,6 +409,8 @@ def _train_in(
     summary["data"] = training.data
     if price is not None:
         summary["cost"] = price(summary)
+    elif unpriced is not None:
+        summary["cost"], summary["cost_note"] = None, unpriced
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     tracker.finish(summary)
     say(f"report: {write_report([run_dir], run_dir)}")

@@ -1,0 +1,166 @@
+"""The programs each EKS command runs, declared step by step in this one place, and the check that all of them are
+installed before a command creates, changes or asks anything.
+
+Each step says what it runs (:data:`STEPS`); a command is the steps it takes (:func:`command_steps`: ``down`` the
+steps that delete what the state file records, ``submit`` the node-group step only when it scales the GPU group).
+:func:`require_programs` checks the programs of all of them and names every missing one in one message (exit 2),
+each with how to install it.
+
+Every call to the Kubernetes API, helm's and the Kubernetes client's alike, runs the credential program the
+kubeconfig names. eksctl writes ``aws eks get-token`` (the AWS CLI) or ``aws-iam-authenticator token``, whichever of
+the two it finds on PATH (eksctl v0.230.0, ``pkg/utils/kubeconfig/kubeconfig.go``: ``lookupAuthenticator``,
+``AppendAuthenticator``). The program is read from this folder's kubeconfig when it exists (``users[].user.exec
+.command``); ``up`` writes the kubeconfig anew before its first call to the cluster, so it needs either of the two.
+Example::
+
+    require_programs(d, "submit")    # MissingToolsError naming `aws` when the kubeconfig runs it and it is missing
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from raytrain_eks.eks.runner import require_tools
+from raytrain_eks.eks.state import Deployment
+
+EKSCTL = "eksctl"
+HELM = "helm"
+KUBERNETES = "kubernetes-api"  # not a program: the kubeconfig's credential program (:func:`credential_needs`)
+# What eksctl may name in a kubeconfig; the first is the one named when neither is installed.
+CREDENTIAL_PROGRAMS = ("aws", "aws-iam-authenticator")
+
+
+@dataclass(frozen=True)
+class Step:
+    """What a step does, in words, and the programs it runs."""
+
+    what: str
+    programs: tuple[str, ...]
+
+
+STEPS: dict[str, Step] = {
+    "cluster": Step("the EKS cluster and this folder's kubeconfig (eksctl get/create/delete cluster)", (EKSCTL,)),
+    "node-groups": Step("the node groups (eksctl get/create/delete/scale nodegroup)", (EKSCTL,)),
+    "iam-service-account": Step(
+        "the Ray pods' service account and its IAM role (eksctl create/update iamserviceaccount)", (EKSCTL, KUBERNETES)
+    ),
+    "helm-releases": Step("the device plugins and KubeRay (helm list/upgrade/uninstall)", (HELM, KUBERNETES)),
+    "kubernetes": Step("the nodes, the Ray pods and jobs (the Kubernetes API)", (KUBERNETES,)),
+}
+
+# The steps of each command, in the order it takes them.
+COMMANDS: dict[str, tuple[str, ...]] = {
+    "up": ("cluster", "iam-service-account", "node-groups", "kubernetes", "helm-releases"),
+    "status": ("cluster", "node-groups", "kubernetes"),
+    "submit": ("kubernetes",),  # and node-groups when it scales the GPU group (command_steps)
+    "compare-fabric": ("kubernetes",),  # the RayCluster replaced, then submit twice
+    "logs": ("kubernetes",),
+    "down": ("cluster",),  # it asks eksctl whether the cluster exists; then DELETE_STEPS of what is recorded
+}
+# What down takes to delete each kind of item the state file records.
+DELETE_STEPS: dict[str, tuple[str, ...]] = {
+    "bucket": (),
+    "object": ("kubernetes",),
+    "helm": ("helm-releases",),
+    "nodegroup": ("node-groups",),
+    "cluster": ("cluster",),
+}
+
+
+def command_steps(d: Deployment, command: str, *, mode: str = "raycluster") -> tuple[str, ...]:
+    """The steps ``command`` takes from this folder now. ``mode``: submit's (a RayJob scales the GPU group to 0).
+
+    Nothing for ``down`` when nothing is recorded, nor for ``logs`` when no job is, since they then run nothing.
+    """
+    s = d.state
+    steps = COMMANDS[command]
+    if command == "down":
+        if not s.created:
+            return ()
+        steps = steps + tuple(step for item in s.created for step in DELETE_STEPS.get(item["type"], ()))
+    elif command in ("submit", "compare-fabric"):
+        if mode == "rayjob" or s.get("gpu_scaled_to") == 0:
+            steps = (*steps, "node-groups")
+    elif command == "logs" and not (s.get("job") or {}).get("id"):
+        return ()
+    return tuple(dict.fromkeys(steps))
+
+
+def kubeconfig_programs(path: Path) -> list[tuple[str, list[str]]] | None:
+    """The credential programs a kubeconfig runs, with their arguments (``users[].user.exec``); ``None`` when the
+    file does not exist or cannot be read as a kubeconfig."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    found: dict[str, list[str]] = {}
+    for user in doc.get("users") or []:
+        plugin = ((user or {}).get("user") or {}).get("exec") if isinstance(user, dict) else None
+        if isinstance(plugin, dict) and isinstance(plugin.get("command"), str) and plugin["command"]:
+            args = plugin.get("args") if isinstance(plugin.get("args"), list) else []
+            found.setdefault(plugin["command"], [str(a) for a in args])
+    return list(found.items())
+
+
+def credential_needs(d: Deployment, command: str, uses: str) -> list[tuple[tuple[str, ...], str]]:
+    """What every call to the cluster needs for its credentials: the program(s) the kubeconfig names, or, before it
+    exists (and for ``up``, which writes it anew), either program eksctl may name. ``uses``: the steps, in words."""
+    path = d.state.kubeconfig
+    named = None if command == "up" else kubeconfig_programs(path)
+    if named is None:
+        return [
+            (
+                CREDENTIAL_PROGRAMS,
+                f"`aws eks get-token`: eksctl writes {path} to run it for the credentials of every call to the "
+                f"cluster ({uses})",
+            )
+        ]
+    return [
+        (
+            (program,),
+            f"{path} runs `{shlex.join([program, *args[:2]])}` for the credentials of every call to the "
+            f"cluster ({uses})",
+        )
+        for program, args in named
+    ]
+
+
+def needs(d: Deployment, commands: Sequence[str], *, mode: str = "raycluster") -> list[tuple[tuple[str, ...], str]]:
+    """Every program ``commands`` will run from this folder now, as ``(alternatives, why)``."""
+    steps = list(dict.fromkeys(step for command in commands for step in command_steps(d, command, mode=mode)))
+    programs = list(dict.fromkeys(p for step in steps for p in STEPS[step].programs))
+    out: list[tuple[tuple[str, ...], str]] = []
+    for program in programs:
+        uses = "; ".join(STEPS[step].what for step in steps if program in STEPS[step].programs)
+        if program == KUBERNETES:
+            out += credential_needs(d, "up" if "up" in commands else commands[0], uses)
+        else:
+            out.append(((program,), uses))
+    return out
+
+
+def require_programs(d: Deployment, *commands: str, mode: str = "raycluster") -> None:
+    """Raise :class:`~raytrain_eks.eks.runner.MissingToolsError` (exit 2) naming every program ``commands`` need
+    that is not installed, checked through ``d.require_tool``; do nothing when all are there."""
+    require_tools(needs(d, commands, mode=mode), d.require_tool)
+
+
+def declared_programs(command: str) -> str:
+    """The programs ``command`` may run, in words, for plans and help: ``eksctl, helm and aws (or
+    aws-iam-authenticator)``."""
+    steps = COMMANDS[command]
+    names = sorted(dict.fromkeys(p for step in steps for p in STEPS[step].programs), key=lambda p: p == KUBERNETES)
+    words = [
+        f"{CREDENTIAL_PROGRAMS[0]} (or {' or '.join(CREDENTIAL_PROGRAMS[1:])}) for the kubeconfig's credentials"
+        if p == KUBERNETES
+        else p
+        for p in names
+    ]
+    return ", ".join(words[:-1]) + f" and {words[-1]}" if len(words) > 1 else "".join(words)

@@ -1,0 +1,52 @@
+"""Whether a job's NCCL lines meet ``fabric.require``: one rule for the in-job gate and for ``submit``'s verdict.
+
+A job on one node sends nothing between nodes, so ``single-node`` meets any requirement there. A job on several
+nodes meets ``efa`` or ``ib`` only on ``proven`` evidence (connection lines); evidence that is only ``selected``
+makes the in-job gate look again after the next step, and fails the last look (the gate's second one, or the
+verdict after the job has ended). Example::
+
+    gate_decision(analyze(lines), "efa", job_nodes=2, last_look=True)["met"]  # False unless connection lines prove it
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from raytrain_eks.fabric.nccl_report import TransportReport
+
+
+def gate_decision(report: TransportReport, require: str, *, job_nodes: int, last_look: bool) -> dict[str, Any]:
+    """What to do with one look at a job's NCCL lines: ``continue``, ``look-again`` or ``stop``.
+
+    Returns ``require``, ``verdict``, ``basis``, ``job_nodes``, ``met`` (True, False, or None while looking again),
+    ``action``, ``note`` (why, in one sentence) and ``report`` (the rendered report followed by the note).
+    ``require`` ``any`` accepts every transport NCCL's lines show, and nothing when they show none.
+    """
+    result = {"require": require, "verdict": report.verdict, "basis": report.basis, "job_nodes": job_nodes}
+    if report.verdict == "inconclusive":
+        met, action, note = False, "stop", "NCCL's lines do not show which network it selected or used"
+    elif require == "any":
+        met, action = True, "continue"
+        note = f"fabric.require is 'any': the {report.verdict!r} transport ({report.basis}) is accepted"
+    elif job_nodes <= 1 and report.verdict == "single-node":
+        met, action = True, "continue"
+        note = "the job runs on one node: no inter-node link existed, so any fabric requirement is met"
+    elif report.verdict == "single-node":
+        met, action = False, "stop"
+        note = f"the job spans {job_nodes} nodes, but NCCL's lines show no link between them"
+    elif not report.meets(require):
+        met, action = False, "stop"
+        note = f"the transport is {report.verdict!r} ({report.basis}), not {require!r}"
+    elif report.basis == "proven":
+        met, action, note = True, "continue", f"connection lines prove the {report.verdict!r} transport"
+    elif last_look:
+        met, action = False, "stop"
+        note = (
+            f"NCCL's lines still do not prove that {require!r} carries the inter-node links of this {job_nodes}-node "
+            "job: they show the network NCCL selected, but no connection line"
+        )
+    else:
+        met, action = None, "look-again"
+        note = "no connection line proves the transport yet: looking again after the next step"
+    text = report.render(require)
+    return {**result, "met": met, "action": action, "note": note, "report": f"{text}\n\nTransport gate: {note}"}
