@@ -41,7 +41,7 @@ INSTALL_HINTS: dict[str, str] = {
     "eksctl": "Install eksctl (https://eksctl.io/installation/), for example "
     "`curl -sL https://github.com/eksctl-io/eksctl/releases/latest/download/eksctl_Linux_amd64.tar.gz "
     "| tar xz -C /usr/local/bin` on Linux or `brew install eksctl` on macOS.",
-    "helm": "Install Helm 3 (https://helm.sh/docs/intro/install/), for example "
+    "helm": "Install Helm 3.13 or later, or Helm 4 (https://helm.sh/docs/intro/install/), for example "
     "`curl -fsSL https://raw.githubusercontent.com/helm/helm/main/scripts/get-helm-3 | bash` or "
     "`brew install helm`.",
     "kubectl": "Install kubectl (https://kubernetes.io/docs/tasks/tools/), for example `brew install kubectl`, "
