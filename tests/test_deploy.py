@@ -1619,6 +1619,10 @@ def test_submit_tells_the_job_its_cluster_and_price_only_when_up_made_it(world: 
     assert price is not None and why_not is None
     cost = price({"wall_s": 1800.0, "trained_tokens": 1_000_000})
     assert cost["usd"] == pytest.approx(hourly / 2, abs=1e-4) and cost["cluster"] == cfg.cluster.name
+    # A price the user configured (their discounts) is taken over the on-demand price of the record.
+    price, _ = job_price(mounted / m.CONFIG_FILE, 3.0)
+    cost = price({"wall_s": 1800.0, "trained_tokens": 1_000_000})
+    assert (cost["usd"], cost["source"], cost["cluster"]) == (1.5, "configured", cfg.cluster.name)
 
 
 def test_rayjob_is_refused_while_the_rayclusters_pods_hold_the_gpus(ready: World):

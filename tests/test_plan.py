@@ -488,3 +488,31 @@ def test_the_planned_job_keeps_its_checkpoints_where_both_nodes_reach(cfg_for):
         build_plan(cfg_for(STORAGE_PATH="/data/runs"))
     shared = build_plan(cfg_for(STORAGE_PATH="/mnt/efs/runs", STORAGE_SHARED="true"))
     assert shared.summary["checkpoints"] == "/mnt/efs/runs"
+
+
+def test_a_run_on_a_cluster_this_tool_did_not_deploy_is_priced_only_at_a_configured_price(tmp_path):
+    from raytrain_eks.eks.pricing import job_price
+    from raytrain_eks.report.html import cost_text
+
+    config = tmp_path / "raytrain-eks.yaml"  # no deployment record beside it: `submit` did not send this job
+    config.write_text("cluster:\n  usd_per_hour: 12.5\n")
+    price, why_not = job_price(config, None)
+    assert price is None and why_not is not None
+    assert why_not.startswith("no deployment record beside") and why_not.endswith("set cluster.usd_per_hour to price runs on it")
+
+    hourly = load_config(path=config).cluster.usd_per_hour
+    price, why_not = job_price(config, hourly)
+    assert why_not is None and price is not None
+    cost = price({"wall_s": 1800.0, "trained_tokens": 2_000_000})
+    assert (cost["usd"], cost["usd_per_hour"], cost["usd_per_million_tokens"]) == (6.25, 12.5, 3.125)
+    assert cost["source"] == "configured" and cost["cluster"] is None
+    assert cost_text(cost) == "$6.25 at $12.50/h (cluster.usd_per_hour); $3.12 per million tokens"
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "cheap"])
+def test_a_configured_price_that_is_not_a_positive_number_is_one_config_error(tmp_path, value):
+    config = tmp_path / "raytrain-eks.yaml"
+    config.write_text(f"cluster:\n  usd_per_hour: {value}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path=config)
+    assert "cluster.usd_per_hour" in str(info.value)

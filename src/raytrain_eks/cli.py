@@ -130,10 +130,10 @@ def train(
         if config is not None and config.parent.name.startswith(_RESUME_TMP):  # a copy of a storage folder's
             shutil.rmtree(config.parent, ignore_errors=True)
     price = unpriced = None
-    if address is not None:  # priced only on a cluster this tool deployed: submit tells the job so, beside its config
-        from raytrain_eks.eks.pricing import job_price
+    if address is not None:  # priced on a cluster this tool deployed (submit tells the job so, beside its config)
+        from raytrain_eks.eks.pricing import job_price  # or at the price the user configured for theirs
 
-        price, unpriced = job_price(config)
+        price, unpriced = job_price(config, cfg.cluster.usd_per_hour)
 
     with _Progress() as progress:
         result = run_training(

@@ -118,6 +118,16 @@ class ClusterConfig(_Section):
     gpu_volume_gib: int = Field(
         200, ge=20, le=16384, description="root volume of each GPU node, GiB (the image alone is tens of GB)"
     )
+    usd_per_hour: float | None = Field(
+        None,
+        gt=0,
+        le=100000,
+        description=(
+            "what the whole cluster costs per hour, USD, to price runs with train --address on a Ray cluster "
+            "this tool did not deploy; empty = such runs are not priced (a cluster up made is priced from its "
+            "own record)"
+        ),
+    )
     checkpoint_bucket: str | None = Field(
         None,
         description=(

@@ -1,8 +1,8 @@
 """The cluster's instance types, checked against what deploying needs, and what the cluster costs.
 
-A run is priced only on a cluster this tool deployed: ``submit`` gives the job a deployment record
-(:mod:`raytrain_eks.fabric.deployment`) when the state says ``up`` made the cluster, and :func:`job_price` prices a
-run from that record alone. Example::
+A run is priced only on a cluster this tool deployed, or at the price the user configured: ``submit`` gives the job
+a deployment record (:mod:`raytrain_eks.fabric.deployment`) when the state says ``up`` made the cluster, and
+:func:`job_price` prices a run from ``cluster.usd_per_hour`` when it is set, else from that record alone. Example::
 
     gpu, system = check_deployable(cfg)              # ConfigError listing every problem at once
     cost_per_hour(cfg, gpu, system)["total_usd"]     # 9.5498 for the reference cluster (us-east-1 prices)
@@ -215,17 +215,30 @@ def deployment_record(cfg: Config, state: StateStore) -> dict[str, Any] | None:
 Price = Callable[[Mapping[str, Any]], dict[str, Any]]
 
 
-def job_price(config: str | os.PathLike[str] | None) -> tuple[Price | None, str | None]:
-    """How ``train --address`` prices its run: from the deployment record beside its configuration ``config`` (the
-    one ``submit`` mounts in the head pod). Returns ``(price, None)``, ``price(summary)`` being the run's cost; or
-    ``(None, why)`` on a Ray cluster without a record (one this tool did not deploy): nothing is assumed from the
-    configuration's instance types."""
+def job_price(
+    config: str | os.PathLike[str] | None, configured_usd_per_hour: float | None = None
+) -> tuple[Price | None, str | None]:
+    """How ``train --address`` prices its run: at the price the user configured (``cluster.usd_per_hour``: they
+    know their discounts), else from the deployment record beside its configuration ``config`` (the one ``submit``
+    mounts in the head pod). Returns ``(price, None)``, ``price(summary)`` being the run's cost; or ``(None, why)``
+    on a Ray cluster with neither (one this tool did not deploy): nothing is assumed from the configuration's
+    instance types."""
     record = read_deployment(config)
+    cluster = None if record is None else record["cluster"]
+    if configured_usd_per_hour is not None:
+        hourly = float(configured_usd_per_hour)
+
+        def configured(summary: Mapping[str, Any]) -> dict[str, Any]:
+            cost = priced_run(hourly, "configured", summary)
+            basis = "cluster.usd_per_hour as configured x the run's wall time"
+            return {**cost, "basis": basis, "cluster": cluster, "source": "configured"}
+
+        return configured, None
     if record is None:
-        return None, no_record_reason(config)
+        return None, no_record_reason(config) + "; set cluster.usd_per_hour to price runs on it"
 
     def price(summary: Mapping[str, Any]) -> dict[str, Any]:
         cost = priced_run(float(record["usd_per_hour"]), str(record["price_region"]), summary)
-        return {**cost, "cluster": record["cluster"]}
+        return {**cost, "cluster": cluster, "source": "deployment record"}
 
     return price, None

@@ -131,9 +131,14 @@ def cost_text(cost: dict[str, Any] | None, note: str | None = None) -> str:
     """A summary's ``cost`` in words, as the report and ``train`` print it; without one, ``note`` (the summary's
     ``cost_note``) says why. Example: ``$1.59 at $9.55/h; $0.05 per million tokens``."""
     if not cost:
-        return f"not known: {note}" if note else "— (known for runs on a cluster this tool deployed)"
+        return (
+            f"not known: {note}"
+            if note
+            else "— (known for runs on a cluster this tool deployed, or at a configured cluster.usd_per_hour)"
+        )
     per_million = cost.get("usd_per_million_tokens")  # None when the attempt trained no token
-    return f"${cost['usd']:.2f} at ${cost['usd_per_hour']:.2f}/h; " + (
+    configured = " (cluster.usd_per_hour)" if cost.get("source") == "configured" else ""
+    return f"${cost['usd']:.2f} at ${cost['usd_per_hour']:.2f}/h{configured}; " + (
         "no token trained" if per_million is None else f"${per_million:.2f} per million tokens"
     )
 
