@@ -1,11 +1,15 @@
 """Checkpoints, recovery and export, with real processes killed by SIGKILL (no mocks).
 
-A reference run trains without interruption; the other runs are killed (from outside, or by the fault point at
-a chosen place) and must end with exactly the reference's weights, resuming from the newest complete checkpoint.
+A reference run trains on the shipped data without interruption; the other runs are killed (from outside, or by the
+fault point at a chosen place) and must end with exactly the reference's weights, resuming from the newest complete
+checkpoint. Each run is a Ray Train start (tens of seconds here), so the reference serves every test that compares
+with it, and the run the checkpoint flags make is the one a later test resumes after its oldest checkpoint was pruned.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 from pathlib import Path
@@ -32,8 +36,10 @@ from raytrain_eks.train.launch import ERROR_LOG, run_training
 
 pytestmark = pytest.mark.integration
 
-RANDOM = {"data": "random", "steps": 30, "seq_len": 64, "batch_size": 4, "log_every": 1, "checkpoint_every": 10}
-REAL = {"steps": 16, "seq_len": 64, "batch_size": 4, "log_every": 1, "checkpoint_every": 8}
+# The shipped sample (the preset's data) at 64 tokens: 26 global batches of 2 x 4 an epoch, so 30 steps go into a
+# second epoch and every checkpoint (10, 20, 30) falls mid-epoch.
+REFERENCE = {"steps": 30, "seq_len": 64, "batch_size": 4, "log_every": 1, "checkpoint_every": 10}
+RANDOM = {**REFERENCE, "data": "random"}
 
 
 def make_config(**training):
@@ -54,8 +60,9 @@ def quiet(_: str) -> None:
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, ray_local):
+    """The run without faults that the others are compared with (its folder is only read)."""
     root = tmp_path_factory.mktemp("reference")
-    return run_training(make_config(**RANDOM, output_dir=str(root / "run")), runs_root=root, say=quiet)
+    return run_training(make_config(**REFERENCE, output_dir=str(root / "run")), runs_root=root, say=quiet)
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -90,7 +97,7 @@ def test_sigkilled_worker_resumes_and_ends_with_identical_weights(tmp_path, refe
             victim.kill()
             killed.append(victim.pid)
 
-    cfg = make_config(**RANDOM, output_dir=str(tmp_path / "run"))
+    cfg = make_config(**REFERENCE, output_dir=str(tmp_path / "run"))
     result = run_training(cfg, runs_root=tmp_path, say=quiet, progress=kill_a_worker)
     assert killed
     assert result.summary["steps"] == 30
@@ -106,17 +113,17 @@ def test_sigkilled_worker_resumes_and_ends_with_identical_weights(tmp_path, refe
 
 def test_kill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path, monkeypatch, reference_run):
     monkeypatch.setenv(FAULT_ENV, f"checkpoint:20:1:{tmp_path / 'fired'}")
-    cfg = make_config(**RANDOM, output_dir=str(tmp_path / "run"))
+    cfg = make_config(**REFERENCE, output_dir=str(tmp_path / "run"))
     result = run_training(cfg, runs_root=tmp_path, say=quiet)
     assert (tmp_path / "fired").exists(), "the fault point must have fired"
     assert result.summary["resumed_from_step"] == 10
     assert_same_weights(weights(result.run_dir), weights(reference_run.run_dir))
 
 
-def test_resume_run_dir_continues_real_data_exactly(tmp_path, monkeypatch, ray_local):
-    whole = run_training(make_config(**REAL, output_dir=str(tmp_path / "whole")), runs_root=tmp_path, say=quiet)
-    monkeypatch.setenv(FAULT_ENV, f"step:12:0:{tmp_path / 'fired'}")
-    cfg = make_config(**REAL, max_failures=0, output_dir=str(tmp_path / "cut"))
+def test_resume_run_dir_continues_real_data_exactly(tmp_path, monkeypatch, reference_run):
+    # Stopped at step 25 with no restart allowed: resumed from checkpoint 20, mid-epoch, into the second epoch.
+    monkeypatch.setenv(FAULT_ENV, f"step:25:0:{tmp_path / 'fired'}")
+    cfg = make_config(**REFERENCE, max_failures=0, output_dir=str(tmp_path / "cut"))
     with pytest.raises(TrainingError, match="training failed"):
         run_training(cfg, runs_root=tmp_path, say=quiet)
     monkeypatch.delenv(FAULT_ENV)
@@ -126,13 +133,13 @@ def test_resume_run_dir_continues_real_data_exactly(tmp_path, monkeypatch, ray_l
     monkeypatch.chdir(tmp_path)
     main(["train", "--resume", str(cut)])
     summary = json.loads((cut / "summary.json").read_text())
-    assert summary["resumed_from_step"] == 8 and summary["steps"] == 16
-    expected = {r["step"]: r["loss"] for r in whole.records}
-    resumed = {r["step"]: r["loss"] for r in history(cut) if r["resumed_from_step"] == 8}
-    assert sorted(resumed) == list(range(9, 17))
+    assert summary["resumed_from_step"] == 20 and summary["steps"] == 30
+    expected = {r["step"]: r["loss"] for r in reference_run.records}
+    resumed = {r["step"]: r["loss"] for r in history(cut) if r["resumed_from_step"] == 20}
+    assert sorted(resumed) == list(range(21, 31))
     for step, loss in resumed.items():
         assert loss == pytest.approx(expected[step], rel=1e-6), step
-    assert_same_weights(weights(cut), weights(whole.run_dir))
+    assert_same_weights(weights(cut), weights(reference_run.run_dir))
 
 
 def test_export_command_writes_a_loadable_model_with_the_trained_weights(tmp_path, reference_run, capsys):
@@ -221,17 +228,35 @@ def test_bad_resume_inputs_are_one_clear_message(tmp_path, monkeypatch, capsys, 
     assert (newest / MARKER).exists()
 
 
-def test_checkpoint_flags_decide_where_and_how_often(tmp_path, monkeypatch, ray_local, capsys):
-    monkeypatch.chdir(tmp_path)
-    store, run = tmp_path / "store", tmp_path / "run"
-    argv = ["train", "--data", "random", "--steps", "12", "--seq-len", "64", "--batch-size", "4"]
-    argv += ["--checkpoint-every", "4", "--keep-checkpoints", "3", "--storage-path", "store", "--output-dir", "run"]
-    main(argv)
-    assert f"Run folder: {run.resolve()}" in capsys.readouterr().out
+@pytest.fixture(scope="module")
+def flags_run(tmp_path_factory, ray_local) -> dict:
+    """``raytrain-eks train`` with the checkpoint flags, 16 steps: what its folders held when it ended (a later test
+    resumes it)."""
+    root = tmp_path_factory.mktemp("flags")
+    (root / "every-step.yaml").write_text("training:\n  log_every: 1\n")  # the resume's steps are compared one by one
+    argv = ["train", "--config", "every-step.yaml", "--data", "random", "--steps", "16", "--seq-len", "64"]
+    argv += ["--batch-size", "4", "--checkpoint-every", "4", "--keep-checkpoints", "3"]
+    argv += ["--storage-path", "store", "--output-dir", "run"]
+    out = io.StringIO()
+    with contextlib.chdir(root), contextlib.redirect_stdout(out):
+        main(argv)
+    store, run = root / "store", root / "run"
+    return {
+        "store": store,
+        "run": run,
+        "output": out.getvalue(),
+        "found": list_checkpoints(store / "run" / "ray"),
+        "checkpoints_in_run_folder": (run / "ray").exists(),
+        "snapshot": (store / "run" / "ray" / RAY_SNAPSHOT).is_file(),
+    }
+
+
+def test_checkpoint_flags_decide_where_and_how_often(flags_run):
+    store, run = flags_run["store"], flags_run["run"]
+    assert f"Run folder: {run.resolve()}" in flags_run["output"]
     # Every 4 steps, 3 kept (the default keeps 2), under the storage path (a relative one is made absolute).
-    found = list_checkpoints(store / "run" / "ray")
-    assert [(step, ok) for step, _, ok in found] == [(4, True), (8, True), (12, True)]
-    assert not (run / "ray").exists()
+    assert [(step, ok) for step, _, ok in flags_run["found"]] == [(8, True), (12, True), (16, True)]
+    assert not flags_run["checkpoints_in_run_folder"]
     saved = load_config(path=run / "config.yaml", environ={}).training
     assert (saved.checkpoint_every, saved.keep_checkpoints) == (4, 3)
     assert saved.storage_path == str(store.resolve())
@@ -281,18 +306,18 @@ class _RunsCode:
         return (os.mkdir, (str(self.target),))
 
 
-def test_resume_after_older_checkpoints_were_pruned(tmp_path, monkeypatch, ray_local):
-    # Four checkpoints written, two kept: the first two are gone from storage when the run is resumed.
-    short = {**RANDOM, "steps": 4, "checkpoint_every": 1, "keep_checkpoints": 2, "export": False}
-    run = run_training(make_config(**short, output_dir=str(tmp_path / "run")), runs_root=tmp_path, say=quiet).run_dir
-    assert [step for step, _, ok in list_checkpoints(run / "ray")] == [3, 4]
+def test_resume_after_older_checkpoints_were_pruned(tmp_path, monkeypatch, flags_run):
+    # Four checkpoints written, three kept (flags_run): the first is gone from storage when the run is resumed, and
+    # Ray Train's own list of the run's checkpoints, in the storage folder, still names it.
+    store, run = flags_run["store"], flags_run["run"]
+    assert [step for step, _, ok in flags_run["found"]] == [8, 12, 16]
     from ray.train.v2._internal.constants import CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
 
-    assert (run / "ray" / RAY_SNAPSHOT).is_file() and RAY_SNAPSHOT == CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
+    assert flags_run["snapshot"] and RAY_SNAPSHOT == CHECKPOINT_MANAGER_SNAPSHOT_FILENAME
     monkeypatch.chdir(tmp_path)
-    main(["train", "--resume", str(run), "--steps", "6"])
+    main(["train", "--resume", str(run), "--steps", "20"])
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["resumed_from_step"] == 4 and summary["steps"] == 6
-    assert [step for step, _, ok in list_checkpoints(run / "ray") if ok] == [5, 6]
-    resumed = [r["step"] for r in history(run) if r["resumed_from_step"] == 4]
-    assert resumed == [5, 6]
+    assert summary["resumed_from_step"] == 16 and summary["steps"] == 20
+    assert [step for step, _, ok in list_checkpoints(store / "run" / "ray") if ok] == [12, 16, 20]
+    resumed = [r["step"] for r in history(run) if r["resumed_from_step"] == 16]
+    assert resumed == [17, 18, 19, 20]

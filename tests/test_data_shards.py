@@ -53,9 +53,16 @@ def row_hashes(dataset) -> list[str]:
     return [hashlib.sha1(bytes(r["input_ids"].tobytes())).hexdigest()[:12] for r in dataset.iter_rows()]
 
 
-def test_packed_order_does_not_depend_on_block_layout_and_follows_the_seed(ray_local, builtin_model):
-    a = row_hashes(prepared(builtin_model).dataset)
-    b = row_hashes(prepared(builtin_model, block_bytes=16384).dataset)
+@pytest.fixture(scope="module")
+def layouts(ray_local, builtin_model) -> dict[str, object]:
+    """The sample prepared once with Ray Data's default blocks and once cut into blocks of 16 KiB, for the module
+    (each preparation through Ray Data's tasks takes tens of seconds here); both are materialized."""
+    return {"default": prepared(builtin_model), "small blocks": prepared(builtin_model, block_bytes=16384)}
+
+
+def test_packed_order_does_not_depend_on_block_layout_and_follows_the_seed(layouts, builtin_model):
+    a = row_hashes(layouts["default"].dataset)
+    b = row_hashes(layouts["small blocks"].dataset)
     assert a == b
     assert len(a) > WORLD * BATCH
     assert len(set(a)) == len(a), "every packed block is distinct (so the checks below can tell them apart)"
@@ -178,8 +185,8 @@ def _streams(dataset, out_dir, take: int, cuts: list[int], resume: dict[str, lis
     return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)}
 
 
-def test_each_rank_reads_the_same_stream_every_run_per_epoch_and_after_a_restart(ray_local, builtin_model, tmp_path):
-    data = prepared(builtin_model)
+def test_each_rank_reads_the_same_stream_every_run_per_epoch_and_after_a_restart(layouts, tmp_path):
+    data = layouts["default"]
     per_epoch = data.blocks // (WORLD * BATCH)  # batches per rank and epoch
     take = 2 * per_epoch + 2  # into the third epoch
     cuts = [per_epoch // 2, per_epoch + per_epoch // 2]  # mid first epoch, mid second epoch
@@ -187,7 +194,7 @@ def test_each_rank_reads_the_same_stream_every_run_per_epoch_and_after_a_restart
     # Prepared again, cut into other blocks, trained again as a new Ray Train run that resumes from the first run's
     # positions: the same batches for every rank, in order, and the resumes continue exactly.
     resume = {str(r): one[r]["positions"] for r in range(WORLD)}
-    two = _streams(prepared(builtin_model, block_bytes=16384).dataset, tmp_path / "two", take, cuts, resume)
+    two = _streams(layouts["small blocks"].dataset, tmp_path / "two", take, cuts, resume)
     for rank in range(WORLD):
         stream = one[rank]["first"]
         assert two[rank]["first"] == stream, rank

@@ -1,4 +1,8 @@
-"""The training job end to end on real Ray: FSDP equals one process, real data trains, bad data starts nothing."""
+"""The training job end to end on real Ray: FSDP equals one process, real data trains, bad data starts nothing.
+
+Two FSDP workers on Ray are compared with one process training on the whole batch: the same training loop run in
+this process (a process group of one, as ``torchrun_entry`` runs it), without a Ray Train start of its own.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch.distributed as dist
 
 from raytrain_eks import presets
 from raytrain_eks.config import load_config
@@ -25,6 +30,22 @@ def losses(result) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in result.records}
 
 
+@pytest.fixture
+def one_process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def one_process(cfg, out) -> tuple[dict, dict[int, float]]:
+    """The training loop in this process, on its own: its summary and losses by step."""
+    from raytrain_eks.train.torchrun_entry import run
+
+    summary = run(cfg.training, out)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return summary, {r["step"]: r["loss"] for r in records}
+
+
 @pytest.mark.parametrize(
     ("precision", "tolerance", "sharded_extra"),
     [
@@ -36,7 +57,9 @@ def losses(result) -> dict[int, float]:
     ],
     ids=["fp32", "bf16", "fp32-accumulation-checkpointing"],
 )
-def test_two_fsdp_workers_match_one_process(tmp_path, monkeypatch, ray_local, precision, tolerance, sharded_extra):
+def test_two_fsdp_workers_match_one_process(
+    tmp_path, monkeypatch, ray_local, one_process_group, precision, tolerance, sharded_extra
+):
     common = {
         "data": "random",
         "steps": 6,
@@ -51,15 +74,14 @@ def test_two_fsdp_workers_match_one_process(tmp_path, monkeypatch, ray_local, pr
         runs_root=tmp_path,
         say=lambda _: None,
     )
-    single = run_training(
+    single, b = one_process(
         config(tmp_path, monkeypatch, **common, num_workers=1, batch_size=4 * 2 // accum, grad_accum_steps=accum),
-        runs_root=tmp_path,
-        say=lambda _: None,
+        tmp_path / "one-process",
     )
-    a, b = losses(sharded), losses(single)
+    a = losses(sharded)
     assert sorted(a) == list(range(1, 7)) == sorted(b)
-    assert sharded.summary["world_size"] == 2 and single.summary["world_size"] == 1
-    assert sharded.summary["tokens"] == single.summary["tokens"]
+    assert sharded.summary["world_size"] == 2 and single["world_size"] == 1
+    assert sharded.summary["tokens"] == single["tokens"]
     for step in a:
         assert a[step] == pytest.approx(b[step], rel=tolerance), (step, a, b)
     # The check is not vacuous: training moved the loss.

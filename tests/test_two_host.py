@@ -8,8 +8,9 @@ exports the model from S3; a local storage folder not declared shared is refused
 starts; the bandwidth probe reports ranks on two nodes and a bandwidth figure, and with one host's link capped by
 ``tc`` it reports the lower figure and a ``degraded`` verdict against the configured line rate; a run whose worker
 on host 1 is killed (SIGKILL), and then loses host 1 itself (replaced by a fresh host with an empty disk), ends with
-the losses and the weights of the same run without faults. Needs root and iproute2; skipped otherwise, with the
-reason.
+the losses and the weights of the same run without faults. That run without faults is the one the placement and
+resume test checks and continues: one cluster and one such run for the module (each training costs a Ray Train
+start on the cluster). Needs root and iproute2; skipped otherwise, with the reason.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from twohost import BUCKET, HOST_IPS, TwoHostCluster, requirement_missing, tool
+from twohost import BUCKET, HOST_IPS, TwoHostCluster, WorkerRecord, requirement_missing, tool
 
 _MISSING = requirement_missing()
 pytestmark = [pytest.mark.twohost, pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")]
@@ -32,11 +34,59 @@ EXPECTED_GBPS = 0.6  # the configured line rate: well below the veth's 1.5-6 Gbi
 PROBE_SIZES = ["--min-bytes", "1M", "--max-bytes", "4M", "--iters", "3", "--warmup", "1"]
 
 
+STORAGE = f"s3://{BUCKET}/runs"
+# Every step logged, a checkpoint every 4 steps: the runs without and with faults are compared step by step.
+FAULTS_CONFIG = "training:\n  log_every: 1\n  checkpoint_every: 4\n"
+FAULT_STEPS = 16
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """One two-host cluster per module (about 20 s to start); torn down even when a test fails."""
     with TwoHostCluster(logs_to=tmp_path_factory.mktemp("twohost-ray-logs"), s3=True) as c:
         yield c
+
+
+def _train_cmd(cluster) -> list[str]:
+    return [tool("raytrain-eks"), "train", "--address", cluster.address, "--preset", "local-tiny"]
+
+
+@dataclass(frozen=True)
+class SteadyRun:
+    """The run without faults, as it was when it ended: its output, summary, metric records and weights, the Ray
+    Train workers its hosts' logs show, and whether host 1 or host 0's run folder held any of its files."""
+
+    output: str
+    summary: dict
+    records: list[dict]
+    weights: dict[str, torch.Tensor]
+    workers: list[WorkerRecord]
+    run_folder_on_host_1: bool
+    checkpoints_in_run_folder: bool
+
+
+@pytest.fixture(scope="module")
+def steady_run(cluster, builtin_model) -> SteadyRun:
+    """``train --address`` across both hosts, ``s3://`` storage, :data:`FAULTS_CONFIG`: one run for the module.
+
+    The placement and resume test checks it and then continues it; the fault test compares a faulty run with it.
+    What both read is taken here, when the run ends: later tests continue its folder (on host 0) and replace host 1.
+    """
+    cluster.host_path(0, "/tmp/work/faults.yaml").write_text(FAULTS_CONFIG)
+    before = {w.job_id for w in cluster.train_workers()}
+    cmd = [*_train_cmd(cluster), "--config", "/tmp/work/faults.yaml", "--steps", str(FAULT_STEPS)]
+    proc = cluster.run([*cmd, "--storage-path", STORAGE, "--output-dir", "steady"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = cluster.host_path(0, "/tmp/work/steady")
+    return SteadyRun(
+        output=proc.stdout + proc.stderr,
+        summary=json.loads((run / "summary.json").read_text()),
+        records=_records(run / "metrics.jsonl"),
+        weights=load_file(run / "model" / "model.safetensors"),
+        workers=[w for w in cluster.train_workers() if w.job_id not in before],
+        run_folder_on_host_1=cluster.host_path(1, "/tmp/work/steady").exists(),
+        checkpoints_in_run_folder=(run / "ray").exists(),
+    )
 
 
 def test_teardown_removes_namespaces_and_processes_even_after_an_error():
@@ -64,59 +114,56 @@ except OSError:
 """
 
 
-def test_train_places_ranks_on_both_hosts_and_resumes_from_s3_on_either_host(cluster, builtin_model):
-    before = {w.job_id for w in cluster.train_workers()}
-    cmd = [tool("raytrain-eks"), "train", "--address", cluster.address, "--preset", "local-tiny"]
-    storage = f"s3://{BUCKET}/runs"
-    proc = cluster.run([*cmd, "--steps", "5", "--storage-path", storage, "--output-dir", "run"], timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = cluster.host_path(0, "/tmp/work/run")
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 5 and summary["world_size"] == 2
+def test_train_places_ranks_on_both_hosts_and_resumes_from_s3_on_either_host(cluster, steady_run):
+    summary = steady_run.summary
+    assert summary["steps"] == FAULT_STEPS and summary["world_size"] == 2
     assert summary["sharding"] == "hsdp"  # auto: one rank on each of two nodes, replicated across them
-    assert "sharding: hsdp: 2 nodes x 1 rank," in proc.stdout + proc.stderr
-    assert summary["checkpoints"] == [f"{storage}/run/ray/checkpoint_00000005"]
+    assert "sharding: hsdp: 2 nodes x 1 rank," in steady_run.output
+    # The two newest checkpoints are kept (training.keep_checkpoints), both in S3.
+    assert summary["checkpoints"] == [f"{STORAGE}/steady/ray/checkpoint_{s:08d}" for s in (12, 16)]
     # Host 1 wrote its shard to S3 only: nothing of the run is on its own disk, nor in host 0's run folder.
-    assert not cluster.host_path(1, "/tmp/work/run").exists() and not (run / "ray").exists()
+    assert not steady_run.run_folder_on_host_1 and not steady_run.checkpoints_in_run_folder
 
-    workers = [w for w in cluster.train_workers() if w.job_id not in before]
+    workers = steady_run.workers
     # Each host's own Ray logs show one of the two ranks (which one is Ray's choice), each on its own node.
     assert sorted(w.host for w in workers) == [0, 1]
     assert sorted((w.world_rank, w.node_rank) for w in workers) == [(0, 0), (1, 1)]
     assert workers[0].node_id != workers[1].node_id
 
     # The run folder's config.yaml names the S3 storage: the resume reads the checkpoint from there.
-    proc = cluster.run([*cmd, "--resume", "/tmp/work/run", "--steps", "7"], timeout=600)
+    cmd, storage = _train_cmd(cluster), STORAGE
+    run = cluster.host_path(0, "/tmp/work/steady")
+    proc = cluster.run([*cmd, "--resume", "/tmp/work/steady", "--steps", "18"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"from {storage}/run/ray/checkpoint_00000005" in proc.stdout
+    assert f"from {storage}/steady/ray/checkpoint_00000016" in proc.stdout
     summary = json.loads((run / "summary.json").read_text())
-    assert (summary["resumed_from_step"], summary["steps"]) == (5, 7)
+    assert (summary["resumed_from_step"], summary["steps"]) == (16, 18)
     assert (run / "model" / "model.safetensors").is_file()
 
     # Host 1 has no run folder: it continues the run from the S3 storage folder (the run's config.yaml is there),
     # in a run folder of its own, the checkpoints still going to S3.
-    proc = cluster.run([*cmd, "--resume", f"{storage}/run", "--steps", "9"], host=1, timeout=600)
+    proc = cluster.run([*cmd, "--resume", f"{storage}/steady", "--steps", "20"], host=1, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"from {storage}/run/ray/checkpoint_00000007" in proc.stdout
-    elsewhere = cluster.host_path(1, "/tmp/work/runs/run")
+    assert f"from {storage}/steady/ray/checkpoint_00000018" in proc.stdout
+    elsewhere = cluster.host_path(1, "/tmp/work/runs/steady")
     summary = json.loads((elsewhere / "summary.json").read_text())
-    assert (summary["resumed_from_step"], summary["steps"]) == (7, 9)
-    assert summary["checkpoints"][-1] == f"{storage}/run/ray/checkpoint_00000009"
+    assert (summary["resumed_from_step"], summary["steps"]) == (18, 20)
+    assert summary["checkpoints"][-1] == f"{storage}/steady/ray/checkpoint_00000020"
 
     # And exports the newest checkpoint straight from the S3 storage folder.
     out = "/tmp/work/exported"
-    proc = cluster.run([tool("raytrain-eks"), "export", f"{storage}/run", out], host=1, timeout=600)
+    proc = cluster.run([tool("raytrain-eks"), "export", f"{storage}/steady", out], host=1, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     exported = load_file(cluster.host_path(1, out) / "model.safetensors")
     at_end = load_file(elsewhere / "model" / "model.safetensors")
     assert exported.keys() == at_end.keys() and all(torch.equal(exported[k], at_end[k]) for k in at_end)
     marker = json.loads((cluster.host_path(1, out) / ".raytrain-eks-export").read_text())
-    assert marker["checkpoint"] == f"{storage}/run/ray/checkpoint_00000009"
+    assert marker["checkpoint"] == f"{storage}/steady/ray/checkpoint_00000020"
 
 
 def test_local_storage_on_two_hosts_is_refused_before_anything_starts(cluster):
-    cmd = [tool("raytrain-eks"), "train", "--address", cluster.address, "--preset", "local-tiny"]
-    proc = cluster.run([*cmd, "--storage-path", "/tmp/work/store", "--output-dir", "refused"], timeout=300)
+    cmd = [*_train_cmd(cluster), "--storage-path", "/tmp/work/store", "--output-dir", "refused"]
+    proc = cluster.run(cmd, timeout=300)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     err = " ".join(proc.stderr.split())
     assert "training.storage_path = '/tmp/work/store'" in err and "span 2 nodes" in err, err
@@ -157,11 +204,6 @@ def test_probe_measures_the_link_and_sees_a_cap(cluster):
     print(f"\nprobe busbw: {free['best_busbw_gbps']:.3f} Gbit/s free, {capped['best_busbw_gbps']:.3f} capped at {CAP}")
 
 
-# Every step logged, a checkpoint every 4 steps: the runs below are compared step by step.
-FAULTS_CONFIG = "training:\n  log_every: 1\n  checkpoint_every: 4\n"
-FAULT_STEPS = 16
-
-
 def _records(path) -> list[dict]:
     text = path.read_text() if path.exists() else ""
     records = []
@@ -186,17 +228,14 @@ def _wait_for(proc, metrics, done, what: str, timeout: float = 400) -> list[dict
     pytest.fail(f"no {what} within {timeout:.0f} s")
 
 
-def test_a_killed_worker_and_a_lost_node_end_as_an_uninterrupted_run(cluster, builtin_model, tmp_path):
+def test_a_killed_worker_and_a_lost_node_end_as_an_uninterrupted_run(cluster, steady_run, tmp_path):
     """SIGKILL of the training worker on host 1, then the loss of host 1 itself (a fresh host with an empty disk
     takes its place): the run goes back to its last checkpoint in S3 each time and ends exactly where the same run
-    without faults ends."""
-    cluster.host_path(0, "/tmp/work/faults.yaml").write_text(FAULTS_CONFIG)
-    cmd = [tool("raytrain-eks"), "train", "--address", cluster.address, "--preset", "local-tiny"]
-    cmd += ["--config", "/tmp/work/faults.yaml", "--steps", str(FAULT_STEPS), "--storage-path", f"s3://{BUCKET}/faults"]
-    proc = cluster.run([*cmd, "--output-dir", "steady"], timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    steady = _records(cluster.host_path(0, "/tmp/work/steady/metrics.jsonl"))
+    without faults (:func:`steady_run`) ends."""
+    steady = steady_run.records
     assert [r["step"] for r in steady] == list(range(1, FAULT_STEPS + 1))
+    cmd = [*_train_cmd(cluster), "--config", "/tmp/work/faults.yaml", "--steps", str(FAULT_STEPS)]
+    cmd += ["--storage-path", STORAGE]
 
     before = {w.job_id for w in cluster.train_workers()}
     run = cluster.popen([*cmd, "--output-dir", "faulty"], log=tmp_path / "faulty.log")
@@ -233,7 +272,7 @@ def test_a_killed_worker_and_a_lost_node_end_as_an_uninterrupted_run(cluster, bu
     assert summary["resumed_from_step"] in (4, 8, 12) and summary["steps"] == FAULT_STEPS
     # The final weights are bit for bit those of the run without faults.
     faulty = load_file(cluster.host_path(0, "/tmp/work/faulty/model/model.safetensors"))
-    steady_weights = load_file(cluster.host_path(0, "/tmp/work/steady/model/model.safetensors"))
+    steady_weights = steady_run.weights
     assert faulty.keys() == steady_weights.keys()
     assert all(torch.equal(faulty[k], steady_weights[k]) for k in steady_weights)
     # The last attempt ran one rank on the new host (its own Ray logs say so).
