@@ -57,6 +57,22 @@ def test_chunked_loss_equals_the_plain_loss(max_logits):
     assert torch.count_nonzero(chunked[1][0, :5]) == 0 and torch.count_nonzero(chunked[1][0, 5:]) > 0
 
 
+def test_a_bf16_output_projection_gets_the_gradient_of_one_projection_however_the_tokens_are_cut():
+    # Left to autograd, a bf16 weight's gradient is rounded to bf16 after each chunk; the chunked loss sums it in
+    # fp32 and rounds once, as the plain loss over all tokens does.
+    h, w, labels = _inputs(seed=5, batch=4, seq=64, hidden=32, vocab=300)
+    h, w = h.to(torch.bfloat16), w.to(torch.bfloat16)
+    plain = _loss_and_grads(_plain, h, w, labels)
+    chunked = _loss_and_grads(
+        lambda a, b, y: chunked_cross_entropy(a, b, y, max_logits=300 * 3, ignore_index=IGNORE), h, w, labels
+    )  # 86 chunks of 3 tokens
+    assert chunked[2].dtype == torch.bfloat16
+    torch.testing.assert_close(chunked[0], plain[0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(chunked[1], plain[1], rtol=0, atol=0)
+    ulp = plain[2].abs().float() * 2**-7 + 1e-30  # one bf16 step of each element
+    assert ((chunked[2].float() - plain[2].float()).abs() <= ulp).all()
+
+
 def test_all_masked_chunk_counts_zero():
     h, w, labels = _inputs(seed=1)
     labels[:] = IGNORE

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from raytrain_eks.errors import UserError
 
@@ -104,6 +103,50 @@ def output_projection_deferred(model: Any) -> Callable[[], torch.Tensor]:
     return lambda: head.weight
 
 
+def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with an fp32 result: on a GPU a bf16 matmul that keeps its fp32 accumulator (``out_dtype``), so
+    nothing is rounded to bf16 before it is summed; elsewhere the operands are upcast first."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+class _ChunkedLoss(torch.autograd.Function):
+    """The summed cross-entropy of ``hidden @ weight.T`` a chunk of ``rows`` tokens at a time, logits recomputed in
+    backward. The output projection's gradient is summed over the chunks in fp32 and rounded to the weight's dtype
+    once, as one projection of all tokens would round it: left to autograd, a bf16 weight's gradient would be
+    rounded to bf16 after every chunk, and the training would depend on how the tokens were cut."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int, ignore: int):
+        ctx.save_for_backward(hidden, weight, labels)
+        ctx.rows, ctx.ignore = rows, ignore
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for i in range(0, labels.numel(), rows):
+            logits = F.linear(hidden[i : i + rows], weight).float()
+            total += F.cross_entropy(logits, labels[i : i + rows], ignore_index=ignore, reduction="sum")
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: torch.Tensor):
+        hidden, weight, labels = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for i in range(0, labels.numel(), ctx.rows):
+            h, y = hidden[i : i + ctx.rows], labels[i : i + ctx.rows]
+            # d loss / d logits of a summed cross-entropy: softmax minus the one-hot label, nothing for ignored ones.
+            grad = torch.softmax(F.linear(h, weight).float(), dim=-1)
+            keep = (y != ctx.ignore).unsqueeze(1)
+            grad.scatter_add_(1, torch.where(keep, y.unsqueeze(1), 0), -keep.to(grad.dtype))
+            grad = (grad * keep * grad_total).to(hidden.dtype)  # where autograd would cast it at the fp32 upcast
+            if grad_hidden is not None:
+                grad_hidden[i : i + ctx.rows] = grad @ weight
+            grad_weight += _fp32_product(grad.t(), h)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
 def chunked_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -116,17 +159,11 @@ def chunked_cross_entropy(
 
     Tokens are projected, upcast and scored a chunk at a time, and each chunk's logits are recomputed in backward
     rather than kept, so neither pass holds the full (tokens x vocabulary) fp32 logits. Labels equal to
-    ``ignore_index`` count for nothing. The value and gradients are those of the plain loss.
+    ``ignore_index`` count for nothing. The value and gradients are those of the plain loss, the output
+    projection's gradient summed over the chunks in fp32 (:class:`_ChunkedLoss`).
     """
     hidden, labels = hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1)
-
-    def piece(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(F.linear(h, weight).float(), y, ignore_index=ignore_index, reduction="sum")
-
     rows = max(1, max_logits // weight.size(0))
     if rows >= labels.numel():  # one chunk: nothing to save by recomputing
-        return piece(hidden, labels)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for i in range(0, labels.numel(), rows):
-        total = total + checkpoint(piece, hidden[i : i + rows], labels[i : i + rows], use_reentrant=False)
-    return total
+        return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=ignore_index, reduction="sum")
+    return _ChunkedLoss.apply(hidden, weight, labels, rows, ignore_index)
