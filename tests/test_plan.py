@@ -498,7 +498,9 @@ def test_a_run_on_a_cluster_this_tool_did_not_deploy_is_priced_only_at_a_configu
     config.write_text("cluster:\n  usd_per_hour: 12.5\n")
     price, why_not = job_price(config, None)
     assert price is None and why_not is not None
-    assert why_not.startswith("no deployment record beside") and why_not.endswith("set cluster.usd_per_hour to price runs on it")
+    assert why_not.startswith("no deployment record beside") and why_not.endswith(
+        "set cluster.usd_per_hour to price runs on it"
+    )
 
     hourly = load_config(path=config).cluster.usd_per_hour
     price, why_not = job_price(config, hourly)
