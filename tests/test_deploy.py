@@ -48,6 +48,7 @@ from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import Event, ExecResult, _exec_returncode
+from raytrain_eks.train.memory import DoesNotFit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
 SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md
@@ -1432,6 +1433,29 @@ def test_later_commands_use_the_remembered_region_and_zone(ready: World, cfg: Co
     again = state.apply_state(moved, StateStore(ready.store.root))
     assert (again.cluster.region, again.cluster.gpu_az) == ("us-east-1", "us-east-1a")
     assert state.apply_state(cfg, StateStore(ready.store.root / "elsewhere")) is cfg
+
+
+def _with_training(cfg: Config, **training: Any) -> Config:
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update=training)})
+
+
+def test_up_refuses_a_run_that_cannot_fit_the_gpus_before_anything_is_created(world: World):
+    world.d.cfg = _with_training(world.d.cfg, model_id="Qwen/Qwen2.5-1.5B", seq_len=32768, batch_size=32)
+    with pytest.raises(DoesNotFit, match="Qwen/Qwen2.5-1.5B does not fit: memory: about .* even with activation"):
+        world.up()
+    assert world.tools.calls == [] and world.store.get("cluster") is None and world.kube.applied == []
+
+
+def test_submit_switches_activation_checkpointing_on_in_the_jobs_config_when_it_must(ready: World):
+    bucket = f"s3://{ready.store.get('bucket')}/runs"
+    wide = _with_training(ready.d.cfg, model_id="Qwen/Qwen2.5-1.5B", seq_len=2048, batch_size=8, storage_path=bucket)
+    assert wide.training.activation_checkpointing is False
+    sub.submit(dataclasses.replace(ready.d, cfg=wide))
+    cfg = ready.d.cfg
+    job = ready.kube.get("v1", "ConfigMap", cfg.ray.cluster_name + "-config", cfg.ray.namespace)
+    training = yaml.safe_load(job["data"]["raytrain-eks.yaml"])["training"]
+    assert training["activation_checkpointing"] is True and training["seq_len"] == 2048
+    assert "activation checkpointing switched on (without it about" in ready.said()
 
 
 def test_up_refuses_a_folder_that_belongs_to_another_cluster(ready: World):

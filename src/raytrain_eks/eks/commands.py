@@ -98,6 +98,8 @@ def plan(
         usd = "price unknown" if item["usd_per_hour"] is None else f"${item['usd_per_hour']:.4f}"
         out.print(f"  {item['name']}: {item['count']} x {item['what']} = {usd}")
     summary = result.summary
+    if summary["memory_per_gpu"]:
+        out.print(summary["memory_per_gpu"]["line"], markup=False)
     out.print(f"[bold]Checkpoints[/] in {summary['checkpoints']} ({summary['checkpoint_role']})", markup=True)
     storage = summary["checkpoint_storage"]
     if storage:

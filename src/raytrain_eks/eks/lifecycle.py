@@ -64,6 +64,7 @@ from raytrain_eks.eks.runner import Interrupted
 from raytrain_eks.eks.state import KUBECONFIG_FILE, STATE_DIR, Cancelled, Deployment, describe
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.train.memory import fit_config
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,9 @@ def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callabl
     cfg = d.cfg
     c = cfg.cluster
     gpu, system = check_deployable(cfg)
+    _, memory = fit_config(cfg, gpu)  # DoesNotFit: a run that cannot fit the GPUs is stopped before any node
+    if memory is not None:
+        d.say(memory.line)
     require_programs(d, "up")  # every program up runs, all the missing ones named at once
     _check_state_matches(d)
     plan = choose_zones(cfg, d.state, offered_zones)

@@ -35,6 +35,7 @@ from raytrain_eks.instances import (
 from raytrain_eks.k8s import job as job_files
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.manifests import to_yaml
+from raytrain_eks.train.memory import fit_config, unknown_shape_note
 
 Mode = Literal["raycluster", "rayjob"]
 MODES: tuple[Mode, ...] = ("raycluster", "rayjob")
@@ -296,6 +297,7 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
     if mode not in MODES:
         raise UserError(f"--mode {mode!r} is not known", hint=f"Choose one of: {', '.join(MODES)}.")
     gpu, system = check_deployable(cfg)
+    cfg, memory = fit_config(cfg, gpu)  # DoesNotFit before anything; activation checkpointing on where it must be
     # The job's checkpoints go to the cluster's bucket unless storage_path says otherwise: every node reaches them.
     bucket = planned_bucket(cfg, suffix=BUCKET_SUFFIX_PLACEHOLDER)
     cfg = with_bucket_storage(cfg, bucket)
@@ -338,6 +340,8 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
             f"The checkpoint bucket's name ends in a random suffix that up chooses (here {BUCKET_SUFFIX_PLACEHOLDER}); "
             "set CHECKPOINT_BUCKET to use a bucket of your own."
         )
+    if memory is None:
+        assumptions.append(unknown_shape_note(cfg.training.model_id))
     cpu, mem = m.worker_pod_size(cfg)
     d = cfg.derived
     summary = {
@@ -357,6 +361,7 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
         "checkpoints": cfg.training.storage_path,
         "checkpoint_role": f"IAM role of service account {cfg.ray.namespace}/{m.RAY_SERVICE_ACCOUNT}, this bucket only",
         "checkpoint_storage": storage_estimate(cfg),
+        "memory_per_gpu": memory.to_dict() if memory else None,
     }
     return Plan(
         mode=mode,

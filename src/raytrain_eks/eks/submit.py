@@ -50,6 +50,7 @@ from raytrain_eks.k8s.job import (
     rayjob_manifest,
     unpack_argv,
 )
+from raytrain_eks.train.memory import fit_config
 
 Mode = Literal["raycluster", "rayjob"]
 
@@ -395,6 +396,10 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
     cfg = d.cfg
     ns = cfg.ray.namespace
     gpu, _ = check_deployable(cfg)
+    cfg, memory = fit_config(cfg, gpu)  # before any pod: DoesNotFit, or activation checkpointing switched on
+    if memory is not None:
+        d.say(memory.line)
+        d.cfg = cfg  # the job's ConfigMap carries what the estimate decided
     cfg.check_cluster_storage()  # checkpoints every node reaches, before any node is scaled or job submitted
     if mode == "rayjob":
         refuse_raycluster_holding_gpus(d)  # the RayJob's own cluster would wait for GPUs that one holds

@@ -25,6 +25,7 @@ from raytrain_eks.train.evaluation import HeldOut, greedy_samples
 from raytrain_eks.train.fabric_gate import check_transport
 from raytrain_eks.train.faults import maybe_die
 from raytrain_eks.train.flops import flops_per_token, mfu, peak_flops_for
+from raytrain_eks.train.memory import LOSS_CHUNK_LOGITS, check_run, refuse_unless_fits  # logits held at once
 from raytrain_eks.train.model import (
     chunked_cross_entropy,
     compile_layers,
@@ -35,9 +36,6 @@ from raytrain_eks.train.model import (
 )
 from raytrain_eks.train.precision import resolve_precision
 from raytrain_eks.train.sharding import Layout, choose_sharding, set_gradient_sync, shard_model
-
-# fp32 logits the loss holds at once (256 MiB): 441 tokens per chunk at Qwen2.5's 151,936-token vocabulary.
-LOSS_CHUNK_LOGITS = 2**26
 
 
 def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -166,10 +164,19 @@ def train(
     # Sharded over several ranks, only rank 0 reads the weights; the others build the model on the meta device and
     # receive their shard from it after sharding, so their memory follows the shard, not the whole model.
     from_rank0 = layout.mode != "none" and ctx.world_size > 1
+    checkpointing = cfg.activation_checkpointing
+    if device.type == "cuda":  # the estimate against this GPU, before any weight is loaded
+        props = torch.cuda.get_device_properties(device)
+        fit = check_run(
+            model_path, cfg, layout=layout, precision=precision, gpu_bytes=props.total_memory, gpu_name=props.name
+        )
+        ctx.emit({"note": fit.line})
+        refuse_unless_fits(fit)  # every rank computes the same estimate, so all stop together
+        checkpointing = fit.checkpointing
     if from_rank0 and ctx.rank != 0:
-        model, full_state = load_model_shell(model_path, activation_checkpointing=cfg.activation_checkpointing), None
+        model, full_state = load_model_shell(model_path, activation_checkpointing=checkpointing), None
     else:
-        model = load_model(model_path, activation_checkpointing=cfg.activation_checkpointing)
+        model = load_model(model_path, activation_checkpointing=checkpointing)
         full_state = {k: v.detach().clone() for k, v in model.state_dict().items()} if from_rank0 else None
         model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
@@ -351,6 +358,8 @@ def train(
         "world_size": ctx.world_size,
         "device": device_name(device),
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        # What the caching allocator held at most: what must fit the GPU (allocated plus its free blocks).
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
         "resumed_from_step": resumed_from,
         "checkpoints": checkpoints,
         "checkpoint_s": checkpoint_s,

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from raytrain_eks.errors import UserError
+from raytrain_eks.train.memory import GRAD_PIECE_ELEMENTS
 
 
 def load_model(path: str, *, activation_checkpointing: bool) -> Any:
@@ -103,21 +104,22 @@ def output_projection_deferred(model: Any) -> Callable[[], torch.Tensor]:
     return lambda: head.weight
 
 
-def _fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with an fp32 result: on a GPU a bf16 matmul that keeps its fp32 accumulator (``out_dtype``), so
-    nothing is rounded to bf16 before it is summed; elsewhere the operands are upcast first."""
-    if a.dtype == torch.float32:
-        return a @ b
+def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b`` in fp32 for bf16 ``a`` and ``b``: on a GPU a bf16 matmul that hands over its fp32
+    accumulator (``out_dtype``), so nothing is rounded to bf16 before the sum; elsewhere the operands are upcast."""
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+        out += torch.mm(a, b, out_dtype=torch.float32)
+    else:
+        out.addmm_(a.float(), b.float())
 
 
 class _ChunkedLoss(torch.autograd.Function):
     """The summed cross-entropy of ``hidden @ weight.T`` a chunk of ``rows`` tokens at a time, logits recomputed in
     backward. The output projection's gradient is summed over the chunks in fp32 and rounded to the weight's dtype
     once, as one projection of all tokens would round it: left to autograd, a bf16 weight's gradient would be
-    rounded to bf16 after every chunk, and the training would depend on how the tokens were cut."""
+    rounded to bf16 after every chunk, and the training would depend on how the tokens were cut. Backward holds
+    one chunk's fp32 logits (turned into their gradient in place), its bf16 copy, the fp32 sum of the projection's
+    gradient and a piece of at most :data:`GRAD_PIECE_ELEMENTS` of it."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int, ignore: int):
@@ -134,16 +136,24 @@ class _ChunkedLoss(torch.autograd.Function):
         hidden, weight, labels = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        piece = max(1, GRAD_PIECE_ELEMENTS // weight.size(1))
         for i in range(0, labels.numel(), ctx.rows):
             h, y = hidden[i : i + ctx.rows], labels[i : i + ctx.rows]
             # d loss / d logits of a summed cross-entropy: softmax minus the one-hot label, nothing for ignored ones.
             grad = torch.softmax(F.linear(h, weight).float(), dim=-1)
             keep = (y != ctx.ignore).unsqueeze(1)
             grad.scatter_add_(1, torch.where(keep, y.unsqueeze(1), 0), -keep.to(grad.dtype))
-            grad = (grad * keep * grad_total).to(hidden.dtype)  # where autograd would cast it at the fp32 upcast
+            grad.mul_(keep).mul_(grad_total)
+            if grad.dtype != hidden.dtype:  # cast where autograd would cast it, at the upcast of the logits
+                grad = grad.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[i : i + ctx.rows] = grad @ weight
-            grad_weight += _fp32_product(grad.t(), h)
+            if grad.dtype == torch.float32:
+                grad_weight.addmm_(grad.t(), h)
+            else:
+                for v in range(0, weight.size(0), piece):
+                    _add_product(grad_weight[v : v + piece], grad[:, v : v + piece].t(), h)
+            del grad
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None
 
 

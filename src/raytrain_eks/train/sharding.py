@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from typing import TYPE_CHECKING, Any
 
 from raytrain_eks.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where a model is sharded: choosing a layout (plan) needs none of it
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 SHARDING_MODES = ("auto", "fsdp", "hsdp", "none")
 MESH_DIMS = ("replicate", "shard")  # HSDP's mesh: one row per node, one column per rank of a node
@@ -159,7 +160,7 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return list(layers)
 
 
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+REDUCE_PRECISIONS = ("bf16", "fp32")
 
 
 def mixed_precision(precision: str, reduce_precision: str = "fp32") -> MixedPrecisionPolicy:
@@ -170,10 +171,14 @@ def mixed_precision(precision: str, reduce_precision: str = "fp32") -> MixedPrec
     otherwise no casting at all. ``precision`` is the resolved one (train/precision.py); ``auto`` must have been
     decided before sharding.
     """
-    if reduce_precision not in _DTYPES:
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if reduce_precision not in REDUCE_PRECISIONS:
         raise ValueError(f"reduce_precision must be bf16 or fp32, not {reduce_precision!r}")
     if precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=_DTYPES[reduce_precision])
+        reduce_dtype = torch.bfloat16 if reduce_precision == "bf16" else torch.float32
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     if precision == "fp32":
         return MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if reduce_precision == "bf16" else None)
     raise ValueError(f"resolved precision must be bf16 or fp32, not {precision!r}")
@@ -186,6 +191,8 @@ def apply_fsdp(
 
     A 1-D mesh gives FSDP; a 2-D ``(replicate, shard)`` mesh gives HSDP.
     """
+    from torch.distributed.fsdp import fully_shard
+
     policy = mixed_precision(precision, reduce_precision)
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):

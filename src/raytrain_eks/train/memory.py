@@ -1,0 +1,421 @@
+"""How much GPU memory one training worker needs, known before any node is paid for.
+
+The estimate follows what the job keeps on each device, phase by phase, with the sharding it applies
+(:mod:`raytrain_eks.train.sharding`): fp32 master weights, AdamW's two fp32 moments and fp32 gradients, each split
+over the ranks that shard them (all ranks with FSDP, the ranks of one node with HSDP; one fp32 rank has no wrapper);
+the root module (embedding, output projection, final norm) and decoder layers gathered in the compute dtype; the
+activations of every layer (only each layer's input with activation checkpointing, plus one layer's worth while it
+is recomputed); the chunked loss's logits and the output projection's fp32 gradient sum
+(:func:`loss_bytes`); and at the end of backward the root's unsharded gradient with its fp32 reduce-scatter buffer.
+The peak is the largest of the moments that dominate: the loss's backward with every activation alive, a
+checkpointed layer's backward, and the root's gradient reduction. It is checked in the tests against torch's FSDP2
+memory tracker following a real training step of the job's own code on CPU (fake tensors, a fake process group),
+within 15%. Example::
+
+    shape = model_shape("Qwen/Qwen2.5-1.5B")
+    est = estimate(shape, shard_ranks=8, precision="bf16", micro_batch=1, seq_len=2048,
+                   activation_checkpointing=False, grad_accum_steps=1)
+    est.peak_gib, est.parts   # the per-GPU peak and what it is made of
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raytrain_eks.errors import UserError
+
+# Logits of one chunk of the loss (raytrain_eks.train.model.chunked_cross_entropy's max_logits).
+LOSS_CHUNK_LOGITS = 2**26
+# The largest piece of the output projection's gradient the chunked loss's backward computes at once (elements).
+GRAD_PIECE_ELEMENTS = 2**24
+# Above this share of a GPU's memory the estimate is too close: activation checkpointing goes on, or the run stops.
+HEADROOM = 0.85
+GIB = 2**30
+
+# Shapes of models a plan may name without their config on this machine (their public config.json files).
+KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
+    "Qwen/Qwen2.5-1.5B": {
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "Qwen/Qwen2.5-0.5B": {
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a model: its parameter counts (the decoder layers' and the rest, the root) and
+    the widths its activations have."""
+
+    name: str
+    layers: int
+    layer_params: int
+    root_params: int
+    hidden: int
+    intermediate: int
+    kv_dim: int
+    vocab: int
+
+    @property
+    def params(self) -> int:
+        return self.root_params + self.layers * self.layer_params
+
+
+# The shapes of models a plan may name without their files on this machine: counted from their public config.json
+# (KNOWN_CONFIGS) by shape_from_config, which the tests repeat; kept as numbers so a plan needs no transformers.
+KNOWN_SHAPES: dict[str, ModelShape] = {
+    "Qwen/Qwen2.5-1.5B": ModelShape("Qwen/Qwen2.5-1.5B", 28, 46797824, 233375232, 1536, 8960, 256, 151936),
+    "Qwen/Qwen2.5-0.5B": ModelShape("Qwen/Qwen2.5-0.5B", 24, 14912384, 136135552, 896, 4864, 128, 151936),
+}
+
+
+def shape_from_config(name: str, config: Any) -> ModelShape:
+    """A model's shape from its transformers config: the parameters are counted on a model built on the meta
+    device (no memory), so any architecture transformers knows is counted exactly."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_eks.train.sharding import decoder_layers
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = decoder_layers(model)
+    total = sum(p.numel() for p in model.parameters())
+    layer_params = sum(p.numel() for p in layers[0].parameters())
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    intermediate = getattr(text, "intermediate_size", None) or 4 * text.hidden_size
+    return ModelShape(
+        name=name,
+        layers=len(layers),
+        layer_params=layer_params,
+        root_params=total - len(layers) * layer_params,
+        hidden=text.hidden_size,
+        intermediate=intermediate,
+        kv_dim=kv_heads * head_dim,
+        vocab=text.vocab_size,
+    )
+
+
+@functools.cache
+def model_shape(model_id: str) -> ModelShape | None:
+    """The shape of ``model_id`` from what this machine has, with no network: the shapes above, a local folder, the
+    Hugging Face cache or the built-in model; ``None`` when none of them knows it."""
+    if model_id in KNOWN_SHAPES and not Path(model_id).exists():
+        return KNOWN_SHAPES[model_id]
+    from transformers import AutoConfig
+
+    from raytrain_eks.train.model_source import resolve_model_path
+
+    try:
+        path = resolve_model_path(model_id) if model_id.startswith("builtin:") else model_id
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    return shape_from_config(model_id, config)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-GPU bytes: ``parts`` of the peak moment (``phase``), and the other moment's total for comparison."""
+
+    phase: str
+    parts: dict[str, int]
+    other_phase: str
+    other_bytes: int
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    def describe(self) -> str:
+        """One line: the peak and its three largest parts. Example: ``memory: about 9.1 GiB per GPU at peak ...``"""
+        top = sorted(self.parts.items(), key=lambda kv: -kv[1])[:3]
+        unit, size = ("GiB", GIB) if self.peak_bytes >= GIB else ("MiB", 2**20)
+        parts = ", ".join(f"{k} {v / size:.1f}" for k, v in top)
+        return f"memory: about {self.peak_bytes / size:.1f} {unit} per GPU at peak ({self.phase}; {parts} {unit})"
+
+
+def activation_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
+    """What one decoder layer keeps for backward per token, without checkpointing: its two norms' fp32 inputs and
+    outputs, the attention's projections (queries, keys and values, after the rotary embedding too, and the keys and
+    values widened to every head), its output, and the MLP's gate, up, activation and product."""
+    h, i, kv = shape.hidden, shape.intermediate, shape.kv_dim
+    half = compute_bytes / 2  # the counts below are in bf16 bytes
+    return int((24 * h + 8 * i + 8 * kv) * half)
+
+
+def loss_bytes(
+    shape: ModelShape, *, tokens: int, compute_bytes: int, loss_chunk_logits: int = LOSS_CHUNK_LOGITS
+) -> int:
+    """What the loss holds at the height of its backward (:func:`raytrain_eks.train.model.chunked_cross_entropy`).
+
+    In one chunk: the fp32 log-probabilities kept from forward, their fp32 gradient and its copy in the compute
+    dtype, and the output projection's gradient. In several: one chunk's recomputed fp32 logits turned into their
+    gradient in place and its copy in the compute dtype, the fp32 sum of the projection's gradient, and (bf16) the
+    piece of it computed at once."""
+    cast = compute_bytes if compute_bytes < 4 else 0  # a bf16 copy of the fp32 gradient; none in fp32
+    rows = max(1, loss_chunk_logits // shape.vocab)
+    projection = shape.vocab * shape.hidden
+    if rows >= tokens:
+        return tokens * shape.vocab * (8 + cast) + compute_bytes * projection
+    piece = 4 * min(projection, GRAD_PIECE_ELEMENTS) if cast else 0
+    return rows * shape.vocab * (4 + cast) + 4 * projection + piece
+
+
+def estimate(
+    shape: ModelShape,
+    *,
+    shard_ranks: int,
+    precision: str,
+    micro_batch: int,
+    seq_len: int,
+    activation_checkpointing: bool,
+    grad_accum_steps: int = 1,
+    loss_chunk_logits: int = LOSS_CHUNK_LOGITS,
+) -> MemoryEstimate:
+    """The per-GPU peak of one worker; ``shard_ranks`` is how many ranks split each parameter. One rank in fp32
+    has no wrapper (:mod:`raytrain_eks.train.sharding`): nothing gathered, nothing reduced."""
+    if precision not in {"bf16", "fp32"}:
+        raise ValueError(f"precision must be resolved to bf16 or fp32, not {precision!r}")
+    s = max(1, shard_ranks)
+    wrapped = not (s == 1 and precision == "fp32")
+    cdt = 2 if precision == "bf16" else 4
+    p, root, layer = shape.params, shape.root_params, shape.layer_params
+    tokens = micro_batch * seq_len
+    static = {"weights (fp32, sharded)": 4 * p // s, "AdamW moments (fp32, sharded)": 8 * p // s}
+    earlier = {"gradients of earlier micro-batches (fp32, sharded)": 4 * p // s} if grad_accum_steps > 1 else {}
+    per_layer = activation_bytes_per_token(shape, cdt) * tokens
+    inputs = shape.layers * tokens * shape.hidden * cdt  # what checkpointed layers keep: their inputs
+    stored = inputs if activation_checkpointing else shape.layers * per_layer
+    phases: dict[str, dict[str, int]] = {}
+    # The loss's backward: every stored activation alive, the root and the last layer still gathered.
+    phases["the loss's backward"] = {
+        **static,
+        **earlier,
+        **({"gathered root and a layer": cdt * (root + layer)} if wrapped else {}),
+        "activations": stored,
+        "loss": loss_bytes(shape, tokens=tokens, compute_bytes=cdt, loss_chunk_logits=loss_chunk_logits),
+    }
+    if wrapped:
+        # The end of backward: the root's unsharded gradient and its fp32 reduce-scatter, every layer's done.
+        phases["the root's gradient reduction"] = {
+            **static,
+            "layer gradients (fp32, sharded)": 4 * (p - root) // s,
+            "root gradient and its reduction": (cdt + 4) * root,
+            "gathered root": cdt * root,
+            "reduce-scatter buffer": 4 * layer,
+        }
+        if activation_checkpointing:
+            # A layer recomputed in backward, with the next one prefetched and the root's gradient waiting.
+            phases["a checkpointed layer's backward"] = {
+                **static,
+                **earlier,
+                "gathered root and layers": cdt * (root + 2 * layer),
+                "root gradient": cdt * root,
+                "activations": inputs + per_layer,
+                "layer gradients (fp32, sharded)": 4 * (p - root) // s,
+            }
+    else:
+        phases["the end of backward"] = {**static, "gradients (fp32)": 4 * p, "activations": inputs}
+    settings = {
+        "model": shape.name,
+        "shard_ranks": s,
+        "precision": precision,
+        "micro_batch": micro_batch,
+        "seq_len": seq_len,
+        "activation_checkpointing": activation_checkpointing,
+        "grad_accum_steps": grad_accum_steps,
+    }
+    ranked = sorted(phases.items(), key=lambda kv: -sum(kv[1].values()))
+    (phase, parts), (other, other_parts) = ranked[0], ranked[1]
+    return MemoryEstimate(phase, parts, other, sum(other_parts.values()), settings)
+
+
+class DoesNotFit(UserError):
+    """The estimate is over the GPU's memory even with activation checkpointing; nothing was started."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """The estimate against a GPU: ``fits``, whether activation checkpointing had to go on (``checkpointing``),
+    and the line a run or plan says."""
+
+    estimate: MemoryEstimate
+    gpu_bytes: int
+    checkpointing: bool
+    switched_on: bool
+    fits: bool
+    line: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """For plan.json: the peak and its parts in GiB, the GPU, and whether checkpointing was switched on."""
+        est = self.estimate
+        return {
+            "peak_gib": round(est.peak_gib, 2),
+            "phase": est.phase,
+            "parts_gib": {k: round(v / GIB, 3) for k, v in est.parts.items()},
+            "gpu_gib": round(self.gpu_bytes / GIB, 1),
+            "limit_share": HEADROOM,
+            "activation_checkpointing": self.checkpointing,
+            "activation_checkpointing_switched_on": self.switched_on,
+            "settings": est.settings,
+            "line": self.line,
+        }
+
+
+def check_fit(
+    shape: ModelShape,
+    *,
+    gpu_bytes: int,
+    gpu_name: str,
+    shard_ranks: int,
+    precision: str,
+    micro_batch: int,
+    seq_len: int,
+    activation_checkpointing: bool,
+    grad_accum_steps: int = 1,
+) -> MemoryCheck:
+    """The estimate against ``gpu_bytes``: over :data:`HEADROOM` of it, activation checkpointing goes on; if that
+    is not enough, ``fits`` is False and ``line`` gives the numbers."""
+    common = dict(shard_ranks=shard_ranks, precision=precision, micro_batch=micro_batch, seq_len=seq_len)
+    est = estimate(
+        shape, activation_checkpointing=activation_checkpointing, grad_accum_steps=grad_accum_steps, **common
+    )
+    limit = HEADROOM * gpu_bytes
+    gpu = f"{gpu_bytes / GIB:.1f} GiB {gpu_name}"
+    if est.peak_bytes <= limit:
+        return MemoryCheck(est, gpu_bytes, activation_checkpointing, False, True, f"{est.describe()}, of {gpu}")
+    if not activation_checkpointing:
+        on = estimate(shape, activation_checkpointing=True, grad_accum_steps=grad_accum_steps, **common)
+        if on.peak_bytes <= limit:
+            line = (
+                f"{on.describe()}, of {gpu}: activation checkpointing switched on (without it about "
+                f"{est.peak_gib:.1f} GiB, over {HEADROOM:.0%} of the GPU)"
+            )
+            return MemoryCheck(on, gpu_bytes, True, True, True, line)
+        est = on
+    line = f"{est.describe()}: over {HEADROOM:.0%} of the {gpu} even with activation checkpointing"
+    return MemoryCheck(est, gpu_bytes, True, not activation_checkpointing, False, line)
+
+
+def refuse_unless_fits(check: MemoryCheck) -> None:
+    """Raise the one message (:class:`DoesNotFit`, exit 2) for an estimate that does not fit."""
+    if check.fits:
+        return
+    s = check.estimate.settings
+    raise DoesNotFit(
+        f"{s['model']} does not fit: {check.line}",
+        hint=(
+            f"Lower training.batch_size ({s['micro_batch']}) or training.seq_len ({s['seq_len']}), shard over more "
+            "GPUs (more nodes, or training.sharding: fsdp across them), or pick a GPU with more memory."
+        ),
+    )
+
+
+def layout_shard_ranks(layout: Any) -> int:
+    """How many ranks split each parameter under a sharding :class:`~raytrain_eks.train.sharding.Layout`."""
+    if layout.mode == "hsdp":
+        return layout.mesh_shape[1]
+    return layout.world_size if layout.mode == "fsdp" else 1
+
+
+def shard_ranks_for(training: Any, nodes: int, world: int, precision: str) -> int:
+    """How many ranks split each parameter for ``training.sharding`` with ``world`` ranks spread evenly over
+    ``nodes`` nodes (:func:`raytrain_eks.train.sharding.choose_sharding` decides, as the job will)."""
+    from raytrain_eks.train.sharding import choose_sharding
+
+    per_node = max(1, world // max(1, nodes))
+    return layout_shard_ranks(
+        choose_sharding(training.sharding, [f"node-{rank // per_node}" for rank in range(world)], precision)
+    )
+
+
+def check_run(model_path: str, training: Any, *, layout: Any, precision: str, gpu_bytes: int, gpu_name: str):
+    """At a run's start on a GPU: the estimate of ``training`` with the model at ``model_path`` (its config only)
+    against the device's own memory."""
+    from transformers import AutoConfig
+
+    shape = shape_from_config(training.model_id, AutoConfig.from_pretrained(model_path))
+    return check_fit(
+        shape,
+        gpu_bytes=gpu_bytes,
+        gpu_name=gpu_name,
+        shard_ranks=layout_shard_ranks(layout),
+        precision=precision,
+        micro_batch=training.batch_size,
+        seq_len=training.seq_len,
+        activation_checkpointing=training.activation_checkpointing,
+        grad_accum_steps=training.grad_accum_steps,
+    )
+
+
+def check_config(cfg: Any, gpu: Any) -> MemoryCheck | None:
+    """The estimate of ``cfg``'s training on ``gpu`` (an :class:`~raytrain_eks.instances.InstanceType`): bf16 unless
+    the config says fp32 (every GPU type this tool deploys has bf16). ``None`` when the model's shape is not known
+    on this machine (see :func:`model_shape`)."""
+    t = cfg.training
+    shape = model_shape(t.model_id)
+    if shape is None or not gpu.gpu_mib:
+        return None
+    precision = "fp32" if t.precision == "fp32" else "bf16"
+    world = cfg.derived.world_size
+    return check_fit(
+        shape,
+        gpu_bytes=gpu.gpu_mib * 2**20,
+        gpu_name=gpu.gpu_model or gpu.name,
+        shard_ranks=shard_ranks_for(t, cfg.cluster.gpu_node_count, world, precision),
+        precision=precision,
+        micro_batch=t.batch_size,
+        seq_len=t.seq_len,
+        activation_checkpointing=t.activation_checkpointing,
+        grad_accum_steps=t.grad_accum_steps,
+    )
+
+
+def fit_config(cfg: Any, gpu: Any) -> tuple[Any, MemoryCheck | None]:
+    """``cfg`` checked against ``gpu``'s memory before anything is created: raises :class:`DoesNotFit` when it
+    cannot fit, and returns the config with activation checkpointing switched on when that makes it fit."""
+    check = check_config(cfg, gpu)
+    if check is None:
+        return cfg, None
+    refuse_unless_fits(check)
+    if check.switched_on:
+        training = cfg.training.model_copy(update={"activation_checkpointing": True})
+        cfg = cfg.model_copy(update={"training": training})
+    return cfg, check
+
+
+def unknown_shape_note(model_id: str) -> str:
+    """What a plan says when it cannot estimate memory for ``model_id``."""
+    return (
+        f"No memory estimate: the shape of {model_id} is not known on this machine (download it once, e.g. "
+        "`huggingface-cli download MODEL config.json`, or give a local folder)."
+    )

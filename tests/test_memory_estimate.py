@@ -1,0 +1,224 @@
+"""The per-GPU memory estimate against torch's own accounting: torch's FSDP2 memory tracker follows every tensor
+of a real training step of the job's sharded model (its ``apply_fsdp``, its chunked loss, fused AdamW) under fake
+tensors and a fake process group, so Qwen2-shaped models at seq 2048 on 8 ranks are measured on CPU in seconds, with
+no GPU and no memory. The estimate is within 15% of the tracker's peak for every size and setting. Then the check
+against a GPU: over 85% switches activation checkpointing on, or refuses with the numbers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from raytrain_eks.train.memory import GIB, DoesNotFit, check_fit, estimate, refuse_unless_fits, shape_from_config
+
+# Qwen2.5-0.5B's and -1.5B's widths (their public config.json) with fewer layers, and a mid size.
+SHAPES = {
+    "qwen2.5-1.5b-widths-4-layers": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        num_hidden_layers=4,
+    ),
+    "qwen2.5-0.5b-widths-6-layers": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        num_hidden_layers=6,
+    ),
+    "qwen2-mid-8-layers": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        num_hidden_layers=8,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def fake_group():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (8,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _tracked_peak(config, mesh, *, seq_len: int, checkpointing: bool) -> int:
+    """The FSDP2 memory tracker's peak over the forward, loss and backward of a second training step (the first,
+    untracked, creates AdamW's moments, which the tracker then counts). The optimizer's step is left out: under fake
+    tensors the fused kernel's decomposition allocates what the CUDA kernel does not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from transformers import AutoModelForCausalLM
+
+    from raytrain_eks.train.model import chunked_cross_entropy, output_projection_deferred
+    from raytrain_eks.train.sharding import apply_fsdp
+
+    with FakeTensorMode():
+        model = AutoModelForCausalLM.from_config(config)
+        model.config.use_cache = False
+        if checkpointing:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        apply_fsdp(model, precision="bf16", mesh=mesh)
+        weight = output_projection_deferred(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # fused, as on a GPU
+        ids = torch.randint(0, config.vocab_size, (1, seq_len))
+
+        def forward_and_backward():
+            chunked_cross_entropy(model(input_ids=ids).logits[:, :-1], weight(), ids[:, 1:]).backward()
+
+        forward_and_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs((ids,))
+        with tracker:
+            forward_and_backward()
+        (peak,) = tracker.get_tracker_snapshot("peak").values()
+        return peak["Total"]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-checkpointing", "checkpointing"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_the_estimate_is_within_15_percent_of_torchs_fsdp2_memory_tracker(fake_group, name, checkpointing):
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(tie_word_embeddings=True, **SHAPES[name])
+    tracked = _tracked_peak(config, fake_group, seq_len=2048, checkpointing=checkpointing)
+    est = estimate(
+        shape_from_config(name, config),
+        shard_ranks=8,
+        precision="bf16",
+        micro_batch=1,
+        seq_len=2048,
+        activation_checkpointing=checkpointing,
+    )
+    assert est.peak_bytes == pytest.approx(tracked, rel=0.15), (est.parts, tracked / GIB)
+
+
+def test_the_reference_model_at_seq_2048_is_checked_against_an_l4(fake_group):
+    from transformers import Qwen2Config
+
+    from raytrain_eks.train.memory import KNOWN_CONFIGS
+
+    known = dict(KNOWN_CONFIGS["Qwen/Qwen2.5-1.5B"])
+    config = Qwen2Config(**{k: v for k, v in known.items() if k != "model_type"})
+    shape = shape_from_config("Qwen/Qwen2.5-1.5B", config)
+    assert 1.5e9 < shape.params < 1.6e9  # 1.54 B with the tied embedding
+    l4 = 22888 * 2**20
+    common = dict(gpu_bytes=l4, gpu_name="L4", shard_ranks=8, precision="bf16", seq_len=2048)
+    fits = check_fit(shape, micro_batch=1, activation_checkpointing=False, **common)
+    assert fits.fits and not fits.switched_on, fits.line
+    # Four packed sequences of 2048 per micro-batch: too many activations for 85% of an L4 without checkpointing.
+    switched = check_fit(shape, micro_batch=4, activation_checkpointing=False, **common)
+    assert switched.fits and switched.switched_on and switched.checkpointing
+    assert "activation checkpointing switched on" in switched.line
+    # On one GPU with no sharding the weights and AdamW alone are 17 GiB: refused, with the numbers.
+    alone = check_fit(shape, micro_batch=1, activation_checkpointing=False, **{**common, "shard_ranks": 1})
+    assert not alone.fits
+    with pytest.raises(DoesNotFit) as info:
+        refuse_unless_fits(alone)
+    assert info.value.exit_code == 2
+    assert "Qwen/Qwen2.5-1.5B does not fit" in info.value.message and "of the 22.4 GiB L4" in info.value.message
+    assert "training.batch_size" in (info.value.hint or "")
+
+
+def test_the_known_shapes_are_the_counts_of_their_public_configs():
+    from transformers import AutoConfig
+
+    from raytrain_eks.train.memory import KNOWN_CONFIGS, KNOWN_SHAPES
+
+    assert set(KNOWN_SHAPES) == set(KNOWN_CONFIGS)
+    for name, known in KNOWN_CONFIGS.items():
+        fields = dict(known)
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        assert shape_from_config(name, config) == KNOWN_SHAPES[name]
+
+
+def _plan_memory(cfg_for, **environ):
+    from raytrain_eks.eks.plan import JOB_CONFIG_FILE, build_plan
+
+    plan = build_plan(cfg_for(MODEL_ID="Qwen/Qwen2.5-1.5B", GPU_NODE_COUNT="2", **environ))
+    job = plan.files[JOB_CONFIG_FILE][0]["data"]
+    return plan.summary["memory_per_gpu"], yaml_load(next(iter(job.values())))["training"]
+
+
+def yaml_load(text):
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def test_plan_shows_the_estimate_switches_checkpointing_on_where_it_must_and_refuses_what_cannot_fit(cfg_for, tmp_path):
+    from raytrain_eks.eks.plan import write_plan
+
+    # The reference on 2 x g6.12xlarge (8 L4s, HSDP: 4 ranks shard each parameter), seq 1024 x 2: fits as it is.
+    memory, training = _plan_memory(cfg_for)
+    assert memory["gpu_gib"] == 22.4 and 8 < memory["peak_gib"] < 0.85 * 22.4
+    assert memory["settings"]["shard_ranks"] == 4 and memory["settings"]["precision"] == "bf16"
+    assert not memory["activation_checkpointing_switched_on"] and training["activation_checkpointing"] is False
+    assert memory["line"].startswith("memory: about ") and memory["line"].endswith("of 22.4 GiB L4")
+    # Eight sequences of 2048: the activations alone are over 85% of an L4, so the job gets checkpointing.
+    memory, training = _plan_memory(cfg_for, SEQ_LEN="2048", BATCH_SIZE="8")
+    assert memory["activation_checkpointing_switched_on"] and training["activation_checkpointing"] is True
+    assert "activation checkpointing switched on (without it about" in memory["line"]
+    # 32 sequences of 32768 tokens do not fit even so: refused with the numbers, and nothing is written.
+    cfg = cfg_for(MODEL_ID="Qwen/Qwen2.5-1.5B", SEQ_LEN="32768", BATCH_SIZE="32")
+    with pytest.raises(DoesNotFit) as info:
+        write_plan(cfg, tmp_path / "out")
+    assert "Qwen/Qwen2.5-1.5B does not fit" in info.value.message and "even with activation checkpointing" in (
+        info.value.message
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_whose_shape_is_unknown_here_is_planned_with_a_note(cfg_for):
+    from raytrain_eks.eks.plan import build_plan
+
+    plan = build_plan(cfg_for(MODEL_ID="example-org/not-on-this-machine"))
+    assert plan.summary["memory_per_gpu"] is None
+    assert any(
+        a.startswith("No memory estimate: the shape of example-org/not-on-this-machine") for a in plan.assumptions
+    )
+
+
+def test_a_run_on_a_gpu_checks_its_own_devices_memory_from_the_models_config(builtin_model):
+    from raytrain_eks.config import BUILTIN_MODEL, TrainingConfig
+    from raytrain_eks.train.memory import check_run
+    from raytrain_eks.train.sharding import choose_sharding
+
+    layout = choose_sharding("auto", ["node-a"] * 2 + ["node-b"] * 2, "bf16")  # HSDP: 2 ranks shard each parameter
+    training = TrainingConfig(model_id=BUILTIN_MODEL, seq_len=256, batch_size=4)
+    roomy = check_run(builtin_model, training, layout=layout, precision="bf16", gpu_bytes=24 * GIB, gpu_name="L4")
+    assert roomy.fits and not roomy.switched_on and roomy.estimate.settings["shard_ranks"] == 2
+    assert roomy.line.startswith("memory: about ") and " MiB per GPU" in roomy.line
+    # The same run on a device with a fifth of its no-checkpointing peak: even checkpointing cannot make it fit.
+    tight = check_run(
+        builtin_model, training, layout=layout, precision="bf16", gpu_bytes=roomy.estimate.peak_bytes // 5, gpu_name="x"
+    )
+    assert not tight.fits
+    with pytest.raises(DoesNotFit, match=f"{BUILTIN_MODEL} does not fit"):
+        refuse_unless_fits(tight)
+
+
+def test_config_show_prints_the_estimate_for_the_configured_gpus(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from raytrain_eks.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MODEL_ID", "Qwen/Qwen2.5-1.5B")
+    result = CliRunner().invoke(app, ["config", "show"])
+    assert result.exit_code == 0, result.output
+    assert "# memory: about " in result.output and "of 22.4 GiB L4" in result.output
