@@ -60,9 +60,14 @@ class HeldOut:
             batch = mine[i] if i < len(mine) else masked
             input_ids = batch["input_ids"].to(device)
             labels = batch["labels"].to(device)
-            hidden = model(input_ids=input_ids).logits
+            hidden = _forward(model, output_weight, input_ids=input_ids).logits
             loss_sum += chunked_cross_entropy(
-                hidden[:, :-1], output_weight(), labels[:, 1:], max_logits=self._max_logits, ignore_index=IGNORE_INDEX
+                hidden[:, :-1],
+                output_weight(),
+                labels[:, 1:],
+                max_logits=self._max_logits,
+                ignore_index=IGNORE_INDEX,
+                transform=getattr(output_weight, "transform", None),
             ).double()
             tokens += (labels[:, 1:] != IGNORE_INDEX).sum()
         model.train(was_training)
@@ -106,9 +111,11 @@ def greedy_samples(
     model.eval()
     for _ in range(max_new_tokens):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = model(input_ids=x, attention_mask=mask, position_ids=positions).logits[:, -1]
+        hidden = _forward(model, output_weight, input_ids=x, attention_mask=mask, position_ids=positions).logits
         weight = output_weight()  # after the forward: the gathered form of a sharded parameter
-        tokens = torch.nn.functional.linear(hidden.to(weight.dtype), weight).argmax(-1)
+        logits = torch.nn.functional.linear(hidden[:, -1].to(weight.dtype), weight)
+        transform = getattr(output_weight, "transform", None)
+        tokens = (transform(logits.float()) if transform is not None else logits).argmax(-1)
         for i, token in enumerate(tokens.tolist()):
             if not finished[i]:
                 new[i].append(token)
@@ -122,3 +129,10 @@ def greedy_samples(
         {"prompt": prompt, "completion": tokenizer.decode(ids, skip_special_tokens=True), "tokens": len(ids)}
         for prompt, ids in zip(prompts, new, strict=True)
     ]
+
+
+def _forward(model: torch.nn.Module, output_weight: Callable[[], torch.Tensor], **inputs: Any) -> Any:
+    """The model's forward with ``.logits`` its final hidden states (:class:`~raytrain_eks.train.model.OutputHead`;
+    a bare weight getter: the model's output as it is)."""
+    forward = getattr(output_weight, "forward", None)
+    return forward(model, **inputs) if forward is not None else model(**inputs)

@@ -33,6 +33,7 @@ from raytrain_eks.train.model import (
     load_model,
     load_model_shell,
     output_projection_deferred,
+    router_aux_loss,
 )
 from raytrain_eks.train.precision import resolve_precision
 from raytrain_eks.train.sharding import Layout, choose_sharding, set_gradient_sync, shard_model
@@ -260,15 +261,26 @@ def train(
         dist.all_reduce(global_count)
         scale = (ctx.world_size / global_count.clamp(min=1.0)).float()
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        aux_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i, mb in enumerate(micro):
             set_gradient_sync(model, i == len(micro) - 1)  # no reduction (no cross-node traffic) before the last
             input_ids = mb["input_ids"].to(device, non_blocking=True)
             labels = mb["labels"].to(device, non_blocking=True)
-            hidden = model(input_ids=input_ids).logits  # final hidden states: the loss projects them in chunks
+            outputs = output_weight.forward(model, input_ids=input_ids)  # .logits: the final hidden states
             token_loss = chunked_cross_entropy(
-                hidden[:, :-1], output_weight(), labels[:, 1:], max_logits=LOSS_CHUNK_LOGITS, ignore_index=IGNORE_INDEX
+                outputs.logits[:, :-1],
+                output_weight(),
+                labels[:, 1:],
+                max_logits=LOSS_CHUNK_LOGITS,
+                ignore_index=IGNORE_INDEX,
+                transform=output_weight.transform,
             )
-            (token_loss * scale).backward()
+            router = router_aux_loss(model, outputs)  # a mixture of experts' own load-balancing term, per batch
+            if router is None:
+                (token_loss * scale).backward()
+            else:  # averaged over micro-batches here and over ranks by the gradient reduction, as one batch's
+                (token_loss * scale + router / len(micro)).backward()
+                aux_sum += router.detach() / len(micro)
             loss_sum += token_loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         optimizer.step()
@@ -282,7 +294,9 @@ def train(
         eval_due = held_out is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0))
         if eval_due or step == start_step + 1 or step % cfg.log_every == 0 or step == cfg.steps:
             dist.all_reduce(loss_sum)
-            loss = float(loss_sum) / max(1.0, float(global_count))  # waits for the device: logging steps only
+            dist.all_reduce(aux_sum)
+            # The model's own loss: the tokens' mean cross-entropy, plus a mixture of experts' router term.
+            loss = float(loss_sum) / max(1.0, float(global_count)) + float(aux_sum) / ctx.world_size
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             _sync(device)
             losses[step] = loss

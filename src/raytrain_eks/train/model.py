@@ -11,7 +11,10 @@ same path as ``Qwen/Qwen2.5-1.5B``. Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -82,13 +85,128 @@ def compile_layers(model: Any) -> int:
     return len(layers)
 
 
-def output_projection_deferred(model: Any) -> Callable[[], torch.Tensor]:
-    """Make ``model(...).logits`` the final hidden states, and return a getter of the output projection's weight.
+# What a causal LM may do to its logits after the output projection, by the config field that says so: the chunked
+# loss does the same to each chunk. Read from transformers 5.23's modeling files: Gemma 2/3 (and others)
+# ``logits = tanh(logits / cap) * cap`` with ``final_logit_softcapping``; Granite ``logits / logits_scaling``;
+# Cohere ``logits * logit_scale``.
+KNOWN_LOGIT_FIELDS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
+_LOGITS_REASSIGNED = re.compile(r"^\s*logits\s*=\s*(.+)$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """``scale`` times the projected logits, then ``cap * tanh(logits / cap)`` when ``softcap`` is set."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+    # (object, attribute, identity value): what turns the model's own transform off while the loss applies it.
+    neutral: tuple[tuple[Any, str, Any], ...] = field(default=(), compare=False, repr=False)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def logit_transform(model: Any) -> LogitTransform | None:
+    """What ``model``'s own forward does to its logits after the output projection, or ``None`` for nothing.
+
+    The forward's source is read: every line that assigns ``logits`` again after the projection must be one of the
+    known transforms (:data:`KNOWN_LOGIT_FIELDS`, read from the config), else the model is refused (a
+    :class:`UserError`) rather than trained on a different objective than its own.
+    """
+    import inspect
+
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        source = ""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    unknown = []
+    for line in _LOGITS_REASSIGNED.findall(source):
+        line = line.split("#")[0].strip()
+        if line.endswith(","):  # logits=logits, a keyword of the output being built
+            continue
+        if "lm_head" in line or "get_output_embeddings" in line or line.startswith("outputs"):
+            continue  # the projection itself
+        if line == "torch.tanh(logits)" or any(field in line for field in KNOWN_LOGIT_FIELDS):
+            continue
+        if line.startswith(("logits.float()", "logits.to(")) or line == "None":
+            continue
+        unknown.append(line)
+    if unknown:
+        raise UserError(
+            f"model {type(model).__name__} changes its logits after the output projection in a way the chunked loss "
+            f"does not know ({'; '.join(f'logits = {u}' for u in unknown)}), so its loss would differ from the "
+            "model's own",
+            hint="Fine-tune a causal LM whose logits are the output projection's, or scaled or soft-capped through "
+            f"one of the config fields {', '.join(KNOWN_LOGIT_FIELDS)} (Llama, Qwen, Mistral, Gemma, Granite, ...).",
+        )
+    scale, softcap, neutral = 1.0, None, []
+    if "logits_scaling" in source and getattr(config, "logits_scaling", None) not in (None, 1, 1.0):
+        scale /= float(config.logits_scaling)
+        neutral.append((config, "logits_scaling", 1.0))
+    if "self.logit_scale" in source and getattr(model, "logit_scale", None) not in (None, 1, 1.0):
+        scale *= float(model.logit_scale)
+        neutral.append((model, "logit_scale", 1.0))
+    if "final_logit_softcapping" in source and getattr(config, "final_logit_softcapping", None) is not None:
+        softcap = float(config.final_logit_softcapping)
+        neutral.append((config, "final_logit_softcapping", None))
+    if not neutral:
+        return None
+    return LogitTransform(scale=scale, softcap=softcap, neutral=tuple(neutral))
+
+
+def router_aux_loss(model: Any, outputs: Any) -> torch.Tensor | None:
+    """A mixture-of-experts model's router load-balancing term as its own loss adds it: the config's
+    ``router_aux_loss_coef`` times ``outputs.aux_loss``, when the config asks for it (``output_router_logits``)."""
+    config = model.config
+    aux = getattr(outputs, "aux_loss", None)
+    if not getattr(config, "output_router_logits", False) or aux is None:
+        return None
+    return config.router_aux_loss_coef * aux
+
+
+@dataclass(frozen=True)
+class OutputHead:
+    """The output projection the loss applies: called, its weight (read after each forward, since sharding swaps
+    the parameter between its sharded and gathered forms); ``transform``, what the model does to the logits."""
+
+    module: Any
+    transform: LogitTransform | None
+
+    def __call__(self) -> torch.Tensor:
+        return self.module.weight
+
+    @contextmanager
+    def untransformed(self) -> Iterator[None]:
+        """The model's own logit transform off (its config read at each forward), so its output is the final
+        hidden states themselves; put back after, so a saved or exported config is the model's."""
+        neutral = self.transform.neutral if self.transform is not None else ()
+        saved = [(obj, name, getattr(obj, name)) for obj, name, _ in neutral]
+        try:
+            for obj, name, value in neutral:
+                setattr(obj, name, value)
+            yield
+        finally:
+            for obj, name, value in saved:
+                setattr(obj, name, value)
+
+    def forward(self, model: Any, **inputs: Any) -> Any:
+        """``model(**inputs)`` with ``.logits`` the final hidden states, for the loss to project."""
+        with self.untransformed():
+            return model(**inputs)
+
+
+def output_projection_deferred(model: Any) -> OutputHead:
+    """Make ``model(...).logits`` the final hidden states, and return the :class:`OutputHead` the loss projects with.
 
     The loss then projects chunk by chunk (:func:`chunked_cross_entropy`) instead of the model materialising the
-    full logits. Only the projection's ``forward`` changes: its weight, any tying to the embedding and the state
-    dict (checkpoints, export) are untouched. The getter is called after each forward, since sharding swaps the
-    parameter object between its sharded and gathered forms.
+    full logits, and applies the model's own logit transform (:func:`logit_transform`; a model with one it does not
+    know is refused here). Only the projection's ``forward`` changes: its weight, any tying to the embedding and
+    the state dict (checkpoints, export) are untouched.
     """
     head = model.get_output_embeddings()
     if head is None or getattr(head, "bias", None) is not None:
@@ -98,10 +216,11 @@ def output_projection_deferred(model: Any) -> Callable[[], torch.Tensor]:
             hint="Fine-tune a causal LM whose output projection (lm_head) is a plain linear layer without bias "
             "(Llama, Qwen, Mistral, GPT-2 and most others).",
         )
+    transform = logit_transform(model)
     # A copy, not the view the model hands in: FSDP warns about (in-place ops on) views returned by a sharded root.
     # It costs tokens x hidden, a few thousandths of the logits it replaces.
     head.forward = lambda hidden: hidden.clone()
-    return lambda: head.weight
+    return OutputHead(head, transform)
 
 
 def _add_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -122,12 +241,22 @@ class _ChunkedLoss(torch.autograd.Function):
     gradient and a piece of at most :data:`GRAD_PIECE_ELEMENTS` of it."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, rows: int, ignore: int):
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        rows: int,
+        ignore: int,
+        transform: LogitTransform | None,
+    ):
         ctx.save_for_backward(hidden, weight, labels)
-        ctx.rows, ctx.ignore = rows, ignore
+        ctx.rows, ctx.ignore, ctx.transform = rows, ignore, transform
         total = hidden.new_zeros((), dtype=torch.float32)
         for i in range(0, labels.numel(), rows):
             logits = F.linear(hidden[i : i + rows], weight).float()
+            if transform is not None:
+                logits = transform(logits)
             total += F.cross_entropy(logits, labels[i : i + rows], ignore_index=ignore, reduction="sum")
         return total
 
@@ -139,11 +268,19 @@ class _ChunkedLoss(torch.autograd.Function):
         piece = max(1, GRAD_PIECE_ELEMENTS // weight.size(1))
         for i in range(0, labels.numel(), ctx.rows):
             h, y = hidden[i : i + ctx.rows], labels[i : i + ctx.rows]
-            # d loss / d logits of a summed cross-entropy: softmax minus the one-hot label, nothing for ignored ones.
-            grad = torch.softmax(F.linear(h, weight).float(), dim=-1)
-            keep = (y != ctx.ignore).unsqueeze(1)
-            grad.scatter_add_(1, torch.where(keep, y.unsqueeze(1), 0), -keep.to(grad.dtype))
-            grad.mul_(keep).mul_(grad_total)
+            projected = F.linear(h, weight).float()
+            if ctx.transform is None:
+                # d loss / d logits of a summed cross-entropy: softmax minus the one-hot label, nothing for ignored.
+                grad = torch.softmax(projected, dim=-1)
+                keep = (y != ctx.ignore).unsqueeze(1)
+                grad.scatter_add_(1, torch.where(keep, y.unsqueeze(1), 0), -keep.to(grad.dtype))
+                grad.mul_(keep).mul_(grad_total)
+            else:  # through the model's own transform of the logits, by autograd on this chunk only
+                with torch.enable_grad():
+                    projected.requires_grad_(True)
+                    chunk_loss = F.cross_entropy(ctx.transform(projected), y, ignore_index=ctx.ignore, reduction="sum")
+                    (grad,) = torch.autograd.grad(chunk_loss, projected, grad_total)
+            del projected
             if grad.dtype != hidden.dtype:  # cast where autograd would cast it, at the upcast of the logits
                 grad = grad.to(hidden.dtype)
             if grad_hidden is not None:
@@ -154,7 +291,7 @@ class _ChunkedLoss(torch.autograd.Function):
                 for v in range(0, weight.size(0), piece):
                     _add_product(grad_weight[v : v + piece], grad[:, v : v + piece].t(), h)
             del grad
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
 def chunked_cross_entropy(
@@ -164,16 +301,21 @@ def chunked_cross_entropy(
     *,
     max_logits: int = 2**26,
     ignore_index: int = -100,
+    transform: LogitTransform | None = None,
 ) -> torch.Tensor:
     """``F.cross_entropy(hidden @ weight.T, labels, reduction="sum")`` in fp32, holding at most ``max_logits`` logits.
 
     Tokens are projected, upcast and scored a chunk at a time, and each chunk's logits are recomputed in backward
     rather than kept, so neither pass holds the full (tokens x vocabulary) fp32 logits. Labels equal to
-    ``ignore_index`` count for nothing. The value and gradients are those of the plain loss, the output
-    projection's gradient summed over the chunks in fp32 (:class:`_ChunkedLoss`).
+    ``ignore_index`` count for nothing. ``transform`` is the model's own change to its logits
+    (:func:`logit_transform`), applied to each chunk in fp32. The value and gradients are those of the plain loss,
+    the output projection's gradient summed over the chunks in fp32 (:class:`_ChunkedLoss`).
     """
     hidden, labels = hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1)
     rows = max(1, max_logits // weight.size(0))
     if rows >= labels.numel():  # one chunk: nothing to save by recomputing
-        return F.cross_entropy(F.linear(hidden, weight).float(), labels, ignore_index=ignore_index, reduction="sum")
-    return _ChunkedLoss.apply(hidden, weight, labels, rows, ignore_index)
+        logits = F.linear(hidden, weight).float()
+        if transform is not None:
+            logits = transform(logits)
+        return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+    return _ChunkedLoss.apply(hidden, weight, labels, rows, ignore_index, transform)

@@ -1,0 +1,164 @@
+"""The job's loss is each model's own: for the architectures people fine-tune, the loss as the training loop computes
+it (the output projection deferred, the loss in several chunks, the model sharded by FSDP) equals
+``model(input_ids, labels=labels).loss`` of the same weights in fp32, and so do the gradients. Tiny random models
+built from transformers' own config classes, no network. Gemma's final-logit soft-capping, Granite's and Cohere's
+logit scaling and a mixture of experts' router load-balancing term are the model's way; a model that changes its
+logits in a way the loss does not know is refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+from raytrain_eks.errors import UserError
+from raytrain_eks.train.model import (
+    chunked_cross_entropy,
+    logit_transform,
+    output_projection_deferred,
+    router_aux_loss,
+)
+from raytrain_eks.train.sharding import apply_fsdp
+
+VOCAB = 256
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    # The router's load-balancing term joins the model's loss when the config asks for it.
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "output_router_logits": True,
+            "router_aux_loss_coef": 0.02,
+        },
+    ),
+    "gemma2": ("Gemma2Config", {"head_dim": 16}),  # final_logit_softcapping 30 by default
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "final_logit_softcapping": 5.0}),
+    "phi3": ("Phi3Config", {}),
+    "olmo2": ("Olmo2Config", {}),
+    "gpt-neox": ("GPTNeoXConfig", {}),
+    "granite": ("GraniteConfig", {"logits_scaling": 4.0}),
+    "cohere": ("CohereConfig", {"logit_scale": 0.25}),
+}
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    store = tmp_path_factory.mktemp("store") / "file"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _batch(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (2, 24), generator=gen)
+    labels = ids.clone()
+    labels[0, :6] = -100  # a masked prompt
+    labels[1, -4:] = -100  # masked padding
+    return ids, labels
+
+
+def _grads(model):
+    out = {}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            out[name] = g.detach().clone()
+    return out
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_the_jobs_loss_and_gradients_are_the_models_own(one_rank, arch):
+    name, extra = ARCHITECTURES[arch]
+    config = getattr(transformers, name)(**{**SMALL, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config.use_cache = False
+    reference = copy.deepcopy(model)
+    ids, labels = _batch(seed=len(arch))
+
+    own = reference(input_ids=ids, labels=labels).loss
+    own.backward()
+    assert own.item() > 1.0
+
+    # As the loop does it: deferred projection, sharded, the loss in 9 chunks of 5 tokens.
+    model.train()
+    reference.train()
+    head = output_projection_deferred(model)
+    apply_fsdp(model, precision="fp32")
+    outputs = head.forward(model, input_ids=ids)
+    count = int((labels[:, 1:] != -100).sum())
+    token_loss = chunked_cross_entropy(
+        outputs.logits[:, :-1],
+        head(),
+        labels[:, 1:],
+        max_logits=VOCAB * 5,
+        ignore_index=-100,
+        transform=head.transform,
+    )
+    loss = token_loss / count
+    router = router_aux_loss(model, outputs)
+    assert (router is not None) == (arch == "qwen3-moe")
+    if router is not None:
+        loss = loss + router
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), own.detach(), rtol=1e-5, atol=1e-6)
+    mine, theirs = _grads(model), _grads(reference)
+    assert mine.keys() == theirs.keys() and len(mine) > 5
+    for key in theirs:
+        torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_the_transforms_are_read_from_the_models_own_config():
+    def build(name, **extra):
+        return transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**{**SMALL, **extra}))
+
+    assert logit_transform(build("LlamaConfig")) is None
+    gemma = logit_transform(build("Gemma2Config", head_dim=16, final_logit_softcapping=7.0))
+    assert gemma.softcap == 7.0 and gemma.scale == 1.0
+    assert logit_transform(build("Gemma2Config", head_dim=16, final_logit_softcapping=None)) is None
+    assert logit_transform(build("GraniteConfig", logits_scaling=8.0)).scale == 1 / 8
+    assert logit_transform(build("GraniteConfig", logits_scaling=1.0)) is None
+    assert logit_transform(build("CohereConfig", logit_scale=0.5)).scale == 0.5
+    # While the loss applies it, the model's own transform is off; its config is its own again after.
+    model = build("GraniteConfig", logits_scaling=8.0)
+    head = output_projection_deferred(model)
+    with head.untransformed():
+        assert model.config.logits_scaling == 1.0
+    assert model.config.logits_scaling == 8.0
+
+
+class _CroppedLogits(transformers.LlamaForCausalLM):
+    def forward(self, input_ids=None, **kwargs):
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        logits = self.lm_head(hidden)
+        logits = logits[..., :100]  # a change the chunked loss does not know
+        return transformers.modeling_outputs.CausalLMOutputWithPast(logits=logits)
+
+
+def test_a_model_that_changes_its_logits_in_an_unknown_way_is_refused():
+    model = _CroppedLogits(transformers.LlamaConfig(**SMALL))
+    with pytest.raises(UserError, match=r"_CroppedLogits changes its logits .*logits = logits\[\.\.\., :100\]"):
+        output_projection_deferred(model)
