@@ -222,3 +222,40 @@ def test_config_show_prints_the_estimate_for_the_configured_gpus(monkeypatch, tm
     result = CliRunner().invoke(app, ["config", "show"])
     assert result.exit_code == 0, result.output
     assert "# memory: about " in result.output and "of 22.4 GiB L4" in result.output
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp"])
+def test_gradient_accumulation_keeps_the_gradients_sharded(fake_group, mode):
+    """Between micro-batches each rank holds its shard of the running gradient sum, never the whole gradient: the
+    tracker sees no unsharded gradient after the first micro-batch's backward, and the sharded gradients are 4
+    bytes per parameter over the ranks that shard it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from raytrain_eks.train.model import chunked_cross_entropy, output_projection_deferred
+    from raytrain_eks.train.sharding import MESH_DIMS, apply_fsdp, set_gradient_sync
+
+    mesh = fake_group if mode == "fsdp" else init_device_mesh("cpu", (2, 4), mesh_dim_names=MESH_DIMS)
+    config = Qwen2Config(tie_word_embeddings=True, **{**SHAPES["qwen2-mid-8-layers"], "num_hidden_layers": 4})
+    with FakeTensorMode():
+        model = AutoModelForCausalLM.from_config(config)
+        model.config.use_cache = False
+        apply_fsdp(model, precision="bf16", mesh=mesh)
+        weight = output_projection_deferred(model)
+        params = sum(p.numel() for p in model.parameters())
+        tracker = FSDPMemTracker(model, None)
+        ids = torch.randint(0, config.vocab_size, (1, 512))
+        with tracker:
+            set_gradient_sync(model, mode, last=False)  # the first of two micro-batches
+            chunked_cross_entropy(weight.forward(model, input_ids=ids).logits[:, :-1], weight(), ids[:, 1:]).backward()
+            held = tracker.get_tracker_snapshot("current")
+    (now,) = held.values()
+    shard = 8 if mode == "fsdp" else 4
+    by_name = {str(k).split(".")[-1]: v for k, v in now.items()}
+    assert by_name["UNSHARDED_GRAD"] == 0
+    # FSDP's sharded gradients; HSDP's reduce-scattered sum waits in FSDP's partial-reduction buffer (a temporary
+    # to the tracker) until the last micro-batch's all-reduce across nodes.
+    held_grads = by_name["SHARDED_GRAD"] + by_name["TEMP"]
+    assert held_grads == pytest.approx(4 * params / shard, rel=0.01)

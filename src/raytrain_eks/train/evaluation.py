@@ -116,6 +116,8 @@ def greedy_samples(
         logits = torch.nn.functional.linear(hidden[:, -1].to(weight.dtype), weight)
         transform = getattr(output_weight, "transform", None)
         tokens = (transform(logits.float()) if transform is not None else logits).argmax(-1)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(tokens, src=0)  # rank 0's tokens for all: every rank stops at the same forward
         for i, token in enumerate(tokens.tolist()):
             if not finished[i]:
                 new[i].append(token)

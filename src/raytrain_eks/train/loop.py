@@ -39,6 +39,14 @@ from raytrain_eks.train.precision import resolve_precision
 from raytrain_eks.train.sharding import Layout, choose_sharding, set_gradient_sync, shard_model
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for it: on a GPU copied from pinned memory, asynchronously (a
+    copy from pageable memory, or a tensor made on the device from a Python number, waits for the queued work)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def warmup_cosine(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
     """Learning-rate multiplier after ``step`` optimizer steps: linear warm-up, then cosine down to ``min_ratio``."""
     if warmup and step < warmup:
@@ -257,15 +265,14 @@ def train(
         micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
         # Counted on the host (labels are CPU tensors), summed across ranks on the device: no wait for the device.
         count = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro)
-        global_count = torch.tensor(float(count), dtype=torch.float64, device=device)
+        global_count = _to_device(torch.tensor(float(count), dtype=torch.float64), device)
         dist.all_reduce(global_count)
         scale = (ctx.world_size / global_count.clamp(min=1.0)).float()
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         aux_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i, mb in enumerate(micro):
-            set_gradient_sync(model, i == len(micro) - 1)  # no reduction (no cross-node traffic) before the last
-            input_ids = mb["input_ids"].to(device, non_blocking=True)
-            labels = mb["labels"].to(device, non_blocking=True)
+            set_gradient_sync(model, layout.mode, last=i == len(micro) - 1)  # sharded; across nodes on the last
+            input_ids, labels = _to_device(mb["input_ids"], device), _to_device(mb["labels"], device)
             outputs = output_weight.forward(model, input_ids=input_ids)  # .logits: the final hidden states
             token_loss = chunked_cross_entropy(
                 outputs.logits[:, :-1],

@@ -215,7 +215,13 @@ def shard_model(
     )
 
 
-def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
-    """Whether this micro-batch's backward reduces gradients (FSDP/HSDP); a model without a wrapper has none."""
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(sync)
+def set_gradient_sync(model: torch.nn.Module, mode: str, last: bool) -> None:
+    """How a micro-batch's backward reduces gradients under gradient accumulation, keeping them sharded: FSDP
+    reduce-scatters every micro-batch (each rank then holds only its shard of the running sum, never the whole
+    gradient); HSDP reduce-scatters inside the node every micro-batch and all-reduces across nodes only on the
+    ``last`` (no traffic between nodes before it). A model without a wrapper (``none``) has nothing to reduce."""
+    if mode == "none" or not hasattr(model, "set_requires_gradient_sync"):
+        return
+    model.set_requires_gradient_sync(True)
+    if mode == "hsdp":
+        model.set_requires_all_reduce(last)
