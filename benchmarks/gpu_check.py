@@ -1,0 +1,285 @@
+"""The checks only a GPU can answer, in one command (under 8 minutes on one H200), JSON out.
+
+1. ``default_job``: ``raytrain-eks train`` on its built-in defaults, as a user runs it first (Ray, the built-in
+   model and data): its summary (steps, losses, precision, device, peak memory).
+2. ``qwen_step``: the job's own loop (``train.torchrun_entry.run``, one rank, random data) on the Qwen2.5-1.5B
+   architecture (random weights saved to a folder, nothing downloaded) in bf16 at seq 2048: tokens/s, MFU, the
+   peak allocated and reserved memory against ``train.memory``'s estimate, and the number of host-device syncs
+   the loop made (``torch.cuda.set_sync_debug_mode("warn")``; the logging steps are meant to sync).
+3. ``nccl_gate``: a one-rank NCCL all-reduce with ``NCCL_DEBUG=INFO`` written to a file, read by the tool's own
+   NCCL log analyzer (``fabric.nccl_log.analyze``): the verdict comes from NCCL's own lines.
+4. ``chunked_loss``: ``train.model.chunked_cross_entropy`` against the plain fp32 cross-entropy over full logits
+   on the device, in bf16 at the real vocabulary: the loss and both gradients, largest relative difference.
+
+``--tiny`` runs the same checks on a CPU with small shapes (the built-in model, fp32 where a CPU lacks bf16, the
+NCCL check skipped with its reason), so the script itself is tested without a GPU. Example::
+
+    python benchmarks/gpu_check.py                 # on a GPU machine
+    python benchmarks/gpu_check.py --tiny          # anywhere: checks the script
+
+Each check runs in its own process (fresh allocator, its own process group); one that fails is reported with its
+error and the others still run. Human-readable lines first, then one JSON line (``--json-out FILE`` also writes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CHECKS = ("default_job", "qwen_step", "nccl_gate", "chunked_loss")
+
+# Qwen/Qwen2.5-1.5B's config.json, the fields that shape the network (published on the model's hub page).
+QWEN25_15B = {
+    "hidden_size": 1536,
+    "intermediate_size": 8960,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 131072,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated, from: {', '.join(CHECKS)}")
+    p.add_argument("--tiny", action="store_true", help="small shapes on any device (checks the script on a CPU)")
+    p.add_argument("--seq-len", type=int, default=2048, help="qwen_step: tokens per sample (default 2048)")
+    p.add_argument("--batch-size", type=int, default=2, help="qwen_step: samples per step (default 2)")
+    p.add_argument("--steps", type=int, default=12, help="qwen_step: optimizer steps (default 12)")
+    p.add_argument("--json-out", default=None, help="also write the JSON line to this file")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    bad = [c for c in args.checks.split(",") if c not in CHECKS]
+    if bad:
+        p.error(f"unknown check(s) {', '.join(bad)}; choose from {', '.join(CHECKS)}")
+    return args
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _one_rank(backend: str, device: Any = None) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    dist.init_process_group(backend, rank=0, world_size=1, device_id=device)
+
+
+def check_default_job(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """``raytrain-eks train`` on the built-in defaults (``--tiny``: 4 steps), in its own folder."""
+    out = work / "default-run"
+    argv = [sys.executable, "-m", "raytrain_eks.cli", "train", "--output-dir", str(out)]
+    if args.tiny:
+        argv += ["--steps", "4"]
+    t = time.perf_counter()
+    proc = subprocess.run(argv, cwd=work, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"train exited {proc.returncode}: {' | '.join(tail)}")
+    s = json.loads((out / "summary.json").read_text())
+    keep = ("steps", "first_loss", "final_loss", "precision", "sharding", "device", "world_size", "tokens_per_s")
+    return {
+        **{k: s.get(k) for k in keep},
+        "peak_memory_gib": s.get("peak_memory_gib"),
+        "peak_reserved_gib": s.get("peak_reserved_gib"),
+        "wall_s": round(wall, 1),
+    }
+
+
+def check_qwen_step(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The job's loop on one rank: its summary, the estimate beside the measured peak, the syncs it made."""
+    import warnings
+
+    import torch
+
+    from raytrain_eks.config import BUILTIN_MODEL, RANDOM_DATA, TrainingConfig
+    from raytrain_eks.train.memory import estimate, shape_from_config
+    from raytrain_eks.train.torchrun_entry import run
+
+    cuda = torch.cuda.is_available()
+    if args.tiny:
+        model_id, seq, batch, steps = BUILTIN_MODEL, 64, 2, 4
+    else:
+        from transformers import AutoModelForCausalLM, Qwen2Config
+
+        folder = work / "qwen2.5-1.5b-random"
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(Qwen2Config(**QWEN25_15B), dtype=torch.float32).save_pretrained(folder)
+        model_id, seq, batch, steps = str(folder), args.seq_len, args.batch_size, args.steps
+    cfg = TrainingConfig(
+        model_id=model_id,
+        data=RANDOM_DATA,
+        steps=steps,
+        seq_len=seq,
+        batch_size=batch,
+        log_every=max(1, steps // 2),
+        checkpoint_every=0,
+        num_workers=1,
+    )
+    device = torch.device("cuda", 0) if cuda else None
+    _one_rank("nccl" if cuda else "gloo", device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        summary = run(cfg, work / "qwen-run")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchronizing" in str(w.message) for w in caught) if cuda else None
+    from transformers import AutoConfig
+
+    from raytrain_eks.train.model_source import resolve_model_path
+
+    shape = shape_from_config(model_id, AutoConfig.from_pretrained(resolve_model_path(model_id)))
+    est = estimate(
+        shape,
+        shard_ranks=1,
+        precision=summary["precision"],
+        micro_batch=batch,
+        seq_len=seq,
+        activation_checkpointing=False,
+    )
+    reserved = summary.get("peak_reserved_gib")
+    logging_steps = len({1, *range(cfg.log_every, steps + 1, cfg.log_every), steps})
+    return {
+        "model": "builtin tiny" if args.tiny else "Qwen2.5-1.5B architecture (random weights)",
+        "seq_len": seq,
+        "batch_size": batch,
+        "steps": steps,
+        "precision": summary["precision"],
+        "device": summary["device"],
+        "tokens_per_s": summary["tokens_per_s"],
+        "step_time_s": summary["step_time_s"],
+        "mfu": summary["mfu"],
+        "peak_memory_gib": summary.get("peak_memory_gib"),
+        "peak_reserved_gib": reserved,
+        "estimate_gib": round(est.peak_gib, 3),
+        "estimate_phase": est.phase,
+        "estimate_over_reserved": round(est.peak_gib / reserved, 3) if reserved else None,
+        "host_syncs": syncs,
+        "logging_steps": logging_steps,
+    }
+
+
+def check_nccl_gate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """A one-rank NCCL all-reduce, its INFO lines written to a file and judged by the tool's analyzer."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no GPU: NCCL runs on GPUs only"}
+    import torch.distributed as dist
+
+    from raytrain_eks.fabric.nccl_log import analyze
+
+    log = work / "nccl.log"
+    os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", NCCL_DEBUG_FILE=str(log))
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    _one_rank("nccl", device)
+    t = torch.ones(1 << 20, device=device)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    dist.destroy_process_group()
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    report = analyze(lines, source=str(log))
+    verdict = {k: getattr(report, k) for k in ("verdict", "reason", "basis", "nccl_version", "world_size")}
+    return {"nccl_lines": len(lines), "all_reduce_ok": bool(t[0].item() == 1.0), **verdict}
+
+
+def check_chunked_loss(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The chunked loss against the plain one over full fp32 logits, on the device: loss and gradients."""
+    import torch
+    import torch.nn.functional as F
+
+    from raytrain_eks.train.model import chunked_cross_entropy
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    tokens, hidden, vocab = (256, 64, 4096) if args.tiny else (4096, 1536, 151936)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+    h0 = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
+    w0 = (0.02 * torch.randn(vocab, hidden, device=device, generator=gen)).to(dtype)
+    y = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
+    y[: tokens // 8] = -100
+
+    def run(fn):
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        loss = fn(h, w)
+        loss.backward()
+        return loss.detach().float(), h.grad.float(), w.grad.float()
+
+    plain = run(lambda h, w: F.cross_entropy(F.linear(h, w).float(), y, reduction="sum"))
+    chunked = run(lambda h, w: chunked_cross_entropy(h, w, y, max_logits=vocab * max(1, tokens // 9)))
+
+    def rel(a, b):
+        return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+    return {
+        "tokens": tokens,
+        "vocab": vocab,
+        "dtype": str(dtype).removeprefix("torch."),
+        "chunks": 9,
+        "loss_rel_diff": rel(chunked[0], plain[0]),
+        "hidden_grad_rel_diff": rel(chunked[1], plain[1]),
+        "weight_grad_rel_diff": rel(chunked[2], plain[2]),
+    }
+
+
+RUNNERS = {
+    "default_job": check_default_job,
+    "qwen_step": check_qwen_step,
+    "nccl_gate": check_nccl_gate,
+    "chunked_loss": check_chunked_loss,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        with tempfile.TemporaryDirectory(prefix=f"gpu-check-{args.child}-") as work:
+            print(json.dumps(RUNNERS[args.child](args, Path(work))), flush=True)
+        return 0
+    start = time.monotonic()
+    results: dict[str, Any] = {}
+    for name in args.checks.split(","):
+        child = [sys.executable, __file__, "--child", name, *(argv if argv is not None else sys.argv[1:])]
+        t = time.monotonic()
+        proc = subprocess.run(child, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            results[name] = {"error": " | ".join(tail)}
+        else:
+            results[name] = json.loads(lines[-1])
+        results[name]["check_s"] = round(time.monotonic() - t, 1)
+        shown = ", ".join(f"{k}={v}" for k, v in results[name].items())
+        print(f"{name}: {shown}", flush=True)
+    print(f"total {time.monotonic() - start:.0f} s")
+    failed = [n for n, r in results.items() if "error" in r]
+    line = json.dumps({"tiny": args.tiny, "results": results, "failed": failed})
+    print(line)
+    if args.json_out:
+        Path(args.json_out).write_text(line + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
