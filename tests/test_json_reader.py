@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from raytrain_eks.train.data import READ_CHUNK_BYTES, json_datasource, json_rows
+from raytrain_eks.train.data import READ_CHUNK_BYTES, TOO_DEEP, json_datasource, json_rows
 
 ROWS = [{"instruction": f"Q{i} é ü", "output": str(i) * (i % 7 + 1), "n": 12345} for i in range(40)]
 ROWS += [7, 12.5, 1e20, -3, "s", None, True]
@@ -59,3 +59,21 @@ def test_a_file_larger_than_a_chunk_is_read_as_several_blocks(tmp_path, ray_loca
     assert dataset.num_blocks() >= 3
     got = [json.loads(r["json"]) for r in dataset.iter_rows()]
     assert got == rows
+
+
+HOSTILE = "[" * 100_000 + "]" * 100_000  # deeper than Python's JSON decoder recurses
+
+
+@pytest.mark.parametrize("size", [7, 4096, 1 << 20])
+def test_one_row_nested_too_deeply_is_one_malformed_row_and_the_others_are_kept(size):
+    good = [{"instruction": f"Q{i}", "output": f'A{i} ] [ {{ \\ " end'} for i in range(50)]  # brackets in strings
+    lines = [json.dumps(r) for r in good[:20]] + [HOSTILE] + [json.dumps(r) for r in good[20:]]
+    got = list(json_rows(chunked("\n".join(lines).encode(), size)))
+    assert len(got) == 51 and got[20] == {"json": "", "error": TOO_DEEP}
+    assert [json.loads(r["json"]) for r in got if not r["error"]] == good
+    # The same inside a JSON array: the item is skipped by its brackets, the items after it are read.
+    array = "[" + ", ".join([*lines[:20], HOSTILE, '{"s": "[[[", "t": "\\\\"}', *lines[21:]]) + "]"
+    got = list(json_rows(chunked(array.encode(), size)))
+    assert len(got) == 52 and got[20] == {"json": "", "error": TOO_DEEP}
+    assert json.loads(got[21]["json"]) == {"s": "[[[", "t": "\\"}
+    assert [json.loads(r["json"]) for r in got if not r["error"]][20:] == [{"s": "[[[", "t": "\\"}, *good[20:]]

@@ -315,12 +315,50 @@ def json_rows(chunks: Iterable[bytes]) -> Iterator[dict[str, str]]:
         yield _json_line(buf)
 
 
+# A row nested more deeply than Python's JSON decoder recurses (about a thousand levels) is one malformed row.
+TOO_DEEP = "the row is nested too deeply to decode (over about a thousand levels of brackets)"
+
+
 def _json_line(line: str) -> dict[str, str]:
     try:
         json.loads(line)
     except json.JSONDecodeError:
         return {"json": "", "error": "the line is not valid JSON"}
+    except RecursionError:
+        return {"json": "", "error": TOO_DEEP}
     return {"json": line.rstrip("\r"), "error": ""}
+
+
+class _ValueEnd:
+    """Finds where a bracketed JSON value ends without recursion, in text that arrives piece by piece: strings
+    (and their escapes) are skipped, brackets counted. ``scan(buf, start)`` goes on from where it stopped; it
+    returns the end's index in ``buf``, or ``None`` when ``buf`` ends first."""
+
+    def __init__(self) -> None:
+        self.done, self.depth, self.in_string, self.escaped = 0, 0, False, False
+
+    def scan(self, buf: str, start: int) -> int | None:
+        i = start + self.done
+        while i < len(buf):
+            c = buf[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "[{":
+                self.depth += 1
+            elif c in "]}":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+            i += 1
+        self.done = i - start
+        return None
 
 
 def _array_items(buf: str, texts: Iterator[str]) -> Iterator[dict[str, str]]:
@@ -363,6 +401,7 @@ def _array_items(buf: str, texts: Iterator[str]) -> Iterator[dict[str, str]]:
                 yield broken("the array is not closed")
                 return
         first = False
+        deep = False
         while True:
             try:
                 item, end = decoder.raw_decode(buf, pos)
@@ -375,9 +414,17 @@ def _array_items(buf: str, texts: Iterator[str]) -> Iterator[dict[str, str]]:
                     continue
                 yield broken(exc.msg)
                 return
+            except RecursionError:
+                deep = True  # skipped by its brackets, counted as one malformed row
+                scanner = _ValueEnd()
+                while (end := scanner.scan(buf, pos)) is None:
+                    if not more():
+                        yield broken("the array is not closed")
+                        return
+                break
             if not more():
                 ended = True
-        yield {"json": buf[pos:end], "error": ""}
+        yield {"json": "", "error": TOO_DEEP} if deep else {"json": buf[pos:end], "error": ""}
         pos = end
     if skip_space():
         yield broken("extra data after the array")

@@ -57,13 +57,13 @@ def first_rows(files: list[str], kind: str, count: int) -> list[dict[str, Any]]:
     if stripped.startswith("["):
         try:
             return json.loads(stripped)[: count * 4]
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # broken, or nested too deeply: no prompts from it
             return []
     rows = []
     for line in head.splitlines()[:-1] if len(head) == _HEAD_BYTES else head.splitlines():
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # a malformed row (one nested too deeply, too) is skipped
             continue
         if isinstance(row, dict):
             rows.append(row)
