@@ -138,3 +138,123 @@ def test_random_batch_gives_the_same_global_batch_for_any_world_size():
     assert torch.equal(torch.cat(halves), whole)
     other_step = random_batch(rank=0, world_size=1, batch_size=8, **{**common, "step": 6})["input_ids"]
     assert not torch.equal(other_step, whole)
+
+
+# --- the format registry: ShareGPT, OpenAI-style rows with tools, and columns -------------------------------------
+
+
+def test_every_registered_format_is_what_config_and_the_cli_accept():
+    from typer.testing import CliRunner
+
+    from raytrain_eks.cli import app
+    from raytrain_eks.config import TrainingConfig
+    from raytrain_eks.formats import FORMATS
+
+    assert list(FORMATS) == ["text", "instruction", "chat", "sharegpt", "openai"]
+    for name in FORMATS:
+        assert TrainingConfig(data_format=name).data_format == name
+    with pytest.raises(ValueError, match="sharegpt"):  # the message lists the registry's names
+        TrainingConfig(data_format="alpaca-v9")
+    help_text = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"}).output
+    assert "text, instruction, chat, sharegpt, openai" in help_text
+
+
+def test_sharegpt_rows_train_the_gpt_turns_only(tokenizer):
+    row = {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello."},
+            {"from": "user", "value": "And EFA?"},
+            {"from": "assistant", "value": "A fabric."},
+        ]
+    }
+    chat = {
+        "messages": [
+            {"role": r, "content": c}
+            for r, c in [
+                ("system", "Be brief."),
+                ("user", "Hi"),
+                ("assistant", "Hello."),
+                ("user", "And EFA?"),
+                ("assistant", "A fabric."),
+            ]
+        ]
+    }
+    assert encode_row(row, "sharegpt", tokenizer) == encode_row(chat, "chat", tokenizer)
+    ids, labels = encode_row(row, "sharegpt", tokenizer)
+    assert trained_text(tokenizer, ids, labels) == "Hello.<|im_end|>\nA fabric.<|im_end|>\n"
+
+
+def test_openai_rows_with_tool_calls_train_the_assistants_calls_and_answers(tokenizer):
+    row = {
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "4 C, rain"},
+            {"role": "assistant", "content": "4 degrees and rain."},
+        ],
+        "tools": [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}],
+    }
+    from raytrain_eks.formats import openai_conversation
+
+    conv = openai_conversation(row)
+    assert conv.tools == row["tools"]
+    assert conv.messages[1]["tool_calls"][0]["function"] == {"name": "weather", "arguments": {"city": "Oslo"}}
+    # Without a chat template: the call is written as JSON and trained; the tool's result is not.
+    plain = copy.copy(tokenizer)
+    plain.chat_template = None
+    ids, labels = encode_row(row, "openai", plain)
+    trained = trained_text(plain, ids, labels)
+    assert '"name": "weather"' in trained and '"city": "Oslo"' in trained and "4 degrees and rain." in trained
+    assert "4 C, rain" in masked_text(plain, ids, labels) and "4 C, rain" not in trained
+    # With the model's template, the answers are trained and the tool's turn is a prompt.
+    ids, labels = encode_row(row, "openai", tokenizer)
+    assert "4 degrees and rain." in trained_text(tokenizer, ids, labels)
+    assert "4 C, rain" not in trained_text(tokenizer, ids, labels)
+
+
+@pytest.mark.parametrize(
+    ("row", "fmt", "reason"),
+    [
+        ({"conversations": [{"from": "bot", "value": "x"}]}, "sharegpt", "a turn is from 'bot'"),
+        ({"conversations": [{"from": "human", "value": "Q"}]}, "sharegpt", "no assistant message"),
+        ({"messages": [{"role": "wizard", "content": "Q"}]}, "openai", "role is 'wizard'"),
+        (
+            {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{x"}}]}]},
+            "openai",
+            "arguments of tool call 'f' are not JSON",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}], "tools": "x"},
+            "openai",
+            "'tools' is not a list",
+        ),
+    ],
+)
+def test_malformed_rows_of_the_new_formats_say_why(tokenizer, row, fmt, reason):
+    with pytest.raises(MalformedRow, match=reason):
+        encode_row(row, fmt, tokenizer)
+
+
+def test_columns_read_the_formats_fields_from_the_datas_own(tokenizer):
+    from raytrain_eks.config import TrainingConfig
+
+    mine = {"question": "What is 2 plus 3?", "answer": "5."}
+    columns = {"instruction": "question", "output": "answer"}
+    assert encode_row(mine, "instruction", tokenizer, columns=columns) == encode_row(
+        {"instruction": "What is 2 plus 3?", "output": "5."}, "instruction", tokenizer
+    )
+    assert TrainingConfig(data_format="instruction", columns=columns).columns == columns
+    with pytest.raises(
+        ValueError,
+        match="columns maps 'prompt', which the instruction format does not read: its "
+        "fields are instruction, input, output",
+    ):
+        TrainingConfig(data_format="instruction", columns={"prompt": "question"})

@@ -14,7 +14,7 @@ import pytest
 import raytrain_eks.train.data as data_module
 from raytrain_eks.errors import DataError
 from raytrain_eks.train.builtin import sample_data_path
-from raytrain_eks.train.data import IGNORE_INDEX, prepare_dataset, prepared_in_driver
+from raytrain_eks.train.data import IGNORE_INDEX, TOO_DEEP, prepare_dataset, prepared_in_driver
 
 pytestmark = pytest.mark.integration
 
@@ -30,6 +30,7 @@ def prep(path, builtin_model, fmt="instruction", seq_len=32, min_blocks=1, where
         min_blocks=min_blocks,
         eval_fraction=kw.get("eval_fraction", 0.0),
         in_driver=None if where is None else where == "driver",
+        columns=kw.get("columns"),
     )
 
 
@@ -96,18 +97,20 @@ def test_jsonl_with_malformed_rows_is_counted_and_packed(tmp_path, ray_local, bu
         json.dumps({"instruction": "no answer"}),
         json.dumps({"instruction": "Q", "output": 7}),
         "{not json",
+        "[" * 100_000 + "]" * 100_000,  # one hostile row: too deep to decode, it costs only itself
         "",
     ]
     path = tmp_path / "train.jsonl"
     path.write_text("\n".join(lines) + "\n")
     prepared = prep(path, builtin_model, where=where)
-    assert (prepared.rows, prepared.usable_rows) == (8, 5)
+    assert (prepared.rows, prepared.usable_rows) == (9, 5)
     assert prepared.malformed == {
         "missing field 'output'": 1,
         "field 'output' is not a string": 1,
         "the line is not valid JSON": 1,
+        TOO_DEEP: 1,
     }
-    assert "3 malformed rows" in prepared.describe(str(path), 32)
+    assert "4 malformed rows" in prepared.describe(str(path), 32)
     rows = prepared.dataset.take_all()
     assert len(rows) == prepared.blocks
     assert all(len(r["input_ids"]) == 32 for r in rows)
@@ -131,6 +134,25 @@ def test_json_array_folder_and_chat_format(tmp_path, ray_local, builtin_model, w
     prepared = prep(tmp_path / "data", builtin_model, fmt="chat", where=where)
     assert (prepared.rows, prepared.usable_rows) == (3, 2)
     assert prepared.malformed == {"no assistant message to learn from": 1}
+
+
+def test_sharegpt_data_and_renamed_columns_are_packed(tmp_path, ray_local, builtin_model, tokenizer, where):
+    turns = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there."}]
+    path = tmp_path / "sharegpt.jsonl"
+    path.write_text(json.dumps({"conversations": turns}) + "\n" + json.dumps({"conversations": turns[:1]}) + "\n")
+    prepared = prep(path, builtin_model, fmt="sharegpt", where=where)
+    assert (prepared.rows, prepared.usable_rows) == (2, 1)
+    assert prepared.malformed == {"no assistant message to learn from": 1}
+    trained = [int(t) for r in prepared.dataset.take_all() for t in r["labels"] if t != IGNORE_INDEX]
+    assert tokenizer.decode(trained) == "Hello there.<|im_end|>\n"
+    # The user's own column names, mapped onto the instruction format's fields.
+    mine = tmp_path / "qa.jsonl"
+    mine.write_text("\n".join(json.dumps({"question": f"Q{i}?", "answer": f"A{i}."}) for i in range(3)) + "\n")
+    columns = {"instruction": "question", "output": "answer"}
+    prepared = prep(mine, builtin_model, where=where, columns=columns)
+    assert (prepared.rows, prepared.usable_rows) == (3, 3)
+    trained = [int(t) for r in prepared.dataset.take_all() for t in r["labels"] if t != IGNORE_INDEX]
+    assert all(f"A{i}." in tokenizer.decode(trained) for i in range(3))
 
 
 def test_parquet_text_format(tmp_path, ray_local, builtin_model, where):

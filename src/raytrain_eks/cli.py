@@ -25,6 +25,7 @@ from raytrain_eks.config import DEFAULT_CONFIG_FILE, env_file_lines, load_config
 from raytrain_eks.eks import commands as deploy_commands
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.fabric import commands as fabric_commands
+from raytrain_eks.formats import FORMAT_NAMES
 from raytrain_eks.options import AddressOpt, ConfigOpt, PresetOpt, VerboseOpt
 from raytrain_eks.report import commands as report_commands
 
@@ -53,7 +54,7 @@ def train(
         str | None,
         typer.Option(help="'random', builtin:sample-instructions, or JSONL/JSON/Parquet file or folder (s3:// too)."),
     ] = None,
-    data_format: Annotated[str | None, typer.Option(help="text, instruction or chat.")] = None,
+    data_format: Annotated[str | None, typer.Option(help=f"Data format: {', '.join(FORMAT_NAMES)}.")] = None,
     steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
     seq_len: Annotated[int | None, typer.Option(help="Tokens per packed sample.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="Samples per worker per micro-batch.")] = None,

@@ -24,6 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from raytrain_eks.errors import ConfigError
+from raytrain_eks.formats import FORMAT_NAMES, data_format, formats_help
 
 DEFAULT_CONFIG_FILE = "raytrain-eks.yaml"
 
@@ -346,10 +347,15 @@ class TrainingConfig(_Section):
         RANDOM_DATA,
         description="'random' (synthetic ids), builtin:sample-instructions, or JSONL/JSON/Parquet path or s3:// URI",
     )
-    data_format: Literal["text", "instruction", "chat"] = Field(
-        "instruction", description="text | instruction (instruction/input/output) | chat (messages with role/content)"
+    data_format: Literal[FORMAT_NAMES] = Field(  # type: ignore[valid-type]  # the registry's names
+        "instruction", description=" | ".join(FORMAT_NAMES) + " (raytrain_eks.formats: " + formats_help() + ")"
     )
     text_field: str = Field("text", description="the field read by the text format")
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="the format's fields read from other columns of the data, e.g. {instruction: question, "
+        "output: answer}",
+    )
     steps: int = Field(100, ge=1)
     seq_len: int = Field(1024, ge=8, le=131072)
     batch_size: int = Field(2, ge=1, le=4096, description="packed samples per worker per micro-batch")
@@ -451,6 +457,22 @@ class TrainingConfig(_Section):
             )
         if self.sharding == "hsdp" and self.num_workers == 1:
             raise ValueError("sharding 'hsdp' replicates across nodes, but num_workers = 1: use auto or fsdp")
+        return self
+
+    @model_validator(mode="after")
+    def _columns_name_the_formats_fields(self) -> TrainingConfig:
+        fields = data_format(self.data_format).fields
+        if self.data_format == "text":
+            fields = (self.text_field,)
+        unknown = [k for k in self.columns if k not in fields]
+        if unknown:
+            raise ValueError(
+                f"columns maps {', '.join(repr(k) for k in unknown)}, which the {self.data_format} format does not "
+                f"read: its fields are {', '.join(fields)} (columns: {{format field: your column}})"
+            )
+        bad = [k for k, v in self.columns.items() if not isinstance(v, str) or not v]
+        if bad:
+            raise ValueError(f"columns: the column for {', '.join(bad)} must be a non-empty name")
         return self
 
     @model_validator(mode="after")

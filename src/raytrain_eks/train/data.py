@@ -38,68 +38,34 @@ from typing import Any
 import numpy as np
 
 from raytrain_eks.errors import DataError
+from raytrain_eks.formats import MalformedRow, _text, renamed
+from raytrain_eks.formats import data_format as registered_format
 
 IGNORE_INDEX = -100
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-ROLES = ("system", "user", "assistant")
 PACK_ROWS = 1024  # rows packed together: only the last block of each group is padded
-
-
-class MalformedRow(ValueError):
-    """A row that cannot be used; the message says why (it is counted, not raised to the user)."""
 
 
 # --------------------------------------------------------------------------------------------- encoding
 
 
-def _text(row: dict[str, Any], key: str, *, required: bool) -> str:
-    value = row.get(key)
-    if value is None or value == "":
-        if required:
-            raise MalformedRow(f"missing field '{key}'")
-        return ""
-    if not isinstance(value, str):
-        raise MalformedRow(f"field '{key}' is not a string")
-    return value
-
-
-def instruction_messages(row: dict[str, Any]) -> list[dict[str, str]]:
-    """An alpaca-style row (instruction, optional input, output) as a user/assistant conversation."""
-    instruction = _text(row, "instruction", required=True)
-    extra = _text(row, "input", required=False)
-    output = _text(row, "output", required=True)
-    prompt = f"{instruction}\n\n{extra}" if extra else instruction
-    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
-
-
-def chat_messages(row: dict[str, Any]) -> list[dict[str, str]]:
-    """The ``messages`` of a chat row, checked: roles system/user/assistant, string contents, an assistant turn."""
-    messages = row.get("messages")
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise MalformedRow("missing field 'messages' (a list of {role, content})")
-    out = []
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise MalformedRow("a message is not {role: system|user|assistant, content: string}")
-        out.append({"role": m["role"], "content": m["content"]})
-    if not any(m["role"] == "assistant" for m in out):
-        raise MalformedRow("no assistant message to learn from")
-    return out
-
-
-def _segments(messages: list[dict[str, str]], tokenizer: Any) -> list[tuple[str, bool]]:
+def _segments(
+    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None
+) -> list[tuple[str, bool]]:
     """Split a conversation into (text, trained) pieces; only assistant answers are trained.
 
     With a chat template, each piece is the difference between renderings of growing prefixes of the
     conversation, so the pieces add up to exactly the template's rendering. Without one, a plain
-    ``role: content`` layout is used and the answer ends with the EOS token.
+    ``role: content`` layout is used (an assistant's tool calls written as JSON) and the answer ends with the EOS
+    token. ``tools`` (OpenAI-style tool definitions) go to the chat template.
     """
     if getattr(tokenizer, "chat_template", None):
 
-        def render(msgs: list[dict[str, str]], gen: bool = False) -> str:
+        def render(msgs: list[dict[str, Any]], gen: bool = False) -> str:
             if not msgs:
                 return ""
-            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+            extra = {"tools": tools} if tools else {}
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **extra)
 
         pieces: list[tuple[str, bool]] = []
         done = ""
@@ -120,38 +86,43 @@ def _segments(messages: list[dict[str, str]], tokenizer: Any) -> list[tuple[str,
     eos = tokenizer.eos_token or ""
     pieces = []
     for msg in messages:
+        content = msg["content"]
+        if msg.get("tool_calls"):
+            content = (content + "\n" if content else "") + json.dumps(msg["tool_calls"], ensure_ascii=False)
         if msg["role"] == "assistant":
-            pieces += [("assistant: ", False), (msg["content"] + eos + "\n", True)]
+            pieces += [("assistant: ", False), (content + eos + "\n", True)]
         else:
-            pieces.append((f"{msg['role']}: {msg['content']}\n", False))
+            pieces.append((f"{msg['role']}: {content}\n", False))
     return pieces
 
 
 def encode_row(
-    row: dict[str, Any], data_format: str, tokenizer: Any, text_field: str = "text"
+    row: dict[str, Any],
+    data_format: str,
+    tokenizer: Any,
+    text_field: str = "text",
+    columns: dict[str, str] | None = None,
 ) -> tuple[list[int], list[int]]:
     """Token ids and labels of one row; labels are :data:`IGNORE_INDEX` on prompt tokens.
 
     >>> ids, labels = encode_row({"instruction": "Add 1 and 2.", "output": "3"}, "instruction", tok)
-    Raises :class:`MalformedRow` when the row does not fit the format.
+    The format comes from :mod:`raytrain_eks.formats`; ``columns`` maps its fields to the row's. Raises
+    :class:`MalformedRow` when the row does not fit the format.
     """
     if not isinstance(row, dict):
         raise MalformedRow("the row is not a JSON object")
-    if data_format == "text":
+    fmt = registered_format(data_format)
+    row = renamed(row, columns)
+    if fmt.conversation is None:
         text = _text(row, text_field, required=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if tokenizer.eos_token_id is not None:
             ids = ids + [tokenizer.eos_token_id]
         return ids, list(ids)
-    if data_format == "instruction":
-        messages = instruction_messages(row)
-    elif data_format == "chat":
-        messages = chat_messages(row)
-    else:
-        raise ValueError(f"unknown data format {data_format!r}")
+    conversation = fmt.conversation(row)
     ids: list[int] = []
     labels: list[int] = []
-    for text, trained in _segments(messages, tokenizer):
+    for text, trained in _segments(conversation.messages, tokenizer, conversation.tools):
         piece = tokenizer(text, add_special_tokens=False)["input_ids"]
         ids += piece
         labels += piece if trained else [IGNORE_INDEX] * len(piece)
@@ -466,7 +437,9 @@ def json_datasource(files: list[str]) -> Any:
     return JsonRowsDatasource(files)
 
 
-def _encode_batch(batch: Any, *, tokenizer_path: str, data_format: str, text_field: str) -> Any:
+def _encode_batch(
+    batch: Any, *, tokenizer_path: str, data_format: str, text_field: str, columns: dict[str, str] | None = None
+) -> Any:
     """Ray Data ``map_batches`` step: encode a batch of rows (a pyarrow table), marking malformed ones instead of
     failing."""
     import pyarrow as pa
@@ -480,7 +453,7 @@ def _encode_batch(batch: Any, *, tokenizer_path: str, data_format: str, text_fie
                 if row.get("error"):
                     raise MalformedRow(row["error"])
                 row = json.loads(row["json"])
-            ids, labels = encode_row(row, data_format, tokenizer, text_field)
+            ids, labels = encode_row(row, data_format, tokenizer, text_field, columns)
             reasons.append("")
         except MalformedRow as exc:
             ids, labels = [], []
@@ -752,6 +725,7 @@ def prepare_dataset(
     text_field: str,
     tokenizer_path: str,
     seq_len: int,
+    columns: dict[str, str] | None = None,
     seed: int,
     min_blocks: int,
     listed: tuple[list[str], str] | None = None,
@@ -778,7 +752,12 @@ def prepare_dataset(
     files, kind = listed or list_data_files(data, option)
     in_driver = prepared_in_driver(files) if in_driver is None else in_driver
     say(f"reading and tokenizing {len(files)} file{'s' if len(files) > 1 else ''}")
-    encode = {"tokenizer_path": tokenizer_path, "data_format": data_format, "text_field": text_field}
+    encode = {
+        "tokenizer_path": tokenizer_path,
+        "data_format": data_format,
+        "text_field": text_field,
+        "columns": columns,
+    }
     try:
         if in_driver:
             encoded = _encode_in_driver(files, kind, **encode)

@@ -268,6 +268,7 @@ def _train_in(
             listed=data_files,
             data_format=training.data_format,
             text_field=training.text_field,
+            columns=training.columns or None,
             tokenizer_path=model_path,
             seq_len=training.seq_len,
             seed=training.seed,
@@ -295,7 +296,12 @@ def _train_in(
         worker_env[FAULT_ENV] = os.environ[FAULT_ENV]
 
     prompts = sample_prompts(
-        training.sample_prompts, data_files, training.data_format, training.text_field, load_tokenizer(model_path)
+        training.sample_prompts,
+        data_files,
+        training.data_format,
+        training.text_field,
+        load_tokenizer(model_path),
+        columns=training.columns or None,
     )
     tracker = Tracker(run_dir, cfg)
     # The metric records' queue lives on the driver's node, with no CPU of its own (a cluster's head offers none):
@@ -436,6 +442,7 @@ def _eval_dataset(
         option="training.eval_data",
         data_format=training.data_format,
         text_field=training.text_field,
+        columns=training.columns or None,
         tokenizer_path=model_path,
         seq_len=training.seq_len,
         seed=training.seed,

@@ -13,7 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from raytrain_eks.train.data import MalformedRow, _segments, chat_messages, instruction_messages
+from raytrain_eks.formats import MalformedRow, renamed
+from raytrain_eks.formats import data_format as registered_format
+from raytrain_eks.train.data import _segments
 from raytrain_eks.train.storage import filesystem
 
 DEFAULT_COUNT = 3
@@ -31,12 +33,16 @@ def render(messages: list[dict[str, str]], tokenizer: Any) -> str:
     return "".join(text for text, trained in pieces if not trained)
 
 
-def _prompt_of(row: dict[str, Any], data_format: str, text_field: str) -> tuple[str, list[dict[str, str]] | None]:
+def _prompt_of(
+    row: dict[str, Any], data_format: str, text_field: str, columns: dict[str, str] | None = None
+) -> tuple[str, list[dict[str, Any]] | None]:
     """(what a person reads, the messages before the first answer); messages are ``None`` for text data."""
-    if data_format == "text":
+    fmt = registered_format(data_format)
+    row = dict(renamed(row, columns))
+    if fmt.conversation is None:
         words = str(row.get(text_field, "")).split()
         return " ".join(words[: max(1, min(12, len(words) // 2))]), None
-    messages = instruction_messages(row) if data_format == "instruction" else chat_messages(row)
+    messages = fmt.conversation(row).messages
     first_answer = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     before = messages[:first_answer]
     return before[-1]["content"] if before else "", before
@@ -79,6 +85,7 @@ def sample_prompts(
     text_field: str,
     tokenizer: Any,
     count: int = DEFAULT_COUNT,
+    columns: dict[str, str] | None = None,
 ) -> tuple[list[str], list[str]]:
     """(prompts as a person reads them, the same prompts rendered for the model).
 
@@ -86,7 +93,7 @@ def sample_prompts(
     first ``count`` well-formed rows of the data give theirs. Random token ids have no prompts: ``([], [])``.
     """
     if given:
-        if data_format == "text":
+        if registered_format(data_format).conversation is None:  # plain text: the prompts as given
             return list(given), list(given)
         return list(given), [render([{"role": "user", "content": p}], tokenizer) for p in given]
     if listed is None:
@@ -94,7 +101,7 @@ def sample_prompts(
     shown, rendered = [], []
     for row in first_rows(*listed, count):
         try:
-            text, before = _prompt_of(row, data_format, text_field)
+            text, before = _prompt_of(row, data_format, text_field, columns)
         except (MalformedRow, StopIteration):
             continue
         if not text:

@@ -1,0 +1,211 @@
+"""The data formats a training row may have, registered once: each is one function from a row to a conversation
+(or, for ``text``, none: the row's text is trained whole). Encoding, the sample prompts, the configuration's
+validation, the CLI's help and the error hints all read :data:`FORMATS`. Example::
+
+    conv = data_format("sharegpt").conversation({"conversations": [{"from": "human", "value": "Hi"},
+                                                                   {"from": "gpt", "value": "Hello"}]})
+    conv.messages   # [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+``training.columns`` renames a data set's fields to the format's (:func:`renamed`), so a file with ``question`` and
+``answer`` trains as ``instruction`` data without being rewritten.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "user", "assistant")
+
+
+class MalformedRow(ValueError):
+    """A row that cannot be used; the message says why (it is counted, not raised to the user)."""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Messages (``role``, ``content``; an assistant's ``tool_calls``, a tool's ``tool_call_id``) and the tools
+    the conversation may call, handed to the chat template."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+@dataclass(frozen=True)
+class DataFormat:
+    """``name``; ``fields``, the row fields it reads (``training.columns`` may map them); ``conversation``, the row as
+    a :class:`Conversation` (``None`` for plain text); ``summary``, one line for help and hints."""
+
+    name: str
+    fields: tuple[str, ...]
+    summary: str
+    conversation: Callable[[Mapping[str, Any]], Conversation] | None = field(default=None, compare=False)
+
+
+FORMATS: dict[str, DataFormat] = {}
+
+
+def register(fmt: DataFormat) -> DataFormat:
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def data_format(name: str) -> DataFormat:
+    """The registered format ``name``; a ``ValueError`` naming the known ones otherwise."""
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise ValueError(f"unknown data format {name!r}: use one of {', '.join(FORMATS)}") from None
+
+
+def formats_help() -> str:
+    """``text (text), instruction (instruction, input, output), ...``: every format and the fields it reads."""
+    return "; ".join(f"{f.name} ({f.summary})" for f in FORMATS.values())
+
+
+def renamed(row: Mapping[str, Any], columns: Mapping[str, str] | None) -> Mapping[str, Any]:
+    """``row`` with each format field of ``columns`` (format field -> the data's column) read from its column."""
+    if not columns or not isinstance(row, Mapping):
+        return row
+    out = dict(row)
+    for fmt_field, column in columns.items():
+        if column in row:
+            out[fmt_field] = row[column]
+    return out
+
+
+def _text(row: Mapping[str, Any], key: str, *, required: bool) -> str:
+    value = row.get(key)
+    if value is None or value == "":
+        if required:
+            raise MalformedRow(f"missing field '{key}'")
+        return ""
+    if not isinstance(value, str):
+        raise MalformedRow(f"field '{key}' is not a string")
+    return value
+
+
+def _needs_an_answer(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if not any(m["role"] == "assistant" for m in messages):
+        raise MalformedRow("no assistant message to learn from")
+    return messages
+
+
+def instruction_conversation(row: Mapping[str, Any]) -> Conversation:
+    """An alpaca-style row (instruction, optional input, output) as a user/assistant conversation."""
+    instruction = _text(row, "instruction", required=True)
+    extra = _text(row, "input", required=False)
+    output = _text(row, "output", required=True)
+    prompt = f"{instruction}\n\n{extra}" if extra else instruction
+    return Conversation([{"role": "user", "content": prompt}, {"role": "assistant", "content": output}])
+
+
+def chat_conversation(row: Mapping[str, Any]) -> Conversation:
+    """The ``messages`` of a chat row, checked: roles system/user/assistant, string contents, an assistant turn."""
+    messages = row.get("messages")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise MalformedRow("missing field 'messages' (a list of {role, content})")
+    out = []
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise MalformedRow("a message is not {role: system|user|assistant, content: string}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return Conversation(_needs_an_answer(out))
+
+
+# The speaker names ShareGPT files use (FastChat's, and the user/assistant variants other tools write).
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def sharegpt_conversation(row: Mapping[str, Any]) -> Conversation:
+    """``conversations`` of ``{from, value}``: ``human``/``user``, ``gpt``/``assistant`` and ``system``."""
+    turns = row.get("conversations")
+    if not isinstance(turns, (list, tuple)) or not turns:
+        raise MalformedRow("missing field 'conversations' (a list of {from, value})")
+    out = []
+    for t in turns:
+        if not isinstance(t, dict) or not isinstance(t.get("value"), str):
+            raise MalformedRow("a turn is not {from, value: string}")
+        role = SHAREGPT_ROLES.get(str(t.get("from", "")).lower())
+        if role is None:
+            raise MalformedRow(f"a turn is from {t.get('from')!r}, not one of {', '.join(SHAREGPT_ROLES)}")
+        out.append({"role": role, "content": t["value"]})
+    return Conversation(_needs_an_answer(out))
+
+
+def openai_conversation(row: Mapping[str, Any]) -> Conversation:
+    """OpenAI's chat fine-tuning rows: ``messages`` of system, user, assistant (``content``, or ``tool_calls``
+    with ``content`` null) and ``tool`` (``tool_call_id``, ``content``) turns, and an optional ``tools`` list."""
+    messages = row.get("messages")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise MalformedRow("missing field 'messages' (a list of {role, content})")
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in (*ROLES, "tool"):
+            raise MalformedRow(f"a message's role is {role!r}, not one of system, user, assistant, tool")
+        content = m.get("content")
+        msg: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
+        if role == "assistant" and m.get("tool_calls"):
+            calls = m["tool_calls"]
+            if not isinstance(calls, list) or not all(isinstance(c, dict) and "function" in c for c in calls):
+                raise MalformedRow("an assistant's tool_calls are not a list of {function: {name, arguments}}")
+            msg["tool_calls"] = [_tool_call(c) for c in calls]
+        elif not isinstance(content, str):
+            raise MalformedRow(f"a {role} message's content is not a string")
+        if role == "tool":
+            msg["tool_call_id"] = str(m.get("tool_call_id", ""))
+        out.append(msg)
+    tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise MalformedRow("'tools' is not a list of tool definitions")
+    return Conversation(_needs_an_answer(out), tools or None)
+
+
+def _tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
+    """A tool call with its arguments as an object (OpenAI's rows hold them as a JSON string; chat templates
+    such as Qwen2.5's write them out as JSON themselves)."""
+    fn = call["function"]
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise MalformedRow("a tool call's function has no name")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except (json.JSONDecodeError, RecursionError):
+            raise MalformedRow(f"the arguments of tool call {fn['name']!r} are not JSON") from None
+    out: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if "id" in call:
+        out["id"] = str(call["id"])
+    return out
+
+
+register(DataFormat("text", ("text",), "a text field, trained whole; training.text_field names it"))
+register(
+    DataFormat(
+        "instruction",
+        ("instruction", "input", "output"),
+        "instruction, optional input, output",
+        instruction_conversation,
+    )
+)
+register(DataFormat("chat", ("messages",), "messages of {role: system|user|assistant, content}", chat_conversation))
+register(
+    DataFormat(
+        "sharegpt",
+        ("conversations",),
+        "conversations of {from: human|gpt|system (or user|assistant), value}",
+        sharegpt_conversation,
+    )
+)
+register(
+    DataFormat(
+        "openai",
+        ("messages", "tools"),
+        "messages of system/user/assistant/tool turns with tool_calls, and an optional tools list",
+        openai_conversation,
+    )
+)
+FORMAT_NAMES = tuple(FORMATS)
