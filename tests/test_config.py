@@ -320,3 +320,61 @@ def test_the_reference_cluster_counts_its_worker_nodes_for_storage(tmp_path, mon
     one = load_config(preset=presets.reference(), environ={"NUM_WORKERS": "1"})
     assert one.derived.worker_nodes == 1
     one.check_cluster_storage()
+
+
+def test_set_reaches_any_setting_last_of_all_layers_and_names_itself_in_errors(tmp_path, monkeypatch):
+    from raytrain_eks.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "raytrain-eks.yaml").write_text("training:\n  steps: 30\n  seq_len: 64\n")
+    cfg = load_config(
+        environ={"STEPS": "40"},
+        overrides={"training": {"steps": 50}},
+        sets=[
+            "training.steps=60",
+            "training.columns={instruction: question}",
+            "cluster.gpu_node_count=4",
+            "training.sample_prompts=[Hi, Bye]",
+        ],
+    )
+    assert cfg.training.steps == 60 and cfg.training.seq_len == 64  # --set over flag, env and file; file kept
+    assert cfg.training.columns == {"instruction": "question"} and cfg.cluster.gpu_node_count == 4
+    assert cfg.training.sample_prompts == ["Hi", "Bye"]
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={}, sets=["training.stepz=7", "cluster.gpu_node_count=many"])
+    text = str(info.value)
+    assert "training.stepz (from --set training.stepz): unknown setting; allowed here: model_id" in text
+    assert "cluster.gpu_node_count = 'many' (from --set cluster.gpu_node_count)" in text
+    with pytest.raises(ConfigError, match=r"--set 'steps': write SECTION.FIELD=VALUE"):
+        load_config(environ={}, sets=["steps"])
+    with pytest.raises(ConfigError, match=r"training.steps is a value, not a section"):
+        load_config(environ={}, sets=["training.steps.x=1"])
+
+
+def test_plan_and_train_take_set(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from raytrain_eks.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    shown = CliRunner().invoke(app, ["config", "show", "--set", "training.seq_len=96"])
+    assert shown.exit_code == 0 and "seq_len: 96" in shown.output
+    planned = CliRunner().invoke(app, ["plan", "--set", "cluster.gpu_node_count=3"], env={"COLUMNS": "200"})
+    assert planned.exit_code == 0, planned.output
+    assert "3 x g6.12xlarge" in planned.output
+    bad = CliRunner().invoke(app, ["train", "--set", "training.steps=0"])
+    # The app raises it; the installed command (raytrain_eks.cli.main) prints it and exits 2, before anything runs.
+    assert getattr(bad.exception, "exit_code", None) == 2
+    assert "training.steps = 0 (from --set training.steps)" in str(bad.exception)
+
+
+@pytest.mark.parametrize("name", ["chat-data-local.yaml", "sharegpt-local.yaml", "reference-cluster.yaml"])
+def test_the_example_recipes_load_as_they_are(name, tmp_path, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.chdir(tmp_path)
+    path = Path(__file__).resolve().parents[1] / "examples" / name
+    cfg = load_config(path=path, environ={})
+    assert cfg.training.steps > 0
+    if name == "reference-cluster.yaml":
+        assert cfg.cluster.gpu_node_count == 2 and cfg.fabric.require == "efa" and cfg.training.sharding == "auto"

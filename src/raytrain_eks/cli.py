@@ -26,7 +26,7 @@ from raytrain_eks.eks import commands as deploy_commands
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.fabric import commands as fabric_commands
 from raytrain_eks.formats import FORMAT_NAMES
-from raytrain_eks.options import AddressOpt, ConfigOpt, PresetOpt, VerboseOpt
+from raytrain_eks.options import AddressOpt, ConfigOpt, PresetOpt, SetOpt, VerboseOpt
 from raytrain_eks.report import commands as report_commands
 
 app = typer.Typer(
@@ -97,6 +97,7 @@ def train(
             "(on a machine without it) its storage folder, s3://BUCKET/PREFIX/RUN."
         ),
     ] = None,
+    sets: SetOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
     """Fine-tune a causal LM with Ray Train + FSDP2. With no arguments: a local run of the built-in tiny model."""
@@ -126,7 +127,9 @@ def train(
         if config is None:
             config = _resume_config(resume)
     try:
-        cfg = load_config(preset=presets.choose(preset, address=address), path=config, overrides={"training": flags})
+        cfg = load_config(
+            preset=presets.choose(preset, address=address), path=config, overrides={"training": flags}, sets=sets
+        )
     finally:
         if config is not None and config.parent.name.startswith(_RESUME_TMP):  # a copy of a storage folder's
             shutil.rmtree(config.parent, ignore_errors=True)
@@ -284,9 +287,10 @@ def config_show(
     config: ConfigOpt = None,
     preset: PresetOpt = None,
     env: Annotated[bool, typer.Option("--env", help="Print as env.sh export lines instead of YAML.")] = False,
+    sets: SetOpt = None,
 ) -> None:
     """Print the configuration after the file, the environment and the preset are combined and validated."""
-    cfg = load_config(preset=presets.choose(preset), path=config)
+    cfg = load_config(preset=presets.choose(preset), path=config, sets=sets)
     if env:
         out.print("\n".join(env_file_lines(cfg)), soft_wrap=True)
     else:

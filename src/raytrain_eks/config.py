@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -683,18 +683,29 @@ def _format_error(err: dict[str, Any], sources: dict[tuple[str, ...], str], tree
     return f"{path}{origin}: {msg}"
 
 
+def _set_value(raw: str) -> Any:
+    """A ``--set`` value as the YAML file would read it (``20`` a number, ``true`` a bool, ``[a, b]`` a list);
+    text that is not YAML stays the text it is."""
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
+
+
 def load_config(
     *,
     preset: Config | None = None,
     path: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Mapping[str, Any]] | None = None,
+    sets: Sequence[str] | None = None,
 ) -> Config:
     """Build and validate the configuration from its layers; raise :class:`ConfigError` listing every problem.
 
     ``path=None`` reads ``raytrain-eks.yaml`` from the current folder when it exists; an explicit path must exist.
     ``environ`` defaults to ``os.environ``; only the names in :data:`ENV_VARS` are read. ``overrides`` are flag
-    values, ``{"training": {"steps": 5}}``; ``None`` values are ignored.
+    values, ``{"training": {"steps": 5}}``; ``None`` values are ignored. ``sets`` are ``--set`` items,
+    ``"training.steps=5"``: any setting by its dotted name, the value read as YAML (as in the file), last of all.
     """
     tree = (preset or Config()).model_dump(mode="python")
     sources: dict[tuple[str, ...], str] = {}
@@ -727,6 +738,25 @@ def load_config(
             if value is not None:
                 _set(tree, section, field, value)
                 sources[(section, field)] = f"flag --{field.replace('_', '-')}"
+
+    bad_sets = []
+    for item in sets or ():
+        key, sep, raw = item.partition("=")
+        parts = tuple(p.strip() for p in key.split("."))
+        if not sep or len(parts) < 2 or not all(parts):
+            bad_sets.append(f"--set {item!r}: write SECTION.FIELD=VALUE, e.g. --set training.steps=20")
+            continue
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                bad_sets.append(f"--set {item!r}: {'.'.join(parts[:-1])} is a value, not a section of settings")
+                break
+        else:
+            node[parts[-1]] = _set_value(raw)
+            sources[parts] = f"--set {key.strip()}"
+    if bad_sets:
+        raise ConfigError(bad_sets)
 
     try:
         return Config.model_validate(tree)

@@ -39,3 +39,13 @@ AddressOpt = Annotated[
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Show Ray's and the workers' logs.")]
 # Commands whose result can be read by programs: stdout then holds only JSON, progress goes to stderr.
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON (stdout holds only the JSON).")]
+# Any setting by its dotted name, over the file, the environment and the other flags.
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        metavar="SECTION.FIELD=VALUE",
+        help="Any setting by its dotted name, value as in the YAML file (repeatable; last of all layers), "
+        "e.g. --set training.steps=20 --set cluster.gpu_node_count=4.",
+    ),
+]

@@ -37,7 +37,7 @@ from raytrain_eks import presets
 from raytrain_eks.config import Config, load_config
 from raytrain_eks.eks import compare
 from raytrain_eks.folders import new_folder
-from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, JsonOpt, StateDirOpt, YesOpt
+from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, JsonOpt, SetOpt, StateDirOpt, YesOpt
 
 if TYPE_CHECKING:
     from raytrain_eks.eks.state import Deployment, StateStore
@@ -72,11 +72,12 @@ def plan(
         typer.Option("--output-dir", "-o", help="Write every file deploy would apply, and plan.json, here."),
     ] = None,
     mode: ModeOpt = PlanMode.raycluster,
+    sets: SetOpt = None,
 ) -> None:
     """Show what deploy would create, apply and submit, and its cost per hour. Needs no credentials."""
     from raytrain_eks.eks.plan import Mode, build_plan, write_plan
 
-    cfg = _load(config, preset)
+    cfg = _load(config, preset, sets)
     # Only whether a token is there: its value stays in this process's environment until deploy sends it.
     hf_token = bool(os.environ.get("HF_TOKEN"))
     chosen = cast("Mode", mode.value)
@@ -125,8 +126,8 @@ def _say(line: str) -> None:
     _out.print(line, markup=False)
 
 
-def _load(config: Path | None, preset: str) -> Config:
-    return load_config(preset=presets.choose(preset), path=config)
+def _load(config: Path | None, preset: str, sets: list[str] | None = None) -> Config:
+    return load_config(preset=presets.choose(preset), path=config, sets=sets)
 
 
 def remembered_config(cfg: Config, store: StateStore, say: Callable[[str], None]) -> Config:
@@ -172,12 +173,13 @@ def up(
     mode: ModeOpt = PlanMode.raycluster,
     yes: YesOpt = False,
     state_dir: StateDirOpt = Path(".raytrain-eks"),
+    sets: SetOpt = None,
 ) -> None:
     """Create (or resume) the cluster, GPU node group, device plugins and KubeRay; --train then runs the job."""
     from raytrain_eks.eks import lifecycle, nodegroups
     from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
 
-    cfg = _load(config, preset)
+    cfg = _load(config, preset, sets)
     if plan_only:
         _say(f"up would do, for cluster {cfg.cluster.name} in {cfg.cluster.region} (nothing is created now):")
         for i, action in enumerate(lifecycle.planned_actions(cfg), 1):
@@ -207,11 +209,12 @@ def submit(
     preset: ClusterPresetOpt = "reference",
     mode: ModeOpt = PlanMode.raycluster,
     state_dir: StateDirOpt = Path(".raytrain-eks"),
+    sets: SetOpt = None,
 ) -> None:
     """Run the training job in the cluster and check that EFA carried it (exit 1 if not, 2 if undecided)."""
     from raytrain_eks.eks.programs import require_programs
 
-    d = make_deployment(_load(config, preset), state_dir)
+    d = make_deployment(_load(config, preset, sets), state_dir)
     require_programs(d, "submit", mode=mode.value)
     _submit(d, mode)
 
