@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -114,12 +115,8 @@ def _stop_ray_head(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def ray_head(builtin_model: str) -> Iterator[RayHead]:
-    """A Ray head with the dashboard on loopback, in a temp dir of its own (short: Ray's socket paths must fit 107
-    bytes). Its address file is written there, not in /tmp/ray, so ``ray.init()`` and ``address="auto"`` of other
-    tests never find it, and it uses only free ports (the client server and agent ports are fixed by default)."""
-    temp_dir = Path(tempfile.mkdtemp(prefix="rtr-", dir="/tmp"))
+def _start_head(temp_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """``ray start --head`` on free ports in ``temp_dir``; returns once its dashboard and job server answer."""
     dash_port = _free_port()
     gcs_port = _free_port()
     argv = [
@@ -128,27 +125,76 @@ def ray_head(builtin_model: str) -> Iterator[RayHead]:
         f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
         "--disable-usage-stats", f"--temp-dir={temp_dir}",
     ]  # fmt: skip
-    out = (temp_dir / "ray-start.out").open("wb")
-    # The built-in model's cache (RAYTRAIN_EKS_CACHE, set by conftest) reaches the job through this environment.
-    proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=pod_environment(), start_new_session=True)
+    with (temp_dir / "ray-start.out").open("ab") as out:
+        # The built-in model's cache (RAYTRAIN_EKS_CACHE, set by conftest) reaches the job through this environment.
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=pod_environment(), start_new_session=True
+        )
     dashboard = f"http://127.0.0.1:{dash_port}"
+    deadline = time.monotonic() + 90
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"ray start exited {proc.returncode}:\n{(temp_dir / 'ray-start.out').read_text()[-3000:]}")
+        try:
+            _get_json(f"{dashboard}/api/version")
+            _get_json(f"{dashboard}/api/jobs/")  # the job server is a module of its own: wait for it too
+            return proc, dashboard
+        except OSError:
+            if time.monotonic() > deadline:
+                pytest.fail(f"the dashboard at {dashboard} did not answer within 90 s")
+            time.sleep(0.5)
+
+
+def _job_agent_takes_jobs(dashboard: str, timeout: float) -> bool:
+    """Whether the head's job agent accepts a job within ``timeout`` s: a one-command job submitted through the
+    dashboard's REST API and waited for (the dashboard answers "No available agent" until its agent registers)."""
+    body = json.dumps({"entrypoint": "true", "submission_id": f"agent-probe-{os.getpid()}-{time.time_ns()}"})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        request = urllib.request.Request(
+            f"{dashboard}/api/jobs/", data=body.encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                submission = json.loads(resp.read())["submission_id"]
+        except urllib.error.HTTPError as exc:
+            if "No available agent" not in exc.read().decode(errors="replace"):
+                raise
+            time.sleep(1.0)
+            continue
+        while time.monotonic() < deadline:
+            if _get_json(f"{dashboard}/api/jobs/{submission}")["status"] in {"SUCCEEDED", "FAILED", "STOPPED"}:
+                return True
+            time.sleep(0.5)
+    return False
+
+
+@pytest.fixture(scope="module")
+def ray_head(builtin_model: str) -> Iterator[RayHead]:
+    """A Ray head with the dashboard on loopback, in a temp dir of its own (short: Ray's socket paths must fit 107
+    bytes). Its address file is written there, not in /tmp/ray, so ``ray.init()`` and ``address="auto"`` of other
+    tests never find it, and it uses only free ports (the client server and agent ports are fixed by default).
+    It is handed over once its job agent has taken a job: on a loaded machine the agent can fail to come up (the
+    dashboard then answers "No available agent" for good), and the head is started once more; a second failure
+    fails the test with Ray's own output."""
+    temp_dir = Path(tempfile.mkdtemp(prefix="rtr-", dir="/tmp"))
+    proc = None
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"ray start exited {proc.returncode}:\n{(temp_dir / 'ray-start.out').read_text()[-3000:]}")
-            try:
-                _get_json(f"{dashboard}/api/version")
-                _get_json(f"{dashboard}/api/jobs/")  # the job server is a module of its own: wait for it too
+        for attempt in (1, 2):
+            proc, dashboard = _start_head(temp_dir)
+            if _job_agent_takes_jobs(dashboard, timeout=120):
                 break
-            except OSError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"the dashboard at {dashboard} did not answer within 90 s")
-                time.sleep(0.5)
+            _stop_ray_head(proc)
+            proc = None
+            if attempt == 2:
+                pytest.fail(
+                    "the Ray head's job agent took no job within 120 s, twice:\n"
+                    + (temp_dir / "ray-start.out").read_text()[-3000:]
+                )
         yield RayHead(temp_dir, dashboard)
     finally:
-        _stop_ray_head(proc)
-        out.close()
+        if proc is not None:
+            _stop_ray_head(proc)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
