@@ -33,6 +33,8 @@ import sys
 import time
 from typing import Any
 
+from raytrain_eks.train.memory import KNOWN_CONFIGS
+
 SETTINGS = (
     "plain",
     "plain+chunk",
@@ -44,21 +46,8 @@ SETTINGS = (
     "fsdp+compile+chunk",
 )
 
-# Qwen/Qwen2.5-1.5B's config.json, the fields that shape the network (published on the model's hub page).
-QWEN25_15B = {
-    "model_type": "qwen2",
-    "hidden_size": 1536,
-    "intermediate_size": 8960,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "max_position_embeddings": 131072,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-    "hidden_act": "silu",
-}
+# Qwen/Qwen2.5-1.5B's config.json, the fields that shape the network (kept once, in the memory estimate's table).
+QWEN25_15B = KNOWN_CONFIGS["Qwen/Qwen2.5-1.5B"]
 # A small network of the same family, for checking the script on a CPU.
 TINY = {
     **QWEN25_15B,

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,21 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-CHECKS = ("default_job", "qwen_step", "nccl_gate", "chunked_loss")
+from bench_gpu_step import QWEN25_15B, _free_port  # the same folder: run as a script
 
-# Qwen/Qwen2.5-1.5B's config.json, the fields that shape the network (published on the model's hub page).
-QWEN25_15B = {
-    "hidden_size": 1536,
-    "intermediate_size": 8960,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 2,
-    "vocab_size": 151936,
-    "max_position_embeddings": 131072,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-}
+CHECKS = ("default_job", "qwen_step", "nccl_gate", "chunked_loss")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,12 +52,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown check(s) {', '.join(bad)}; choose from {', '.join(CHECKS)}")
     return args
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _one_rank(backend: str, device: Any = None) -> None:
@@ -121,7 +102,9 @@ def check_qwen_step(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
         folder = work / "qwen2.5-1.5b-random"
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(Qwen2Config(**QWEN25_15B), dtype=torch.float32).save_pretrained(folder)
+        AutoModelForCausalLM.from_config(
+            Qwen2Config(**{k: v for k, v in QWEN25_15B.items() if k != "model_type"}), dtype=torch.float32
+        ).save_pretrained(folder)
         model_id, seq, batch, steps = str(folder), args.seq_len, args.batch_size, args.steps
     cfg = TrainingConfig(
         model_id=model_id,
@@ -157,7 +140,7 @@ def check_qwen_step(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         activation_checkpointing=False,
     )
     reserved = summary.get("peak_reserved_gib")
-    logging_steps = len({1, *range(cfg.log_every, steps + 1, cfg.log_every), steps})
+    logging_steps = len((work / "qwen-run" / "metrics.jsonl").read_text().splitlines())  # the loop's own records
     return {
         "model": "builtin tiny" if args.tiny else "Qwen2.5-1.5B architecture (random weights)",
         "seq_len": seq,

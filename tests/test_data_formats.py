@@ -160,27 +160,16 @@ def test_every_registered_format_is_what_config_and_the_cli_accept():
 
 
 def test_sharegpt_rows_train_the_gpt_turns_only(tokenizer):
-    row = {
-        "conversations": [
-            {"from": "system", "value": "Be brief."},
-            {"from": "human", "value": "Hi"},
-            {"from": "gpt", "value": "Hello."},
-            {"from": "user", "value": "And EFA?"},
-            {"from": "assistant", "value": "A fabric."},
-        ]
-    }
-    chat = {
-        "messages": [
-            {"role": r, "content": c}
-            for r, c in [
-                ("system", "Be brief."),
-                ("user", "Hi"),
-                ("assistant", "Hello."),
-                ("user", "And EFA?"),
-                ("assistant", "A fabric."),
-            ]
-        ]
-    }
+    # (ShareGPT's speaker, the chat role it is, what was said): both speaker spellings tools write.
+    turns = [
+        ("system", "system", "Be brief."),
+        ("human", "user", "Hi"),
+        ("gpt", "assistant", "Hello."),
+        ("user", "user", "And EFA?"),
+        ("assistant", "assistant", "A fabric."),
+    ]
+    row = {"conversations": [{"from": who, "value": text} for who, _, text in turns]}
+    chat = {"messages": [{"role": role, "content": text} for _, role, text in turns]}
     assert encode_row(row, "sharegpt", tokenizer) == encode_row(chat, "chat", tokenizer)
     ids, labels = encode_row(row, "sharegpt", tokenizer)
     assert trained_text(tokenizer, ids, labels) == "Hello.<|im_end|>\nA fabric.<|im_end|>\n"

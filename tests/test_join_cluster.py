@@ -77,7 +77,11 @@ def ray_head():
 
 
 def _wait_for_head(proc: subprocess.Popen[bytes], env: dict[str, str], temp_dir: Path) -> None:
-    probe = "import ray; ray.init(log_to_driver=False); print(int(ray.cluster_resources()['CPU']))"
+    # Joins on purpose: the head started above, named by the RAY_ADDRESS of ``env``.
+    probe = (
+        "import os, ray; ray.init(address=os.environ['RAY_ADDRESS'], log_to_driver=False); "
+        "print(int(ray.cluster_resources()['CPU']))"
+    )
     deadline = time.monotonic() + 120
     while True:
         if proc.poll() is not None:

@@ -12,32 +12,23 @@ import torch.distributed as dist
 
 from raytrain_eks.train.memory import GIB, DoesNotFit, check_fit, estimate, refuse_unless_fits, shape_from_config
 
-# Qwen2.5-0.5B's and -1.5B's widths (their public config.json) with fewer layers, and a mid size.
+
+def _qwen2(hidden: int, intermediate: int, heads: int, kv_heads: int, vocab: int, layers: int) -> dict[str, int]:
+    return dict(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        num_hidden_layers=layers,
+    )
+
+
+# Qwen2.5-1.5B's and -0.5B's widths (their public config.json, KNOWN_CONFIGS) with fewer layers, and a mid size.
 SHAPES = {
-    "qwen2.5-1.5b-widths-4-layers": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        num_hidden_layers=4,
-    ),
-    "qwen2.5-0.5b-widths-6-layers": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        num_hidden_layers=6,
-    ),
-    "qwen2-mid-8-layers": dict(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        num_hidden_layers=8,
-    ),
+    "qwen2.5-1.5b-widths-4-layers": _qwen2(1536, 8960, 12, 2, 151936, 4),
+    "qwen2.5-0.5b-widths-6-layers": _qwen2(896, 4864, 14, 2, 151936, 6),
+    "qwen2-mid-8-layers": _qwen2(1024, 2816, 16, 4, 32000, 8),
 }
 
 

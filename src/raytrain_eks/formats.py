@@ -76,7 +76,8 @@ def renamed(row: Mapping[str, Any], columns: Mapping[str, str] | None) -> Mappin
     return out
 
 
-def _text(row: Mapping[str, Any], key: str, *, required: bool) -> str:
+def field_text(row: Mapping[str, Any], key: str, *, required: bool) -> str:
+    """The string in ``row[key]`` ("" when absent and not ``required``); :class:`MalformedRow` otherwise."""
     value = row.get(key)
     if value is None or value == "":
         if required:
@@ -95,9 +96,9 @@ def _needs_an_answer(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def instruction_conversation(row: Mapping[str, Any]) -> Conversation:
     """An alpaca-style row (instruction, optional input, output) as a user/assistant conversation."""
-    instruction = _text(row, "instruction", required=True)
-    extra = _text(row, "input", required=False)
-    output = _text(row, "output", required=True)
+    instruction = field_text(row, "instruction", required=True)
+    extra = field_text(row, "input", required=False)
+    output = field_text(row, "output", required=True)
     prompt = f"{instruction}\n\n{extra}" if extra else instruction
     return Conversation([{"role": "user", "content": prompt}, {"role": "assistant", "content": output}])
 

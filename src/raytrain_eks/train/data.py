@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from raytrain_eks.errors import DataError
-from raytrain_eks.formats import MalformedRow, _text, renamed
+from raytrain_eks.formats import MalformedRow, field_text, renamed
 from raytrain_eks.formats import data_format as registered_format
 
 IGNORE_INDEX = -100
@@ -114,7 +114,7 @@ def encode_row(
     fmt = registered_format(data_format)
     row = renamed(row, columns)
     if fmt.conversation is None:
-        text = _text(row, text_field, required=True)
+        text = field_text(row, text_field, required=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if tokenizer.eos_token_id is not None:
             ids = ids + [tokenizer.eos_token_id]

@@ -12,14 +12,14 @@ every rank takes part in the same number of forward passes (each one gathers the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from raytrain_eks.train.data import IGNORE_INDEX
-from raytrain_eks.train.model import chunked_cross_entropy
+from raytrain_eks.train.model import OutputHead, chunked_cross_entropy
 
 Batch = dict[str, torch.Tensor]
 
@@ -45,7 +45,7 @@ class HeldOut:
         return self._cached
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, output_weight: Callable[[], torch.Tensor], device: torch.device) -> dict:
+    def evaluate(self, model: torch.nn.Module, output_weight: OutputHead, device: torch.device) -> dict:
         mine = self._batches()
         count = _all_reduce(torch.tensor([len(mine)], device=device), dist.ReduceOp.MAX)
         masked = {
@@ -60,14 +60,14 @@ class HeldOut:
             batch = mine[i] if i < len(mine) else masked
             input_ids = batch["input_ids"].to(device)
             labels = batch["labels"].to(device)
-            hidden = _forward(model, output_weight, input_ids=input_ids).logits
+            hidden = output_weight.forward(model, input_ids=input_ids).logits
             loss_sum += chunked_cross_entropy(
                 hidden[:, :-1],
                 output_weight(),
                 labels[:, 1:],
                 max_logits=self._max_logits,
                 ignore_index=IGNORE_INDEX,
-                transform=getattr(output_weight, "transform", None),
+                transform=output_weight.transform,
             ).double()
             tokens += (labels[:, 1:] != IGNORE_INDEX).sum()
         model.train(was_training)
@@ -82,7 +82,7 @@ class HeldOut:
 @torch.no_grad()
 def greedy_samples(
     model: torch.nn.Module,
-    output_weight: Callable[[], torch.Tensor],
+    output_weight: OutputHead,
     tokenizer: Any,
     prompts: list[str],
     *,
@@ -111,10 +111,10 @@ def greedy_samples(
     model.eval()
     for _ in range(max_new_tokens):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = _forward(model, output_weight, input_ids=x, attention_mask=mask, position_ids=positions).logits
+        hidden = output_weight.forward(model, input_ids=x, attention_mask=mask, position_ids=positions).logits
         weight = output_weight()  # after the forward: the gathered form of a sharded parameter
         logits = torch.nn.functional.linear(hidden[:, -1].to(weight.dtype), weight)
-        transform = getattr(output_weight, "transform", None)
+        transform = output_weight.transform
         tokens = (transform(logits.float()) if transform is not None else logits).argmax(-1)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(tokens, src=0)  # rank 0's tokens for all: every rank stops at the same forward
@@ -131,10 +131,3 @@ def greedy_samples(
         {"prompt": prompt, "completion": tokenizer.decode(ids, skip_special_tokens=True), "tokens": len(ids)}
         for prompt, ids in zip(prompts, new, strict=True)
     ]
-
-
-def _forward(model: torch.nn.Module, output_weight: Callable[[], torch.Tensor], **inputs: Any) -> Any:
-    """The model's forward with ``.logits`` its final hidden states (:class:`~raytrain_eks.train.model.OutputHead`;
-    a bare weight getter: the model's output as it is)."""
-    forward = getattr(output_weight, "forward", None)
-    return forward(model, **inputs) if forward is not None else model(**inputs)

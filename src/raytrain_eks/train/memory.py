@@ -46,6 +46,10 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 2,
         "vocab_size": 151936,
         "tie_word_embeddings": True,
+        "max_position_embeddings": 131072,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "hidden_act": "silu",
     },
     "Qwen/Qwen2.5-0.5B": {
         "model_type": "qwen2",
@@ -129,20 +133,17 @@ def model_shape(model_id: str) -> ModelShape | None:
 
     try:
         path = resolve_model_path(model_id) if model_id.startswith("builtin:") else model_id
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError):
+        return shape_from_config(model_id, AutoConfig.from_pretrained(path, local_files_only=True))
+    except (OSError, ValueError, KeyError, AttributeError):  # not here, or a config transformers cannot build
         return None
-    return shape_from_config(model_id, config)
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Per-GPU bytes: ``parts`` of the peak moment (``phase``), and the other moment's total for comparison."""
+    """Per-GPU bytes: ``parts`` of the peak moment (``phase``), and the settings it was made for."""
 
     phase: str
     parts: dict[str, int]
-    other_phase: str
-    other_bytes: int
     settings: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -252,9 +253,8 @@ def estimate(
         "activation_checkpointing": activation_checkpointing,
         "grad_accum_steps": grad_accum_steps,
     }
-    ranked = sorted(phases.items(), key=lambda kv: -sum(kv[1].values()))
-    (phase, parts), (other, other_parts) = ranked[0], ranked[1]
-    return MemoryEstimate(phase, parts, other, sum(other_parts.values()), settings)
+    phase, parts = max(phases.items(), key=lambda kv: sum(kv[1].values()))
+    return MemoryEstimate(phase, parts, settings)
 
 
 class DoesNotFit(UserError):
@@ -358,22 +358,36 @@ def shard_ranks_for(training: Any, nodes: int, world: int, precision: str) -> in
     )
 
 
+def check_training(
+    shape: ModelShape, training: Any, *, shard_ranks: int, precision: str, gpu_bytes: int, gpu_name: str
+) -> MemoryCheck:
+    """:func:`check_fit` with the batch, sequence, accumulation and checkpointing of ``training``."""
+    return check_fit(
+        shape,
+        gpu_bytes=gpu_bytes,
+        gpu_name=gpu_name,
+        shard_ranks=shard_ranks,
+        precision=precision,
+        micro_batch=training.batch_size,
+        seq_len=training.seq_len,
+        activation_checkpointing=training.activation_checkpointing,
+        grad_accum_steps=training.grad_accum_steps,
+    )
+
+
 def check_run(model_path: str, training: Any, *, layout: Any, precision: str, gpu_bytes: int, gpu_name: str):
     """At a run's start on a GPU: the estimate of ``training`` with the model at ``model_path`` (its config only)
     against the device's own memory."""
     from transformers import AutoConfig
 
     shape = shape_from_config(training.model_id, AutoConfig.from_pretrained(model_path))
-    return check_fit(
+    return check_training(
         shape,
-        gpu_bytes=gpu_bytes,
-        gpu_name=gpu_name,
+        training,
         shard_ranks=layout_shard_ranks(layout),
         precision=precision,
-        micro_batch=training.batch_size,
-        seq_len=training.seq_len,
-        activation_checkpointing=training.activation_checkpointing,
-        grad_accum_steps=training.grad_accum_steps,
+        gpu_bytes=gpu_bytes,
+        gpu_name=gpu_name,
     )
 
 
@@ -386,17 +400,13 @@ def check_config(cfg: Any, gpu: Any) -> MemoryCheck | None:
     if shape is None or not gpu.gpu_mib:
         return None
     precision = "fp32" if t.precision == "fp32" else "bf16"
-    world = cfg.derived.world_size
-    return check_fit(
+    return check_training(
         shape,
+        t,
+        shard_ranks=shard_ranks_for(t, cfg.cluster.gpu_node_count, cfg.derived.world_size, precision),
+        precision=precision,
         gpu_bytes=gpu.gpu_mib * 2**20,
         gpu_name=gpu.gpu_model or gpu.name,
-        shard_ranks=shard_ranks_for(t, cfg.cluster.gpu_node_count, world, precision),
-        precision=precision,
-        micro_batch=t.batch_size,
-        seq_len=t.seq_len,
-        activation_checkpointing=t.activation_checkpointing,
-        grad_accum_steps=t.grad_accum_steps,
     )
 
 
