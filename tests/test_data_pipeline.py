@@ -40,9 +40,10 @@ def where(request):
 
 
 def blocks(dataset) -> np.ndarray:
-    """The packed blocks, in order: input ids and labels side by side."""
+    """The packed blocks, in order: input ids, labels and positions side by side."""
     rows = dataset.take_all()
-    return np.array([np.concatenate([r["input_ids"], r["labels"]]) for r in rows])
+    assert all(set(r) == {"input_ids", "labels", "position_ids"} for r in rows)
+    return np.array([np.concatenate([r["input_ids"], r["labels"], r["position_ids"]]) for r in rows])
 
 
 def test_driver_and_ray_data_pack_the_same_blocks(tmp_path, ray_local, builtin_model, monkeypatch):
@@ -160,7 +161,14 @@ def test_parquet_text_format(tmp_path, ray_local, builtin_model, where):
     pq.write_table(table, tmp_path / "t.parquet")
     prepared = prep(tmp_path / "t.parquet", builtin_model, fmt="text", text_field="body", seq_len=16, where=where)
     assert (prepared.rows, prepared.usable_rows) == (7, 6)
-    assert prepared.trained_tokens == prepared.tokens  # text trains on every token
+    # Text trains on every token its row predicts: all but each row's first (packed apart, nothing predicts it).
+    assert prepared.trained_tokens == prepared.tokens - prepared.usable_rows
+    rows = prepared.dataset.take_all()
+    assert sum(int((r["labels"] != IGNORE_INDEX).sum()) for r in rows) == prepared.trained_tokens
+    # Each row's positions count from 0 where it starts, and again where a block of 16 starts inside it.
+    positions = np.concatenate([r["position_ids"] for r in rows])[: prepared.tokens]
+    per_row = prepared.tokens // 6
+    assert positions.tolist() == [i - max(i - i % per_row, i - i % 16) for i in range(prepared.tokens)]
 
 
 def test_no_usable_row_is_a_clear_error(tmp_path, ray_local, builtin_model, where):

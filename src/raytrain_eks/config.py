@@ -356,6 +356,11 @@ class TrainingConfig(_Section):
         description="the format's fields read from other columns of the data, e.g. {instruction: question, "
         "output: answer}",
     )
+    packing: Literal["documents", "concat"] = Field(
+        "documents",
+        description="documents: the rows packed into a block keep apart (their own positions, no attention across "
+        "rows, no loss on a row's first token); concat: rows run on as one text (pre-training)",
+    )
     steps: int = Field(100, ge=1)
     seq_len: int = Field(1024, ge=8, le=131072)
     batch_size: int = Field(2, ge=1, le=4096, description="packed samples per worker per micro-batch")

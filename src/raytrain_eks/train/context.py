@@ -24,6 +24,8 @@ import torch.distributed as dist
 from raytrain_eks.train.checkpoint import checkpoint_name, join, latest_complete, mark_complete, materialize, prune
 
 Batch = dict[str, torch.Tensor]
+# What a packed block holds: the tokens, their labels and (``packing: documents``) each row's own positions.
+BATCH_COLUMNS = ("input_ids", "labels", "position_ids")
 
 
 class WorkerContext(Protocol):
@@ -81,11 +83,11 @@ def global_position(position: dict[str, int] | None, *, world_size: int, batch_s
 class DataCursor:
     """Batches of one rank's share of the packed data set, epoch after epoch, remembering the global position.
 
-    ``read()`` yields the whole packed set in its fixed order, as numpy batches of ``input_ids`` and ``labels``
-    (``blocks`` rows in all). At the start of each epoch the cursor works out which blocks this rank takes
-    (:func:`~raytrain_eks.train.data.rank_epoch_blocks`: the epoch's order is drawn from the seed and the
-    epoch), walks the set once keeping those, and hands them out ``batch_size`` at a time; it holds its share of
-    the epoch in memory (as int32), not the whole set.
+    ``read()`` yields the whole packed set in its fixed order, as numpy batches of ``input_ids``, ``labels`` and
+    ``position_ids`` when packed by documents (``blocks`` rows in all). At the start of each epoch the cursor works
+    out which blocks this rank takes (:func:`~raytrain_eks.train.data.rank_epoch_blocks`: the epoch's order is
+    drawn from the seed and the epoch), walks the set once keeping those, and hands them out ``batch_size`` at a
+    time; it holds its share of the epoch in memory (as int32), not the whole set.
 
     ``position`` is ``{"epoch": e, "sample": s}``: ``s`` samples of epoch ``e``'s order have been taken by all
     ranks together. Every rank's cursor is at the same position after the same number of batches, so any rank's
@@ -123,8 +125,9 @@ class DataCursor:
     def position(self) -> dict[str, int]:
         return {"epoch": self.epoch, "sample": self.sample}
 
-    def _share(self) -> tuple[np.ndarray, np.ndarray]:
-        """This rank's blocks of the current epoch from the current sample on, in order: (input_ids, labels)."""
+    def _share(self) -> dict[str, np.ndarray]:
+        """This rank's blocks of the current epoch from the current sample on, in order, by column (``input_ids``,
+        ``labels`` and, where the set has them, ``position_ids``), as int32."""
         from raytrain_eks.train.data import rank_epoch_blocks
 
         wanted = rank_epoch_blocks(
@@ -138,7 +141,7 @@ class DataCursor:
         )
         slot = np.full(self._blocks, -1, dtype=np.int64)
         slot[wanted] = np.arange(len(wanted))
-        ids = labels = None
+        share: dict[str, np.ndarray] = {}
         seen = 0
         for part in self._read():
             n = len(part["input_ids"])
@@ -146,29 +149,26 @@ class DataCursor:
                 raise RuntimeError(f"the packed data set has more than the {self._blocks} blocks it was said to have")
             where = slot[seen : seen + n]
             keep = where >= 0
-            if ids is None:
+            if not share:
                 shape = (len(wanted), part["input_ids"].shape[1])
-                ids, labels = np.empty(shape, np.int32), np.empty(shape, np.int32)
-            ids[where[keep]] = part["input_ids"][keep]
-            labels[where[keep]] = part["labels"][keep]
+                share = {k: np.empty(shape, np.int32) for k in BATCH_COLUMNS if k in part}
+            for k, held in share.items():
+                held[where[keep]] = part[k][keep]
             seen += n
-        if seen != self._blocks or ids is None:
+        if seen != self._blocks or not share:
             raise RuntimeError(f"the packed data set has {seen} blocks, not the {self._blocks} it was said to have")
-        return ids, labels
+        return share
 
     def _walk(self) -> Iterator[Batch]:
         per_step = self._world * self._batch
         while True:
             if self._blocks - self.sample < per_step:  # the tail of this epoch fills no global batch
                 self.epoch, self.sample = self.epoch + 1, 0
-            ids, labels = self._share()
-            for k in range(len(ids) // self._batch):
+            share = self._share()
+            for k in range(len(share["input_ids"]) // self._batch):
                 rows = slice(k * self._batch, (k + 1) * self._batch)
                 self.sample += per_step
-                yield {
-                    "input_ids": torch.from_numpy(ids[rows].astype(np.int64)),
-                    "labels": torch.from_numpy(labels[rows].astype(np.int64)),
-                }
+                yield {name: torch.from_numpy(col[rows].astype(np.int64)) for name, col in share.items()}
 
     def __iter__(self) -> DataCursor:
         return self

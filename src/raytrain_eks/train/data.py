@@ -4,7 +4,8 @@ Pure pieces (tested on hand-made rows) come first:
 
 - :func:`encode_row` turns one row of a format (``text``, ``instruction``, ``chat``) into ``input_ids`` and
   ``labels``, where prompt tokens carry :data:`IGNORE_INDEX` so no loss is taken on them;
-- :func:`pack` joins encoded rows into fixed ``seq_len`` blocks (the last one padded and masked);
+- :func:`pack` joins encoded rows into fixed ``seq_len`` blocks (the last one padded and masked), each row with
+  its own ``position_ids`` (``packing: documents``) so that no row attends to another, or run on (``concat``);
 - :func:`random_batch` makes the reference's synthetic token ids for one rank and step.
 
 Then :func:`prepare_dataset` builds the Ray Data pipeline the driver runs before any worker starts: read
@@ -38,12 +39,13 @@ from typing import Any
 import numpy as np
 
 from raytrain_eks.errors import DataError
-from raytrain_eks.formats import MalformedRow, field_text, renamed
+from raytrain_eks.formats import FORMAT_NAMES, MalformedRow, field_text, renamed
 from raytrain_eks.formats import data_format as registered_format
 
 IGNORE_INDEX = -100
 DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 PACK_ROWS = 1024  # rows packed together: only the last block of each group is padded
+PACKING_MODES = ("documents", "concat")  # rows kept apart in a block (position_ids), or run on as one text
 
 
 # --------------------------------------------------------------------------------------------- encoding
@@ -132,11 +134,15 @@ def encode_row(
 
 
 def pack(
-    rows: Iterable[tuple[Sequence[int], Sequence[int]]], seq_len: int, pad_id: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate encoded rows and cut them into ``seq_len`` blocks; the tail block is padded and masked.
+    rows: Iterable[tuple[Sequence[int], Sequence[int]]], seq_len: int, pad_id: int, *, packing: str = "documents"
+) -> dict[str, np.ndarray]:
+    """Join encoded rows and cut them into ``seq_len`` blocks; the tail block is padded and masked.
 
-    Returns ``(input_ids, labels)``, both ``int64`` arrays of shape ``[blocks, seq_len]``.
+    Returns ``input_ids`` and ``labels`` (``int64``, shape ``[blocks, seq_len]``) and, with ``packing="documents"``
+    (:data:`PACKING_MODES`), ``position_ids`` (``int32``): each row's tokens numbered from 0 where the row starts
+    (and again where a block starts inside a row), so the model's attention and positions stay inside each row,
+    and the first token of each row is masked in ``labels``: the row before it does not predict it. With
+    ``packing="concat"`` the rows run on as one text (pre-training style), as if they were one document.
     """
     ids: list[np.ndarray] = []
     labels: list[np.ndarray] = []
@@ -145,29 +151,48 @@ def pack(
             raise ValueError("input_ids and labels of a row differ in length")
         ids.append(np.asarray(row_ids, dtype=np.int64))
         labels.append(np.asarray(row_labels, dtype=np.int64))
+    lengths = np.array([len(i) for i in ids], dtype=np.int64)
     flat = (np.concatenate(ids), np.concatenate(labels)) if ids else (np.empty(0, np.int64), np.empty(0, np.int64))
-    return _cut(*flat, seq_len, pad_id)
+    return _cut(*flat, lengths, seq_len, pad_id, packing)
 
 
-def _cut(ids: np.ndarray, labels: np.ndarray, seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """The concatenated tokens of :func:`pack` cut into ``seq_len`` blocks (``int64``), the tail padded and masked."""
+def _cut(
+    ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, seq_len: int, pad_id: int, packing: str
+) -> dict[str, np.ndarray]:
+    """The joined tokens of :func:`pack` (rows of ``lengths``) cut into ``seq_len`` blocks, the tail padded and
+    masked; ``position_ids`` and the rows' first labels masked when ``packing`` is ``documents``."""
+    if packing not in PACKING_MODES:
+        raise ValueError(f"packing must be one of {', '.join(PACKING_MODES)}, not {packing!r}")
     n_blocks = -(-len(ids) // seq_len)
     out_ids = np.full((n_blocks, seq_len), pad_id, dtype=np.int64)
     out_labels = np.full((n_blocks, seq_len), IGNORE_INDEX, dtype=np.int64)
     out_ids.reshape(-1)[: len(ids)] = ids
     out_labels.reshape(-1)[: len(labels)] = labels
-    return out_ids, out_labels
+    out = {"input_ids": out_ids, "labels": out_labels}
+    if packing == "documents":
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths) else lengths
+        index = np.arange(n_blocks * seq_len, dtype=np.int64)
+        row_start = np.zeros(len(index), dtype=np.int64)  # the padded tail counts as part of the last row
+        row_start[: len(ids)] = np.repeat(starts, lengths)
+        if len(ids) < len(index) and len(starts):
+            row_start[len(ids) :] = starts[-1]
+        begins = np.maximum(row_start, index - index % seq_len)  # a row cut by a block starts again there
+        out["position_ids"] = (index - begins).astype(np.int32).reshape(n_blocks, seq_len)
+        out_labels.reshape(-1)[starts[lengths > 0]] = IGNORE_INDEX
+    return out
 
 
-def pack_table(table: Any, seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+def pack_table(table: Any, seq_len: int, pad_id: int, *, packing: str = "documents") -> dict[str, np.ndarray]:
     """:func:`pack` of a pyarrow table's ``input_ids`` and ``labels`` list columns, from their values as they lie
     (no Python int per token)."""
     import pyarrow.compute as pc
 
     ids, labels = table.column("input_ids"), table.column("labels")
-    if pc.any(pc.not_equal(pc.list_value_length(ids), pc.list_value_length(labels))).as_py():
+    lengths = pc.list_value_length(ids)
+    if pc.any(pc.not_equal(lengths, pc.list_value_length(labels))).as_py():
         raise ValueError("input_ids and labels of a row differ in length")
-    return _cut(_values(ids), _values(labels), seq_len, pad_id)
+    counts = lengths.to_numpy(zero_copy_only=False).astype(np.int64) if len(lengths) else np.empty(0, np.int64)
+    return _cut(_values(ids), _values(labels), counts, seq_len, pad_id, packing)
 
 
 def _values(column: Any) -> np.ndarray:
@@ -467,15 +492,15 @@ def _encode_batch(
             "labels": pa.array(labels_out, tokens),
             "reason": pa.array(reasons, pa.string()),
             "tokens": pa.array([len(i) for i in ids_out], pa.int64()),
-            "trained": pa.array([sum(t != IGNORE_INDEX for t in lab) for lab in labels_out], pa.int64()),
+            # a row's first token is predicted by nothing of the row (packed by documents, by nothing at all)
+            "trained": pa.array([sum(t != IGNORE_INDEX for t in lab[1:]) for lab in labels_out], pa.int64()),
         }
     )
 
 
-def _pack_batch(batch: Any, *, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+def _pack_batch(batch: Any, *, seq_len: int, pad_id: int, packing: str) -> dict[str, np.ndarray]:
     """Ray Data ``map_batches`` step: a group of rows (a pyarrow table) packed into ``seq_len`` blocks."""
-    ids, labels = pack_table(batch, seq_len, pad_id)
-    return {"input_ids": ids, "labels": labels}
+    return pack_table(batch, seq_len, pad_id, packing=packing)
 
 
 @dataclass
@@ -697,7 +722,7 @@ def _group_bounds(count: int) -> list[int]:
     return [*bounds, count]
 
 
-def _packed_in_driver(rows: Any, seq_len: int, pad_id: int) -> Any:
+def _packed_in_driver(rows: Any, seq_len: int, pad_id: int, packing: str) -> Any:
     """``rows`` (a pyarrow table, in order) packed like :func:`_packed`, as a Ray dataset of one block per group."""
     import pyarrow as pa
     import ray.data
@@ -707,11 +732,9 @@ def _packed_in_driver(rows: Any, seq_len: int, pad_id: int) -> Any:
     blocks = []
     for start, end in zip(bounds, bounds[1:], strict=False):
         part = rows.slice(start, end - start)
-        ids, labels = pack_table(part, seq_len, pad_id)
-        if len(ids):
-            blocks.append(
-                pa.table({"input_ids": ArrowTensorArray.from_numpy(ids), "labels": ArrowTensorArray.from_numpy(labels)})
-            )
+        packed = pack_table(part, seq_len, pad_id, packing=packing)
+        if len(packed["input_ids"]):
+            blocks.append(pa.table({k: ArrowTensorArray.from_numpy(v) for k, v in packed.items()}))
     if not blocks:
         return ray.data.from_items([]).materialize()
     return ray.data.from_arrow(blocks).materialize()
@@ -726,6 +749,7 @@ def prepare_dataset(
     tokenizer_path: str,
     seq_len: int,
     columns: dict[str, str] | None = None,
+    packing: str = "documents",
     seed: int,
     min_blocks: int,
     listed: tuple[list[str], str] | None = None,
@@ -743,6 +767,7 @@ def prepare_dataset(
     is being done now, as a short line such as ``"packing 390 rows (13359 tokens)"``. ``option`` is the setting
     ``data`` came from, named in the errors (``training.eval_data`` for the evaluation set). ``in_driver`` forces
     where the work is done (default: :func:`prepared_in_driver`); both paths give the same packed blocks.
+    ``packing`` (:data:`PACKING_MODES`) keeps the rows of a block apart (``documents``) or runs them on (``concat``).
     """
     import ray.data
     from ray.data import read_parquet
@@ -783,7 +808,8 @@ def prepare_dataset(
         detail = "; ".join(f"{n} x {why}" for why, n in malformed.items()) or "the data set is empty"
         raise DataError(
             f"{option} {data!r}: no usable row for format '{data_format}' ({total} rows read: {detail})",
-            hint="Check --data-format (text, instruction or chat) and the field names of your rows.",
+            hint=f"Check --data-format ({', '.join(FORMAT_NAMES)}) and the field names of your rows "
+            "(training.columns maps them).",
         )
     say(f"shuffling and packing {usable} rows ({tokens} tokens)")
     tokenizer = load_tokenizer(tokenizer_path)
@@ -795,8 +821,8 @@ def prepare_dataset(
         kept = encoded.filter(pc.equal(encoded["reason"], "")).drop_columns(["reason", "tokens", "trained"])
         rows = _shuffle_key(kept, seed=seed).sort_by("order").drop_columns(["order"])
         if eval_rows:
-            eval_dataset = _packed_in_driver(rows.slice(0, eval_rows), seq_len, pad_id)
-        packed = _packed_in_driver(rows.slice(eval_rows), seq_len, pad_id)
+            eval_dataset = _packed_in_driver(rows.slice(0, eval_rows), seq_len, pad_id, packing)
+        packed = _packed_in_driver(rows.slice(eval_rows), seq_len, pad_id, packing)
     else:
         rows = (
             encoded.filter(expr=col("reason") == "")
@@ -808,8 +834,8 @@ def prepare_dataset(
         )
         if eval_rows:
             held, rows = rows.split_at_indices([eval_rows])
-            eval_dataset = _packed(held, eval_rows, seq_len, pad_id)
-        packed = _packed(rows, usable - eval_rows, seq_len, pad_id)
+            eval_dataset = _packed(held, eval_rows, seq_len, pad_id, packing)
+        packed = _packed(rows, usable - eval_rows, seq_len, pad_id, packing)
     blocks = packed.count()
     if blocks < min_blocks:
         left = f" left after {eval_rows} held out for evaluation" if eval_rows else ""
@@ -845,13 +871,16 @@ def _tally(tables: Iterable[Any]) -> tuple[Counter[str], int, int]:
     return reasons, tokens, trained
 
 
-def _packed(rows: Any, count: int, seq_len: int, pad_id: int) -> Any:
+def _packed(rows: Any, count: int, seq_len: int, pad_id: int, packing: str) -> Any:
     """``rows`` (``count`` of them, in order) packed into ``seq_len`` blocks, in groups of rows fixed by the row count
     alone (not by how the blocks happen to be cut)."""
     return (
         rows.repartition(_pack_groups(count), shuffle=False)
         .map_batches(
-            _pack_batch, batch_size=None, batch_format="pyarrow", fn_kwargs={"seq_len": seq_len, "pad_id": pad_id}
+            _pack_batch,
+            batch_size=None,
+            batch_format="pyarrow",
+            fn_kwargs={"seq_len": seq_len, "pad_id": pad_id, "packing": packing},
         )
         .materialize()
     )

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_eks.train.data import IGNORE_INDEX
-from raytrain_eks.train.model import OutputHead, chunked_cross_entropy
+from raytrain_eks.train.model import OutputHead, chunked_cross_entropy, forward_inputs
 
 Batch = dict[str, torch.Tensor]
 
@@ -58,9 +58,9 @@ class HeldOut:
         tokens = torch.zeros((), dtype=torch.float64, device=device)
         for i in range(int(count)):
             batch = mine[i] if i < len(mine) else masked
-            input_ids = batch["input_ids"].to(device)
+            inputs = {k: v.to(device) for k, v in forward_inputs(batch).items()}
             labels = batch["labels"].to(device)
-            hidden = output_weight.forward(model, input_ids=input_ids).logits
+            hidden = output_weight.forward(model, **inputs).logits
             loss_sum += chunked_cross_entropy(
                 hidden[:, :-1],
                 output_weight(),

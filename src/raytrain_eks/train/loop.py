@@ -30,6 +30,7 @@ from raytrain_eks.train.model import (
     chunked_cross_entropy,
     compile_layers,
     fill_from_rank0,
+    forward_inputs,
     load_model,
     load_model_shell,
     output_projection_deferred,
@@ -272,8 +273,9 @@ def train(
         aux_sum = torch.zeros((), dtype=torch.float32, device=device)
         for i, mb in enumerate(micro):
             set_gradient_sync(model, layout.mode, last=i == len(micro) - 1)  # sharded; across nodes on the last
-            input_ids, labels = _to_device(mb["input_ids"], device), _to_device(mb["labels"], device)
-            outputs = output_weight.forward(model, input_ids=input_ids)  # .logits: the final hidden states
+            inputs = {k: _to_device(v, device) for k, v in forward_inputs(mb).items()}
+            labels = _to_device(mb["labels"], device)
+            outputs = output_weight.forward(model, **inputs)  # .logits: the final hidden states
             token_loss = chunked_cross_entropy(
                 outputs.logits[:, :-1],
                 output_weight(),

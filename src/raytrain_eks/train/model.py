@@ -200,6 +200,19 @@ class OutputHead:
             return model(**inputs)
 
 
+def forward_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's inputs for a packed batch (host tensors): ``input_ids``, and ``position_ids`` where a block holds
+    more than one row (``packing: documents``), from which transformers keeps attention inside each row (a
+    block-causal mask; flash-attention's variable-length path). Decided on the host, so it never waits for a device;
+    a block of one row needs no positions (they count from 0 as the model's own would) and keeps the causal fast path.
+    """
+    inputs = {"input_ids": batch["input_ids"]}
+    positions = batch.get("position_ids")
+    if positions is not None and bool((positions[:, 1:] - positions[:, :-1] != 1).any()):
+        inputs["position_ids"] = positions
+    return inputs
+
+
 def output_projection_deferred(model: Any) -> OutputHead:
     """Make ``model(...).logits`` the final hidden states, and return the :class:`OutputHead` the loss projects with.
 
