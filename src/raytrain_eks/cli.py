@@ -55,6 +55,12 @@ def train(
         typer.Option(help="'random', builtin:sample-instructions, or JSONL/JSON/Parquet file or folder (s3:// too)."),
     ] = None,
     data_format: Annotated[str | None, typer.Option(help=f"Data format: {', '.join(FORMAT_NAMES)}.")] = None,
+    method: Annotated[
+        str | None,
+        typer.Option(
+            help="full (every weight trains) or lora (adapters on a frozen base; --set training.lora.rank=N)."
+        ),
+    ] = None,
     steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
     seq_len: Annotated[int | None, typer.Option(help="Tokens per packed sample.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="Samples per worker per micro-batch.")] = None,
@@ -107,6 +113,7 @@ def train(
         "model_id": model,
         "data": data,
         "data_format": data_format,
+        "method": method,
         "steps": steps,
         "seq_len": seq_len,
         "batch_size": batch_size,
@@ -256,13 +263,24 @@ def export(
     ],
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the Hugging Face model into.")],
     dtype: Annotated[str, typer.Option(help="float32 (exactly the trained weights) or bfloat16.")] = "float32",
+    adapter_only: Annotated[
+        bool,
+        typer.Option(
+            "--adapter-only", help="LoRA runs: write the adapters alone, a peft adapter folder (default: merged)."
+        ),
+    ] = False,
+    base: Annotated[
+        str | None,
+        typer.Option(help="LoRA runs: the base model to merge into (default: the one the run trained on)."),
+    ] = None,
 ) -> None:
-    """Gather a sharded checkpoint into a Hugging Face model folder (safetensors, config, tokenizer)."""
+    """Gather a sharded checkpoint into a Hugging Face model folder (safetensors, config, tokenizer); a LoRA run's
+    adapters merged into their base model, or alone with --adapter-only."""
     from raytrain_eks.train.export import export_hf
 
     if dtype not in ("float32", "bfloat16"):
         raise UserError(f"--dtype {dtype!r} is not supported; use float32 or bfloat16")
-    path = export_hf(checkpoint, out_dir, dtype=dtype)
+    path = export_hf(checkpoint, out_dir, dtype=dtype, adapter_only=adapter_only, base=base)
     out.print(f"model: {path.resolve()}")
 
 

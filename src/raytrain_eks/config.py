@@ -337,6 +337,33 @@ def check_sharding_for_nodes(training: TrainingConfig, nodes: int, workers: int 
         )
 
 
+LORA_ALL_LINEAR = "all-linear"  # peft's name for every linear layer of the decoder blocks
+
+
+class LoraSettings(_Section):
+    """Low-rank adapters (peft's LoRA) trained on a frozen base model (``training.method: lora``)."""
+
+    rank: int = Field(16, ge=1, le=4096, description="the adapters' rank r")
+    alpha: float = Field(32, gt=0, description="scale of the adapters' output: alpha / rank")
+    dropout: float = Field(0.05, ge=0, lt=1, description="dropout on the adapters' input while training")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        LORA_ALL_LINEAR,
+        description="linear layers of the decoder blocks that get adapters, by name (q_proj, v_proj, ...); "
+        "all-linear = every one of them",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, v: list[str] | str) -> list[str] | str:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("name at least one linear layer, or all-linear")
+            bad = [n for n in v if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n)]
+            if bad:
+                raise ValueError(f"{', '.join(repr(n) for n in bad)}: a layer's name, such as q_proj")
+        return v
+
+
 class TrainingConfig(_Section):
     """The fine-tuning job run by every Ray Train worker."""
 
@@ -361,6 +388,11 @@ class TrainingConfig(_Section):
         description="documents: the rows packed into a block keep apart (their own positions, no attention across "
         "rows, no loss on a row's first token); concat: rows run on as one text (pre-training)",
     )
+    method: Literal["full", "lora"] = Field(
+        "full",
+        description="full: every weight trains; lora: low-rank adapters (training.lora) on the frozen base model",
+    )
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="the adapters of method lora")
     steps: int = Field(100, ge=1)
     seq_len: int = Field(1024, ge=8, le=131072)
     batch_size: int = Field(2, ge=1, le=4096, description="packed samples per worker per micro-batch")

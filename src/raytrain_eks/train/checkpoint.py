@@ -85,18 +85,34 @@ def save_sharded(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    from raytrain_eks.train.lora import lora_of
+
     folder.mkdir(parents=True, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    lora = lora_of(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_options(model))
     writer = dcp.FileSystemWriter(str(folder), thread_count=FILES_PER_RANK)
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
     save_trainer_state(folder, rank=rank, step=step, scheduler=scheduler, data_position=data_position)
     if rank == 0:
         hf = folder / HF_DIR
         model.config.save_pretrained(hf)
+        if lora is not None:  # the adapters' settings, as peft writes them (the base is named, never saved)
+            lora.save_pretrained(str(hf))
         if tokenizer_path:
             from raytrain_eks.train.data import load_tokenizer
 
             load_tokenizer(tokenizer_path).save_pretrained(hf)
+
+
+def _state_options(model: Any) -> Any:
+    """What a checkpoint holds of ``model``: every weight, or with LoRA the adapters only (the frozen base is the
+    model it started from, loaded again on resume)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from raytrain_eks.train.lora import lora_of
+
+    adapted = lora_of(model) is not None
+    return StateDictOptions(ignore_frozen_params=adapted, strict=not adapted)
 
 
 def _trainer_file(folder: Path, rank: int) -> Path:
@@ -157,11 +173,12 @@ def load_sharded(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    check_compatible(folder, model.config)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    check_compatible(folder, model.config, lora=_lora_settings(model))
+    options = _state_options(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(folder))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     # A resume on another world size has no file of this rank: take rank 0's step and schedule.
     extra = load_trainer_state(folder, rank)
     scheduler.load_state_dict(extra["scheduler"])
@@ -262,8 +279,12 @@ def _read_text(location: str | Path) -> str:
         return f.read().decode()
 
 
-def check_compatible(folder: str | Path, config: Any) -> None:
-    """Raise :class:`UserError` when the checkpoint in ``folder`` belongs to a model of another architecture."""
+def check_compatible(folder: str | Path, config: Any, *, lora: dict[str, Any] | None = None) -> None:
+    """Raise :class:`UserError` when the checkpoint in ``folder`` belongs to a model of another architecture, or
+    to another method: ``lora`` is the run's adapters (``{"r", "target_modules"}``) or ``None`` for full
+    fine-tuning, and must be what the checkpoint holds."""
+    from raytrain_eks.train.lora import ADAPTER_CONFIG
+
     saved = json.loads(_read_text(join(join(folder, HF_DIR), "config.json")))
     current = config.to_dict() if hasattr(config, "to_dict") else dict(config)
     diffs = [
@@ -271,11 +292,40 @@ def check_compatible(folder: str | Path, config: Any) -> None:
         for k in _ARCH_KEYS
         if saved.get(k) != current.get(k)
     ]
+    hint = "Resume with the model the run was started with, or start a new run without --resume."
     if diffs:
+        raise UserError(f"checkpoint {folder} is of a different model ({'; '.join(diffs)})", hint=hint)
+    adapters_file = join(join(folder, HF_DIR), ADAPTER_CONFIG)
+    fs, base = _fs(adapters_file)
+    from pyarrow import fs as pafs
+
+    had = None
+    if fs.get_file_info(base).type != pafs.FileType.NotFound:
+        had = json.loads(_read_text(adapters_file))
+    if (had is None) != (lora is None):
+        what = "LoRA adapters on a frozen base" if had is not None else "a full fine-tune (every weight)"
+        now = "method lora" if lora is not None else "method full"
         raise UserError(
-            f"checkpoint {folder} is of a different model ({'; '.join(diffs)})",
-            hint="Resume with the model the run was started with, or start a new run without --resume.",
+            f"checkpoint {folder} holds {what}, but this run is set to {now}",
+            hint="Resume with the training.method (and training.lora) the run was started with.",
         )
+    if had is not None and lora is not None:
+        then = (int(had.get("r", 0)), sorted(had.get("target_modules") or []))
+        want = (int(lora["r"]), sorted(lora["target_modules"]))
+        if then != want:
+            raise UserError(
+                f"checkpoint {folder} has LoRA rank {then[0]} on {', '.join(then[1])}, but this run is set to rank "
+                f"{want[0]} on {', '.join(want[1])}",
+                hint="Resume with the training.lora settings the run was started with.",
+            )
+
+
+def _lora_settings(model: Any) -> dict[str, Any] | None:
+    """The adapters :func:`check_compatible` compares: ``model``'s LoRA rank and targeted layers, or ``None``."""
+    from raytrain_eks.train.lora import lora_of
+
+    lora = lora_of(model)
+    return None if lora is None else {"r": lora.r, "target_modules": sorted(lora.target_modules)}
 
 
 def storage_root(run_dir: Path, storage_path: str | None) -> str:

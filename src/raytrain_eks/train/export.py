@@ -21,11 +21,14 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import shutil
 import struct
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -35,6 +38,7 @@ import torch
 
 from raytrain_eks.errors import UserError
 from raytrain_eks.train.checkpoint import EXPORT_MARKER, HF_DIR, resolve_checkpoint
+from raytrain_eks.train.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_key, base_weight_of, is_adapter
 from raytrain_eks.train.storage import filesystem as _fs
 from raytrain_eks.train.storage import is_remote, join
 
@@ -65,6 +69,8 @@ def export_hf(
     dtype: str = "float32",
     max_shard_bytes: int = MAX_SHARD_BYTES,
     group_bytes: int = GROUP_BYTES,
+    adapter_only: bool = False,
+    base: str | None = None,
 ) -> Path:
     """Gather the sharded weights of ``checkpoint`` into one Hugging Face model folder (safetensors + tokenizer).
 
@@ -72,6 +78,11 @@ def export_hf(
     process group, holding about ``group_bytes`` of weights at a time. ``out_dir`` is replaced as a whole, so it
     must be new, empty, or an earlier export (a folder holding :data:`EXPORT_MARKER`, which every export writes);
     anything else, a downloaded model included, is refused before any work. Returns ``out_dir``.
+
+    A LoRA checkpoint (adapters only) is merged into its base model (``base``: a model folder or Hub id; default:
+    the base its ``adapter_config.json`` names), a group of tensors at a time, into a plain model folder; with
+    ``adapter_only`` the adapters alone are written as a peft adapter folder (``adapter_config.json``,
+    ``adapter_model.safetensors``) that ``PeftModel.from_pretrained`` loads onto the base.
     """
     if dtype not in DTYPES:
         raise UserError(f"export dtype {dtype!r} is not supported; use {' or '.join(DTYPES)}")
@@ -80,7 +91,21 @@ def export_hf(
     source = resolve_checkpoint(checkpoint)
     with tempfile.TemporaryDirectory(prefix="raytrain-eks-export-") as tmp:
         local = _model_files(source, Path(tmp) / "checkpoint")
-        return _export_local(local, out_dir, DTYPES[dtype], source=source, max_shard=max_shard_bytes, group=group_bytes)
+        lora = _adapters(local)
+        if adapter_only and lora is None:
+            raise UserError(
+                f"--adapter-only: checkpoint {source} is a full fine-tune (training.method full); it has no adapters",
+                hint="Leave out --adapter-only to export the model.",
+            )
+        if lora is None:
+            load = functools.partial(_load_group, local)
+        elif adapter_only:
+            return _export_adapters(local, out_dir, DTYPES[dtype], lora, source=source)
+        else:
+            load = _merging_loader(local, lora, _base_folder(base or lora.get("base_model_name_or_path")))
+        return _export_local(
+            local, out_dir, DTYPES[dtype], source=source, max_shard=max_shard_bytes, group=group_bytes, load=load
+        )
 
 
 def check_export_target(out_dir: Path) -> None:
@@ -204,6 +229,8 @@ def _load_group(checkpoint: Path, entries: list[_Entry], dtype: torch.dtype) -> 
     """The tensors of ``entries``, read from the DCP checkpoint and cast to ``dtype`` as they are copied."""
     import torch.distributed.checkpoint as dcp
 
+    if not entries:
+        return {}
     state = {"model": {e.name: torch.empty(e.shape, dtype=dtype) for e in entries}}
     with warnings.catch_warnings():  # loading in one process, without a process group, is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -211,8 +238,11 @@ def _load_group(checkpoint: Path, entries: list[_Entry], dtype: torch.dtype) -> 
     return state["model"]
 
 
+Loader = Callable[[list[_Entry], torch.dtype], dict[str, torch.Tensor]]
+
+
 def _write_shards(
-    checkpoint: Path, folder: Path, entries: list[_Entry], dtype: torch.dtype, *, max_shard: int, group: int
+    load: Loader, folder: Path, entries: list[_Entry], dtype: torch.dtype, *, max_shard: int, group: int
 ) -> None:
     shards = _split(entries, max_shard)
     names = (
@@ -224,7 +254,7 @@ def _write_shards(
         with open(folder / name, "wb") as f:
             f.write(_header(shard, dtype))
             for part in _split(shard, group):
-                tensors = _load_group(checkpoint, part, dtype)
+                tensors = load(part, dtype)
                 for entry in part:
                     data = tensors.pop(entry.name).contiguous().reshape(-1).view(torch.uint8)
                     f.write(memoryview(data.numpy()))
@@ -241,27 +271,154 @@ def _write_shards(
 
 
 def _export_local(
-    checkpoint: Path, out_dir: Path, dtype: torch.dtype, *, source: str, max_shard: int, group: int
+    checkpoint: Path, out_dir: Path, dtype: torch.dtype, *, source: str, max_shard: int, group: int, load: Loader
 ) -> Path:
     import transformers
-    from transformers import AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()
     hf = checkpoint / HF_DIR
     model = _meta_model(hf, dtype)
-    staging = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    _write_shards(checkpoint, staging, _entries(model, dtype), dtype, max_shard=max_shard, group=group)
+    staging = _staging(out_dir)
+    _write_shards(load, staging, _entries(model, dtype), dtype, max_shard=max_shard, group=group)
     model.config.save_pretrained(staging)
     if model.can_generate() and getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(staging)
+    return _finish(staging, out_dir, hf, source=source, dtype=dtype)
+
+
+def _staging(out_dir: Path) -> Path:
+    """A new, empty folder beside ``out_dir`` that becomes it once complete (:func:`_finish`)."""
+    staging = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def _finish(staging: Path, out_dir: Path, hf: Path, *, source: str, dtype: torch.dtype, **extra: Any) -> Path:
+    """The tokenizer and :data:`EXPORT_MARKER` into ``staging``, then ``staging`` in the place of ``out_dir``."""
+    from transformers import AutoTokenizer
+
     if (hf / "tokenizer_config.json").exists():
         AutoTokenizer.from_pretrained(hf).save_pretrained(staging)
     name = str(dtype).removeprefix("torch.")
     marker = {"checkpoint": str(source), "dtype": name, "time": datetime.now(UTC).isoformat(timespec="seconds")}
-    (staging / EXPORT_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    (staging / EXPORT_MARKER).write_text(json.dumps({**marker, **extra}, indent=2) + "\n")
     if out_dir.exists():
         shutil.rmtree(out_dir)
     staging.rename(out_dir)
     return out_dir
+
+
+# --------------------------------------------------------------------------------------------- LoRA checkpoints
+
+
+def _adapters(checkpoint: Path) -> dict[str, Any] | None:
+    """The checkpoint's ``adapter_config.json`` (peft's), or ``None`` for a full fine-tune."""
+    path = checkpoint / HF_DIR / ADAPTER_CONFIG
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _adapter_entries(checkpoint: Path, dtype: torch.dtype) -> list[_Entry]:
+    """The adapters' tensors in the checkpoint (names as the adapted model has them), from its metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    size = torch.empty((), dtype=dtype).element_size()
+    entries = []
+    for fqn, meta in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.items():
+        name = fqn.removeprefix(_DCP_PREFIX)
+        if fqn.startswith(_DCP_PREFIX) and is_adapter(name):
+            shape = tuple(meta.size)
+            entries.append(_Entry(name, shape, math.prod(shape) * size))
+    if not entries:
+        raise UserError(f"checkpoint {checkpoint} names LoRA adapters but holds none: it is damaged")
+    return entries
+
+
+def _base_folder(base: str | None) -> Path:
+    """The base model's local folder for a merge: a model folder as it is, a Hub id or builtin: name resolved as
+    a run resolves it (from the Hugging Face cache, or downloaded)."""
+    from raytrain_eks.train.model_source import resolve_model_path
+
+    if not base:
+        raise UserError(
+            "the LoRA checkpoint does not name its base model", hint="Give it: raytrain-eks export ... --base MODEL"
+        )
+    return Path(resolve_model_path(base))
+
+
+class _BaseWeights:
+    """The base model's weights by name, one tensor at a time from its safetensors files; a model whose files
+    name their tensors otherwise than the model does (transformers converts some on loading) is loaded whole."""
+
+    def __init__(self, folder: Path) -> None:
+        self._folder = folder
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            self._where = {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        elif (folder / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(folder / "model.safetensors", "pt") as f:
+                self._where = dict.fromkeys(f.keys(), folder / "model.safetensors")
+        else:
+            self._where = {}
+        self._whole: dict[str, torch.Tensor] | None = None
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name in self._where:
+            with safe_open(self._where[name], "pt") as f:
+                return f.get_tensor(name)
+        if self._whole is None:
+            from transformers import AutoModelForCausalLM
+
+            whole = AutoModelForCausalLM.from_pretrained(self._folder, dtype=torch.float32)
+            self._whole = dict(whole.state_dict())
+        if name not in self._whole:
+            raise UserError(f"the base model in {self._folder} has no weight {name!r}: it is not the run's base")
+        return self._whole[name]
+
+
+def _merging_loader(checkpoint: Path, lora: dict[str, Any], base: Path) -> Loader:
+    """A loader of the merged weights: each base weight, plus ``alpha / r * B @ A`` where it has adapters."""
+    if lora.get("use_rslora") or lora.get("use_dora"):
+        raise UserError("the checkpoint's adapters use rsLoRA or DoRA, which this export does not merge")
+    scale = float(lora["lora_alpha"]) / float(lora["r"])
+    adapters = {e.name: e for e in _adapter_entries(checkpoint, torch.float32)}
+    pairs: dict[str, tuple[_Entry, _Entry]] = {}
+    for name, entry in adapters.items():
+        if ".lora_A." in name:
+            pairs[base_weight_of(name)] = (entry, adapters[name.replace(".lora_A.", ".lora_B.")])
+    weights = _BaseWeights(base)
+
+    def load(entries: list[_Entry], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        wanted = [ab for e in entries if e.name in pairs for ab in pairs[e.name]]
+        factors = _load_group(checkpoint, wanted, torch.float32)
+        out = {}
+        for entry in entries:
+            weight = weights.get(entry.name).to(torch.float32)
+            if tuple(weight.shape) != entry.shape:
+                raise UserError(
+                    f"the base model in {base} has {entry.name} of shape {tuple(weight.shape)}, the checkpoint's "
+                    f"model {entry.shape}: it is not the run's base"
+                )
+            if entry.name in pairs:
+                a, b = pairs[entry.name]
+                weight = weight.addmm(factors.pop(b.name), factors.pop(a.name), alpha=scale)
+            out[entry.name] = weight.to(dtype)
+        return out
+
+    return load
+
+
+def _export_adapters(checkpoint: Path, out_dir: Path, dtype: torch.dtype, lora: dict[str, Any], *, source: str) -> Path:
+    """The adapters alone as a peft adapter folder, named as peft names them."""
+    from safetensors.torch import save_file
+
+    entries = _adapter_entries(checkpoint, dtype)
+    tensors = _load_group(checkpoint, entries, dtype)
+    staging = _staging(out_dir)
+    save_file({adapter_key(k): v.contiguous() for k, v in tensors.items()}, staging / ADAPTER_WEIGHTS, {"format": "pt"})
+    (staging / ADAPTER_CONFIG).write_text(json.dumps(lora, indent=2, sort_keys=True) + "\n")
+    return _finish(staging, out_dir, checkpoint / HF_DIR, source=source, dtype=dtype, adapter_only=True)

@@ -3,7 +3,11 @@
 Training FLOPs per token = 6 * N + 12 * L * H * T, where N counts the parameters that take part in matrix
 multiplications (every decoder weight plus the output projection; the input embedding is a lookup), L is the
 number of layers, H the hidden size and T the sequence length. The second term is the attention score and
-value products (forward and backward), which 6 * N leaves out. Example::
+value products (forward and backward), which 6 * N leaves out.
+
+With LoRA the base weights are frozen: each of their products runs forward (2 N) and backward for the
+activations' gradient (2 N), but no weight gradient is made; the adapters' A parameters do all three (6 A). So
+4 * N + 6 * A + 12 * L * H * T. Example::
 
     fpt = flops_per_token(model.config, seq_len=2048)
     mfu(tokens_per_s=5_000, flops_per_token=fpt, peak_flops=peak_flops_for("NVIDIA L4", "bf16"), devices=8)
@@ -60,9 +64,13 @@ def matmul_params(config: Any) -> int:
     return layers * (attention + mlp) + lm_head
 
 
-def flops_per_token(config: Any, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * N + 12 * L * H * T (see the module docstring)."""
-    return 6.0 * matmul_params(config) + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+def flops_per_token(config: Any, seq_len: int, *, adapters: int = 0) -> float:
+    """Training FLOPs per token: 6 * N + 12 * L * H * T; with ``adapters`` (LoRA's trainable parameters, the base
+    frozen) 4 * N + 6 * adapters + 12 * L * H * T (see the module docstring)."""
+    attention = 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+    if adapters:
+        return 4.0 * matmul_params(config) + 6.0 * adapters + attention
+    return 6.0 * matmul_params(config) + attention
 
 
 def mfu(*, tokens_per_s: float, flops_per_token: float, peak_flops: float | None, devices: int) -> float | None:

@@ -135,6 +135,7 @@ def run_training(
 
     from raytrain_eks.train.checkpoint import check_compatible, resolve_checkpoint, write_storage_config
     from raytrain_eks.train.data import list_data_files
+    from raytrain_eks.train.lora import check_lora
     from raytrain_eks.train.model_source import check_model, resolve_model_path
 
     t_start = time.perf_counter()
@@ -161,6 +162,7 @@ def run_training(
 
             quiet_libraries()
         model_config = check_model(model_path)
+        lora = check_lora(model_config, training.lora) if training.method == "lora" else None
         if address:
             # Joining a cluster: its nodes decide whether the checkpoints need storage every node reaches, and where
             # the ranks can be placed. (_train_in's own init_ray then finds Ray initialised and leaves it as it is.)
@@ -172,7 +174,7 @@ def run_training(
                 resume_from = resolve_checkpoint(resume_root)
         if resume_dir is not None:
             run_dir = resume_dir
-            check_compatible(resume_from, model_config)
+            check_compatible(resume_from, model_config, lora=lora)
             run_dir.mkdir(parents=True, exist_ok=True)  # a run continued on a machine that does not have its folder
             say(f"resuming {run_dir} from {resume_from}")
         else:
@@ -409,7 +411,8 @@ def _train_in(
             raise TrainingError(
                 "training finished but left no complete checkpoint to export", hint=f"Run folder: {run_dir}"
             )
-        summary["model_dir"] = str(export_hf(final, run_dir / "model"))
+        # A LoRA run's export merges the adapters into the base it trained on (model_path: already here).
+        summary["model_dir"] = str(export_hf(final, run_dir / "model", base=model_path))
         say(f"model: {summary['model_dir']} (Hugging Face format)")
     summary["wall_s"] = time.perf_counter() - t_start
     summary["model_id"] = training.model_id

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,8 +26,10 @@ from raytrain_eks.train.evaluation import HeldOut, greedy_samples
 from raytrain_eks.train.fabric_gate import check_transport
 from raytrain_eks.train.faults import maybe_die
 from raytrain_eks.train.flops import flops_per_token, mfu, peak_flops_for
+from raytrain_eks.train.lora import apply_lora, parameter_counts
 from raytrain_eks.train.memory import LOSS_CHUNK_LOGITS, check_run, refuse_unless_fits  # logits held at once
 from raytrain_eks.train.model import (
+    OutputHead,
     chunked_cross_entropy,
     compile_layers,
     fill_from_rank0,
@@ -149,6 +152,57 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+@dataclass
+class PreparedModel:
+    """The model as the loop trains it: sharded, its output projection deferred to the loss, its sizes counted
+    before sharding (``parameters`` all of them, adapters included; ``trainable`` those the optimizer updates)."""
+
+    model: torch.nn.Module
+    output_weight: OutputHead
+    parameters: int
+    trainable: int
+    lora_targets: list[str] | None = None  # the layers given adapters (method lora); None for full fine-tuning
+
+
+def prepare_model(
+    cfg: TrainingConfig,
+    model_path: str,
+    ctx: WorkerContext,
+    *,
+    layout: Layout,
+    precision: str,
+    checkpointing: bool,
+    device: torch.device,
+) -> PreparedModel:
+    """Load, adapt, shard and fill the model: the one place where the model is prepared (a collective).
+
+    Sharded over several ranks, only rank 0 reads the weights; the others build the model on the meta device and
+    receive their shard from rank 0 after sharding, so their memory follows the shard, not the whole model. LoRA's
+    adapters go in right after loading, on every rank alike, so they are part of what rank 0 sends and of what is
+    sharded; only they train.
+    """
+    from_rank0 = layout.mode != "none" and ctx.world_size > 1
+    if from_rank0 and ctx.rank != 0:
+        model = load_model_shell(model_path, activation_checkpointing=checkpointing)
+    else:
+        model = load_model(model_path, activation_checkpointing=checkpointing)
+    targets = apply_lora(model, cfg.lora, base=cfg.model_id) if cfg.method == "lora" else None
+    full_state = None
+    if from_rank0 and ctx.rank == 0:
+        full_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if not (from_rank0 and ctx.rank != 0):
+        model.to(device)
+    trainable, total = parameter_counts(model)
+    output_weight = output_projection_deferred(model)
+    if cfg.compile:  # before sharding: FSDP's gathers and reductions stay outside the compiled code
+        ctx.emit({"note": f"compile: {compile_layers(model)} decoder layers with torch.compile (inductor)"})
+    shard_model(model, layout, precision=precision, reduce_precision=cfg.reduce_precision, device=device)
+    if from_rank0:
+        fill_from_rank0(model, full_state, device)
+        del full_state
+    return PreparedModel(model, output_weight, parameters=total, trainable=trainable, lora_targets=targets)
+
+
 def train(
     cfg: TrainingConfig,
     model_path: str,
@@ -171,9 +225,6 @@ def train(
     ctx.emit({"note": f"precision: {precision} ({why})"})
     layout = agreed_sharding(cfg.sharding, ctx, precision)
     ctx.emit({"note": f"sharding: {layout.describe()}"})
-    # Sharded over several ranks, only rank 0 reads the weights; the others build the model on the meta device and
-    # receive their shard from it after sharding, so their memory follows the shard, not the whole model.
-    from_rank0 = layout.mode != "none" and ctx.world_size > 1
     checkpointing = cfg.activation_checkpointing
     if device.type == "cuda":  # the estimate against this GPU, before any weight is loaded
         props = torch.cuda.get_device_properties(device)
@@ -183,20 +234,17 @@ def train(
         ctx.emit({"note": fit.line})
         refuse_unless_fits(fit)  # every rank computes the same estimate, so all stop together
         checkpointing = fit.checkpointing
-    if from_rank0 and ctx.rank != 0:
-        model, full_state = load_model_shell(model_path, activation_checkpointing=checkpointing), None
-    else:
-        model = load_model(model_path, activation_checkpointing=checkpointing)
-        full_state = {k: v.detach().clone() for k, v in model.state_dict().items()} if from_rank0 else None
-        model.to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    output_weight = output_projection_deferred(model)
-    if cfg.compile:  # before sharding: FSDP's gathers and reductions stay outside the compiled code
-        ctx.emit({"note": f"compile: {compile_layers(model)} decoder layers with torch.compile (inductor)"})
-    shard_model(model, layout, precision=precision, reduce_precision=cfg.reduce_precision, device=device)
-    if from_rank0:
-        fill_from_rank0(model, full_state, device)
-        del full_state
+    prepared = prepare_model(
+        cfg, model_path, ctx, layout=layout, precision=precision, checkpointing=checkpointing, device=device
+    )
+    model, output_weight = prepared.model, prepared.output_weight
+    if prepared.lora_targets:
+        ctx.emit(
+            {
+                "note": f"lora: rank {cfg.lora.rank} adapters on {', '.join(prepared.lora_targets)}; "
+                f"{prepared.trainable:,} of {prepared.parameters:,} parameters train"
+            }
+        )
     optimizer, scheduler = build_optimizer(model, cfg, device)
 
     start_step, resumed_from, position = 0, None, None
@@ -213,7 +261,7 @@ def train(
     if getattr(batches, "note", ""):  # a data position in an earlier checkpoint format, converted
         ctx.emit({"note": batches.note})
 
-    fpt = flops_per_token(model.config, cfg.seq_len)
+    fpt = flops_per_token(model.config, cfg.seq_len, adapters=prepared.trainable if prepared.lora_targets else 0)
     peak = peak_flops_for(device_name(device), precision) if device.type == "cuda" else None
     tokens_per_step = ctx.world_size * cfg.batch_size * cfg.grad_accum_steps * cfg.seq_len
     eval_source = ctx.eval_batches(cfg.batch_size)
@@ -377,7 +425,9 @@ def train(
         "sharding": layout.mode,
         "reduce_precision": cfg.reduce_precision,
         "flops_per_token": fpt,
-        "parameters": n_params,
+        "parameters": prepared.parameters,
+        "trainable_parameters": prepared.trainable,
+        "method": cfg.method,
         "world_size": ctx.world_size,
         "device": device_name(device),
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,

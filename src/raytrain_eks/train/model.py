@@ -277,7 +277,10 @@ class _ChunkedLoss(torch.autograd.Function):
     def backward(ctx: Any, grad_total: torch.Tensor):
         hidden, weight, labels = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        # A frozen projection (LoRA's base) gets no gradient: neither its fp32 sum nor the products are made.
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
         piece = max(1, GRAD_PIECE_ELEMENTS // weight.size(1))
         for i in range(0, labels.numel(), ctx.rows):
             h, y = hidden[i : i + ctx.rows], labels[i : i + ctx.rows]
@@ -298,13 +301,16 @@ class _ChunkedLoss(torch.autograd.Function):
                 grad = grad.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[i : i + ctx.rows] = grad @ weight
-            if grad.dtype == torch.float32:
+            if grad_weight is None:
+                pass
+            elif grad.dtype == torch.float32:
                 grad_weight.addmm_(grad.t(), h)
             else:
                 for v in range(0, weight.size(0), piece):
                     _add_product(grad_weight[v : v + piece], grad[:, v : v + piece].t(), h)
             del grad
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def chunked_cross_entropy(
