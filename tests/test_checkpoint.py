@@ -186,6 +186,11 @@ def test_export_never_replaces_a_folder_that_is_not_a_model(tmp_path, monkeypatc
     assert marker["checkpoint"] == list_checkpoints(reference_run.run_dir / "ray")[-1][1]
     # The model folder a run exports is an export too.
     assert (reference_run.run_dir / "model" / EXPORT_MARKER).is_file()
+    # A full fine-tune has no adapters to export alone: one message, nothing written.
+    with pytest.raises(SystemExit):
+        main(["export", str(reference_run.run_dir), str(tmp_path / "adapter"), "--adapter-only"])
+    assert "is a full fine-tune (training.method full); it has no adapters" in capsys.readouterr().err
+    assert not (tmp_path / "adapter").exists()
 
 
 def test_bad_resume_inputs_are_one_clear_message(tmp_path, monkeypatch, capsys, reference_run):

@@ -83,13 +83,12 @@ def save_sharded(
 ) -> None:
     """Write this rank's part of the checkpoint of ``step`` into ``folder`` (a collective: every rank calls it)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from raytrain_eks.train.lora import lora_of
 
     folder.mkdir(parents=True, exist_ok=True)
     lora = lora_of(model)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_options(model))
+    model_sd, optim_sd = _saved_state(model, optimizer)
     writer = dcp.FileSystemWriter(str(folder), thread_count=FILES_PER_RANK)
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
     save_trainer_state(folder, rank=rank, step=step, scheduler=scheduler, data_position=data_position)
@@ -113,6 +112,20 @@ def _state_options(model: Any) -> Any:
 
     adapted = lora_of(model) is not None
     return StateDictOptions(ignore_frozen_params=adapted, strict=not adapted)
+
+
+def _saved_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model's and optimizer's state dicts as a checkpoint holds them (:func:`_state_options`). With LoRA the
+    model's holds the adapters only: a frozen weight tied to another (the output projection to the embedding)
+    has a second name that ``ignore_frozen_params`` does not see, so the names are filtered here as well."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from raytrain_eks.train.lora import is_adapter, lora_of
+
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_options(model))
+    if lora_of(model) is not None:
+        model_sd = {k: v for k, v in model_sd.items() if is_adapter(k)}
+    return model_sd, optim_sd
 
 
 def _trainer_file(folder: Path, rank: int) -> Path:
@@ -171,11 +184,11 @@ def load_sharded(
     """Load model, optimizer, scheduler and RNG state of this rank from ``folder``; return the trainer state."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     check_compatible(folder, model.config, lora=_lora_settings(model))
     options = _state_options(model)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    model_sd, optim_sd = _saved_state(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
