@@ -44,26 +44,40 @@ def fake_group():
         dist.destroy_process_group()
 
 
-def _tracked_peak(config, mesh, *, seq_len: int, checkpointing: bool) -> int:
+def _tracked_peak(config, mesh, *, seq_len: int, checkpointing: bool, lora=None) -> int:
     """The FSDP2 memory tracker's peak over the forward, loss and backward of a second training step (the first,
     untracked, creates AdamW's moments, which the tracker then counts). The optimizer's step is left out: under fake
-    tensors the fused kernel's decomposition allocates what the CUDA kernel does not."""
+    tensors the fused kernel's decomposition allocates what the CUDA kernel does not. With ``lora`` the job's own
+    adapters go in first (on the meta device: peft cannot move fake tensors), and the model gets fake storage."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import AutoModelForCausalLM
 
+    from raytrain_eks.train.lora import apply_lora
     from raytrain_eks.train.model import chunked_cross_entropy, output_projection_deferred
     from raytrain_eks.train.sharding import apply_fsdp
 
-    with FakeTensorMode():
-        model = AutoModelForCausalLM.from_config(config)
+    adapted = None
+    if lora is not None:
+        with torch.device("meta"):
+            adapted = AutoModelForCausalLM.from_config(config)
+        apply_lora(adapted, lora)
+    with FakeTensorMode(allow_non_fake_inputs=lora is not None):
+        if adapted is None:
+            model = AutoModelForCausalLM.from_config(config)
+        else:
+            model = adapted
+            model.to_empty(device="cpu")
+            model.tie_weights()  # storage swapped in one parameter at a time unties them
+            assert model.lm_head.weight is model.model.embed_tokens.weight
         model.config.use_cache = False
         if checkpointing:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         apply_fsdp(model, precision="bf16", mesh=mesh)
         weight = output_projection_deferred(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # fused, as on a GPU
+        trainable = [p for p in model.parameters() if p.requires_grad]  # as the job's optimizer takes them
+        optimizer = torch.optim.AdamW(trainable, lr=1e-4, fused=True)  # fused, as on a GPU
         ids = torch.randint(0, config.vocab_size, (1, seq_len))
 
         def forward_and_backward():
@@ -96,6 +110,26 @@ def test_the_estimate_is_within_15_percent_of_torchs_fsdp2_memory_tracker(fake_g
         activation_checkpointing=checkpointing,
     )
     assert est.peak_bytes == pytest.approx(tracked, rel=0.15), (est.parts, tracked / GIB)
+
+
+@pytest.mark.parametrize("name", list(SHAPES)[:2])
+def test_the_lora_estimate_is_within_15_percent_of_torchs_fsdp2_memory_tracker(fake_group, name):
+    # LoRA on every linear layer of the blocks, rank 16, dropout on: the frozen base keeps its weights (sharded) but
+    # has no gradients and no moments; the adapters keep their dropped-out inputs.
+    from transformers import Qwen2Config
+
+    from raytrain_eks.config import LoraSettings
+
+    config = Qwen2Config(tie_word_embeddings=True, **SHAPES[name])
+    lora = LoraSettings()
+    tracked = _tracked_peak(config, fake_group, seq_len=2048, checkpointing=False, lora=lora)
+    common = dict(shard_ranks=8, precision="bf16", micro_batch=1, seq_len=2048, activation_checkpointing=False)
+    est = estimate(shape_from_config(name, config), lora=lora, **common)
+    assert est.peak_bytes == pytest.approx(tracked, rel=0.15), (est.parts, tracked / GIB)
+    full = estimate(shape_from_config(name, config), **common)
+    base = shape_from_config(name, config)
+    saved = 8 * base.params // 8 + 4 * base.vocab * base.hidden  # the base's moments, the projection's gradient
+    assert est.peak_bytes < full.peak_bytes - 0.9 * saved
 
 
 def test_the_reference_model_at_seq_2048_is_checked_against_an_l4(fake_group):

@@ -171,18 +171,50 @@ def activation_bytes_per_token(shape: ModelShape, compute_bytes: int) -> int:
     return int((24 * h + 8 * i + 8 * kv) * half)
 
 
+# The projections LoRA targets by these names, as (inputs, outputs) of each in a model's widths (the query's
+# width taken as the hidden size, as in Llama, Mistral and Qwen2); all-linear is all seven.
+def _lora_widths(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    h, i, kv = shape.hidden, shape.intermediate, shape.kv_dim
+    return {
+        "q_proj": (h, h),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (h, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+
+
+def _lora_targets(shape: ModelShape, lora: Any) -> list[tuple[int, int]]:
+    widths = _lora_widths(shape)
+    names = list(widths) if isinstance(lora.target_modules, str) else lora.target_modules
+    return [widths[n] for n in names if n in widths]
+
+
+def lora_params(shape: ModelShape, lora: Any) -> int:
+    """The adapters' parameters of ``lora`` (``training.lora``) on ``shape``: rank x (inputs + outputs) of each
+    targeted projection, in every decoder layer (layers of other names are not counted)."""
+    return shape.layers * lora.rank * sum(i + o for i, o in _lora_targets(shape, lora))
+
+
 def loss_bytes(
-    shape: ModelShape, *, tokens: int, compute_bytes: int, loss_chunk_logits: int = LOSS_CHUNK_LOGITS
+    shape: ModelShape,
+    *,
+    tokens: int,
+    compute_bytes: int,
+    loss_chunk_logits: int = LOSS_CHUNK_LOGITS,
+    projection_grad: bool = True,
 ) -> int:
     """What the loss holds at the height of its backward (:func:`raytrain_eks.train.model.chunked_cross_entropy`).
 
     In one chunk: the fp32 log-probabilities kept from forward, their fp32 gradient and its copy in the compute
     dtype, and the output projection's gradient. In several: one chunk's recomputed fp32 logits turned into their
     gradient in place and its copy in the compute dtype, the fp32 sum of the projection's gradient, and (bf16) the
-    piece of it computed at once."""
+    piece of it computed at once. A frozen projection (LoRA's base, ``projection_grad`` False) has no gradient."""
     cast = compute_bytes if compute_bytes < 4 else 0  # a bf16 copy of the fp32 gradient; none in fp32
     rows = max(1, loss_chunk_logits // shape.vocab)
-    projection = shape.vocab * shape.hidden
+    projection = shape.vocab * shape.hidden if projection_grad else 0
     if rows >= tokens:
         return tokens * shape.vocab * (8 + cast) + compute_bytes * projection
     piece = 4 * min(projection, GRAD_PIECE_ELEMENTS) if cast else 0
@@ -199,9 +231,14 @@ def estimate(
     activation_checkpointing: bool,
     grad_accum_steps: int = 1,
     loss_chunk_logits: int = LOSS_CHUNK_LOGITS,
+    lora: Any = None,
 ) -> MemoryEstimate:
     """The per-GPU peak of one worker; ``shard_ranks`` is how many ranks split each parameter. One rank in fp32
-    has no wrapper (:mod:`raytrain_eks.train.sharding`): nothing gathered, nothing reduced."""
+    has no wrapper (:mod:`raytrain_eks.train.sharding`): nothing gathered, nothing reduced.
+
+    ``lora`` (``training.lora``, method lora): the base is frozen, so gradients and AdamW's moments are the
+    adapters' only (:func:`lora_params`), the output projection and the root take no gradient, and each adapter
+    keeps its dropped-out input (and the dropout's mask) for backward."""
     if precision not in {"bf16", "fp32"}:
         raise ValueError(f"precision must be resolved to bf16 or fp32, not {precision!r}")
     s = max(1, shard_ranks)
@@ -209,9 +246,14 @@ def estimate(
     cdt = 2 if precision == "bf16" else 4
     p, root, layer = shape.params, shape.root_params, shape.layer_params
     tokens = micro_batch * seq_len
-    static = {"weights (fp32, sharded)": 4 * p // s, "AdamW moments (fp32, sharded)": 8 * p // s}
-    earlier = {"gradients of earlier micro-batches (fp32, sharded)": 4 * p // s} if grad_accum_steps > 1 else {}
+    adapters = lora_params(shape, lora) if lora is not None else 0
+    trained = adapters if lora is not None else p  # the parameters with gradients and moments
+    trained_root = 0 if lora is not None else root
+    static = {"weights (fp32, sharded)": 4 * (p + adapters) // s, "AdamW moments (fp32, sharded)": 8 * trained // s}
+    earlier = {"gradients of earlier micro-batches (fp32, sharded)": 4 * trained // s} if grad_accum_steps > 1 else {}
     per_layer = activation_bytes_per_token(shape, cdt) * tokens
+    if lora is not None and lora.dropout > 0:
+        per_layer += sum(i for i, _ in _lora_targets(shape, lora)) * tokens * (cdt + 1)
     inputs = shape.layers * tokens * shape.hidden * cdt  # what checkpointed layers keep: their inputs
     stored = inputs if activation_checkpointing else shape.layers * per_layer
     phases: dict[str, dict[str, int]] = {}
@@ -221,16 +263,22 @@ def estimate(
         **earlier,
         **({"gathered root and a layer": cdt * (root + layer)} if wrapped else {}),
         "activations": stored,
-        "loss": loss_bytes(shape, tokens=tokens, compute_bytes=cdt, loss_chunk_logits=loss_chunk_logits),
+        "loss": loss_bytes(
+            shape,
+            tokens=tokens,
+            compute_bytes=cdt,
+            loss_chunk_logits=loss_chunk_logits,
+            projection_grad=lora is None,
+        ),
     }
     if wrapped:
         # The end of backward: the root's unsharded gradient and its fp32 reduce-scatter, every layer's done.
         phases["the root's gradient reduction"] = {
             **static,
-            "layer gradients (fp32, sharded)": 4 * (p - root) // s,
-            "root gradient and its reduction": (cdt + 4) * root,
+            "layer gradients (fp32, sharded)": 4 * (trained - trained_root) // s,
+            "root gradient and its reduction": (cdt + 4) * trained_root,
             "gathered root": cdt * root,
-            "reduce-scatter buffer": 4 * layer,
+            "reduce-scatter buffer": 4 * (layer if lora is None else adapters // shape.layers),
         }
         if activation_checkpointing:
             # A layer recomputed in backward, with the next one prefetched and the root's gradient waiting.
@@ -238,12 +286,12 @@ def estimate(
                 **static,
                 **earlier,
                 "gathered root and layers": cdt * (root + 2 * layer),
-                "root gradient": cdt * root,
+                "root gradient": cdt * trained_root,
                 "activations": inputs + per_layer,
-                "layer gradients (fp32, sharded)": 4 * (p - root) // s,
+                "layer gradients (fp32, sharded)": 4 * (trained - trained_root) // s,
             }
     else:
-        phases["the end of backward"] = {**static, "gradients (fp32)": 4 * p, "activations": inputs}
+        phases["the end of backward"] = {**static, "gradients (fp32)": 4 * trained, "activations": inputs}
     settings = {
         "model": shape.name,
         "shard_ranks": s,
@@ -252,6 +300,7 @@ def estimate(
         "seq_len": seq_len,
         "activation_checkpointing": activation_checkpointing,
         "grad_accum_steps": grad_accum_steps,
+        "method": "full" if lora is None else "lora",
     }
     phase, parts = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     return MemoryEstimate(phase, parts, settings)
@@ -302,10 +351,11 @@ def check_fit(
     seq_len: int,
     activation_checkpointing: bool,
     grad_accum_steps: int = 1,
+    lora: Any = None,
 ) -> MemoryCheck:
     """The estimate against ``gpu_bytes``: over :data:`HEADROOM` of it, activation checkpointing goes on; if that
     is not enough, ``fits`` is False and ``line`` gives the numbers."""
-    common = dict(shard_ranks=shard_ranks, precision=precision, micro_batch=micro_batch, seq_len=seq_len)
+    common = dict(shard_ranks=shard_ranks, precision=precision, micro_batch=micro_batch, seq_len=seq_len, lora=lora)
     est = estimate(
         shape, activation_checkpointing=activation_checkpointing, grad_accum_steps=grad_accum_steps, **common
     )
@@ -372,6 +422,7 @@ def check_training(
         seq_len=training.seq_len,
         activation_checkpointing=training.activation_checkpointing,
         grad_accum_steps=training.grad_accum_steps,
+        lora=training.lora if training.method == "lora" else None,
     )
 
 
