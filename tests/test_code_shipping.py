@@ -1,20 +1,25 @@
-"""How ``--mode rayjob`` ships the package: the code ConfigMap, and Ray's ``py_modules`` reading it as mounted.
+"""How ``--mode rayjob`` ships the package: the code ConfigMap (the package as one tar.gz), the submitter pod
+unpacking it, and Ray's ``py_modules`` reading the unpacked folder.
 
-The kubelet does not mount a ConfigMap as plain files. Its atomic writer puts them in a hidden timestamped folder,
-points ``..data`` at it and links each top-level path to ``..data/<path>``::
+The kubelet does not mount a ConfigMap as plain files. Its atomic writer puts them (a ``binaryData`` key decoded)
+in a hidden timestamped folder, points ``..data`` at it and links each top-level path to ``..data/<path>``::
 
-    MOUNT/..2026_11_30_04_12_01.123456789/raytrain_eks/train/loop.py   (0644, folders 0755)
+    MOUNT/..2026_11_30_04_12_01.123456789/raytrain_eks.tar.gz   (0644)
     MOUNT/..data -> ..2026_11_30_04_12_01.123456789
-    MOUNT/raytrain_eks -> ..data/raytrain_eks
+    MOUNT/raytrain_eks.tar.gz -> ..data/raytrain_eks.tar.gz
 
-The integration test builds that layout from the real ConfigMap and lets embedded Ray ship it with the runtime_env
-that ``ray job submit`` gets in the submitter pod, then proves the worker imported Ray's unpacked copy, complete
-and unchanged. The fast tests hold the ConfigMap to Kubernetes' 1 MiB limit.
+The integration test builds that layout from the real ConfigMap, runs the submitter command's unpack step as the
+pod runs it, and lets embedded Ray ship the result with the runtime_env that ``ray job submit`` gets in the
+submitter pod, then proves the worker imported Ray's unpacked copy, complete and unchanged, and that nothing was
+written into the (read-only) mount. The fast tests hold the ConfigMap to Kubernetes' 1 MiB limit.
 """
 
 from __future__ import annotations
 
+import base64
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,13 +35,14 @@ def cfg(cfg_for):
     return cfg_for()
 
 
-def kubelet_config_map_volume(mount: Path, data: dict[str, str], items: list[dict[str, str]]) -> Path:
-    """Lay out ``data`` under ``mount`` as the kubelet does for a ConfigMap volume with ``items``; returns ``mount``."""
+def kubelet_config_map_volume(mount: Path, binary_data: dict[str, str], items: list[dict[str, str]]) -> Path:
+    """Lay out a ConfigMap's ``binaryData`` under ``mount`` as the kubelet does for a volume with ``items`` (each
+    value base64-decoded into its file); returns ``mount``."""
     stamped = mount / KUBELET_TIMESTAMP_DIR
     for item in items:
         target = stamped / item["path"]
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(data[item["key"]], encoding="utf-8")
+        target.write_bytes(base64.b64decode(binary_data[item["key"]]))
     for folder, _dirs, files in os.walk(stamped):
         os.chmod(folder, 0o755)
         for name in files:
@@ -56,28 +62,40 @@ def tree(root: Path) -> set[str]:
 
 
 def test_kubelet_layout_helper_matches_the_mount(cfg, tmp_path: Path):
+    import tarfile
+
     code_map, items = shipping.code_config_map(cfg, {"raytrain_eks/__init__.py": "x = 1\n", "raytrain_eks/a/b.py": ""})
-    mount = kubelet_config_map_volume(tmp_path, code_map["data"], items)
+    assert "data" not in code_map and list(code_map["binaryData"]) == [shipping.ARCHIVE_KEY]
+    mount = kubelet_config_map_volume(tmp_path, code_map["binaryData"], items)
     assert os.readlink(mount / "..data") == KUBELET_TIMESTAMP_DIR
-    assert os.readlink(mount / "raytrain_eks") == "..data/raytrain_eks"
-    assert (mount / "raytrain_eks" / "__init__.py").read_text() == "x = 1\n"
-    assert (mount / "raytrain_eks" / "a" / "b.py").stat().st_mode & 0o777 == 0o644
-    assert sorted(p.name for p in mount.iterdir()) == [KUBELET_TIMESTAMP_DIR, "..data", "raytrain_eks"]
+    assert os.readlink(mount / shipping.ARCHIVE_KEY) == f"..data/{shipping.ARCHIVE_KEY}"
+    assert (mount / shipping.ARCHIVE_KEY).stat().st_mode & 0o777 == 0o644
+    with tarfile.open(mount / shipping.ARCHIVE_KEY, "r:gz") as tar:
+        assert sorted(tar.getnames()) == ["raytrain_eks/__init__.py", "raytrain_eks/a/b.py"]
+    assert sorted(p.name for p in mount.iterdir()) == [KUBELET_TIMESTAMP_DIR, "..data", shipping.ARCHIVE_KEY]
 
 
 @pytest.mark.integration
 def test_ray_ships_the_package_from_the_mounted_config_map(cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import ray
 
-    code_map, items = shipping.code_config_map(cfg, shipping.package_files())
-    data = code_map["data"]
-    expected = {item["path"]: data[item["key"]] for item in items}
+    expected = shipping.package_files()
+    code_map, items = shipping.code_config_map(cfg, expected)
     assert {"raytrain_eks/train/loop.py", "raytrain_eks/fabric/nccl_log.py"} <= set(expected)
-    mount = kubelet_config_map_volume(tmp_path / "mount", data, items)
+    mount = kubelet_config_map_volume(tmp_path / "mount", code_map["binaryData"], items)
     before = tree(mount)
-    # The path rayjob_manifest's runtime_env names, with the mount folder moved to this test's.
+    # The submitter pod's command, its mount and unpack folders moved under this test's; its first step (the
+    # unpack) run as the pod runs it, with python3 there and this interpreter here.
+    argv = shipping.submitter_argv("python3 -m raytrain_eks.cli train", "{}")
+    assert argv[-2:] == [f"{shipping.SUBMITTER_ARCHIVE_DIR}/{shipping.ARCHIVE_KEY}", shipping.SUBMITTER_CODE_DIR]
+    unpacked = tmp_path / "code"
+    argv[-2:] = [str(mount / shipping.ARCHIVE_KEY), str(unpacked)]
+    step = shipping.submitter_unpack_argv(argv)
+    done = subprocess.run([sys.executable, *step[1:]], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    # The path rayjob_manifest's runtime_env names, with the unpack folder moved to this test's.
     (module,) = shipping.runtime_env(shipping.SUBMITTER_CODE_DIR)["py_modules"]
-    module = module.replace(shipping.SUBMITTER_CODE_DIR, str(mount), 1)
+    module = module.replace(shipping.SUBMITTER_CODE_DIR, str(unpacked), 1)
 
     # A job-level runtime_env, as `ray job submit --runtime-env-json` gives it (Ray uploads local paths only there).
     # No pip key: nothing may be installed here. address="local" never joins another test run's Ray.
@@ -134,16 +152,21 @@ def test_ray_ships_the_package_from_the_mounted_config_map(cfg, tmp_path: Path, 
 def test_the_real_package_fits_a_config_map_with_room_to_grow(cfg):
     code_map, _ = shipping.code_config_map(cfg, shipping.package_files())
     size = shipping.config_map_bytes(code_map)
-    assert size >= sum(len(v.encode("utf-8")) for v in code_map["data"].values())
+    assert size >= sum(len(v.encode("utf-8")) for v in code_map["binaryData"].values())
     # A seventh of the limit kept free, so a growing package fails here before it fails in the cluster. (The
-    # package is about 80% of the limit now; shipping it compressed would give it room again.)
+    # sources are about 0.9 MiB now; compressed, the ConfigMap holds about a third of that.)
     assert size < 0.86 * shipping.CONFIG_MAP_MAX_BYTES, f"{size:,} bytes of {shipping.CONFIG_MAP_MAX_BYTES:,}"
+
+
+def _incompressible(n: int) -> str:
+    """``n`` characters gzip cannot shrink much (base64 of random bytes: about 6 bits of 8 each)."""
+    return base64.b64encode(os.urandom(n))[:n].decode()
 
 
 def test_an_oversized_package_is_refused_with_its_largest_files(cfg):
     files = {
         "raytrain_eks/__init__.py": "",
-        "raytrain_eks/resources/big.jsonl": "x" * (shipping.CONFIG_MAP_MAX_BYTES - 2000),
+        "raytrain_eks/resources/big.jsonl": _incompressible(1_200_000),
         "raytrain_eks/train/loop.py": "y" * 3000,
     }
     with pytest.raises(UserError) as err:
@@ -151,12 +174,12 @@ def test_an_oversized_package_is_refused_with_its_largest_files(cfg):
     message = str(err.value)
     assert f"ConfigMap {cfg.ray.namespace}/{cfg.ray.cluster_name}-code" in message
     assert "at most 1,048,576" in message
-    assert "raytrain_eks/resources/big.jsonl (1,046,576 bytes)" in message
+    assert "raytrain_eks/resources/big.jsonl (1,200,000 bytes)" in message
     assert "--mode raycluster" in message
 
 
 def test_a_package_just_under_the_limit_is_accepted(cfg):
-    files = {"raytrain_eks/big.py": "x" * (shipping.CONFIG_MAP_MAX_BYTES - 1000)}
+    files = {"raytrain_eks/big.py": _incompressible(1_000_000)}  # about 0.98 MiB once gzipped and base64-encoded
     code_map, items = shipping.code_config_map(cfg, files)
-    assert shipping.config_map_bytes(code_map) <= shipping.CONFIG_MAP_MAX_BYTES
-    assert items == [{"key": "raytrain_eks__big.py", "path": "raytrain_eks/big.py"}]
+    assert 0.9 * shipping.CONFIG_MAP_MAX_BYTES < shipping.config_map_bytes(code_map) <= shipping.CONFIG_MAP_MAX_BYTES
+    assert items == [{"key": shipping.ARCHIVE_KEY, "path": shipping.ARCHIVE_KEY}]

@@ -1126,11 +1126,18 @@ def test_rayjob_mode_renders_a_rayjob_that_ships_the_code(ready: World):
     env = yaml.safe_load(spec["runtimeEnvYAML"])
     assert env["py_modules"] == [f"{shipping.SUBMITTER_CODE_DIR}/raytrain_eks"] and env["pip"]
     submitter = spec["submitterPodTemplate"]["spec"]
-    assert submitter["containers"][0]["volumeMounts"][0]["mountPath"] == shipping.SUBMITTER_CODE_DIR
+    container = submitter["containers"][0]
+    assert container["volumeMounts"][0]["mountPath"] == shipping.SUBMITTER_ARCHIVE_DIR
+    # The submitter unpacks the mounted archive where py_modules points, then submits.
+    assert container["command"][-2:] == [
+        f"{shipping.SUBMITTER_ARCHIVE_DIR}/{shipping.ARCHIVE_KEY}",
+        shipping.SUBMITTER_CODE_DIR,
+    ]
     code = next(o for o in ready.kube.objects("ConfigMap") if o["metadata"]["name"] == "ray-train-code")
-    assert len(json.dumps(code["data"]).encode()) < 1 << 20, "a ConfigMap holds at most 1 MiB"
+    assert len(json.dumps(code["binaryData"]).encode()) < 1 << 20, "a ConfigMap holds at most 1 MiB"
     items = submitter["volumes"][0]["configMap"]["items"]
-    assert {"key": "raytrain_eks____init__.py", "path": "raytrain_eks/__init__.py"} in items
+    assert items == [{"key": shipping.ARCHIVE_KEY, "path": shipping.ARCHIVE_KEY}]
+    assert set(code["binaryData"]) == {shipping.ARCHIVE_KEY}
     assert not ready.ray.submitted, "KubeRay's submitter submits a RayJob, not raytrain-eks"
     assert ready.store.get("job")["id"] == "ray-train-job"
 

@@ -114,6 +114,9 @@ def test_a_lora_run_trains_and_checkpoints_only_the_adapters(lora_run):
     adapter_params = layers * sum(16 * (i + o) for i, o in shapes)
     assert summary["trainable_parameters"] == adapter_params
     assert summary["parameters"] > 5 * adapter_params
+    page = (lora_run.run_dir / "report.html").read_text()
+    share = 100 * adapter_params / summary["parameters"]
+    assert f"<td>{adapter_params:,} / {summary['parameters']:,} ({share:.1f}%)</td>" in page and "<td>lora</td>" in page
     # MFU's FLOPs: the frozen base makes no weight gradients (4 N), the adapters all three products (6 A).
     from transformers import AutoConfig
 

@@ -313,10 +313,15 @@ def _go_func(text: str, signature: str) -> str:
 
 
 @pytest.fixture
-def rayjob_doc(cfg_for) -> dict[str, Any]:
+def rayjob_and_code(cfg_for) -> tuple[dict[str, Any], dict[str, Any]]:
     cfg = cfg_for()
-    code_map, items = shipping.code_config_map(cfg, {"raytrain_eks/__init__.py": ""})
-    return shipping.rayjob_manifest(cfg, hf_token=True, code_map=code_map, items=items)
+    code_map, items = shipping.code_config_map(cfg, {"raytrain_eks/__init__.py": "shipped = True\n"})
+    return shipping.rayjob_manifest(cfg, hf_token=True, code_map=code_map, items=items), code_map
+
+
+@pytest.fixture
+def rayjob_doc(rayjob_and_code) -> dict[str, Any]:
+    return rayjob_and_code[0]
 
 
 def test_kuberays_default_submitter_needs_a_python_the_image_does_not_promise():
@@ -401,10 +406,22 @@ def dashboard() -> Iterator[str]:
     thread.join()
 
 
-def test_the_submitter_runs_ray_job_submit_as_kuberay_would(rayjob_doc, dashboard, tmp_path):
+def test_the_submitter_runs_ray_job_submit_as_kuberay_would(rayjob_and_code, dashboard, tmp_path):
+    import base64
+
+    rayjob_doc, code_map = rayjob_and_code
     spec = rayjob_doc["spec"]
     (container,) = spec["submitterPodTemplate"]["spec"]["containers"]
-    command = container["command"]
+    # The mounted ConfigMap as the kubelet writes a binaryData key (decoded), and the folder it unpacks into, moved
+    # under this test's folder: the command's last two arguments.
+    archive, code_dir = container["command"][-2:]
+    assert archive == f"{container['volumeMounts'][0]['mountPath']}/{shipping.ARCHIVE_KEY}"
+    assert yaml.safe_load(spec["runtimeEnvYAML"])["py_modules"] == [f"{code_dir}/raytrain_eks"]
+    mounted = tmp_path / "mount" / shipping.ARCHIVE_KEY
+    mounted.parent.mkdir()
+    mounted.write_bytes(base64.b64decode(code_map["binaryData"][shipping.ARCHIVE_KEY]))
+    unpacked = tmp_path / "code"
+    command = [*container["command"][:-2], str(mounted), str(unpacked)]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "ray").write_text(_FAKE_RAY.format(python=sys.executable))
@@ -420,6 +437,7 @@ def test_the_submitter_runs_ray_job_submit_as_kuberay_would(rayjob_doc, dashboar
     run = subprocess.run([sys.executable, *command[1:]], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert "step 1 loss 2.0" in run.stdout
+    assert (unpacked / "raytrain_eks" / "__init__.py").read_text() == "shipped = True\n"
     address = f"http://{dashboard}"
     status, submit, logs = [json.loads(line) for line in calls.read_text().splitlines()]
     assert status == ["job", "status", "--address", address, "ray-train-x7k2p"]

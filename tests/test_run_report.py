@@ -137,6 +137,9 @@ def test_the_run_writes_its_report(run):
     assert page.count('src="data:image/png;base64,') == len(list((result.run_dir / "plots").glob("*.png"))) >= 5
     assert "Write these words in capital letters." in page  # a sample's prompt
     assert "eval_every: 10" in page  # the configuration
+    n = result.summary["parameters"]
+    assert result.summary["trainable_parameters"] == n  # a full fine-tune trains every weight
+    assert f"<td>{n:,} / {n:,} (100.0%)</td>" in page
 
 
 def test_report_command_overlays_runs(run, tmp_path, capsys):

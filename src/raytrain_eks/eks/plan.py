@@ -252,10 +252,10 @@ def _steps(
             ),
             Step(
                 "code-configmap",
-                f"Store the raytrain_eks package as ConfigMap {ns}/{r.cluster_name}-code; the RayJob's submitter pod "
-                f"mounts it at {job_files.SUBMITTER_CODE_DIR}, where the job's runtime_env ships it to every worker "
-                "from (py_modules). Server-side apply: the package is too large for kubectl's last-applied "
-                "annotation.",
+                f"Store the raytrain_eks package (a tar.gz) as ConfigMap {ns}/{r.cluster_name}-code; the RayJob's "
+                f"submitter pod mounts it at {job_files.SUBMITTER_ARCHIVE_DIR} and unpacks it into "
+                f"{job_files.SUBMITTER_CODE_DIR}, where the job's runtime_env ships it to every worker from "
+                "(py_modules). Server-side apply: the package is too large for kubectl's last-applied annotation.",
                 ["kubectl", "apply", "--server-side", "-f", CODE_CONFIG_MAP_FILE],
                 [CODE_CONFIG_MAP_FILE],
             ),

@@ -3,7 +3,8 @@ and ``plan`` (which writes them down), so the two can never differ.
 
 The package reaches the cluster image as Ray ``runtime_env`` ``py_modules`` (the image has no copy of it): in
 ``--mode raycluster`` unpacked into the head pod from a base64 tar.gz on an exec's stdin, in ``--mode rayjob`` as
-a ConfigMap mounted into the RayJob's submitter pod. ``pip`` installs the pinned dependencies the image lacks.
+the same tar.gz in a ConfigMap (``binaryData``) mounted into the RayJob's submitter pod, which unpacks it before
+``ray job submit``. ``pip`` installs the pinned dependencies the image lacks.
 Example::
 
     argv = ray_job_submit_argv(head_code_dir(package_files()))   # what runs in the head pod
@@ -44,32 +45,49 @@ SUBMITTER_ADDRESS_ENV = "RAY_DASHBOARD_ADDRESS"
 SUBMITTER_JOB_ID_ENV = "RAY_JOB_SUBMISSION_ID"
 DASHBOARD_HEALTH_PATH = "api/gcs_healthz"  # utils.RayDashboardGCSHealthPath
 HEAD_CODE_ROOT = "/tmp/raytrain-eks"  # where the package is unpacked in the head pod (raycluster mode)
-SUBMITTER_CODE_DIR = "/opt/raytrain-eks"  # where the code ConfigMap is mounted in a RayJob's submitter pod
+SUBMITTER_ARCHIVE_DIR = "/opt/raytrain-eks"  # where the code ConfigMap is mounted (read-only) in the submitter pod
+ARCHIVE_KEY = "raytrain_eks.tar.gz"  # the ConfigMap's one key: the package_archive bytes
+SUBMITTER_CODE_DIR = "/tmp/raytrain-eks-code"  # where the submitter pod unpacks it; py_modules points there
 
-# Runs in the head pod: unpack the base64 tar.gz read from stdin into argv[1]. Only paths inside it are written.
-_UNPACK = """\
+# Unpacks the tar.gz bytes ``data`` into ``dest``; only regular files and folders inside ``dest`` are written.
+_EXTRACT = """\
 import base64, io, os, sys, tarfile
-dest = sys.argv[1]
-data = base64.b64decode(sys.stdin.read())
-with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
-    for member in tar.getmembers():
-        target = os.path.realpath(os.path.join(dest, member.name))
-        if not target.startswith(os.path.realpath(dest) + os.sep) or not (member.isfile() or member.isdir()):
-            raise SystemExit(f"refusing to unpack {member.name}")
-    os.makedirs(dest, exist_ok=True)
-    tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-print("unpacked", dest)
+def extract(data, dest):
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            target = os.path.realpath(os.path.join(dest, member.name))
+            if not target.startswith(os.path.realpath(dest) + os.sep) or not (member.isfile() or member.isdir()):
+                raise SystemExit(f"refusing to unpack {member.name}")
+        os.makedirs(dest, exist_ok=True)
+        tar.extractall(dest, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    print("unpacked", dest, flush=True)
 """
 
-# The command of a RayJob's submitter pod (argv: the runtime_env as JSON, the entrypoint). KubeRay's default command
+# Runs in the head pod: unpack the base64 tar.gz read from stdin into argv[1].
+_UNPACK = _EXTRACT + "extract(base64.b64decode(sys.stdin.read()), sys.argv[1])\n"
+
+# The submitter pod's first step (argv: runtime_env, entrypoint, the mounted archive, where to unpack it): the
+# package out of the read-only mount into a folder ``ray job submit`` ships from. Runs alone too (the tests do).
+_SUBMITTER_UNPACK = (
+    _EXTRACT
+    + """\
+with open(sys.argv[3], "rb") as archive:
+    extract(archive.read(), sys.argv[4])
+"""
+)
+
+# The command of a RayJob's submitter pod (argv: the runtime_env as JSON, the entrypoint, the mounted archive, the
+# folder to unpack it into), after _SUBMITTER_UNPACK. KubeRay's default command
 # (BuildJobSubmitCommand in ray-operator/controllers/ray/common/job.go, v1.7.0) waits for the dashboard with a bare
 # `python -c ...`, an interpreter the image does not promise; this one runs the same steps under python3, calling
 # no shell: wait until the dashboard's GCS health check answers "success" (every 2 s, 10 s per try), submit the job
 # under the RayJob's job id unless `ray job status` knows it already (a retried submitter must not submit twice),
 # then follow its logs; the exit status is that of `ray job logs`, as with KubeRay's. It reads SUBMITTER_ADDRESS_ENV,
 # SUBMITTER_JOB_ID_ENV and DASHBOARD_HEALTH_PATH.
-_SUBMITTER = """\
-import os, shlex, subprocess, sys, time, urllib.request
+_SUBMITTER = (
+    _SUBMITTER_UNPACK
+    + """\
+import shlex, subprocess, time, urllib.request
 runtime_env, entrypoint = sys.argv[1], sys.argv[2]
 address = os.environ["RAY_DASHBOARD_ADDRESS"]
 address = address if address.startswith("http://") else "http://" + address
@@ -91,12 +109,20 @@ if subprocess.run(["ray", "job", "status", "--address", address, job_id], **quie
         sys.exit(code)
 sys.exit(subprocess.run(["ray", "job", "logs", "--address", address, "--follow", job_id]).returncode)
 """
+)
 
 
 def submitter_argv(entrypoint: str, runtime_env_json: str) -> list[str]:
     """The submitter container's command: :data:`_SUBMITTER` under ``python3`` with the RayJob's runtime_env (JSON,
-    as KubeRay converts ``runtimeEnvYAML``) and entrypoint (one string, split as the shell splits it for KubeRay)."""
-    return [m.IMAGE_PYTHON, "-c", _SUBMITTER, runtime_env_json, entrypoint]
+    as KubeRay converts ``runtimeEnvYAML``), entrypoint (one string, split as the shell splits it for KubeRay), the
+    mounted package archive and :data:`SUBMITTER_CODE_DIR`, where it unpacks the archive first."""
+    archive = f"{SUBMITTER_ARCHIVE_DIR}/{ARCHIVE_KEY}"
+    return [m.IMAGE_PYTHON, "-c", _SUBMITTER, runtime_env_json, entrypoint, archive, SUBMITTER_CODE_DIR]
+
+
+def submitter_unpack_argv(argv: list[str]) -> list[str]:
+    """The first step of a submitter command (:func:`submitter_argv`) alone: unpack the archive, submit nothing."""
+    return [argv[0], "-c", _SUBMITTER_UNPACK, *argv[3:]]
 
 
 def image_missing_requirements() -> list[str]:
@@ -163,26 +189,28 @@ CONFIG_MAP_MAX_BYTES = 1 << 20  # Kubernetes rejects a ConfigMap whose data exce
 
 
 def code_config_map(cfg: Any, files: Mapping[str, str]) -> tuple[dict[str, Any], list[dict[str, str]]]:
-    """The package as a ConfigMap (for a RayJob's submitter pod) and the volume ``items`` that lay its keys out as
-    the package tree. Keys are flat (``raytrain_eks__train__loop.py``); ``items`` map them back to paths."""
-    data, items = {}, []
-    for path in sorted(files):
-        key = path.replace("/", "__")
-        data[key] = files[path]
-        items.append({"key": key, "path": path})
+    """The package as a ConfigMap (for a RayJob's submitter pod): one ``binaryData`` key, :data:`ARCHIVE_KEY`, the
+    :func:`package_archive` tar.gz (a quarter of the sources' size), and the volume ``items`` that mount it as that
+    file. The submitter unpacks it (:func:`submitter_argv`)."""
     meta = {"name": f"{cfg.ray.cluster_name}-code", "namespace": cfg.ray.namespace, "labels": m.labels(cfg)}
-    doc = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data}
+    doc = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta,
+        "binaryData": {ARCHIVE_KEY: package_archive(files)},
+    }
     size = config_map_bytes(doc)
     if size > CONFIG_MAP_MAX_BYTES:
         largest = sorted(files, key=lambda p: len(files[p].encode("utf-8")), reverse=True)[:3]
         sizes = ", ".join(f"{p} ({len(files[p].encode('utf-8')):,} bytes)" for p in largest)
         raise UserError(
-            f"the raytrain_eks package ({len(files)} files) makes ConfigMap {meta['namespace']}/{meta['name']} "
-            f"{size:,} bytes; Kubernetes accepts at most {CONFIG_MAP_MAX_BYTES:,}. Largest files: {sizes}",
+            f"the raytrain_eks package ({len(files)} files, compressed) makes ConfigMap "
+            f"{meta['namespace']}/{meta['name']} {size:,} bytes; Kubernetes accepts at most {CONFIG_MAP_MAX_BYTES:,}. "
+            f"Largest files: {sizes}",
             hint="Submit with --mode raycluster (it copies the package into the head pod instead), "
             "or move large data files out of the package.",
         )
-    return doc, items
+    return doc, [{"key": ARCHIVE_KEY, "path": ARCHIVE_KEY}]
 
 
 def config_map_bytes(doc: Mapping[str, Any]) -> int:
@@ -195,8 +223,8 @@ def rayjob_manifest(
     cfg: Any, *, hf_token: bool, code_map: dict[str, Any], items: list[dict[str, str]]
 ) -> dict[str, Any]:
     """The RayJob of :func:`raytrain_eks.k8s.manifests.rayjob` (its entrypoint is the same driver command as
-    :func:`submit_job`'s), plus the runtime_env and a submitter pod that mounts the code ConfigMap where
-    ``py_modules`` points and runs :func:`submitter_argv` (``ray job submit`` runs in that pod)."""
+    :func:`submit_job`'s), plus the runtime_env and a submitter pod that mounts the code ConfigMap and runs
+    :func:`submitter_argv`: it unpacks the package where ``py_modules`` points, then ``ray job submit``."""
     env = runtime_env(SUBMITTER_CODE_DIR)
     doc = m.rayjob(cfg, hf_token=hf_token, runtime_env=env)
     submitter = {
@@ -212,7 +240,9 @@ def rayjob_manifest(
                         "requests": {"cpu": "500m", "memory": "512Mi"},
                         "limits": {"cpu": "1", "memory": "1Gi"},
                     },
-                    "volumeMounts": [{"name": "raytrain-eks-code", "mountPath": SUBMITTER_CODE_DIR, "readOnly": True}],
+                    "volumeMounts": [
+                        {"name": "raytrain-eks-code", "mountPath": SUBMITTER_ARCHIVE_DIR, "readOnly": True}
+                    ],
                 }
             ],
             "volumes": [

@@ -102,6 +102,16 @@ def _num(value: Any, fmt: str = "{:.4g}") -> str:
     return fmt.format(value)
 
 
+def _parameters(summary: dict[str, Any]) -> str:
+    """``trainable / total (share)``, e.g. ``155,648 / 1,075,328 (14.5%)``; a summary without them gives —."""
+    total, trainable = summary.get("parameters"), summary.get("trainable_parameters")
+    if not isinstance(total, int) or not total:
+        return "—"
+    if not isinstance(trainable, int):
+        return f"{total:,}"
+    return f"{trainable:,} / {total:,} ({100 * trainable / total:.1f}%)"
+
+
 def _overview(runs: list[Run]) -> str:
     rows = [
         ("steps", lambda s: _num(s.get("steps"), "{}")),
@@ -114,6 +124,8 @@ def _overview(runs: list[Run]) -> str:
         ("MFU", lambda s: "—" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"),
         ("workers × device", lambda s: f"{_num(s.get('world_size'), '{}')} × {escape(str(s.get('device', '—')))}"),
         ("precision", lambda s: escape(str(s.get("precision", "—")))),
+        ("method", lambda s: escape(str(s.get("method", "full")))),
+        ("trainable / total parameters", _parameters),
         ("wall time (s)", lambda s: _num(s.get("wall_s"), "{:,.0f}")),
         ("cost", lambda s: escape(cost_text(s.get("cost"), s.get("cost_note")))),
         ("checkpoints", lambda s: escape(", ".join(map(str, s.get("checkpoints") or [])) or "—")),
