@@ -1,9 +1,11 @@
 """The report from run folders written here (no Ray): what it shows, what it refuses; evaluation settings; MLflow
-against a real local tracking store."""
+against a real local tracking store, and Weights & Biases offline, read back from the run file it writes."""
 
 from __future__ import annotations
 
 import json
+import struct
+from pathlib import Path
 
 import pytest
 from run_folders import write_run
@@ -143,3 +145,70 @@ def test_mlflow_gets_params_curves_and_summary_in_a_local_store(tmp_path, monkey
     assert found.data.metrics["eval_loss"] == 2.5 and found.data.metrics["summary_final_loss"] == 2.0
     assert "summary_export" not in found.data.metrics  # booleans are not metrics
     assert (tmp_path / "run" / "tensorboard").is_dir()
+
+
+def _wandb_records(path: Path) -> list:
+    """The records of a W&B run file (``run-<id>.wandb``), as W&B's protobuf ``Record`` messages.
+
+    The file is W&B's own header (``:W&B``, magic 0xBEE1, version 0; 7 bytes) and then LevelDB's log format:
+    32 KiB blocks of chunks, each with a 7-byte header (CRC-32, length, type: 1 whole, 2 first, 3 middle, 4 last),
+    a block's last 6 bytes or fewer left as padding. wandb 0.31's Python package has no reader of it (its writer is
+    the Go ``wandb-core``), so the test reads the chunks itself and parses them with wandb's own protobuf classes.
+    """
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B" and struct.unpack("<HB", data[4:7]) == (0xBEE1, 0)
+    block, pos, pending, out = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending + chunk)
+            out.append(record)
+            pending = b""
+        elif kind in (2, 3):
+            pending += chunk
+        else:
+            pos += left - 7 - length  # padding: the rest of the block is empty
+    return out
+
+
+def test_weights_and_biases_offline_gets_config_curves_and_summary(tmp_path, monkeypatch):
+    from raytrain_eks.report.tracking import Tracker, wandb_wanted
+
+    assert not wandb_wanted({}) and not wandb_wanted({"WANDB_PROJECT": "p", "WANDB_MODE": "disabled"})
+    assert wandb_wanted({"WANDB_PROJECT": "p"}) and wandb_wanted({"WANDB_MODE": "offline"})
+    for name in ("WANDB_API_KEY", "WANDB_DIR", "WANDB_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    run = tmp_path / "run"
+    tracker = Tracker(run, presets.local_tiny())
+    tracker.log({"step": 1, "loss": 3.0, "lr": 1e-3})
+    tracker.log({"step": 10, "loss": 2.0, "eval_loss": 2.5})
+    tracker.close()
+    tracker.finish({"steps": 10, "final_loss": 2.0, "fabric": {}, "export": True})
+    (run_file,) = (run / "wandb").glob("offline-run-*/run-*.wandb")  # in the run folder, as WANDB_DIR is unset
+    records = _wandb_records(run_file)
+    (header,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert header.display_name == "run" and header.project == "raytrain-eks"
+    config = {item.key: json.loads(item.value_json) for item in header.config.update}
+    assert config["steps"] == 40 and config["model_id"] == "builtin:tiny-qwen2"
+    history = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
+    assert [(h["_step"], h["train/loss"]) for h in history] == [(1, 3.0), (10, 2.0)]
+    assert history[1]["eval/loss"] == 2.5 and history[0]["train/lr"] == 1e-3
+    summary = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "summary":
+            summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update})
+    assert summary["summary/final_loss"] == 2.0 and summary["summary/steps"] == 10
+    assert "summary/export" not in summary  # booleans are not numbers here either

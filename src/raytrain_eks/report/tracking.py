@@ -3,7 +3,11 @@
 TensorBoard event files are always written, into ``RUN_DIR/tensorboard`` (``tensorboard --logdir runs/``).
 MLflow is used when ``MLFLOW_TRACKING_URI`` is set and ``mlflow`` is installed (``pip install
 raytrain-eks[mlflow]``): one MLflow run per training run, with the configuration as parameters and the summary
-as final metrics. Example::
+as final metrics. Weights & Biases is used when ``wandb`` is installed (``pip install raytrain-eks[wandb]``) and
+one of its usual variables asks for it (``WANDB_PROJECT``, ``WANDB_API_KEY``, or ``WANDB_MODE`` online or
+offline; ``WANDB_MODE=disabled`` turns it off): one W&B run per training run, named after the run folder, with the
+configuration as its config, the records as its history and the summary as its summary. Its files go to
+``WANDB_DIR``, or ``RUN_DIR/wandb``. Example::
 
     tracker = Tracker(run_dir, cfg)
     tracker.log({"step": 10, "loss": 2.3, "lr": 1e-4})
@@ -41,7 +45,7 @@ def _flat(prefix: str, value: Any, out: dict[str, str]) -> None:
 
 
 class Tracker:
-    """TensorBoard always; MLflow too when it is configured and installed."""
+    """TensorBoard always; MLflow and Weights & Biases too when each is configured and installed."""
 
     def __init__(self, run_dir: Path, cfg: Any) -> None:
         from tensorboardX import SummaryWriter
@@ -51,6 +55,7 @@ class Tracker:
         self._mlflow: Any = None
         if os.environ.get("MLFLOW_TRACKING_URI"):
             self._mlflow = _start_mlflow(run_dir, cfg)
+        self._wandb: Any = _start_wandb(run_dir, cfg) if wandb_wanted(os.environ) else None
 
     def log(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
@@ -59,23 +64,54 @@ class Tracker:
             self._tb.add_scalar(tag, value, step)
         if self._mlflow is not None:
             self._mlflow.log_metrics({t.replace("/", "_"): v for t, v in values.items()}, step=step)
+        if self._wandb is not None and values:
+            self._wandb.log(values, step=step)
 
     def close(self) -> None:
         """Flush and close the event file (training is over; nothing more is logged per step)."""
         self._tb.close()
 
     def finish(self, summary: dict[str, Any]) -> None:
-        """End the MLflow run with the summary's numbers as final metrics."""
-        if self._mlflow is None:
-            return
-        numbers = {
-            f"summary_{k}": float(v)
-            for k, v in summary.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-        }
-        self._mlflow.log_metrics(numbers)
-        self._mlflow.end_run()
-        self._mlflow = None
+        """End the MLflow run with the summary's numbers as final metrics, and the W&B run with them as its
+        summary."""
+        numbers = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._mlflow is not None:
+            self._mlflow.log_metrics({f"summary_{k}": v for k, v in numbers.items()})
+            self._mlflow.end_run()
+            self._mlflow = None
+        if self._wandb is not None:
+            self._wandb.summary.update({f"summary/{k}": v for k, v in numbers.items()})
+            self._wandb.finish()
+            self._wandb = None
+
+
+WANDB_VARIABLES = ("WANDB_PROJECT", "WANDB_API_KEY")  # either one asks for a W&B run (so does WANDB_MODE)
+
+
+def wandb_wanted(environ: Any) -> bool:
+    """Whether the environment asks for Weights & Biases: ``WANDB_MODE`` online or offline, or a project or an API
+    key set (and ``WANDB_MODE`` not ``disabled``)."""
+    mode = environ.get("WANDB_MODE", "").strip().lower()
+    if mode in ("disabled", "off"):
+        return False
+    return mode in ("online", "offline", "dryrun", "run") or any(environ.get(name) for name in WANDB_VARIABLES)
+
+
+def _start_wandb(run_dir: Path, cfg: Any) -> Any:
+    try:
+        import wandb
+    except ImportError:
+        log.warning("WANDB_* asks for Weights & Biases but wandb is not installed: pip install 'raytrain-eks[wandb]'")
+        return None
+    folder = os.environ.get("WANDB_DIR") or str(run_dir)  # wandb makes its own wandb/ folder inside
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT") or "raytrain-eks",
+        name=run_dir.name,
+        dir=folder,
+        config=cfg.model_dump(mode="json")["training"],
+        settings=wandb.Settings(console="off", quiet=True),
+    )
 
 
 def _start_mlflow(run_dir: Path, cfg: Any) -> Any:
