@@ -31,6 +31,7 @@ def prep(path, builtin_model, fmt="instruction", seq_len=32, min_blocks=1, where
         eval_fraction=kw.get("eval_fraction", 0.0),
         in_driver=None if where is None else where == "driver",
         columns=kw.get("columns"),
+        listed=kw.get("listed"),
     )
 
 
@@ -198,3 +199,45 @@ def test_too_little_data_for_one_step(tmp_path, ray_local, builtin_model):
     path.write_text(json.dumps({"instruction": "Q", "output": "A"}) + "\n")
     with pytest.raises(DataError, match=r"pack into 1 blocks of 32 tokens, but one step needs 16"):
         prep(path, builtin_model, min_blocks=16)
+
+
+def _hub_dataset(cache, repo: str, splits: dict):
+    """A dataset repository in the Hugging Face cache's own layout, as ``snapshot_download`` leaves it: the files
+    under ``snapshots/<commit>/``, ``refs/main`` naming that commit. ``splits``: split -> rows (one Parquet file)."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo_dir = cache / f"datasets--{repo.replace('/', '--')}"
+    snapshot = repo_dir / "snapshots" / commit
+    (snapshot / "data").mkdir(parents=True)
+    for split, rows in splits.items():
+        pq.write_table(pa.Table.from_pylist(rows), snapshot / "data" / f"{split}-00000-of-00001.parquet")
+    (snapshot / "README.md").write_text("---\nlicense: apache-2.0\n---\n# A test dataset\n")
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(commit)
+    return snapshot
+
+
+def test_a_hugging_face_dataset_is_read_offline_from_the_cache(tmp_path, ray_local, builtin_model, monkeypatch, where):
+    import huggingface_hub.constants
+
+    from raytrain_eks.train.data import list_data_files
+
+    train = [{"question": f"What is {i} plus 2?", "answer": f"{i + 2}."} for i in range(12)]
+    test = [{"question": "What is 7 plus 2?", "answer": "9."}]
+    snapshot = _hub_dataset(tmp_path / "hub", "acme/sums", {"train": train, "test": test})
+    # No network here: HF_HUB_OFFLINE makes it the cache only (the cache folder, read when huggingface_hub is
+    # imported, is set where it is read).
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    files, kind = list_data_files("hf:acme/sums")
+    assert kind == "parquet" and files == [str(snapshot / "data" / "train-00000-of-00001.parquet")]
+    assert list_data_files("hf:acme/sums:test")[0] == [str(snapshot / "data" / "test-00000-of-00001.parquet")]
+    columns = {"instruction": "question", "output": "answer"}
+    prepared = prep("hf:acme/sums", builtin_model, where=where, columns=columns, listed=(files, kind))
+    assert (prepared.rows, prepared.usable_rows) == (12, 12)
+    # A folder in the Hub's layout, named directly.
+    local = prep(f"hf:{snapshot}:test", builtin_model, where=where, columns=columns)
+    assert (local.rows, local.usable_rows) == (1, 1)
+    with pytest.raises(DataError, match=r"has no split 'validation' \(its splits: test, train\)"):
+        list_data_files("hf:acme/sums:validation")
+    with pytest.raises(DataError, match="'acme/missing' is neither reachable on the Hub nor in the Hugging Face"):
+        list_data_files("hf:acme/missing")

@@ -52,7 +52,10 @@ def train(
     model: Annotated[str | None, typer.Option(help="Hugging Face hub id, model folder, or builtin:tiny-qwen2.")] = None,
     data: Annotated[
         str | None,
-        typer.Option(help="'random', builtin:sample-instructions, or JSONL/JSON/Parquet file or folder (s3:// too)."),
+        typer.Option(
+            help="'random', builtin:sample-instructions, a JSONL/JSON/Parquet file or folder (s3:// too), or a "
+            "Hugging Face dataset: hf:OWNER/NAME[:SPLIT]."
+        ),
     ] = None,
     data_format: Annotated[str | None, typer.Option(help=f"Data format: {', '.join(FORMAT_NAMES)}.")] = None,
     method: Annotated[

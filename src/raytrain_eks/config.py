@@ -372,7 +372,8 @@ class TrainingConfig(_Section):
     )
     data: str = Field(
         RANDOM_DATA,
-        description="'random' (synthetic ids), builtin:sample-instructions, or JSONL/JSON/Parquet path or s3:// URI",
+        description="'random' (synthetic ids), builtin:sample-instructions, a JSONL/JSON/Parquet path or s3:// URI, "
+        "or a Hugging Face dataset: hf:OWNER/NAME[:SPLIT]",
     )
     data_format: Literal[FORMAT_NAMES] = Field(  # type: ignore[valid-type]  # the registry's names
         "instruction", description=" | ".join(FORMAT_NAMES) + " (raytrain_eks.formats: " + formats_help() + ")"
