@@ -379,6 +379,11 @@ class TrainingConfig(_Section):
         "instruction", description=" | ".join(FORMAT_NAMES) + " (raytrain_eks.formats: " + formats_help() + ")"
     )
     text_field: str = Field("text", description="the field read by the text format")
+    chat_template: str | None = Field(
+        None,
+        description="a Jinja chat template used instead of the tokenizer's (for a base model without one): a .jinja "
+        "file, or the template itself",
+    )
     columns: dict[str, str] = Field(
         default_factory=dict,
         description="the format's fields read from other columns of the data, e.g. {instruction: question, "

@@ -80,8 +80,11 @@ def save_sharded(
     data_position: dict[str, int],
     rank: int,
     tokenizer_path: str | None,
+    chat_template: str | None = None,
 ) -> None:
-    """Write this rank's part of the checkpoint of ``step`` into ``folder`` (a collective: every rank calls it)."""
+    """Write this rank's part of the checkpoint of ``step`` into ``folder`` (a collective: every rank calls it).
+    The tokenizer goes into ``hf/`` with ``chat_template`` (the run's own, when it has one), so an export renders
+    conversations as training did."""
     import torch.distributed.checkpoint as dcp
 
     from raytrain_eks.train.lora import lora_of
@@ -98,9 +101,9 @@ def save_sharded(
         if lora is not None:  # the adapters' settings, as peft writes them (the base is named, never saved)
             lora.save_pretrained(str(hf))
         if tokenizer_path:
-            from raytrain_eks.train.data import load_tokenizer
+            from raytrain_eks.train.data import encoding_tokenizer
 
-            load_tokenizer(tokenizer_path).save_pretrained(hf)
+            encoding_tokenizer(tokenizer_path, chat_template).save_pretrained(hf)
 
 
 def _state_options(model: Any) -> Any:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -51,37 +52,67 @@ PACKING_MODES = ("documents", "concat")  # rows kept apart in a block (position_
 # --------------------------------------------------------------------------------------------- encoding
 
 
+# A chat template that marks what the assistant writes: transformers then gives each token's mask itself.
+_GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def _render(tokenizer: Any, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen: bool = False) -> str:
+    """The chat template's rendering of ``msgs``; a template that refuses them (its own ``raise_exception``, or a
+    failure inside it) makes the row malformed, with the template's reason."""
+    if not msgs:
+        return ""
+    extra = {"tools": tools} if tools else {}
+    try:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **extra)
+    except Exception as exc:  # jinja2's TemplateError, or a TypeError on a field the template cannot take
+        raise MalformedRow(f"the chat template refuses the row: {str(exc).strip() or type(exc).__name__}") from None
+
+
+def _masked_by_template(
+    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None
+) -> tuple[list[int], list[int]]:
+    """Token ids and labels from a template with ``{% generation %}`` blocks: the tokens it marks as the
+    assistant's (``return_assistant_tokens_mask``) are trained, all others masked."""
+    extra = {"tools": tools} if tools else {}
+    try:
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **extra
+        )
+    except Exception as exc:
+        raise MalformedRow(f"the chat template refuses the row: {str(exc).strip() or type(exc).__name__}") from None
+    ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    if not any(mask):
+        raise MalformedRow("the chat template marks no assistant tokens in the row")
+    return ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
+
+
 def _segments(
     messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None
 ) -> list[tuple[str, bool]]:
     """Split a conversation into (text, trained) pieces; only assistant answers are trained.
 
     With a chat template, each piece is the difference between renderings of growing prefixes of the
-    conversation, so the pieces add up to exactly the template's rendering. Without one, a plain
-    ``role: content`` layout is used (an assistant's tool calls written as JSON) and the answer ends with the EOS
-    token. ``tools`` (OpenAI-style tool definitions) go to the chat template.
+    conversation, so the pieces add up to exactly the template's rendering. A template that rewrites earlier
+    turns once later ones follow (Qwen3 drops the reasoning of earlier answers, Mistral Nemo moves the system prompt
+    into the last user message) renders no such prefixes: then the last answer is trained, found between its
+    prompt and its end in the whole rendering, and the earlier turns are its context (:func:`_last_answer`).
+    Without a template, a plain ``role: content`` layout is used (an assistant's tool calls written as JSON) and
+    the answer ends with the EOS token. ``tools`` (OpenAI-style tool definitions) go to the chat template.
     """
     if getattr(tokenizer, "chat_template", None):
-
-        def render(msgs: list[dict[str, Any]], gen: bool = False) -> str:
-            if not msgs:
-                return ""
-            extra = {"tools": tools} if tools else {}
-            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **extra)
-
         pieces: list[tuple[str, bool]] = []
         done = ""
         for i, msg in enumerate(messages):
             if msg["role"] == "assistant":
-                prompt = render(messages[:i], gen=True)
-                full = render(messages[: i + 1])
+                prompt = _render(tokenizer, messages[:i], tools, gen=True)
+                full = _render(tokenizer, messages[: i + 1], tools)
                 if not prompt.startswith(done) or not full.startswith(prompt):
-                    raise MalformedRow("the tokenizer's chat template does not render conversations incrementally")
+                    return _last_answer(messages, tokenizer, tools)
                 pieces += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
             else:
-                full = render(messages[: i + 1])
+                full = _render(tokenizer, messages[: i + 1], tools)
                 if not full.startswith(done):
-                    raise MalformedRow("the tokenizer's chat template does not render conversations incrementally")
+                    return _last_answer(messages, tokenizer, tools)
                 pieces.append((full[len(done) :], False))
             done = full
         return pieces
@@ -96,6 +127,39 @@ def _segments(
         else:
             pieces.append((f"{msg['role']}: {content}\n", False))
     return pieces
+
+
+_ANSWER_MARK = "\u27e6raytrain-eks answer\u27e7"  # stands in for the last answer's text (see _last_answer)
+
+
+def _last_answer(
+    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None
+) -> list[tuple[str, bool]]:
+    """The pieces of a conversation whose template rewrites earlier turns: the whole rendering, with only the
+    last assistant answer trained (its text and the end of its turn). The answer is found between the rendering
+    of what precedes it (with the generation prompt) and the rendering that ends with it; where the template renders
+    those otherwise than within the whole (Mistral Nemo writes the system prompt only into a conversation that ends
+    with the user), by rendering the whole with a mark in place of the answer's text. A row where neither finds
+    it is malformed."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last is None:
+        raise MalformedRow("the row has no assistant turn")
+    whole = _render(tokenizer, messages, tools)
+    prompt = _render(tokenizer, messages[:last], tools, gen=True)
+    answered = _render(tokenizer, messages[: last + 1], tools)
+    if answered.startswith(prompt) and whole.startswith(answered):
+        return [(prompt, False), (answered[len(prompt) :], True), (whole[len(answered) :], False)]
+    marked = [*messages[:last], {**messages[last], "content": _ANSWER_MARK}, *messages[last + 1 :]]
+    shown = _render(tokenizer, marked, tools)
+    ended = _render(tokenizer, marked[: last + 1], tools)
+    if shown.count(_ANSWER_MARK) == 1 and ended.count(_ANSWER_MARK) == 1:
+        before, after = shown.split(_ANSWER_MARK)
+        turn_end = ended.split(_ANSWER_MARK)[1]
+        turn_end = turn_end if after.startswith(turn_end) else ""
+        if whole.startswith(before) and whole.endswith(after) and len(whole) >= len(before) + len(after):
+            text = whole[len(before) : len(whole) - len(after)]
+            return [(before, False), (text + turn_end, True), (after[len(turn_end) :], False)]
+    raise MalformedRow("the tokenizer's chat template does not render the last answer where it can be found")
 
 
 def encode_row(
@@ -122,6 +186,8 @@ def encode_row(
             ids = ids + [tokenizer.eos_token_id]
         return ids, list(ids)
     conversation = fmt.conversation(row)
+    if _GENERATION_BLOCK.search(getattr(tokenizer, "chat_template", None) or ""):
+        return _masked_by_template(conversation.messages, tokenizer, conversation.tools)
     ids: list[int] = []
     labels: list[int] = []
     for text, trained in _segments(conversation.messages, tokenizer, conversation.tools):
@@ -228,6 +294,38 @@ def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+@functools.lru_cache(maxsize=4)
+def encoding_tokenizer(path: str, chat_template: str | None = None) -> Any:
+    """:func:`load_tokenizer`'s tokenizer with ``chat_template`` (Jinja text) in place of its own, when given (a copy:
+    the cached tokenizer is shared)."""
+    import copy
+
+    tokenizer = load_tokenizer(path)
+    if chat_template is None:
+        return tokenizer
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def chat_template_text(value: str | None, option: str = "training.chat_template") -> str | None:
+    """The Jinja text of ``training.chat_template``: the value itself when it is a template (it holds ``{%`` or
+    ``{{``), else the file it names; :class:`DataError` for a file that cannot be read."""
+    if not value or "{%" in value or "{{" in value:
+        return value or None
+    path = Path(value).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise DataError(
+            f"{option} {value!r}: cannot read the template file ({exc.strerror or exc})",
+            hint="Name a .jinja file, or give the template itself (YAML block text holding {% ... %}).",
+        ) from None
+    if "{%" not in text and "{{" not in text:
+        raise DataError(f"{option} {value!r}: the file holds no Jinja template (no {{% or {{{{)")
+    return text
 
 
 HF_PREFIX = "hf:"  # a Hugging Face dataset: hf:OWNER/NAME[:SPLIT], or hf:FOLDER[:SPLIT] for one in the Hub's layout
@@ -551,13 +649,19 @@ def json_datasource(files: list[str]) -> Any:
 
 
 def _encode_batch(
-    batch: Any, *, tokenizer_path: str, data_format: str, text_field: str, columns: dict[str, str] | None = None
+    batch: Any,
+    *,
+    tokenizer_path: str,
+    data_format: str,
+    text_field: str,
+    columns: dict[str, str] | None = None,
+    chat_template: str | None = None,
 ) -> Any:
     """Ray Data ``map_batches`` step: encode a batch of rows (a pyarrow table), marking malformed ones instead of
     failing."""
     import pyarrow as pa
 
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = encoding_tokenizer(tokenizer_path, chat_template)
     rows = batch.to_pylist()
     ids_out, labels_out, reasons = [], [], []
     for row in rows:
@@ -838,6 +942,7 @@ def prepare_dataset(
     seq_len: int,
     columns: dict[str, str] | None = None,
     packing: str = "documents",
+    chat_template: str | None = None,
     seed: int,
     min_blocks: int,
     listed: tuple[list[str], str] | None = None,
@@ -856,6 +961,7 @@ def prepare_dataset(
     ``data`` came from, named in the errors (``training.eval_data`` for the evaluation set). ``in_driver`` forces
     where the work is done (default: :func:`prepared_in_driver`); both paths give the same packed blocks.
     ``packing`` (:data:`PACKING_MODES`) keeps the rows of a block apart (``documents``) or runs them on (``concat``).
+    ``chat_template`` (Jinja text) renders conversations instead of the tokenizer's own template.
     """
     import ray.data
     from ray.data import read_parquet
@@ -870,6 +976,7 @@ def prepare_dataset(
         "data_format": data_format,
         "text_field": text_field,
         "columns": columns,
+        "chat_template": chat_template,
     }
     try:
         if in_driver:

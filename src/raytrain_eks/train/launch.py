@@ -134,11 +134,16 @@ def run_training(
     import ray
 
     from raytrain_eks.train.checkpoint import check_compatible, resolve_checkpoint, write_storage_config
-    from raytrain_eks.train.data import list_data_files
+    from raytrain_eks.train.data import chat_template_text, list_data_files
     from raytrain_eks.train.lora import check_lora
     from raytrain_eks.train.model_source import check_model, resolve_model_path
 
     t_start = time.perf_counter()
+    # A chat template named by its file travels as its text: the workers, the run's config.yaml and a resume on
+    # another machine need no copy of the file.
+    template = chat_template_text(cfg.training.chat_template)
+    if template != cfg.training.chat_template:
+        cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"chat_template": template})})
     training = cfg.training
     # Everything that can be checked before anything is created or started is checked first: the quick checks, then
     # the model's config and tokenizer, which load torch and transformers (seconds on one core of a small machine),
@@ -253,7 +258,7 @@ def _train_in(
         list_checkpoints,
         storage_root,
     )
-    from raytrain_eks.train.data import load_tokenizer, prepare_dataset, train_datasets
+    from raytrain_eks.train.data import encoding_tokenizer, prepare_dataset, train_datasets
     from raytrain_eks.train.export import export_hf
     from raytrain_eks.train.prompts import sample_prompts, write_samples
 
@@ -272,6 +277,7 @@ def _train_in(
             text_field=training.text_field,
             columns=training.columns or None,
             packing=training.packing,
+            chat_template=training.chat_template,
             tokenizer_path=model_path,
             seq_len=training.seq_len,
             seed=training.seed,
@@ -303,7 +309,7 @@ def _train_in(
         data_files,
         training.data_format,
         training.text_field,
-        load_tokenizer(model_path),
+        encoding_tokenizer(model_path, training.chat_template),
         columns=training.columns or None,
     )
     tracker = Tracker(run_dir, cfg)
@@ -448,6 +454,7 @@ def _eval_dataset(
         text_field=training.text_field,
         columns=training.columns or None,
         packing=training.packing,
+        chat_template=training.chat_template,
         tokenizer_path=model_path,
         seq_len=training.seq_len,
         seed=training.seed,

@@ -291,6 +291,7 @@ def train(
                     data_position=batches.position,
                     rank=ctx.rank,
                     tokenizer_path=model_path,  # the tokenizer goes into every checkpoint, for export
+                    chat_template=cfg.chat_template,
                 ),
                 maybe_die("checkpoint", step=step, rank=ctx.rank),
             ),
