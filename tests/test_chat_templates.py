@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from raytrain_eks.errors import DataError
-from raytrain_eks.train.data import (
+from raytrain_eks.train.data import prepare_dataset
+from raytrain_eks.train.encoding import (
     IGNORE_INDEX,
     MalformedRow,
     chat_template_text,
     encode_row,
     encoding_tokenizer,
-    prepare_dataset,
 )
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"

@@ -178,6 +178,16 @@ def _import_train_modules() -> None:
         import ray.train.torch  # noqa: F401  (Ray Train and Ray Data: about 2 s of imports on a small machine)
 
 
+def address_from_environment(address: str | None, environ: Any = None) -> tuple[str | None, str]:
+    """The Ray cluster a run joins, and where that came from: ``--address``, else ``RAY_ADDRESS`` as ``ray.init()``
+    reads it (set inside a Ray cluster's pods, so a run there joins that cluster rather than starting a second Ray
+    beside it), else ``None``: a Ray of the run's own. Example: ``(None, "")`` with neither."""
+    if address:
+        return address, "--address"
+    found = (os.environ if environ is None else environ).get("RAY_ADDRESS", "").strip()
+    return (found, "RAY_ADDRESS") if found else (None, "")
+
+
 def _check_reachable(address: str) -> None:
     """Fail fast on a HOST:PORT nobody listens on (ray.init would retry for minutes)."""
     host, sep, port = address.rpartition(":")

@@ -101,7 +101,7 @@ def save_sharded(
         if lora is not None:  # the adapters' settings, as peft writes them (the base is named, never saved)
             lora.save_pretrained(str(hf))
         if tokenizer_path:
-            from raytrain_eks.train.data import encoding_tokenizer
+            from raytrain_eks.train.encoding import encoding_tokenizer
 
             encoding_tokenizer(tokenizer_path, chat_template).save_pretrained(hf)
 

@@ -1,9 +1,8 @@
-"""Training data: formats, tokenization with prompt masking, packing, and the Ray Data pipeline.
+"""Training data: packing and the Ray Data pipeline (rows are encoded by :mod:`.encoding`, files found by
+:mod:`.sources`).
 
 Pure pieces (tested on hand-made rows) come first:
 
-- :func:`encode_row` turns one row of a format (``text``, ``instruction``, ``chat``) into ``input_ids`` and
-  ``labels``, where prompt tokens carry :data:`IGNORE_INDEX` so no loss is taken on them;
 - :func:`pack` joins encoded rows into fixed ``seq_len`` blocks (the last one padded and masked), each row with
   its own ``position_ids`` (``packing: documents``) so that no row attends to another, or run on (``concat``);
 - :func:`random_batch` makes the reference's synthetic token ids for one rank and step.
@@ -28,175 +27,21 @@ whole file, and every later task works a bounded block at a time.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
-import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from raytrain_eks.errors import DataError
-from raytrain_eks.formats import FORMAT_NAMES, MalformedRow, field_text, renamed
-from raytrain_eks.formats import data_format as registered_format
+from raytrain_eks.formats import FORMAT_NAMES, MalformedRow
+from raytrain_eks.train.encoding import IGNORE_INDEX, encode_row, encoding_tokenizer, load_tokenizer
+from raytrain_eks.train.sources import list_data_files, root_cause
 
-IGNORE_INDEX = -100
-DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 PACK_ROWS = 1024  # rows packed together: only the last block of each group is padded
 PACKING_MODES = ("documents", "concat")  # rows kept apart in a block (position_ids), or run on as one text
-
-
-# --------------------------------------------------------------------------------------------- encoding
-
-
-# A chat template that marks what the assistant writes: transformers then gives each token's mask itself.
-_GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
-
-
-def _render(tokenizer: Any, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen: bool = False) -> str:
-    """The chat template's rendering of ``msgs``; a template that refuses them (its own ``raise_exception``, or a
-    failure inside it) makes the row malformed, with the template's reason."""
-    if not msgs:
-        return ""
-    extra = {"tools": tools} if tools else {}
-    try:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **extra)
-    except Exception as exc:  # jinja2's TemplateError, or a TypeError on a field the template cannot take
-        raise MalformedRow(f"the chat template refuses the row: {str(exc).strip() or type(exc).__name__}") from None
-
-
-def _masked_by_template(
-    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None
-) -> tuple[list[int], list[int]]:
-    """Token ids and labels from a template with ``{% generation %}`` blocks: the tokens it marks as the
-    assistant's (``return_assistant_tokens_mask``) are trained, all others masked."""
-    extra = {"tools": tools} if tools else {}
-    try:
-        out = tokenizer.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **extra
-        )
-    except Exception as exc:
-        raise MalformedRow(f"the chat template refuses the row: {str(exc).strip() or type(exc).__name__}") from None
-    ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-    if not any(mask):
-        raise MalformedRow("the chat template marks no assistant tokens in the row")
-    return ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
-
-
-def _segments(
-    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None
-) -> list[tuple[str, bool]]:
-    """Split a conversation into (text, trained) pieces; only assistant answers are trained.
-
-    With a chat template, each piece is the difference between renderings of growing prefixes of the
-    conversation, so the pieces add up to exactly the template's rendering. A template that rewrites earlier
-    turns once later ones follow (Qwen3 drops the reasoning of earlier answers, Mistral Nemo moves the system prompt
-    into the last user message) renders no such prefixes: then the last answer is trained, found between its
-    prompt and its end in the whole rendering, and the earlier turns are its context (:func:`_last_answer`).
-    Without a template, a plain ``role: content`` layout is used (an assistant's tool calls written as JSON) and
-    the answer ends with the EOS token. ``tools`` (OpenAI-style tool definitions) go to the chat template.
-    """
-    if getattr(tokenizer, "chat_template", None):
-        pieces: list[tuple[str, bool]] = []
-        done = ""
-        for i, msg in enumerate(messages):
-            if msg["role"] == "assistant":
-                prompt = _render(tokenizer, messages[:i], tools, gen=True)
-                full = _render(tokenizer, messages[: i + 1], tools)
-                if not prompt.startswith(done) or not full.startswith(prompt):
-                    return _last_answer(messages, tokenizer, tools)
-                pieces += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
-            else:
-                full = _render(tokenizer, messages[: i + 1], tools)
-                if not full.startswith(done):
-                    return _last_answer(messages, tokenizer, tools)
-                pieces.append((full[len(done) :], False))
-            done = full
-        return pieces
-    eos = tokenizer.eos_token or ""
-    pieces = []
-    for msg in messages:
-        content = msg["content"]
-        if msg.get("tool_calls"):
-            content = (content + "\n" if content else "") + json.dumps(msg["tool_calls"], ensure_ascii=False)
-        if msg["role"] == "assistant":
-            pieces += [("assistant: ", False), (content + eos + "\n", True)]
-        else:
-            pieces.append((f"{msg['role']}: {content}\n", False))
-    return pieces
-
-
-_ANSWER_MARK = "\u27e6raytrain-eks answer\u27e7"  # stands in for the last answer's text (see _last_answer)
-
-
-def _last_answer(
-    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None
-) -> list[tuple[str, bool]]:
-    """The pieces of a conversation whose template rewrites earlier turns: the whole rendering, with only the
-    last assistant answer trained (its text and the end of its turn). The answer is found between the rendering
-    of what precedes it (with the generation prompt) and the rendering that ends with it; where the template renders
-    those otherwise than within the whole (Mistral Nemo writes the system prompt only into a conversation that ends
-    with the user), by rendering the whole with a mark in place of the answer's text. A row where neither finds
-    it is malformed."""
-    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-    if last is None:
-        raise MalformedRow("the row has no assistant turn")
-    whole = _render(tokenizer, messages, tools)
-    prompt = _render(tokenizer, messages[:last], tools, gen=True)
-    answered = _render(tokenizer, messages[: last + 1], tools)
-    if answered.startswith(prompt) and whole.startswith(answered):
-        return [(prompt, False), (answered[len(prompt) :], True), (whole[len(answered) :], False)]
-    marked = [*messages[:last], {**messages[last], "content": _ANSWER_MARK}, *messages[last + 1 :]]
-    shown = _render(tokenizer, marked, tools)
-    ended = _render(tokenizer, marked[: last + 1], tools)
-    if shown.count(_ANSWER_MARK) == 1 and ended.count(_ANSWER_MARK) == 1:
-        before, after = shown.split(_ANSWER_MARK)
-        turn_end = ended.split(_ANSWER_MARK)[1]
-        turn_end = turn_end if after.startswith(turn_end) else ""
-        if whole.startswith(before) and whole.endswith(after) and len(whole) >= len(before) + len(after):
-            text = whole[len(before) : len(whole) - len(after)]
-            return [(before, False), (text + turn_end, True), (after[len(turn_end) :], False)]
-    raise MalformedRow("the tokenizer's chat template does not render the last answer where it can be found")
-
-
-def encode_row(
-    row: dict[str, Any],
-    data_format: str,
-    tokenizer: Any,
-    text_field: str = "text",
-    columns: dict[str, str] | None = None,
-) -> tuple[list[int], list[int]]:
-    """Token ids and labels of one row; labels are :data:`IGNORE_INDEX` on prompt tokens.
-
-    >>> ids, labels = encode_row({"instruction": "Add 1 and 2.", "output": "3"}, "instruction", tok)
-    The format comes from :mod:`raytrain_eks.formats`; ``columns`` maps its fields to the row's. Raises
-    :class:`MalformedRow` when the row does not fit the format.
-    """
-    if not isinstance(row, dict):
-        raise MalformedRow("the row is not a JSON object")
-    fmt = registered_format(data_format)
-    row = renamed(row, columns)
-    if fmt.conversation is None:
-        text = field_text(row, text_field, required=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if tokenizer.eos_token_id is not None:
-            ids = ids + [tokenizer.eos_token_id]
-        return ids, list(ids)
-    conversation = fmt.conversation(row)
-    if _GENERATION_BLOCK.search(getattr(tokenizer, "chat_template", None) or ""):
-        return _masked_by_template(conversation.messages, tokenizer, conversation.tools)
-    ids: list[int] = []
-    labels: list[int] = []
-    for text, trained in _segments(conversation.messages, tokenizer, conversation.tools):
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
-        ids += piece
-        labels += piece if trained else [IGNORE_INDEX] * len(piece)
-    if not ids:
-        raise MalformedRow("the row has no tokens")
-    return ids, labels
 
 
 def pack(
@@ -286,178 +131,6 @@ def random_batch(
 
 
 # --------------------------------------------------------------------------------------------- Ray Data
-
-
-@functools.lru_cache(maxsize=4)
-def load_tokenizer(path: str) -> Any:
-    """The tokenizer of a model (hub id or folder), loaded once per process."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-@functools.lru_cache(maxsize=4)
-def encoding_tokenizer(path: str, chat_template: str | None = None) -> Any:
-    """:func:`load_tokenizer`'s tokenizer with ``chat_template`` (Jinja text) in place of its own, when given (a copy:
-    the cached tokenizer is shared)."""
-    import copy
-
-    tokenizer = load_tokenizer(path)
-    if chat_template is None:
-        return tokenizer
-    tokenizer = copy.deepcopy(tokenizer)
-    tokenizer.chat_template = chat_template
-    return tokenizer
-
-
-def chat_template_text(value: str | None, option: str = "training.chat_template") -> str | None:
-    """The Jinja text of ``training.chat_template``: the value itself when it is a template (it holds ``{%`` or
-    ``{{``), else the file it names; :class:`DataError` for a file that cannot be read."""
-    if not value or "{%" in value or "{{" in value:
-        return value or None
-    path = Path(value).expanduser()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise DataError(
-            f"{option} {value!r}: cannot read the template file ({exc.strerror or exc})",
-            hint="Name a .jinja file, or give the template itself (YAML block text holding {% ... %}).",
-        ) from None
-    if "{%" not in text and "{{" not in text:
-        raise DataError(f"{option} {value!r}: the file holds no Jinja template (no {{% or {{{{)")
-    return text
-
-
-HF_PREFIX = "hf:"  # a Hugging Face dataset: hf:OWNER/NAME[:SPLIT], or hf:FOLDER[:SPLIT] for one in the Hub's layout
-
-
-def hf_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
-    """The local files of one split of a Hugging Face dataset, and their reader; :class:`DataError` otherwise.
-
-    ``data`` is ``hf:OWNER/NAME[:SPLIT]`` (split ``train`` by default): the dataset repository is brought into
-    the Hugging Face cache (``huggingface_hub.snapshot_download``; from the cache alone when ``HF_HUB_OFFLINE`` is
-    set or the Hub cannot be reached), then the ``datasets`` library decides which files make the split (its data
-    file patterns and the README's ``configs``), as ``load_dataset`` would. ``hf:./FOLDER[:SPLIT]`` (or an absolute
-    path) takes a local folder in the Hub's layout. Parquet, JSON and JSONL datasets are read; others are refused.
-    """
-    spec = data[len(HF_PREFIX) :]
-    source, sep, split = spec.rpartition(":")
-    if not sep:
-        source, split = spec, ""
-    split = split or "train"
-    hint = "Write hf:OWNER/NAME or hf:OWNER/NAME:SPLIT (a local folder in the Hub's layout: hf:./FOLDER)."
-    if not source:
-        raise DataError(f"{option} {data!r}: name a dataset after hf:", hint=hint)
-    local = source.startswith(("/", "./", "../", "~"))
-    folder = Path(source).expanduser() if local else _hub_snapshot(source, data, option)
-    if not folder.is_dir():
-        raise DataError(f"{option} {data!r}: no such folder {str(folder)!r}", hint=hint)
-    import datasets
-
-    try:
-        with _quiet_datasets():
-            builder = datasets.load_dataset_builder(str(folder))
-    except Exception as exc:
-        raise DataError(f"{option} {data!r}: not a dataset the datasets library reads: {_root_cause(exc)}") from None
-    splits = builder.config.data_files or {}
-    if split not in splits:
-        have = ", ".join(sorted(splits)) or "none"
-        raise DataError(f"{option} {data!r}: the dataset has no split {split!r} (its splits: {have})", hint=hint)
-    files = sorted(str(f) for f in splits[split])
-    kinds = {DATA_SUFFIXES.get(Path(f).suffix) for f in files}
-    if None in kinds or len(kinds) != 1:
-        suffixes = ", ".join(sorted({Path(f).suffix or "(none)" for f in files}))
-        raise DataError(
-            f"{option} {data!r}: split {split!r} is stored as {suffixes}; Parquet, JSON and JSONL datasets are read"
-        )
-    return files, kinds.pop()
-
-
-def _hub_snapshot(repo_id: str, data: str, option: str) -> Path:
-    """The dataset repository ``repo_id`` in the Hugging Face cache: downloaded (or updated) when the Hub answers,
-    else the cached snapshot; :class:`DataError` when neither is there."""
-    import os
-
-    from huggingface_hub import snapshot_download
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    try:
-        if not offline:
-            try:
-                return Path(snapshot_download(repo_id, repo_type="dataset"))
-            except Exception:  # no route to the Hub (or it refused): the cache may still have it
-                pass
-        return Path(snapshot_download(repo_id, repo_type="dataset", local_files_only=True))
-    except Exception as exc:
-        raise DataError(
-            f"{option} {data!r}: dataset {repo_id!r} is neither reachable on the Hub nor in the Hugging Face cache "
-            f"({_root_cause(exc)})",
-            hint="Check the name (and HF_TOKEN for a gated dataset), or download it once where the Hub is reachable "
-            "and set HF_HOME to that cache.",
-        ) from None
-
-
-@contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    """The datasets library without its progress bars and info lines while it resolves a split's files."""
-    import datasets
-
-    before = datasets.utils.logging.get_verbosity()
-    datasets.utils.logging.set_verbosity_error()
-    datasets.utils.logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        datasets.utils.logging.set_verbosity(before)
-        datasets.utils.logging.enable_progress_bar()
-
-
-def list_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
-    """The files to read and their reader ('json' or 'parquet'); :class:`DataError` when there are none.
-
-    ``data`` is a file or a folder, local or ``s3://`` (listed through pyarrow's file systems), or a Hugging Face
-    dataset (:func:`hf_data_files`). ``option`` is the setting it came from, named in the errors
-    (``training.eval_data`` for the evaluation set).
-    """
-    from pyarrow import fs as pafs
-
-    if data.startswith(HF_PREFIX):
-        return hf_data_files(data, option)
-
-    from raytrain_eks.train.storage import filesystem as storage_fs
-    from raytrain_eks.train.storage import is_remote
-
-    remote = is_remote(data)
-    try:
-        filesystem, root = storage_fs(data)
-        info = filesystem.get_file_info(root)
-        if info.type == pafs.FileType.NotFound:
-            raise DataError(
-                f"{option} {data!r}: no such file or folder", hint="Give a JSONL, JSON or Parquet file or folder."
-            )
-        if info.type == pafs.FileType.File:
-            found = [info]
-        else:
-            found = [i for i in filesystem.get_file_info(pafs.FileSelector(root, recursive=True)) if i.is_file]
-    except DataError:
-        raise
-    except Exception as exc:  # credentials, permissions, bad bucket names: say which and stop
-        raise DataError(f"{option} {data!r}: cannot be listed: {_root_cause(exc)}") from None
-    prefix = data.split("://", 1)[0] + "://" if remote else ""
-    if len(found) == 1 and info.type == pafs.FileType.File:
-        suffix = Path(found[0].path).suffix
-        if suffix not in DATA_SUFFIXES:
-            raise DataError(
-                f"{option} {data!r}: unsupported file type {suffix or '(none)'!r}; use .jsonl, .json or .parquet"
-            )
-        return [prefix + found[0].path], DATA_SUFFIXES[suffix]
-    files = sorted(prefix + i.path for i in found if Path(i.path).suffix in DATA_SUFFIXES)
-    if not files:
-        raise DataError(f"{option} {data!r}: the folder has no .jsonl, .json or .parquet file")
-    kinds = {DATA_SUFFIXES[Path(f).suffix] for f in files}
-    if len(kinds) > 1:
-        raise DataError(f"{option} {data!r}: the folder mixes JSON and Parquet files; keep one kind per folder")
-    return files, kinds.pop()
 
 
 def json_rows(chunks: Iterable[bytes]) -> Iterator[dict[str, str]]:
@@ -994,7 +667,7 @@ def prepare_dataset(
     except DataError:
         raise
     except Exception as exc:  # Ray wraps reader errors; show the root cause, not Ray's traceback.
-        raise DataError(f"{option} {data!r}: cannot be read: {_root_cause(exc)}") from None
+        raise DataError(f"{option} {data!r}: cannot be read: {root_cause(exc)}") from None
 
     counted = ["reason", "tokens", "trained"]
     reasons, tokens, trained = _tally(
@@ -1098,10 +771,3 @@ def _packed(rows: Any, count: int, seq_len: int, pad_id: int, packing: str) -> A
         )
         .materialize()
     )
-
-
-def _root_cause(exc: BaseException) -> str:
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    text = str(exc).strip().splitlines()
-    return text[-1] if text else type(exc).__name__

@@ -134,9 +134,10 @@ def run_training(
     import ray
 
     from raytrain_eks.train.checkpoint import check_compatible, resolve_checkpoint, write_storage_config
-    from raytrain_eks.train.data import chat_template_text, list_data_files
+    from raytrain_eks.train.encoding import chat_template_text
     from raytrain_eks.train.lora import check_lora
     from raytrain_eks.train.model_source import check_model, resolve_model_path
+    from raytrain_eks.train.sources import list_data_files
 
     t_start = time.perf_counter()
     # A chat template named by its file travels as its text: the workers, the run's config.yaml and a resume on

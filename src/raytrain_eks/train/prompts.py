@@ -15,7 +15,7 @@ from typing import Any
 
 from raytrain_eks.formats import MalformedRow, renamed
 from raytrain_eks.formats import data_format as registered_format
-from raytrain_eks.train.data import _segments
+from raytrain_eks.train.encoding import _segments
 from raytrain_eks.train.storage import filesystem
 
 DEFAULT_COUNT = 3
@@ -26,7 +26,7 @@ _HEAD_BYTES = 1 << 18  # the first 256 KiB of the first file hold the first prom
 def render(messages: list[dict[str, str]], tokenizer: Any) -> str:
     """The conversation ``messages`` (ending before the assistant's answer) as the model reads it, answer next.
 
-    It is the untrained text that training puts before an answer (the pieces of ``data._segments``), so the two
+    It is the untrained text that training puts before an answer (the pieces of ``encoding._segments``), so the two
     layouts, with a chat template and without, are written once.
     """
     pieces = _segments([*messages, {"role": "assistant", "content": ""}], tokenizer)

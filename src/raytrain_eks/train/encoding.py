@@ -1,0 +1,214 @@
+"""Encoding a row: a format's text or conversation into token ids and labels, prompt tokens masked.
+
+:func:`encode_row` turns one row of a registered format (:mod:`raytrain_eks.formats`) into ``input_ids`` and
+``labels``, where the tokens no loss is taken on carry :data:`IGNORE_INDEX`. Conversations go through the
+tokenizer's chat template (or ``training.chat_template``, :func:`encoding_tokenizer`): a template with
+``{% generation %}`` blocks marks the assistant's tokens itself; otherwise the conversation is rendered prefix by
+prefix (:func:`_segments`), and a template that rewrites earlier turns has its last answer trained
+(:func:`_last_answer`). A row that does not fit raises :class:`MalformedRow` with the reason.
+
+Example::
+
+    ids, labels = encode_row({"instruction": "Add 1 and 2.", "output": "3"}, "instruction", load_tokenizer(path))
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from raytrain_eks.errors import DataError
+from raytrain_eks.formats import MalformedRow, field_text, renamed
+from raytrain_eks.formats import data_format as registered_format
+
+IGNORE_INDEX = -100
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a model (hub id or folder), loaded once per process."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+@functools.lru_cache(maxsize=4)
+def encoding_tokenizer(path: str, chat_template: str | None = None) -> Any:
+    """:func:`load_tokenizer`'s tokenizer with ``chat_template`` (Jinja text) in place of its own, when given (a copy:
+    the cached tokenizer is shared)."""
+    import copy
+
+    tokenizer = load_tokenizer(path)
+    if chat_template is None:
+        return tokenizer
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def chat_template_text(value: str | None, option: str = "training.chat_template") -> str | None:
+    """The Jinja text of ``training.chat_template``: the value itself when it is a template (it holds ``{%`` or
+    ``{{``), else the file it names; :class:`DataError` for a file that cannot be read."""
+    if not value or "{%" in value or "{{" in value:
+        return value or None
+    path = Path(value).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise DataError(
+            f"{option} {value!r}: cannot read the template file ({exc.strerror or exc})",
+            hint="Name a .jinja file, or give the template itself (YAML block text holding {% ... %}).",
+        ) from None
+    if "{%" not in text and "{{" not in text:
+        raise DataError(f"{option} {value!r}: the file holds no Jinja template (no {{% or {{{{)")
+    return text
+
+
+# A chat template that marks what the assistant writes: transformers then gives each token's mask itself.
+_GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def _render(tokenizer: Any, msgs: list[dict[str, Any]], tools: list[dict[str, Any]] | None, gen: bool = False) -> str:
+    """The chat template's rendering of ``msgs``; a template that refuses them (its own ``raise_exception``, or a
+    failure inside it) makes the row malformed, with the template's reason."""
+    if not msgs:
+        return ""
+    extra = {"tools": tools} if tools else {}
+    try:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **extra)
+    except Exception as exc:  # jinja2's TemplateError, or a TypeError on a field the template cannot take
+        raise MalformedRow(f"the chat template refuses the row: {str(exc).strip() or type(exc).__name__}") from None
+
+
+def _masked_by_template(
+    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None
+) -> tuple[list[int], list[int]]:
+    """Token ids and labels from a template with ``{% generation %}`` blocks: the tokens it marks as the
+    assistant's (``return_assistant_tokens_mask``) are trained, all others masked."""
+    extra = {"tools": tools} if tools else {}
+    try:
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **extra
+        )
+    except Exception as exc:
+        raise MalformedRow(f"the chat template refuses the row: {str(exc).strip() or type(exc).__name__}") from None
+    ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
+    if not any(mask):
+        raise MalformedRow("the chat template marks no assistant tokens in the row")
+    return ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
+
+
+def _segments(
+    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None
+) -> list[tuple[str, bool]]:
+    """Split a conversation into (text, trained) pieces; only assistant answers are trained.
+
+    With a chat template, each piece is the difference between renderings of growing prefixes of the
+    conversation, so the pieces add up to exactly the template's rendering. A template that rewrites earlier
+    turns once later ones follow (Qwen3 drops the reasoning of earlier answers, Mistral Nemo moves the system prompt
+    into the last user message) renders no such prefixes: then the last answer is trained, found between its
+    prompt and its end in the whole rendering, and the earlier turns are its context (:func:`_last_answer`).
+    Without a template, a plain ``role: content`` layout is used (an assistant's tool calls written as JSON) and
+    the answer ends with the EOS token. ``tools`` (OpenAI-style tool definitions) go to the chat template.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        pieces: list[tuple[str, bool]] = []
+        done = ""
+        for i, msg in enumerate(messages):
+            if msg["role"] == "assistant":
+                prompt = _render(tokenizer, messages[:i], tools, gen=True)
+                full = _render(tokenizer, messages[: i + 1], tools)
+                if not prompt.startswith(done) or not full.startswith(prompt):
+                    return _last_answer(messages, tokenizer, tools)
+                pieces += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
+            else:
+                full = _render(tokenizer, messages[: i + 1], tools)
+                if not full.startswith(done):
+                    return _last_answer(messages, tokenizer, tools)
+                pieces.append((full[len(done) :], False))
+            done = full
+        return pieces
+    eos = tokenizer.eos_token or ""
+    pieces = []
+    for msg in messages:
+        content = msg["content"]
+        if msg.get("tool_calls"):
+            content = (content + "\n" if content else "") + json.dumps(msg["tool_calls"], ensure_ascii=False)
+        if msg["role"] == "assistant":
+            pieces += [("assistant: ", False), (content + eos + "\n", True)]
+        else:
+            pieces.append((f"{msg['role']}: {content}\n", False))
+    return pieces
+
+
+_ANSWER_MARK = "\u27e6raytrain-eks answer\u27e7"  # stands in for the last answer's text (see _last_answer)
+
+
+def _last_answer(
+    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None
+) -> list[tuple[str, bool]]:
+    """The pieces of a conversation whose template rewrites earlier turns: the whole rendering, with only the
+    last assistant answer trained (its text and the end of its turn). The answer is found between the rendering
+    of what precedes it (with the generation prompt) and the rendering that ends with it; where the template renders
+    those otherwise than within the whole (Mistral Nemo writes the system prompt only into a conversation that ends
+    with the user), by rendering the whole with a mark in place of the answer's text. A row where neither finds
+    it is malformed."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last is None:
+        raise MalformedRow("the row has no assistant turn")
+    whole = _render(tokenizer, messages, tools)
+    prompt = _render(tokenizer, messages[:last], tools, gen=True)
+    answered = _render(tokenizer, messages[: last + 1], tools)
+    if answered.startswith(prompt) and whole.startswith(answered):
+        return [(prompt, False), (answered[len(prompt) :], True), (whole[len(answered) :], False)]
+    marked = [*messages[:last], {**messages[last], "content": _ANSWER_MARK}, *messages[last + 1 :]]
+    shown = _render(tokenizer, marked, tools)
+    ended = _render(tokenizer, marked[: last + 1], tools)
+    if shown.count(_ANSWER_MARK) == 1 and ended.count(_ANSWER_MARK) == 1:
+        before, after = shown.split(_ANSWER_MARK)
+        turn_end = ended.split(_ANSWER_MARK)[1]
+        turn_end = turn_end if after.startswith(turn_end) else ""
+        if whole.startswith(before) and whole.endswith(after) and len(whole) >= len(before) + len(after):
+            text = whole[len(before) : len(whole) - len(after)]
+            return [(before, False), (text + turn_end, True), (after[len(turn_end) :], False)]
+    raise MalformedRow("the tokenizer's chat template does not render the last answer where it can be found")
+
+
+def encode_row(
+    row: dict[str, Any],
+    data_format: str,
+    tokenizer: Any,
+    text_field: str = "text",
+    columns: dict[str, str] | None = None,
+) -> tuple[list[int], list[int]]:
+    """Token ids and labels of one row; labels are :data:`IGNORE_INDEX` on prompt tokens.
+
+    >>> ids, labels = encode_row({"instruction": "Add 1 and 2.", "output": "3"}, "instruction", tok)
+    The format comes from :mod:`raytrain_eks.formats`; ``columns`` maps its fields to the row's. Raises
+    :class:`MalformedRow` when the row does not fit the format.
+    """
+    if not isinstance(row, dict):
+        raise MalformedRow("the row is not a JSON object")
+    fmt = registered_format(data_format)
+    row = renamed(row, columns)
+    if fmt.conversation is None:
+        text = field_text(row, text_field, required=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if tokenizer.eos_token_id is not None:
+            ids = ids + [tokenizer.eos_token_id]
+        return ids, list(ids)
+    conversation = fmt.conversation(row)
+    if _GENERATION_BLOCK.search(getattr(tokenizer, "chat_template", None) or ""):
+        return _masked_by_template(conversation.messages, tokenizer, conversation.tools)
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, trained in _segments(conversation.messages, tokenizer, conversation.tools):
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += piece if trained else [IGNORE_INDEX] * len(piece)
+    if not ids:
+        raise MalformedRow("the row has no tokens")
+    return ids, labels
