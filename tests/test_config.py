@@ -368,7 +368,16 @@ def test_plan_and_train_take_set(tmp_path, monkeypatch):
     assert "training.steps = 0 (from --set training.steps)" in str(bad.exception)
 
 
-@pytest.mark.parametrize("name", ["chat-data-local.yaml", "sharegpt-local.yaml", "reference-cluster.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "chat-data-local.yaml",
+        "sharegpt-local.yaml",
+        "reference-cluster.yaml",
+        "lora-local.yaml",
+        "full-finetune-local.yaml",
+    ],
+)
 def test_the_example_recipes_load_as_they_are(name, tmp_path, monkeypatch):
     from pathlib import Path
 
@@ -378,3 +387,7 @@ def test_the_example_recipes_load_as_they_are(name, tmp_path, monkeypatch):
     assert cfg.training.steps > 0
     if name == "reference-cluster.yaml":
         assert cfg.cluster.gpu_node_count == 2 and cfg.fabric.require == "efa" and cfg.training.sharding == "auto"
+    if name == "lora-local.yaml":
+        assert cfg.training.method == "lora" and cfg.training.lora.rank == 16
+    if name == "full-finetune-local.yaml":
+        assert cfg.training.method == "full" and cfg.training.data.startswith("hf:")
