@@ -4,6 +4,7 @@ against a real local tracking store, and Weights & Biases offline, read back fro
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -212,3 +213,7 @@ def test_weights_and_biases_offline_gets_config_curves_and_summary(tmp_path, mon
             summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update})
     assert summary["summary/final_loss"] == 2.0 and summary["summary/steps"] == 10
     assert "summary/export" not in summary  # booleans are not numbers here either
+    # The run's W&B service process (wandb-core) ended with it: nothing of the run outlives it.
+    import procs
+
+    assert not [p for p in procs.descendants(os.getpid()) if "wandb-core" in p.cmdline]

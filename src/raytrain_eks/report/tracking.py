@@ -80,9 +80,13 @@ class Tracker:
             self._mlflow.end_run()
             self._mlflow = None
         if self._wandb is not None:
+            import wandb
+
             self._wandb.summary.update({f"summary/{k}": v for k, v in numbers.items()})
             self._wandb.finish()
             self._wandb = None
+            if wandb.run is None:  # no other W&B run in this process: its service process (wandb-core) ends too
+                wandb.teardown()
 
 
 WANDB_VARIABLES = ("WANDB_PROJECT", "WANDB_API_KEY")  # either one asks for a W&B run (so does WANDB_MODE)
