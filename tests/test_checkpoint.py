@@ -77,6 +77,15 @@ def test_reference_run_writes_checkpoints_and_exports(reference_run):
     assert [step for step, _, ok in found if ok] == [20, 30]  # keep_checkpoints=2: step 10 was removed
     assert reference_run.summary["resumed_from_step"] is None
     assert len(reference_run.summary["checkpoints"]) == 2
+    summary = reference_run.summary
+    assert summary["checkpoint_s_per_save"] == pytest.approx(summary["checkpoint_s"] / 3)  # saved at 10, 20, 30
+    assert summary["checkpoint_share"] == pytest.approx(summary["checkpoint_s"] / summary["train_s"])
+    assert 0 < summary["checkpoint_share"] < 1
+    # The output projection is tied to the embedding: the checkpoint holds that tensor once (and its moments once).
+    from torch.distributed.checkpoint import FileSystemReader
+
+    held = FileSystemReader(found[-1][1]).read_metadata().state_dict_metadata
+    assert "model.model.embed_tokens.weight" in held and "model.lm_head.weight" not in held
     assert (run / "model" / "model.safetensors").exists()
     for _, folder, _ in found:  # each rank's share in FILES_PER_RANK files, so storage moves them in parallel
         ranks = len(list(Path(folder).glob("trainer_rank*.pt")))

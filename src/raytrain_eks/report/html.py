@@ -112,6 +112,14 @@ def _parameters(summary: dict[str, Any]) -> str:
     return f"{trainable:,} / {total:,} ({100 * trainable / total:.1f}%)"
 
 
+def _checkpoint_time(summary: dict[str, Any]) -> str:
+    """``1.20 s, 4.5%``: seconds per save and the share of the training loop they took; — without them."""
+    per, share = summary.get("checkpoint_s_per_save"), summary.get("checkpoint_share")
+    if not isinstance(per, (int, float)) or not isinstance(share, (int, float)):
+        return "—"
+    return f"{per:.2f} s, {100 * share:.1f}%"
+
+
 def _overview(runs: list[Run]) -> str:
     rows = [
         ("steps", lambda s: _num(s.get("steps"), "{}")),
@@ -129,6 +137,7 @@ def _overview(runs: list[Run]) -> str:
         ("wall time (s)", lambda s: _num(s.get("wall_s"), "{:,.0f}")),
         ("cost", lambda s: escape(cost_text(s.get("cost"), s.get("cost_note")))),
         ("checkpoints", lambda s: escape(", ".join(map(str, s.get("checkpoints") or [])) or "—")),
+        ("checkpoint time (s per save, share of the loop)", _checkpoint_time),
         ("exported model", lambda s: escape(str(s.get("model_dir") or "—"))),
     ]
     head = "".join(f"<th>{escape(r.label)}</th>" for r in runs)

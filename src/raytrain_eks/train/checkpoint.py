@@ -114,18 +114,33 @@ def _state_options(model: Any) -> Any:
     from raytrain_eks.train.lora import lora_of
 
     adapted = lora_of(model) is not None
-    return StateDictOptions(ignore_frozen_params=adapted, strict=not adapted)
+    # Not strict with LoRA (the base is not in the checkpoint) nor with tied weights (one name of each is).
+    return StateDictOptions(ignore_frozen_params=adapted, strict=not (adapted or _tied_names(model)))
+
+
+def _tied_names(model: Any) -> set[str]:
+    """The second and later names of parameters that are one tensor (an output projection tied to the embedding):
+    a checkpoint holds each such tensor once, under its first name, and loading that name fills them all."""
+    seen: set[int] = set()
+    tied = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            tied.add(name)
+        seen.add(id(param))
+    return tied
 
 
 def _saved_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The model's and optimizer's state dicts as a checkpoint holds them (:func:`_state_options`). With LoRA the
-    model's holds the adapters only: a frozen weight tied to another (the output projection to the embedding)
-    has a second name that ``ignore_frozen_params`` does not see, so the names are filtered here as well."""
+    """The model's and optimizer's state dicts as a checkpoint holds them (:func:`_state_options`): a tied tensor
+    once (:func:`_tied_names`: 0.93 GB less per checkpoint of Qwen2.5-1.5B in fp32), and with LoRA the adapters
+    only (filtered by name too: a frozen tied weight's second name escapes ``ignore_frozen_params``)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from raytrain_eks.train.lora import is_adapter, lora_of
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_options(model))
+    tied = _tied_names(model)
+    model_sd = {k: v for k, v in model_sd.items() if k not in tied}
     if lora_of(model) is not None:
         model_sd = {k: v for k, v in model_sd.items() if is_adapter(k)}
     return model_sd, optim_sd

@@ -437,6 +437,9 @@ def train(
         "resumed_from_step": resumed_from,
         "checkpoints": checkpoints,
         "checkpoint_s": checkpoint_s,
+        "checkpoint_s_per_save": checkpoint_s / len(checkpoints) if checkpoints else None,
+        # of this attempt's time in the loop and its checkpoints (the share training did not go on)
+        "checkpoint_share": checkpoint_s / train_s if train_s > 0 else None,
         "eval_loss": last_eval.get("eval_loss"),
         "eval_ppl": last_eval.get("eval_ppl"),
         "eval_tokens": last_eval.get("eval_tokens"),
