@@ -116,7 +116,8 @@ def measure_one(path: Path, cpus: int, seq_len: int) -> dict[str, Any]:
     from raytrain_eks.train.data import prepare_dataset
 
     model = str(ensure_builtin_model())
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    # address="local": a Ray of this measurement's own, never one already running on the machine.
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     private: dict[int, float] = {}  # per worker, the highest RssAnon seen
     running: dict[int, str] = {}  # per worker, what it ran when that rose last
     hwm: dict[int, float] = {}  # per worker, VmHWM (object-store pages it mapped included)

@@ -181,10 +181,11 @@ def test_the_suites_ray_never_joins_a_cluster_it_did_not_start(tmp_path, ray_hea
 
 
 def test_every_ray_init_names_its_address():
-    """A bare ``ray.init()`` joins whatever Ray runs on the machine: every call in the suite and the package says
-    which (``"local"``: a new one of its own)."""
+    """A bare ``ray.init()`` joins whatever Ray runs on the machine: every call in the suite, the package and the
+    benchmarks says which (``"local"``: a new one of its own)."""
     here = Path(__file__).parent
     files = sorted(here.glob("*.py")) + sorted((here.parent / "src" / "raytrain_eks").rglob("*.py"))
+    files += sorted((here.parent / "benchmarks").glob("*.py"))
     bare = []
     for path in files:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
