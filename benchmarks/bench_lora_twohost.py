@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from bench_sharding_twohost import PER_HOST, build_model, train  # noqa: E402
+from bench_sharding_twohost import PER_HOST, build_model, random_training, train  # noqa: E402
 from twohost import TwoHostCluster, requirement_missing  # noqa: E402
 
 SETTINGS = (
@@ -57,19 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: Qwen2 hidden {args.hidden}, {args.layers} layers, {n_params / 1e6:.2f} M parameters")
 
     def training(**extra: Any) -> dict[str, Any]:
-        return {
-            "model_id": str(model_path),
-            "data": "random",
-            "steps": args.steps,
-            "seq_len": args.seq_len,
-            "batch_size": 2,
-            "precision": "fp32",
-            "log_every": 1,
-            "checkpoint_every": 0,
-            "warmup_steps": 1,
-            "lora": {"rank": args.rank},
-            **extra,
-        }
+        settings = {"steps": args.steps, "seq_len": args.seq_len, "batch_size": 2, "lora": {"rank": args.rank}}
+        return random_training(model_path, **settings, **extra)
 
     runs: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()

@@ -108,6 +108,22 @@ def build_model(hidden: int, layers: int) -> tuple[Path, int]:
     return target, n
 
 
+def random_training(model_path: Path, *, steps: int, seq_len: int, batch_size: int, **extra: Any) -> dict[str, Any]:
+    """The training settings of one benchmark run: random ids in fp32, a record every step, no checkpoint."""
+    return {
+        "model_id": str(model_path),
+        "data": "random",
+        "steps": steps,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "precision": "fp32",
+        "log_every": 1,
+        "checkpoint_every": 0,
+        "warmup_steps": 1,
+        **extra,
+    }
+
+
 def link_bytes(cluster: TwoHostCluster, host: int) -> tuple[int, int]:
     """``(received, sent)`` bytes so far on host ``host``'s end of its link."""
     out = subprocess.run(
@@ -203,18 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     def training(**extra: Any) -> dict[str, Any]:
-        return {
-            "model_id": str(model_path),
-            "data": "random",
-            "steps": args.steps,
-            "seq_len": args.seq_len,
-            "batch_size": args.batch_size,
-            "precision": "fp32",
-            "log_every": 1,
-            "checkpoint_every": 0,
-            "warmup_steps": 1,
-            **extra,
-        }
+        return random_training(model_path, steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size, **extra)
 
     runs: dict[str, dict[str, Any]] = {}
     t0 = time.perf_counter()

@@ -2,7 +2,8 @@
 
 Example::
 
-    [p for p in descendants(os.getpid()) if p.cmdline.startswith("ray::RayTrainWorker")]
+    train_workers()                 # this process's Ray Train workers (its embedded Ray's)
+    kill_newest_train_worker()      # SIGKILL one of them, mid-run
 """
 
 from __future__ import annotations
@@ -78,3 +79,20 @@ def environ_value(pid: int, name: str) -> str | None:
         if item.startswith(prefix):
             return item[len(prefix) :].decode(errors="replace")
     return None
+
+
+TRAIN_WORKER = "ray::RayTrainWorker"  # the process title Ray gives a Ray Train worker
+
+
+def train_workers() -> list[Proc]:
+    """The Ray Train workers of this process's own Ray (the embedded one is its child), never another Ray's."""
+    return [p for p in descendants(os.getpid()) if p.cmdline.startswith(TRAIN_WORKER)]
+
+
+def kill_newest_train_worker() -> int:
+    """SIGKILL this process's newest Ray Train worker and return its pid; there must be one."""
+    workers = train_workers()
+    assert workers, "no Ray Train worker process found to kill"
+    victim = max(workers, key=lambda p: p.pid)
+    victim.kill()
+    return victim.pid

@@ -99,12 +99,7 @@ def test_sigkilled_worker_resumes_and_ends_with_identical_weights(tmp_path, refe
 
     def kill_a_worker(record: dict, total: int) -> None:
         if record["step"] >= 14 and not killed:
-            # This test's own workers only (the embedded Ray is a child of this process), never another Ray's.
-            workers = [p for p in procs.descendants(os.getpid()) if p.cmdline.startswith("ray::RayTrainWorker")]
-            assert workers, "no Ray Train worker process found to kill"
-            victim = max(workers, key=lambda p: p.pid)
-            victim.kill()
-            killed.append(victim.pid)
+            killed.append(procs.kill_newest_train_worker())
 
     cfg = make_config(**REFERENCE, output_dir=str(tmp_path / "run"))
     result = run_training(cfg, runs_root=tmp_path, say=quiet, progress=kill_a_worker)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import warnings
 from pathlib import Path
 
@@ -94,6 +93,13 @@ def test_lora_settings_are_checked_before_anything_starts(tmp_path, builtin_mode
         apply_lora(model, LoraSettings(target_modules=["q_proj", "qkv_proj"]))
     assert "'qkv_proj' matches no linear layer of Qwen2ForCausalLM's decoder blocks" in str(info.value)
     assert "its linear layers are: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in str(info.value)
+    # An architecture transformers builds no causal LM of: one message, not a traceback.
+    from transformers import T5Config
+
+    from raytrain_eks.train.lora import check_lora
+
+    with pytest.raises(UserError, match="cannot be built to find its linear layers"):
+        check_lora(T5Config(), LoraSettings())
     # The same message from a run, before any run folder or worker exists.
     cfg = make_config(method="lora", lora={"target_modules": ["qkv_proj"]}, output_dir=str(tmp_path / "run"))
     with pytest.raises(UserError, match="'qkv_proj' matches no linear layer"):
@@ -179,11 +185,7 @@ def test_a_lora_run_resumes_exactly_after_a_sigkilled_worker(tmp_path, lora_run)
 
     def kill_a_worker(record: dict, total: int) -> None:
         if record.get("step", 0) >= 14 and not killed:
-            workers = [p for p in procs.descendants(os.getpid()) if p.cmdline.startswith("ray::RayTrainWorker")]
-            assert workers, "no Ray Train worker process found to kill"
-            victim = max(workers, key=lambda p: p.pid)
-            victim.kill()
-            killed.append(victim.pid)
+            killed.append(procs.kill_newest_train_worker())
 
     cfg = make_config(**REFERENCE, output_dir=str(tmp_path / "run"))
     result = run_training(cfg, runs_root=tmp_path, say=quiet, progress=kill_a_worker)

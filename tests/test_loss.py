@@ -57,6 +57,29 @@ def test_chunked_loss_equals_the_plain_loss(max_logits):
     assert torch.count_nonzero(chunked[1][0, :5]) == 0 and torch.count_nonzero(chunked[1][0, 5:]) > 0
 
 
+def test_a_frozen_output_projection_gets_no_gradient_and_the_hidden_states_theirs(monkeypatch):
+    # LoRA's base: the projection is frozen, so the chunked loss makes no gradient for it (nor its fp32 sum); the
+    # hidden states still get the plain loss's gradient.
+    import raytrain_eks.train.model as model_module
+
+    h, w, labels = _inputs(seed=3)
+    made: list[tuple[int, ...]] = []
+    zeros = torch.zeros
+
+    def counted_zeros(*shape, **kw):
+        made.append(tuple(shape[0]) if len(shape) == 1 and not isinstance(shape[0], int) else shape)
+        return zeros(*shape, **kw)
+
+    monkeypatch.setattr(model_module.torch, "zeros", counted_zeros)
+    hidden = h.detach().clone().requires_grad_()
+    frozen = w.detach().clone()  # requires no gradient
+    chunked_cross_entropy(hidden, frozen, labels, max_logits=50 * 7, ignore_index=IGNORE).backward()
+    monkeypatch.undo()
+    assert frozen.grad is None and tuple(w.shape) not in made, "no fp32 sum for a frozen projection's gradient"
+    plain_h, _ = torch.autograd.grad(_plain(h, w, labels), (h, w))
+    torch.testing.assert_close(hidden.grad, plain_h, rtol=1e-6, atol=1e-6)
+
+
 def test_a_bf16_output_projection_gets_the_gradient_of_one_projection_however_the_tokens_are_cut():
     # Left to autograd, a bf16 weight's gradient is rounded to bf16 after each chunk; the chunked loss sums it in
     # fp32 and rounds once, as the plain loss over all tokens does.

@@ -217,3 +217,23 @@ def test_weights_and_biases_offline_gets_config_curves_and_summary(tmp_path, mon
     import procs
 
     assert not [p for p in procs.descendants(os.getpid()) if "wandb-core" in p.cmdline]
+
+
+def test_weights_and_biases_that_cannot_start_leaves_the_run_to_its_other_trackers(tmp_path, monkeypatch, caplog):
+    import procs
+
+    from raytrain_eks.report.tracking import Tracker
+
+    # Online with no API key anywhere (a HOME of its own: no ~/.netrc): W&B's own UsageError, said in one warning.
+    for name in ("WANDB_API_KEY", "WANDB_DIR", "WANDB_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    tracker = Tracker(tmp_path / "run", presets.local_tiny())
+    tracker.log({"step": 1, "loss": 3.0})
+    tracker.close()
+    tracker.finish({"steps": 1})
+    (warning,) = [r.getMessage() for r in caplog.records if "Weights & Biases did not start" in r.getMessage()]
+    assert "No API key configured" in warning
+    assert (tmp_path / "run" / "tensorboard").is_dir()
+    assert not [p for p in procs.descendants(os.getpid()) if "wandb-core" in p.cmdline]

@@ -7,8 +7,6 @@ is created or started; the one-node local runs (every other integration test) ar
 
 from __future__ import annotations
 
-import os
-
 import procs
 import pytest
 
@@ -46,5 +44,4 @@ def test_local_storage_on_two_nodes_is_refused_before_anything_starts(two_nodes,
         assert "run folder" not in out and "ray:" not in out and "data:" not in out
         assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
         assert not ray.is_initialized(), "the driver lets go of the cluster it joined"
-        workers = [p for p in procs.descendants(os.getpid()) if p.cmdline.startswith("ray::RayTrainWorker")]
-        assert workers == []
+        assert procs.train_workers() == []

@@ -337,6 +337,7 @@ def check_sharding_for_nodes(training: TrainingConfig, nodes: int, workers: int 
         )
 
 
+PACKING_MODES = ("documents", "concat")  # rows kept apart in a block (their own positions), or run on as one text
 LORA_ALL_LINEAR = "all-linear"  # peft's name for every linear layer of the decoder blocks
 
 
@@ -389,7 +390,7 @@ class TrainingConfig(_Section):
         description="the format's fields read from other columns of the data, e.g. {instruction: question, "
         "output: answer}",
     )
-    packing: Literal["documents", "concat"] = Field(
+    packing: Literal[PACKING_MODES] = Field(  # type: ignore[valid-type]
         "documents",
         description="documents: the rows packed into a block keep apart (their own positions, no attention across "
         "rows, no loss on a row's first token); concat: rows run on as one text (pre-training)",

@@ -109,13 +109,22 @@ def _start_wandb(run_dir: Path, cfg: Any) -> Any:
         return None
     folder = os.environ.get("WANDB_DIR") or str(run_dir)  # wandb makes its own wandb/ folder inside
     Path(folder).mkdir(parents=True, exist_ok=True)
-    return wandb.init(
-        project=os.environ.get("WANDB_PROJECT") or "raytrain-eks",
-        name=run_dir.name,
-        dir=folder,
-        config=cfg.model_dump(mode="json")["training"],
-        settings=wandb.Settings(console="off", quiet=True),
-    )
+    try:
+        return wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "raytrain-eks",
+            name=run_dir.name,
+            dir=folder,
+            config=cfg.model_dump(mode="json")["training"],
+            settings=wandb.Settings(console="off", quiet=True),
+        )
+    except Exception as exc:  # no API key, no route to W&B: the run is not lost for its tracker
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning(
+            "Weights & Biases did not start (%s); the run goes on without it (WANDB_MODE=offline keeps "
+            "its records locally)",
+            first,
+        )
+        return None
 
 
 def _start_mlflow(run_dir: Path, cfg: Any) -> Any:

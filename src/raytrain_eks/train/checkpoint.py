@@ -91,7 +91,7 @@ def save_sharded(
 
     folder.mkdir(parents=True, exist_ok=True)
     lora = lora_of(model)
-    model_sd, optim_sd = _saved_state(model, optimizer)
+    model_sd, optim_sd, _ = _saved_state(model, optimizer)
     writer = dcp.FileSystemWriter(str(folder), thread_count=FILES_PER_RANK)
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
     save_trainer_state(folder, rank=rank, step=step, scheduler=scheduler, data_position=data_position)
@@ -106,18 +106,6 @@ def save_sharded(
             encoding_tokenizer(tokenizer_path, chat_template).save_pretrained(hf)
 
 
-def _state_options(model: Any) -> Any:
-    """What a checkpoint holds of ``model``: every weight, or with LoRA the adapters only (the frozen base is the
-    model it started from, loaded again on resume)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    from raytrain_eks.train.lora import lora_of
-
-    adapted = lora_of(model) is not None
-    # Not strict with LoRA (the base is not in the checkpoint) nor with tied weights (one name of each is).
-    return StateDictOptions(ignore_frozen_params=adapted, strict=not (adapted or _tied_names(model)))
-
-
 def _tied_names(model: Any) -> set[str]:
     """The second and later names of parameters that are one tensor (an output projection tied to the embedding):
     a checkpoint holds each such tensor once, under its first name, and loading that name fills them all."""
@@ -130,20 +118,22 @@ def _tied_names(model: Any) -> set[str]:
     return tied
 
 
-def _saved_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The model's and optimizer's state dicts as a checkpoint holds them (:func:`_state_options`): a tied tensor
-    once (:func:`_tied_names`: 0.93 GB less per checkpoint of Qwen2.5-1.5B in fp32), and with LoRA the adapters
-    only (filtered by name too: a frozen tied weight's second name escapes ``ignore_frozen_params``)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def _saved_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """The model's and optimizer's state dicts as a checkpoint holds them, and the options to load them back with:
+    a tied tensor once (:func:`_tied_names`: 0.93 GB less per checkpoint of Qwen2.5-1.5B in fp32), and with LoRA
+    the adapters only (the frozen base is the model the run started from, loaded again on resume; filtered by name
+    too, as a frozen tied weight's second name escapes ``ignore_frozen_params``). Loading is not strict then: the
+    names left out are filled through the tensors they share, or by the base."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from raytrain_eks.train.lora import is_adapter, lora_of
 
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_state_options(model))
+    adapted = lora_of(model) is not None
     tied = _tied_names(model)
-    model_sd = {k: v for k, v in model_sd.items() if k not in tied}
-    if lora_of(model) is not None:
-        model_sd = {k: v for k, v in model_sd.items() if is_adapter(k)}
-    return model_sd, optim_sd
+    options = StateDictOptions(ignore_frozen_params=adapted, strict=not (adapted or tied))
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    model_sd = {k: v for k, v in model_sd.items() if k not in tied and (is_adapter(k) or not adapted)}
+    return model_sd, optim_sd, options
 
 
 def _trainer_file(folder: Path, rank: int) -> Path:
@@ -205,8 +195,7 @@ def load_sharded(
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     check_compatible(folder, model.config, lora=_lora_settings(model))
-    options = _state_options(model)
-    model_sd, optim_sd = _saved_state(model, optimizer)
+    model_sd, optim_sd, options = _saved_state(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
@@ -279,10 +268,9 @@ def forget_ray_snapshot(root: str | Path) -> None:
     since it was written, and a new ``TorchTrainer`` over the same folder refuses to start when one of them is
     gone. Call before starting a trainer that continues an earlier run (``train --resume``).
     """
-    from pyarrow import fs as pafs
-
-    fs, base = _fs(join(root, RAY_SNAPSHOT))
-    if fs.get_file_info(base).type == pafs.FileType.File:
+    snapshot = join(root, RAY_SNAPSHOT)
+    if _is_file(snapshot):
+        fs, base = _fs(snapshot)
         fs.delete_file(base)
 
 
@@ -302,6 +290,14 @@ def materialize(location: str | Path, into: Path) -> Path:
         chunk_size=READ_RANGE_BYTES,
     )
     return into
+
+
+def _is_file(location: str | Path) -> bool:
+    """Whether ``location`` (local or remote) is a file."""
+    from pyarrow import fs as pafs
+
+    fs, base = _fs(location)
+    return fs.get_file_info(base).type == pafs.FileType.File
 
 
 def _read_text(location: str | Path) -> str:
@@ -327,12 +323,7 @@ def check_compatible(folder: str | Path, config: Any, *, lora: dict[str, Any] | 
     if diffs:
         raise UserError(f"checkpoint {folder} is of a different model ({'; '.join(diffs)})", hint=hint)
     adapters_file = join(join(folder, HF_DIR), ADAPTER_CONFIG)
-    fs, base = _fs(adapters_file)
-    from pyarrow import fs as pafs
-
-    had = None
-    if fs.get_file_info(base).type != pafs.FileType.NotFound:
-        had = json.loads(_read_text(adapters_file))
+    had = json.loads(_read_text(adapters_file)) if _is_file(adapters_file) else None
     if (had is None) != (lora is None):
         what = "LoRA adapters on a frozen base" if had is not None else "a full fine-tune (every weight)"
         now = "method lora" if lora is not None else "method full"
@@ -341,22 +332,24 @@ def check_compatible(folder: str | Path, config: Any, *, lora: dict[str, Any] | 
             hint="Resume with the training.method (and training.lora) the run was started with.",
         )
     if had is not None and lora is not None:
-        then = (int(had.get("r", 0)), sorted(had.get("target_modules") or []))
-        want = (int(lora["r"]), sorted(lora["target_modules"]))
+        from raytrain_eks.train.lora import adapter_settings
+
+        then = adapter_settings(had.get("r", 0), had.get("target_modules") or [])
+        want = adapter_settings(lora["r"], lora["target_modules"])
         if then != want:
             raise UserError(
-                f"checkpoint {folder} has LoRA rank {then[0]} on {', '.join(then[1])}, but this run is set to rank "
-                f"{want[0]} on {', '.join(want[1])}",
+                f"checkpoint {folder} has LoRA rank {then['r']} on {', '.join(then['target_modules'])}, but this run "
+                f"is set to rank {want['r']} on {', '.join(want['target_modules'])}",
                 hint="Resume with the training.lora settings the run was started with.",
             )
 
 
 def _lora_settings(model: Any) -> dict[str, Any] | None:
     """The adapters :func:`check_compatible` compares: ``model``'s LoRA rank and targeted layers, or ``None``."""
-    from raytrain_eks.train.lora import lora_of
+    from raytrain_eks.train.lora import adapter_settings, lora_of
 
     lora = lora_of(model)
-    return None if lora is None else {"r": lora.r, "target_modules": sorted(lora.target_modules)}
+    return None if lora is None else adapter_settings(lora.r, lora.target_modules)
 
 
 def storage_root(run_dir: Path, storage_path: str | None) -> str:
@@ -388,13 +381,9 @@ def write_storage_config(run_dir: Path, storage_path: str | None, text: str) -> 
 
 def read_storage_config(location: str) -> str:
     """The ``config.yaml`` a run left in its storage folder ``location`` (see :func:`write_storage_config`)."""
-    from pyarrow import fs as pafs
-
     path = join(location, RUN_CONFIG)
     try:
-        fs, base = _fs(path)
-        found = fs.get_file_info(base).type == pafs.FileType.File
-        text = _read_text(path) if found else None
+        text = _read_text(path) if _is_file(path) else None
     except OSError as exc:  # no such bucket, no credentials, no network
         raise UserError(
             f"--resume {location!r}: cannot read {path}: {str(exc).strip().splitlines()[0]}",

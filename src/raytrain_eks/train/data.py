@@ -35,13 +35,13 @@ from typing import Any
 
 import numpy as np
 
+from raytrain_eks.config import PACKING_MODES
 from raytrain_eks.errors import DataError
 from raytrain_eks.formats import FORMAT_NAMES, MalformedRow
 from raytrain_eks.train.encoding import IGNORE_INDEX, encode_row, encoding_tokenizer, load_tokenizer
 from raytrain_eks.train.sources import list_data_files, root_cause
 
 PACK_ROWS = 1024  # rows packed together: only the last block of each group is padded
-PACKING_MODES = ("documents", "concat")  # rows kept apart in a block (position_ids), or run on as one text
 
 
 def pack(

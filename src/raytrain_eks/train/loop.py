@@ -182,15 +182,14 @@ def prepare_model(
     sharded; only they train.
     """
     from_rank0 = layout.mode != "none" and ctx.world_size > 1
-    if from_rank0 and ctx.rank != 0:
-        model = load_model_shell(model_path, activation_checkpointing=checkpointing)
-    else:
-        model = load_model(model_path, activation_checkpointing=checkpointing)
+    shell = from_rank0 and ctx.rank != 0  # built on the meta device, filled by rank 0 after sharding
+    load = load_model_shell if shell else load_model
+    model = load(model_path, activation_checkpointing=checkpointing)
     targets = apply_lora(model, cfg.lora, base=cfg.model_id) if cfg.method == "lora" else None
     full_state = None
-    if from_rank0 and ctx.rank == 0:
-        full_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    if not (from_rank0 and ctx.rank != 0):
+    if not shell:
+        if from_rank0:  # what rank 0 sends, taken before sharding
+            full_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         model.to(device)
     trainable, total = parameter_counts(model)
     output_weight = output_projection_deferred(model)

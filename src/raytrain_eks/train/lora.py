@@ -107,16 +107,9 @@ def is_adapter(name: str) -> bool:
 
 
 def parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameters of ``model`` (a tied weight once), before sharding."""
-    seen: set[int] = set()
-    trainable = total = 0
-    for param in model.parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        total += param.numel()
-        trainable += param.numel() if param.requires_grad else 0
-    return trainable, total
+    """(trainable, total) parameters of ``model``, before sharding (``parameters()`` yields a tied weight once)."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
 
 
 def adapter_key(name: str) -> str:
@@ -140,6 +133,18 @@ def check_lora(config: Any, settings: LoraSettings) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        shell = AutoModelForCausalLM.from_config(config)
-    return {"r": settings.rank, "target_modules": sorted(lora_targets(shell, settings))}
+    try:
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # an architecture this transformers cannot build: its own words, not a traceback
+        raise UserError(
+            f"training.method lora: the model's architecture cannot be built to find its linear layers "
+            f"({str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__})",
+            hint="Use a causal LM that transformers builds (AutoModelForCausalLM), or method full.",
+        ) from None
+    return adapter_settings(settings.rank, lora_targets(shell, settings))
+
+
+def adapter_settings(rank: int, targets: Any) -> dict[str, Any]:
+    """What tells two runs' adapters apart for a resume: their rank and the layers they adapt."""
+    return {"r": int(rank), "target_modules": sorted(targets)}

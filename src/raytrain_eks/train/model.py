@@ -301,11 +301,9 @@ class _ChunkedLoss(torch.autograd.Function):
                 grad = grad.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[i : i + ctx.rows] = grad @ weight
-            if grad_weight is None:
-                pass
-            elif grad.dtype == torch.float32:
+            if grad_weight is not None and grad.dtype == torch.float32:
                 grad_weight.addmm_(grad.t(), h)
-            else:
+            elif grad_weight is not None:
                 for v in range(0, weight.size(0), piece):
                     _add_product(grad_weight[v : v + piece], grad[:, v : v + piece].t(), h)
             del grad
