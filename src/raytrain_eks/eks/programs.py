@@ -101,11 +101,12 @@ def kubeconfig_programs(path: Path) -> list[tuple[str, list[str]]] | None:
     if not isinstance(doc, dict):
         return None
     found: dict[str, list[str]] = {}
-    for user in doc.get("users") or []:
+    users = doc.get("users")
+    for user in users if isinstance(users, list) else []:
         plugin = ((user or {}).get("user") or {}).get("exec") if isinstance(user, dict) else None
         if isinstance(plugin, dict) and isinstance(plugin.get("command"), str) and plugin["command"]:
-            args = plugin.get("args") if isinstance(plugin.get("args"), list) else []
-            found.setdefault(plugin["command"], [str(a) for a in args])
+            args = plugin.get("args")
+            found.setdefault(plugin["command"], [str(a) for a in args] if isinstance(args, list) else [])
     return list(found.items())
 
 

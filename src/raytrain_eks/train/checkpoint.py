@@ -30,6 +30,7 @@ from raytrain_eks.train.storage import is_remote, join
 
 if TYPE_CHECKING:  # torch is imported where it is used: the driver's checks before a run read no tensor
     import torch
+    from transformers import PreTrainedModel
 
 MARKER = "complete.json"
 # Written into every exported model folder (by .export): only a folder holding it may be replaced by a later export.
@@ -73,7 +74,7 @@ class TrainerState:
 def save_sharded(
     folder: Path,
     *,
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     step: int,

@@ -27,6 +27,7 @@ whole file, and every later task works a bounded block at a time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -63,8 +64,11 @@ def pack(
         ids.append(np.asarray(row_ids, dtype=np.int64))
         labels.append(np.asarray(row_labels, dtype=np.int64))
     lengths = np.array([len(i) for i in ids], dtype=np.int64)
-    flat = (np.concatenate(ids), np.concatenate(labels)) if ids else (np.empty(0, np.int64), np.empty(0, np.int64))
-    return _cut(*flat, lengths, seq_len, pad_id, packing)
+    if ids:
+        flat_ids, flat_labels = np.concatenate(ids), np.concatenate(labels)
+    else:
+        flat_ids, flat_labels = np.empty(0, np.int64), np.empty(0, np.int64)
+    return _cut(flat_ids, flat_labels, lengths, seq_len, pad_id, packing)
 
 
 def _cut(
@@ -161,10 +165,10 @@ def json_rows(chunks: Iterable[bytes]) -> Iterator[dict[str, str]]:
         for line in lines:
             if line.strip():
                 yield _json_line(line)
-        text = next(texts, None)
-        if text is None:
+        chunk = next(texts, None)
+        if chunk is None:
             break
-        buf += text
+        buf += chunk
     buf += decoder.decode(b"", final=True)
     if buf.strip():
         yield _json_line(buf)
@@ -272,10 +276,11 @@ def _array_items(buf: str, texts: Iterator[str]) -> Iterator[dict[str, str]]:
             except RecursionError:
                 deep = True  # skipped by its brackets, counted as one malformed row
                 scanner = _ValueEnd()
-                while (end := scanner.scan(buf, pos)) is None:
+                while (found := scanner.scan(buf, pos)) is None:
                     if not more():
                         yield broken("the array is not closed")
                         return
+                end = found
                 break
             if not more():
                 ended = True
@@ -563,7 +568,7 @@ def _encode_in_driver(files: Sequence[str], kind: str, **encode: Any) -> Any:
             raw = pq.read_table(path)
         else:
             with open(path, "rb") as f:
-                raw = _rows_block(list(json_rows(iter(lambda f=f: f.read(READ_CHUNK_BYTES), b""))))
+                raw = _rows_block(list(json_rows(iter(functools.partial(f.read, READ_CHUNK_BYTES), b""))))
         if raw.num_rows:
             tables.append(_encode_batch(raw, **encode))
     if not tables:
@@ -663,7 +668,12 @@ def prepare_dataset(
                     if kind == "parquet"
                     else ray.data.read_datasource(json_datasource(files), ray_remote_args=where)
                 )
-            encoded = raw.map_batches(_encode_batch, batch_format="pyarrow", fn_kwargs=encode).materialize()
+            # Ray's annotation of map_batches takes no function with keyword-only arguments (fn_kwargs fills them).
+            encoded = raw.map_batches(
+                _encode_batch,  # type: ignore[arg-type]
+                batch_format="pyarrow",
+                fn_kwargs=encode,
+            ).materialize()
     except DataError:
         raise
     except Exception as exc:  # Ray wraps reader errors; show the root cause, not Ray's traceback.

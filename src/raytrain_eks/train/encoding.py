@@ -193,14 +193,14 @@ def encode_row(
     if not isinstance(row, dict):
         raise MalformedRow("the row is not a JSON object")
     fmt = registered_format(data_format)
-    row = renamed(row, columns)
+    fields = renamed(row, columns)
     if fmt.conversation is None:
-        text = field_text(row, text_field, required=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        text = field_text(fields, text_field, required=True)
+        tokens: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
         if tokenizer.eos_token_id is not None:
-            ids = ids + [tokenizer.eos_token_id]
-        return ids, list(ids)
-    conversation = fmt.conversation(row)
+            tokens = tokens + [tokenizer.eos_token_id]
+        return tokens, list(tokens)
+    conversation = fmt.conversation(fields)
     if _GENERATION_BLOCK.search(getattr(tokenizer, "chat_template", None) or ""):
         return _masked_by_template(conversation.messages, tokenizer, conversation.tools)
     ids: list[int] = []

@@ -97,6 +97,7 @@ def export_hf(
                 f"--adapter-only: checkpoint {source} is a full fine-tune (training.method full); it has no adapters",
                 hint="Leave out --adapter-only to export the model.",
             )
+        load: Callable[[list[_Entry], torch.dtype], dict[str, torch.Tensor]]
         if lora is None:
             load = functools.partial(_load_group, local)
         elif adapter_only:
@@ -257,7 +258,7 @@ def _write_shards(
                 tensors = load(part, dtype)
                 for entry in part:
                     data = tensors.pop(entry.name).contiguous().reshape(-1).view(torch.uint8)
-                    f.write(memoryview(data.numpy()))
+                    f.write(data.numpy().data)
                     del data
     if len(shards) > 1:
         index = {
@@ -321,12 +322,13 @@ def _adapters(checkpoint: Path) -> dict[str, Any] | None:
 def _adapter_entries(checkpoint: Path, dtype: torch.dtype) -> list[_Entry]:
     """The adapters' tensors in the checkpoint (names as the adapted model has them), from its metadata."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     size = torch.empty((), dtype=dtype).element_size()
     entries = []
     for fqn, meta in FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata.items():
         name = fqn.removeprefix(_DCP_PREFIX)
-        if fqn.startswith(_DCP_PREFIX) and is_adapter(name):
+        if fqn.startswith(_DCP_PREFIX) and is_adapter(name) and isinstance(meta, TensorStorageMetadata):
             shape = tuple(meta.size)
             entries.append(_Entry(name, shape, math.prod(shape) * size))
     if not entries:

@@ -153,12 +153,12 @@ def run_training(
     data_files = None if training.uses_random_data else list_data_files(_data_source(cfg))
     eval_files = list_data_files(training.eval_data, option="training.eval_data") if training.eval_data else None
     resume_dir, resume_root = _resume_source(resume, cfg, runs_root)
-    resume_from = None
+    resume_from: str | None = None
     ray_was_running = ray.is_initialized()
     local_ray = None
     if address is None:  # a local run has one node
         check_sharding_for_nodes(training, 1, training.num_workers or LOCAL_CPU_WORKERS, counted="a local run")
-        if resume_dir is not None:
+        if resume_root is not None:  # before Ray starts: a run folder without a checkpoint stops here
             resume_from = resolve_checkpoint(resume_root)
         if not ray_was_running:
             local_ray = LocalRayStart(training.num_workers or LOCAL_CPU_WORKERS, verbose)
@@ -176,10 +176,9 @@ def run_training(
             counted = "alive nodes of the Ray cluster that can host a training worker"
             check_storage_for_nodes(training, worker_hosts(), counted=counted)
             check_sharding_for_nodes(training, worker_hosts(), training.num_workers or None, counted=counted)
-            if resume_dir is not None:
-                resume_from = resolve_checkpoint(resume_root)
-        if resume_dir is not None:
+        if resume_dir is not None and resume_root is not None:
             run_dir = resume_dir
+            resume_from = resume_from or resolve_checkpoint(resume_root)  # a cluster's storage: read once joined
             check_compatible(resume_from, model_config, lora=lora)
             run_dir.mkdir(parents=True, exist_ok=True)  # a run continued on a machine that does not have its folder
             say(f"resuming {run_dir} from {resume_from}")
@@ -287,8 +286,9 @@ def _train_in(
             stage=getattr(progress, "stage", None),
         )
         say(prepared.describe(training.data, training.seq_len))
-        if hasattr(progress, "stage"):
-            progress.stage("ready; starting the training workers")
+        stage = getattr(progress, "stage", None)
+        if stage is not None:
+            stage("ready; starting the training workers")
         # Every rank reads all of the (small) held-out set and keeps its share: splitting would drop a remainder.
         datasets = train_datasets(prepared.dataset, _eval_dataset(cfg, prepared, eval_files, model_path, say))
     else:
@@ -340,7 +340,8 @@ def _train_in(
             name=RAY_DIR,
             storage_path=storage_root(run_dir, training.storage_path),
             failure_config=ray.train.FailureConfig(max_failures=training.max_failures),
-            worker_runtime_env={"env_vars": worker_env},
+            # Ray Train v2's RunConfig (chosen when ray.train is imported) takes it; the one typed statically is v1's.
+            worker_runtime_env={"env_vars": worker_env},  # type: ignore[call-arg]
         ),
     )
 
@@ -384,7 +385,7 @@ def _train_in(
                 if progress is not None:
                     progress(record, training.steps)
     thread.join()
-    ray.kill(queue.actor)
+    queue.shutdown(force=True)
     if trained is not None:
         trained()
     # The report's plotting library loads on a thread while the model is exported (both take a second or two).

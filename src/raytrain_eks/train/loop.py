@@ -13,7 +13,8 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,9 @@ from raytrain_eks.train.model import (
 )
 from raytrain_eks.train.precision import resolve_precision
 from raytrain_eks.train.sharding import Layout, choose_sharding, set_gradient_sync, shard_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -157,7 +161,7 @@ class PreparedModel:
     """The model as the loop trains it: sharded, its output projection deferred to the loss, its sizes counted
     before sharding (``parameters`` all of them, adapters included; ``trainable`` those the optimizer updates)."""
 
-    model: torch.nn.Module
+    model: PreTrainedModel
     output_weight: OutputHead
     parameters: int
     trainable: int
@@ -257,8 +261,9 @@ def train(
         if cfg.uses_random_data
         else ctx.data_batches(cfg.batch_size, position, seed=cfg.seed)
     )
-    if getattr(batches, "note", ""):  # a data position in an earlier checkpoint format, converted
-        ctx.emit({"note": batches.note})
+    note = getattr(batches, "note", "")
+    if note:  # a data position in an earlier checkpoint format, converted
+        ctx.emit({"note": note})
 
     fpt = flops_per_token(model.config, cfg.seq_len, adapters=prepared.trainable if prepared.lora_targets else 0)
     peak = peak_flops_for(device_name(device), precision) if device.type == "cuda" else None
@@ -274,29 +279,27 @@ def train(
     checkpoints: list[int] = []
     checkpoint_s = 0.0
     window_steps, window_tokens = 0, 0  # steps and tokens since the last record; its start is set below
+    window_start = 0.0
 
     def save(step: int, metrics: dict[str, Any]) -> None:
         nonlocal checkpoint_s, window_start
         t = time.perf_counter()
-        ctx.save_checkpoint(
-            step,
-            lambda folder: (
-                save_sharded(
-                    folder,
-                    model=model,
-                    optimizer=optimizer,
-                    scheduler=scheduler,
-                    step=step,
-                    data_position=batches.position,
-                    rank=ctx.rank,
-                    tokenizer_path=model_path,  # the tokenizer goes into every checkpoint, for export
-                    chat_template=cfg.chat_template,
-                ),
-                maybe_die("checkpoint", step=step, rank=ctx.rank),
-            ),
-            metrics,
-            keep=cfg.keep_checkpoints,
-        )
+
+        def write(folder: Path) -> None:
+            save_sharded(
+                folder,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                step=step,
+                data_position=batches.position,
+                rank=ctx.rank,
+                tokenizer_path=model_path,  # the tokenizer goes into every checkpoint, for export
+                chat_template=cfg.chat_template,
+            )
+            maybe_die("checkpoint", step=step, rank=ctx.rank)
+
+        ctx.save_checkpoint(step, write, metrics, keep=cfg.keep_checkpoints)
         checkpoints.append(step)
         spent = time.perf_counter() - t
         checkpoint_s += spent
@@ -373,7 +376,7 @@ def train(
                 "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
                 "resumed_from_step": resumed_from,
             }
-            if eval_due:  # after the window's timing: evaluation time is left out of throughput, like checkpoints
+            if eval_due and held_out is not None:  # after the window's timing: left out of throughput, like checkpoints
                 t = time.perf_counter()
                 last_eval = held_out.evaluate(model, output_weight, device)
                 eval_s += time.perf_counter() - t

@@ -72,7 +72,7 @@ def lora_config(settings: LoraSettings, targets: list[str], base: str | None = N
 
     return LoraConfig(
         r=settings.rank,
-        lora_alpha=settings.alpha,
+        lora_alpha=settings.alpha,  # type: ignore[arg-type]  # annotated int; peft scales by alpha / rank
         lora_dropout=settings.dropout,
         target_modules=targets,
         bias="none",

@@ -48,7 +48,7 @@ def load_model_shell(path: str, *, activation_checkpointing: bool) -> Any:
     return model
 
 
-def fill_from_rank0(model: Any, full_state: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+def fill_from_rank0(model: Any, full_state: dict[str, Any] | None, device: torch.device) -> None:
     """After sharding: every rank's shard of the weights from rank 0's ``full_state`` (the model's state dict,
     taken before sharding; ``None`` on the ranks that built :func:`load_model_shell`, which get storage on
     ``device`` here). Buffers outside the state dict (rotary frequencies) are sent whole. A collective: every
@@ -144,7 +144,8 @@ def logit_transform(model: Any) -> LogitTransform | None:
             hint="Fine-tune a causal LM whose logits are the output projection's, or scaled or soft-capped through "
             f"one of the config fields {', '.join(KNOWN_LOGIT_FIELDS)} (Llama, Qwen, Mistral, Gemma, Granite, ...).",
         )
-    scale, softcap, neutral = 1.0, None, []
+    scale, softcap = 1.0, None
+    neutral: list[tuple[Any, str, float | None]] = []  # (object, attribute, the value that turns it off)
     if "logits_scaling" in source and getattr(config, "logits_scaling", None) not in (None, 1, 1.0):
         scale /= float(config.logits_scaling)
         neutral.append((config, "logits_scaling", 1.0))

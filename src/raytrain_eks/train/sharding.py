@@ -220,7 +220,9 @@ def set_gradient_sync(model: torch.nn.Module, mode: str, last: bool) -> None:
     reduce-scatters every micro-batch (each rank then holds only its shard of the running sum, never the whole
     gradient); HSDP reduce-scatters inside the node every micro-batch and all-reduces across nodes only on the
     ``last`` (no traffic between nodes before it). A model without a wrapper (``none``) has nothing to reduce."""
-    if mode == "none" or not hasattr(model, "set_requires_gradient_sync"):
+    from torch.distributed.fsdp import FSDPModule
+
+    if mode == "none" or not isinstance(model, FSDPModule):
         return
     model.set_requires_gradient_sync(True)
     if mode == "hsdp":

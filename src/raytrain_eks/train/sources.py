@@ -58,7 +58,8 @@ def hf_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
         raise DataError(
             f"{option} {data!r}: split {split!r} is stored as {suffixes}; Parquet, JSON and JSONL datasets are read"
         )
-    return files, kinds.pop()
+    (kind,) = {k for k in kinds if k is not None}
+    return files, kind
 
 
 def _hub_snapshot(repo_id: str, data: str, option: str) -> Path:

@@ -107,4 +107,4 @@ if __name__ == "__main__":
     # this process writes is closed by now.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(code or 0)  # record() passes main's code through (typed Optional)
