@@ -21,12 +21,12 @@ from fake_kube import FakeKube, Placement, device_plugin_resource
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.eks import addons
-from raytrain_eks.eks.addons import HelmRelease, helm_releases
-from raytrain_eks.eks.runner import CommandError, Completed
-from raytrain_eks.eks.state import Deployment, StateStore
 from raytrain_eks.instances import EFA_GPU_TYPES
+from raytrain_eks.k8s import addons
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.addons import HelmRelease, helm_releases
+from raytrain_eks.k8s.runner import CommandError, Completed
+from raytrain_eks.k8s.state import Deployment, StateStore
 
 # The git tree id of each chart's folder at the commit SOURCE.md names (`git rev-parse COMMIT:PATH`).
 UPSTREAM_TREES = {
@@ -293,7 +293,7 @@ current-context: nowhere
 
 
 class RealHelm:
-    """A :class:`~raytrain_eks.eks.runner.Runner` running real helm (``helm`` -> the given binary) with ``env``."""
+    """A :class:`~raytrain_eks.k8s.runner.Runner` running real helm (``helm`` -> the given binary) with ``env``."""
 
     def __init__(self, real_tools: Any, binary: Path, env: dict[str, str]) -> None:
         self.real_tools, self.binary, self.env = real_tools, binary, env

@@ -37,17 +37,18 @@ from fake_kube import CLUSTER_SCOPED, FakeKube, parse_quantity
 from typer.testing import CliRunner
 
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.eks import addons, lifecycle, nodegroups, runner, state
 from raytrain_eks.eks import commands as deploy_commands
+from raytrain_eks.eks import lifecycle, nodegroups
 from raytrain_eks.eks import submit as sub
-from raytrain_eks.eks.addons import NodesNotReady
 from raytrain_eks.eks.plan import write_plan
-from raytrain_eks.eks.runner import CommandError, Completed, MissingToolError
-from raytrain_eks.eks.state import Cancelled, Deployment, StateStore, apply_state
 from raytrain_eks.errors import UserError
+from raytrain_eks.k8s import addons, runner, state
 from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.addons import NodesNotReady
 from raytrain_eks.k8s.cluster import Event, ExecResult, _exec_returncode
+from raytrain_eks.k8s.runner import CommandError, Completed, MissingToolError
+from raytrain_eks.k8s.state import Cancelled, Deployment, StateStore, apply_state
 from raytrain_eks.train.memory import DoesNotFit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
@@ -63,7 +64,7 @@ ALLOCATABLE = {"g6.12xlarge": {"cpu": "47", "memory": "185Gi"}, "m7i.xlarge": {"
 
 
 class FakeTools:
-    """A recording :class:`~raytrain_eks.eks.runner.Runner` simulating eksctl and helm.
+    """A recording :class:`~raytrain_eks.k8s.runner.Runner` simulating eksctl and helm.
 
     ``no_capacity``: zones where the GPU instances cannot launch. ``fail_once``: argv prefix (joined) -> stderr of
     one failure. ``crash_plugins``: releases whose DaemonSet pods never become ready. ``missing``: tools not

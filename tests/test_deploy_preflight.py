@@ -23,13 +23,14 @@ from test_deploy import ZONES, StateDeployment, World
 from raytrain_eks.aws import eksctl
 from raytrain_eks.cli import main
 from raytrain_eks.config import load_config
-from raytrain_eks.eks import buckets, irsa, lifecycle, nodegroups, programs, runner
+from raytrain_eks.eks import buckets, irsa, lifecycle, nodegroups, programs
 from raytrain_eks.eks import commands as deploy_commands
 from raytrain_eks.eks import submit as sub
 from raytrain_eks.eks.plan import build_plan
-from raytrain_eks.eks.runner import CommandError, MissingToolsError
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s import runner
+from raytrain_eks.k8s.runner import CommandError, MissingToolsError
 
 EKSCTL_SOURCE = Path(__file__).parent / "fixtures" / "eksctl"
 EVERY_PROGRAM = {"eksctl", "helm", "aws", "aws-iam-authenticator"}

@@ -32,9 +32,9 @@ from raytrain_eks.aws.services import Services
 from raytrain_eks.config import Config, load_config
 from raytrain_eks.eks import lifecycle, nodegroups
 from raytrain_eks.eks.plan import write_plan
-from raytrain_eks.eks.runner import CommandError
-from raytrain_eks.eks.state import StateStore
 from raytrain_eks.errors import ConfigError, UserError
+from raytrain_eks.k8s.runner import CommandError
+from raytrain_eks.k8s.state import StateStore
 
 REGION = "us-east-1"
 # The commands the EKS path runs (besides the IAM service account's, checked when it runs them too).

@@ -43,12 +43,12 @@ from raytrain_eks.eks.compare import (
     config_for,
     throughput,
 )
-from raytrain_eks.eks.runner import CommandError
-from raytrain_eks.eks.state import Cancelled
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_log import analyze_paths
 from raytrain_eks.k8s.cluster import ExecResult
 from raytrain_eks.k8s.manifests import IMAGE_PYTHON
+from raytrain_eks.k8s.runner import CommandError
+from raytrain_eks.k8s.state import Cancelled
 
 EFA_LOG = FIXTURES / "efa_2node_nccl2.29_ray.log"
 TCP_LOG = FIXTURES / "socket_fallback_nccl2.27_kubectl.log"

@@ -22,13 +22,13 @@ from typer.testing import CliRunner
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import AMI_FAMILIES, load_config
-from raytrain_eks.eks.addons import helm_releases
 from raytrain_eks.eks.commands import register
 from raytrain_eks.eks.plan import CODE_CONFIG_MAP_FILE, PACKAGE_ARCHIVE_FILE, build_plan, write_plan
 from raytrain_eks.eks.pricing import cost_per_hour, run_cost
 from raytrain_eks.errors import ConfigError
 from raytrain_eks.instances import instance_type
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.addons import helm_releases
 
 SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md
 INSTANCES = [("g6.12xlarge", 4, 1), ("g5.48xlarge", 8, 1), ("p4d.24xlarge", 8, 4), ("p5.48xlarge", 8, 32)]

@@ -16,7 +16,6 @@ from typer.testing import CliRunner
 from raytrain_eks import presets
 from raytrain_eks.config import load_config
 from raytrain_eks.eks.pricing import deployment_record
-from raytrain_eks.eks.state import StateStore
 from raytrain_eks.fabric import commands, probe
 from raytrain_eks.fabric.probe import (
     HEALTHY_RATIO,
@@ -38,6 +37,7 @@ from raytrain_eks.fabric.probe import (
     summarize,
 )
 from raytrain_eks.instances import INSTANCE_TYPES
+from raytrain_eks.k8s.state import StateStore
 
 MiB = 1 << 20
 

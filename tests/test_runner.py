@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from raytrain_eks.config import load_config
-from raytrain_eks.eks import lifecycle, runner
-from raytrain_eks.eks.state import Deployment, StateStore
+from raytrain_eks.eks import lifecycle
+from raytrain_eks.k8s import runner
+from raytrain_eks.k8s.state import Deployment, StateStore
 
 # Stands in for eksctl: records its own and a grandchild's pid, then both sleep far longer than any test.
 FAKE_EKSCTL = textwrap.dedent(

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_eks.eks.wait import poll
 from raytrain_eks.errors import UserError
+from raytrain_eks.k8s.wait import poll
 
 
 class Clock:

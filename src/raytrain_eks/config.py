@@ -39,6 +39,9 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _INSTANCE_TYPE = re.compile(r"^[a-z][a-z0-9-]*\.[a-z0-9-]+$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _EKS_NAME = re.compile(r"^[0-9A-Za-z][A-Za-z0-9_-]*$")
+# Kubernetes label keys (an optional DNS-subdomain prefix, then a name of 63 at most) and values.
+_LABEL_KEY = re.compile(r"^([a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
 _IMAGE = re.compile(r"^[a-z0-9.-]+(:\d+)?(/[a-z0-9._-]+)+(:[A-Za-z0-9_.-]{1,128}|@sha256:[0-9a-f]{64})$")
 _VERSION = re.compile(r"^v?\d+\.\d+\.\d+([-+][0-9A-Za-z.-]+)?$")
 
@@ -80,8 +83,42 @@ _LAST_AL2_K8S = (1, 32)
 
 
 class ClusterConfig(_Section):
-    """The EKS cluster and its node groups (reference: two g6.12xlarge GPU nodes, one m7i.xlarge system node)."""
+    """The cluster: EKS with its node groups (reference: two g6.12xlarge GPU nodes, one m7i.xlarge system node), or
+    an existing Kubernetes cluster (``target: kubernetes``) whose GPU nodes are found by their labels."""
 
+    target: Literal["eks", "kubernetes"] = Field(
+        "eks",
+        description=(
+            "eks: the EKS cluster up creates with eksctl; kubernetes: the cluster of your kubeconfig as it is (up "
+            "installs only what it lacks, after asking, and creates no cloud resource)"
+        ),
+    )
+    kubeconfig: str | None = Field(
+        None, description="target kubernetes: the kubeconfig file; empty = $KUBECONFIG, else ~/.kube/config"
+    )
+    context: str | None = Field(None, description="target kubernetes: the kubeconfig's context; empty = its current")
+    gpu_node_selector: dict[str, str] | None = Field(
+        None,
+        description=(
+            "labels of the GPU nodes the worker pods run on; empty = the GPU node group's (eks), any node that "
+            "advertises nvidia.com/gpu (kubernetes)"
+        ),
+    )
+    head_node_selector: dict[str, str] | None = Field(
+        None, description="labels of the node the Ray head runs on; empty = the system node group (eks), any node"
+    )
+    gpu_tolerations: list[dict[str, str]] | None = Field(
+        None, description="the worker pods' tolerations; empty = the nvidia.com/gpu NoSchedule taint"
+    )
+    efa_per_node: int | None = Field(
+        None,
+        ge=0,
+        le=32,
+        description=(
+            "EFA interfaces each worker pod requests (0: none); empty = the instance type's (eks), what the GPU "
+            "nodes advertise at up (kubernetes)"
+        ),
+    )
     name: str = Field("ray-train-eks", max_length=100)
     region: str = "us-east-1"
     # The reference's version; newer versions stay longer in EKS standard support ($0.10 instead of $0.60 per hour).
@@ -136,6 +173,15 @@ class ClusterConfig(_Section):
             "one, private and encrypted, and down keeps it while it holds anything"
         ),
     )
+
+    @field_validator("gpu_node_selector", "head_node_selector")
+    @classmethod
+    def _labels(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        for key, value in (v or {}).items():
+            _check(_LABEL_KEY, key, "label keys such as node.kubernetes.io/instance-type or role")
+            if value:
+                _check(_LABEL_VALUE, value, "label values of letters, digits, '-', '_' and '.' (63 at most)")
+        return v
 
     @field_validator("name", "gpu_nodegroup_name")
     @classmethod
@@ -229,6 +275,10 @@ class RayConfig(_Section):
     )
     worker_memory_gib: int | None = Field(
         None, ge=1, description="memory request = limit of each GPU worker pod, GiB; empty = 5/6 of the instance"
+    )
+    head_cpu: int | None = Field(None, ge=1, description="CPU of the Ray head pod; empty = of the system node (eks), 2")
+    head_memory_gib: int | None = Field(
+        None, ge=1, description="memory of the Ray head pod, GiB; empty = of the system node (eks), 8"
     )
     hf_token_secret: str = Field(
         "hf-token", description="Kubernetes Secret that holds HF_TOKEN (created from your environment, never written)"

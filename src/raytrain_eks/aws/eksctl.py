@@ -42,7 +42,7 @@ AVOIDED_ZONE_IDS: dict[str, tuple[str, ...]] = {
 # DaemonSets eksctl applies by itself in kube-system (infra-facts §1), named as in eksctl's
 # pkg/addons/assets/{nvidia,efa}-device-plugin.yaml (v0.230.0). The pinned Helm charts replace them; two plugins
 # advertising the same resource on one node is what must never happen. The EFA one has the very name of the EFA
-# chart's DaemonSet: it is told apart by Helm's ownership metadata (raytrain_eks.eks.addons).
+# chart's DaemonSet: it is told apart by Helm's ownership metadata (raytrain_eks.k8s.addons).
 EKSCTL_NVIDIA_PLUGIN_DAEMONSET = "nvidia-device-plugin-daemonset"
 EKSCTL_EFA_PLUGIN_DAEMONSET = "aws-efa-k8s-device-plugin"
 

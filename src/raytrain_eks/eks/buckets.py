@@ -8,7 +8,7 @@ to this bucket (:func:`raytrain_eks.aws.eksctl.bucket_policy`) and, when a KMS k
 empty or when asked to (``--delete-checkpoints``); nothing a job wrote is lost by default. Example::
 
     name = ensure_bucket(d)          # "ray-train-eks-checkpoints-3f9a1c2e"
-    storage_uri(name)                # (raytrain_eks.eks.state) "s3://ray-train-eks-checkpoints-3f9a1c2e/runs"
+    storage_uri(name)                # (raytrain_eks.k8s.state) "s3://ray-train-eks-checkpoints-3f9a1c2e/runs"
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
-from raytrain_eks.eks.state import Deployment, StateStore
 from raytrain_eks.errors import UserError
+from raytrain_eks.k8s.state import Deployment, StateStore
 
 # S3 Standard in us-east-1, per GB-month (first 50 TB); what the kept checkpoints cost while they are kept.
 S3_STANDARD_USD_PER_GB_MONTH = 0.023

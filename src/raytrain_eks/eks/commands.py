@@ -40,7 +40,7 @@ from raytrain_eks.folders import new_folder
 from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, JsonOpt, SetOpt, StateDirOpt, YesOpt
 
 if TYPE_CHECKING:
-    from raytrain_eks.eks.state import Deployment, StateStore
+    from raytrain_eks.k8s.state import Deployment, StateStore
 
 
 class PlanMode(StrEnum):
@@ -133,7 +133,7 @@ def _load(config: Path | None, preset: str, sets: list[str] | None = None) -> Co
 def remembered_config(cfg: Config, store: StateStore, say: Callable[[str], None]) -> Config:
     """``cfg`` with the cluster, region and zone this folder's state remembers; ``say`` tells when they differ
     from the configured ones."""
-    from raytrain_eks.eks.state import apply_state
+    from raytrain_eks.k8s.state import apply_state
 
     remembered = apply_state(cfg, store)
     was, now = cfg.cluster, remembered.cluster
@@ -149,9 +149,9 @@ def make_deployment(cfg: Config, state_dir: Path, say: Callable[[str], None] = _
 
     The one place the commands build their collaborators; tests replace it with fakes.
     """
-    from raytrain_eks.eks import runner
-    from raytrain_eks.eks.state import Deployment, StateStore
+    from raytrain_eks.k8s import runner
     from raytrain_eks.k8s.cluster import KubernetesApi
+    from raytrain_eks.k8s.state import Deployment, StateStore
 
     store = StateStore(state_dir)
     remembered = remembered_config(cfg, store, say)
@@ -199,7 +199,7 @@ def up(
         require_programs(d, "up", "submit", mode=mode.value)
     lifecycle.up(d, confirm=_confirm(yes), offered_zones=lambda: nodegroups.placement_zones(d.cfg))
     if train:  # with what up remembered on the way, the checkpoint bucket it created among it
-        from raytrain_eks.eks.state import apply_state
+        from raytrain_eks.k8s.state import apply_state
 
         _submit(dataclasses.replace(d, cfg=apply_state(cfg, d.state)), mode)
 

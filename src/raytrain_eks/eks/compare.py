@@ -43,7 +43,7 @@ from raytrain_eks.fabric.nccl_log import TransportReport, analyze
 
 if TYPE_CHECKING:
     from raytrain_eks.config import Config
-    from raytrain_eks.eks.state import Deployment
+    from raytrain_eks.k8s.state import Deployment
 
 TCP_ENV = {"NCCL_NET": "Socket", "FI_PROVIDER": "tcp"}
 """What run B adds to the workers' environment: NCCL's own TCP socket transport, libfabric's tcp provider."""
@@ -422,8 +422,8 @@ def ray_jobs(d: Deployment) -> list[dict[str, str]]:
 def _claim_raycluster(d: Deployment, confirm: Callable[[str], bool]) -> bool:
     """Before anything is deleted: refuse when a job is running on the RayCluster, else ask once. Returns whether
     the RayCluster exists."""
-    from raytrain_eks.eks.state import Cancelled
     from raytrain_eks.eks.submit import DASHBOARD, ray_pods
+    from raytrain_eks.k8s.state import Cancelled
 
     ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
     if d.kube.get("ray.io/v1", "RayCluster", name, ns) is None:
@@ -436,7 +436,7 @@ def _claim_raycluster(d: Deployment, confirm: Callable[[str], bool]) -> bool:
         if len(busy) > 1:
             what += f", and {len(busy) - 1} more"
         (head, *_), _ = ray_pods(d, ns, name)  # a job runs, so ray_jobs found the head pod
-        stop = ["kubectl", "--kubeconfig", d.kubeconfig, "-n", ns, "exec", head.name, "-c", "ray-head", "--"]
+        stop = ["kubectl", *d.kube_flags(), "-n", ns, "exec", head.name, "-c", "ray-head", "--"]
         stop += ["ray", "job", "stop", "--address", DASHBOARD, job["id"]]
         raise ClusterBusy(
             f"RayCluster {ns}/{name} is in use: {what}. compare-fabric deletes the RayCluster, which would kill "
@@ -468,7 +468,7 @@ def restore_raycluster(d: Deployment, *, hf_token: bool) -> None:
         apply_job_config(d, None)  # the token's Secret, when there is one, is still there from the runs
         apply_raycluster(d, hf_token=hf_token)
     except UserError as exc:
-        delete = ["kubectl", "--kubeconfig", d.kubeconfig, "-n", ns, "delete", "raycluster", name]
+        delete = ["kubectl", *d.kube_flags(), "-n", ns, "delete", "raycluster", name]
         raise UserError(
             f"could not restore RayCluster {ns}/{name} after the comparison: {exc}; it may still run with the last "
             "run's environment (NCCL over TCP sockets)",

@@ -37,10 +37,10 @@ from typing import Any
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.eks.buckets import bucket_kms_key
-from raytrain_eks.eks.state import RUNS_PREFIX, Deployment
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.manifests import to_yaml
+from raytrain_eks.k8s.state import RUNS_PREFIX, Deployment
 
 # The annotation eksctl puts on the service account (eksctl v0.230.0, pkg/apis/eksctl.io/v1alpha5/iam.go:
 # AnnotationEKSRoleARN), which EKS's pod identity webhook reads to give the pods the role's credentials.

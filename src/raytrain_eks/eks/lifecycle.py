@@ -1,7 +1,7 @@
 """The deploy steps of ``up``, ``status`` and ``down``, as functions over one :class:`Deployment`.
 
 A :class:`Deployment` bundles the configuration, the Kubernetes interface (:class:`~raytrain_eks.k8s.cluster.KubeApi`),
-the runner for eksctl and helm (:class:`~raytrain_eks.eks.runner.Runner`) and the :class:`StateStore` that remembers,
+the runner for eksctl and helm (:class:`~raytrain_eks.k8s.runner.Runner`) and the :class:`StateStore` that remembers,
 in ``.raytrain-eks/state.json`` of the working folder, the region and zones chosen and everything created. Every
 step looks before it acts, and records what it is about to create *before* creating it, so re-running after a
 failure resumes and ``down`` finds even what a crash left half made. Example::
@@ -26,18 +26,6 @@ from typing import Any
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
-from raytrain_eks.eks.addons import (
-    HELM_TIMEOUT_S,
-    ensure_release,
-    gpu_node_problems,
-    helm,
-    helm_releases,
-    install_argv,
-    release_info,
-    remove_eksctl_device_plugins,
-    wait_gpu_nodes,
-    wait_kuberay,
-)
 from raytrain_eks.eks.buckets import bucket_exists, bucket_objects, delete_bucket, ensure_bucket, kept_note
 from raytrain_eks.eks.irsa import CONFIG_FILE as SERVICE_ACCOUNT_FILE
 from raytrain_eks.eks.irsa import create_argv as create_service_account_argv
@@ -54,16 +42,29 @@ from raytrain_eks.eks.nodegroups import (
     ensure_cluster,
     ensure_gpu_nodegroup,
     ensure_system_nodegroup,
+    gpu_node_spec,
     kubeconfig_argv,
     leftover_cluster_stack,
     nodegroup_statuses,
+    remove_eksctl_device_plugins,
 )
 from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
 from raytrain_eks.eks.programs import declared_programs, require_programs
-from raytrain_eks.eks.runner import Interrupted
-from raytrain_eks.eks.state import KUBECONFIG_FILE, STATE_DIR, Cancelled, Deployment, describe
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.addons import (
+    HELM_TIMEOUT_S,
+    ensure_release,
+    gpu_node_problems,
+    helm,
+    helm_releases,
+    install_argv,
+    release_info,
+    wait_gpu_nodes,
+    wait_kuberay,
+)
+from raytrain_eks.k8s.runner import Interrupted
+from raytrain_eks.k8s.state import KUBECONFIG_FILE, STATE_DIR, Cancelled, Deployment, describe
 from raytrain_eks.train.memory import fit_config
 
 
@@ -170,7 +171,7 @@ def planned_actions(cfg: Config) -> list[Action]:
 
 @contextlib.contextmanager
 def _say_state_when_interrupted(d: Deployment) -> Iterator[None]:
-    """An :class:`~raytrain_eks.eks.runner.Interrupted` (Ctrl-C or SIGTERM during eksctl or helm) leaves with what the
+    """An :class:`~raytrain_eks.k8s.runner.Interrupted` (Ctrl-C or SIGTERM during eksctl or helm) leaves with what the
     state file records, so the user knows what exists before running the command again."""
     try:
         yield
@@ -194,7 +195,7 @@ def up(
     Order: preflight -> cluster -> the Ray pods' service account and IAM role -> system node group -> GPU node
     group (zone by zone) -> eksctl's own plugins removed -> pinned charts -> GPU nodes proven ready -> KubeRay
     Ready. Each step skips what exists. Ctrl-C or SIGTERM stops the running eksctl or helm and raises
-    :class:`~raytrain_eks.eks.runner.Interrupted` naming what the state file records.
+    :class:`~raytrain_eks.k8s.runner.Interrupted` naming what the state file records.
     """
     with _say_state_when_interrupted(d):
         return _up(d, confirm=confirm, offered_zones=offered_zones)
@@ -229,7 +230,7 @@ def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callabl
     remove_eksctl_device_plugins(d)
     for rel in helm_releases(cfg):
         ensure_release(d, rel)
-    nodes = wait_gpu_nodes(d, gpu, az)
+    nodes = wait_gpu_nodes(d, gpu_node_spec(cfg, az))
     wait_kuberay(d)
     d.state.update(phase="up")
     d.say(f"Ready: cluster {c.name} in {c.region}, GPU nodes in {az}. Next: `raytrain-eks submit`.")
@@ -410,8 +411,7 @@ def status(d: Deployment) -> list[str]:
         return lines
     for name, st in sorted(nodegroup_statuses(d).items()):
         lines.append(f"Node group {name}: {st}")
-    gpu, _ = check_deployable(d.cfg)
-    nodes, problems = gpu_node_problems(d, gpu, s.get("gpu_az"))
+    nodes, problems = gpu_node_problems(d, gpu_node_spec(d.cfg, s.get("gpu_az")))
     for node in nodes:
         lines.append(
             f"GPU node {node.name} ({node.zone or '?'}): {m.GPU_RESOURCE}={node.allocatable.get(m.GPU_RESOURCE, 0)} "

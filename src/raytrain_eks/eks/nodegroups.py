@@ -21,19 +21,35 @@ from typing import Any
 
 from raytrain_eks.aws import eksctl, stacks
 from raytrain_eks.config import Config
-from raytrain_eks.eks.runner import CommandError, Completed
-from raytrain_eks.eks.state import Deployment, StateStore, UnreadableAnswer, cluster_item, nodegroup_item
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.addons import GpuNodeSpec, helm_releases, owned_by
 from raytrain_eks.k8s.manifests import to_yaml
+from raytrain_eks.k8s.runner import QUICK_TIMEOUT_S, CommandError, Completed
+from raytrain_eks.k8s.state import Deployment, StateStore, UnreadableAnswer, cluster_item, nodegroup_item
 
 # Seconds. eksctl's CloudFormation stacks take 15-20 minutes for a cluster and 5-15 for a node group. The runner lets
 # eksctl run for its own wait (--timeout, eksctl.CLUSTER_WAIT_MIN / NODEGROUP_WAIT_MIN) and then some, for what it
 # does after the wait (add-ons, the kubeconfig, device plugins): eksctl stops first and says why.
 CLUSTER_TIMEOUT_S = (eksctl.CLUSTER_WAIT_MIN + 10) * 60
 NODEGROUP_TIMEOUT_S = (eksctl.NODEGROUP_WAIT_MIN + 5) * 60
-QUICK_TIMEOUT_S = 120
 GPU_NODE_SELECTOR = {"role": m.GPU_NODE_LABELS["role"]}
+
+
+def gpu_node_spec(cfg: Config, zone: str | None) -> GpuNodeSpec:
+    """What the worker pods need of the GPU node group's nodes (both device plugins are this tool's own there)."""
+    c = cfg.cluster
+    return GpuNodeSpec(
+        selector=dict(c.gpu_node_selector) if c.gpu_node_selector is not None else dict(GPU_NODE_SELECTOR),
+        count=c.gpu_node_count,
+        gpus=cfg.derived.ray_gpus_per_worker_pod,
+        efa=m.efa_per_pod(cfg),
+        zone=zone,
+        missing_hint=f"check node group {c.gpu_nodegroup_name} with `eksctl get nodegroup --cluster {c.name} "
+        f"--region {c.region}`",
+    )
+
+
 BUSY_POLL_S = 30.0  # a CloudFormation stack changes state in minutes
 MAX_ZONES = 3  # zones given subnets (and so GPU zones to try) when the config names none
 
@@ -560,3 +576,22 @@ def scale_gpu_nodes(d: Deployment, nodes: int) -> None:
     stay (``up`` or a RayJob ``submit`` scales it back)."""
     d.run(eksctl.scale_gpu_nodegroup_argv(d.cfg, nodes), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say)
     d.state.update(gpu_scaled_to=nodes)
+
+
+def remove_eksctl_device_plugins(d: Deployment) -> None:
+    """Delete the plugin DaemonSets eksctl applies by itself: only the pinned charts may advertise GPUs and EFA.
+
+    eksctl's EFA DaemonSet has the name of the EFA chart's own, so a DaemonSet of that name is deleted only while
+    it lacks the release's Helm ownership metadata: that is eksctl's copy (just applied, or applied over the
+    chart's when a node group was created again), and Helm would refuse to install the chart over it.
+    """
+    owners = {rel.workload: rel for rel in helm_releases(d.cfg) if rel.namespace == "kube-system"}
+    for name in (eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET, eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET):
+        found = d.kube.get("apps/v1", "DaemonSet", name, "kube-system")
+        if found is None:
+            continue
+        owner = owners.get(("DaemonSet", name))
+        if owner is not None and owned_by(found, owner):
+            continue
+        if d.kube.delete("apps/v1", "DaemonSet", name, "kube-system"):
+            d.say(f"Removed eksctl's own DaemonSet kube-system/{name} (the pinned chart replaces it)")

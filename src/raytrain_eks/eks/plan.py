@@ -22,10 +22,8 @@ from typing import Any, Literal
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
 from raytrain_eks.eks import irsa
-from raytrain_eks.eks.addons import HelmRelease, helm_releases
 from raytrain_eks.eks.buckets import planned_bucket, storage_estimate
 from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
-from raytrain_eks.eks.state import with_bucket_storage
 from raytrain_eks.errors import UserError
 from raytrain_eks.instances import (
     QUOTA_CODES,
@@ -34,7 +32,9 @@ from raytrain_eks.instances import (
 )
 from raytrain_eks.k8s import job as job_files
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.addons import HelmRelease, helm_releases
 from raytrain_eks.k8s.manifests import to_yaml
+from raytrain_eks.k8s.state import with_bucket_storage
 from raytrain_eks.train.memory import fit_config, unknown_shape_note
 
 Mode = Literal["raycluster", "rayjob"]

@@ -20,7 +20,6 @@ from typing import Any
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
-from raytrain_eks.eks.state import StateStore
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.fabric.deployment import RECORD_KIND, no_record_reason, read_deployment
 from raytrain_eks.instances import (
@@ -34,6 +33,7 @@ from raytrain_eks.instances import (
     InstanceType,
     eks_support,
 )
+from raytrain_eks.k8s.state import StateStore
 
 
 def check_deployable(cfg: Config) -> tuple[InstanceType, InstanceType]:

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from raytrain_eks.eks.runner import require_tools
-from raytrain_eks.eks.state import Deployment
+from raytrain_eks.k8s.runner import require_tools
+from raytrain_eks.k8s.state import Deployment
 
 EKSCTL = "eksctl"
 HELM = "helm"
@@ -148,7 +148,7 @@ def needs(d: Deployment, commands: Sequence[str], *, mode: str = "raycluster") -
 
 
 def require_programs(d: Deployment, *commands: str, mode: str = "raycluster") -> None:
-    """Raise :class:`~raytrain_eks.eks.runner.MissingToolsError` (exit 2) naming every program ``commands`` need
+    """Raise :class:`~raytrain_eks.k8s.runner.MissingToolsError` (exit 2) naming every program ``commands`` need
     that is not installed, checked through ``d.require_tool``; do nothing when all are there."""
     require_tools(needs(d, commands, mode=mode), d.require_tool)
 

@@ -26,19 +26,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from raytrain_eks.eks.addons import NodesNotReady, gpu_node_problems, wait_gpu_nodes
 from raytrain_eks.eks.irsa import check_before_pods
-from raytrain_eks.eks.nodegroups import scale_gpu_nodes
+from raytrain_eks.eks.nodegroups import gpu_node_spec, scale_gpu_nodes
 from raytrain_eks.eks.pricing import check_deployable, deployment_record
-from raytrain_eks.eks.runner import CommandError
-from raytrain_eks.eks.state import Deployment, object_item
-from raytrain_eks.eks.wait import POLL_S
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.decision import gate_decision
 from raytrain_eks.fabric.deployment import DEPLOYMENT_RECORD
 from raytrain_eks.fabric.nccl_lines import NCCL_LOG_PREFIX
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.addons import NodesNotReady, gpu_node_problems, wait_gpu_nodes
 from raytrain_eks.k8s.cluster import KubeApiError, Pod
 from raytrain_eks.k8s.job import (
     DASHBOARD,
@@ -50,6 +47,9 @@ from raytrain_eks.k8s.job import (
     rayjob_manifest,
     unpack_argv,
 )
+from raytrain_eks.k8s.runner import CommandError
+from raytrain_eks.k8s.state import Deployment, object_item
+from raytrain_eks.k8s.wait import POLL_S
 from raytrain_eks.train.memory import fit_config
 
 Mode = Literal["raycluster", "rayjob"]
@@ -351,7 +351,7 @@ def refuse_raycluster_holding_gpus(d: Deployment) -> None:
         return
     _, workers = ray_pods(d, ns, name)
     on_nodes = sum(1 for w in workers if w.node_name)
-    delete = ["kubectl", "--kubeconfig", d.kubeconfig, "-n", ns, "delete", "raycluster", name]
+    delete = ["kubectl", *d.kube_flags(), "-n", ns, "delete", "raycluster", name]
     raise UserError(
         f"RayCluster {ns}/{name} (of `submit --mode raycluster`) still holds the GPU nodes ({on_nodes} of its "
         f"{len(workers)} worker pods placed): the RayJob's own RayCluster would wait for their GPUs until its start "
@@ -407,8 +407,8 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
     if d.state.get("gpu_scaled_to") == 0:  # a finished RayJob left the GPU group at 0 nodes
         d.say(f"Scaling GPU node group {cfg.cluster.gpu_nodegroup_name} back to {cfg.cluster.gpu_node_count} nodes")
         scale_gpu_nodes(d, cfg.cluster.gpu_node_count)
-        wait_gpu_nodes(d, gpu, d.state.get("gpu_az"))
-    _, problems = gpu_node_problems(d, gpu, d.state.get("gpu_az"))
+        wait_gpu_nodes(d, gpu_node_spec(cfg, d.state.get("gpu_az")))
+    _, problems = gpu_node_problems(d, gpu_node_spec(cfg, d.state.get("gpu_az")))
     if problems:
         raise NodesNotReady(problems)  # at once: pods would only sit Pending
 

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from raytrain_eks.config import Config
+from raytrain_eks.errors import UserError
 from raytrain_eks.instances import default_worker_pod_size, head_pod_size, instance_type
 
 # Labels and taint of the node groups (set in the eksctl ClusterConfig); pods select and tolerate them.
@@ -129,10 +130,60 @@ def train_argv() -> list[str]:
     return [IMAGE_PYTHON, "-m", "raytrain_eks.cli", "train", "--address", "auto", "--config", config]
 
 
+# The Ray head pod on a cluster this tool did not make, unless ray.head_cpu / head_memory_gib say otherwise.
+DEFAULT_HEAD_POD = (2, 8)
+
+
 def worker_pod_size(cfg: Config) -> tuple[int, int]:
-    """CPU and memory (GiB) of each GPU worker pod: the configured values, else 5/6 of the instance."""
+    """CPU and memory (GiB) of each GPU worker pod: the configured values, else 5/6 of the instance (eks; on the
+    kubernetes target ``up`` reads them from the GPU nodes and they are configured from its record)."""
+    if cfg.ray.worker_cpu and cfg.ray.worker_memory_gib:
+        return cfg.ray.worker_cpu, cfg.ray.worker_memory_gib
+    if cfg.cluster.target != "eks":
+        raise UserError(
+            "the worker pods' CPU and memory are not known: ray.worker_cpu and ray.worker_memory_gib are unset "
+            "and `raytrain-eks up` has not read them from the GPU nodes",
+            hint="Run `raytrain-eks up` (it records them from the nodes), or set ray.worker_cpu and "
+            "ray.worker_memory_gib.",
+        )
     cpu, mem = default_worker_pod_size(instance_type(cfg.cluster.gpu_node_type))
     return cfg.ray.worker_cpu or cpu, cfg.ray.worker_memory_gib or mem
+
+
+def head_pod_resources(cfg: Config) -> tuple[int, int]:
+    """CPU and memory (GiB) of the Ray head pod: the configured values, else a share of the system node (eks)."""
+    if cfg.cluster.target == "eks":
+        cpu, mem = head_pod_size(instance_type(cfg.cluster.system_node_type))
+    else:
+        cpu, mem = DEFAULT_HEAD_POD
+    return cfg.ray.head_cpu or cpu, cfg.ray.head_memory_gib or mem
+
+
+def efa_per_pod(cfg: Config) -> int:
+    """EFA interfaces each worker pod requests: ``cluster.efa_per_node``, else the instance type's (eks) or none."""
+    if cfg.cluster.efa_per_node is not None:
+        return cfg.cluster.efa_per_node
+    return instance_type(cfg.cluster.gpu_node_type).efa_interfaces if cfg.cluster.target == "eks" else 0
+
+
+def gpu_node_selector(cfg: Config) -> dict[str, str]:
+    """The labels the worker pods select: ``cluster.gpu_node_selector``, else the GPU node group's (eks) or none
+    (the ``nvidia.com/gpu`` request alone keeps them on GPU nodes)."""
+    if cfg.cluster.gpu_node_selector is not None:
+        return dict(cfg.cluster.gpu_node_selector)
+    return dict(GPU_NODE_LABELS) if cfg.cluster.target == "eks" else {}
+
+
+def head_node_selector(cfg: Config) -> dict[str, str]:
+    if cfg.cluster.head_node_selector is not None:
+        return dict(cfg.cluster.head_node_selector)
+    return dict(SYSTEM_NODE_LABELS) if cfg.cluster.target == "eks" else {}
+
+
+def gpu_tolerations(cfg: Config) -> list[dict[str, str]]:
+    if cfg.cluster.gpu_tolerations is not None:
+        return [dict(t) for t in cfg.cluster.gpu_tolerations]
+    return [dict(GPU_TOLERATION)]
 
 
 def _guaranteed(resources: dict[str, str]) -> dict[str, dict[str, str]]:
@@ -141,7 +192,7 @@ def _guaranteed(resources: dict[str, str]) -> dict[str, dict[str, str]]:
 
 
 def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
-    cpu, mem = head_pod_size(instance_type(cfg.cluster.system_node_type))
+    cpu, mem = head_pod_resources(cfg)
     # "void" keeps the NVIDIA container runtime from exposing any GPU to the head, whatever node it lands on.
     env: list[dict[str, Any]] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
     if hf_token:
@@ -163,7 +214,7 @@ def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
         "metadata": {"labels": labels(cfg)},
         "spec": {
             "serviceAccountName": RAY_SERVICE_ACCOUNT,
-            "nodeSelector": dict(SYSTEM_NODE_LABELS),
+            **({"nodeSelector": selector} if (selector := head_node_selector(cfg)) else {}),
             "containers": [container],
             "volumes": [
                 {"name": "ray-logs", "emptyDir": {}},
@@ -174,7 +225,6 @@ def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
 
 
 def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
-    it = instance_type(cfg.cluster.gpu_node_type)
     cpu, mem = worker_pod_size(cfg)
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in cfg.network.env.items()]
     if hf_token:
@@ -183,9 +233,11 @@ def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
         "cpu": str(cpu),
         "memory": f"{mem}Gi",
         GPU_RESOURCE: str(cfg.derived.ray_gpus_per_worker_pod),
-        # Without the EFA request the device plugin mounts no EFA device and NCCL silently falls back to sockets.
-        EFA_RESOURCE: str(it.efa_interfaces),
     }
+    efa = efa_per_pod(cfg)
+    if efa:  # requested only where the nodes have EFA (the request would keep the pods Pending elsewhere)
+        # Without the EFA request the device plugin mounts no EFA device and NCCL silently falls back to sockets.
+        resources[EFA_RESOURCE] = str(efa)
     container = {
         "name": "ray-worker",
         "image": cfg.ray.image,
@@ -202,8 +254,8 @@ def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
         "metadata": {"labels": labels(cfg)},
         "spec": {
             "serviceAccountName": RAY_SERVICE_ACCOUNT,
-            "nodeSelector": dict(GPU_NODE_LABELS),
-            "tolerations": [dict(GPU_TOLERATION)],
+            **({"nodeSelector": selector} if (selector := gpu_node_selector(cfg)) else {}),
+            "tolerations": gpu_tolerations(cfg),
             "containers": [container],
             "volumes": [
                 # NCCL's intra-node transport uses /dev/shm; the container default of 64 MiB is far too small.

@@ -32,6 +32,7 @@ from typing import IO, Protocol
 from raytrain_eks.errors import UserError
 
 STDERR_TAIL_LINES = 20
+QUICK_TIMEOUT_S = 120  # a command that only reads (helm get, eksctl get): seconds before it is stopped
 """Lines of stderr kept in a :class:`CommandError` (the end is where programs say what went wrong)."""
 
 DEFAULT_HINT = "Fix the problem above, then run the same raytrain-eks command again: it resumes where it stopped."

@@ -1,8 +1,9 @@
-"""The cluster's add-ons, installed with helm, and the proof that they work.
+"""The cluster's add-ons, installed with helm, and the proof that they work, on any target.
 
 The NVIDIA and EFA device plugins and the KubeRay operator are pinned Helm releases. helm's exit status is not taken
 as proof: the plugins' DaemonSets must be Ready on every GPU node, and every GPU node must advertise
-``nvidia.com/gpu`` and ``vpc.amazonaws.com/efa``; KubeRay's operator must run and its RayCluster CRD exist.
+``nvidia.com/gpu`` (and ``vpc.amazonaws.com/efa`` where the worker pods request it); KubeRay's operator must run and
+its RayCluster CRD exist. What a target expects of its GPU nodes is one :class:`GpuNodeSpec`.
 
 Nor is a release's status taken as proof that its objects are there: eksctl applies its own EFA plugin DaemonSet,
 ``aws-efa-k8s-device-plugin`` in kube-system, whenever it creates an EFA node group, under the very name the EFA
@@ -20,16 +21,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
-from raytrain_eks.eks.nodegroups import GPU_NODE_SELECTOR, QUICK_TIMEOUT_S
-from raytrain_eks.eks.runner import CommandError, Completed
-from raytrain_eks.eks.state import Deployment
 from raytrain_eks.errors import UserError
-from raytrain_eks.instances import InstanceType
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import Node
 from raytrain_eks.k8s.manifests import to_yaml
+from raytrain_eks.k8s.runner import QUICK_TIMEOUT_S, CommandError, Completed
+from raytrain_eks.k8s.state import Deployment
 
 HELM_TIMEOUT_S = 15 * 60
 GPU_READY_TIMEOUT_S = 15 * 60
@@ -100,7 +98,34 @@ class HelmRelease:
 
 
 def helm_releases(cfg: Config) -> list[HelmRelease]:
-    """The three pinned charts (infra-facts §1), device plugins first so GPUs and EFA exist before any Ray pod."""
+    """The three pinned charts (infra-facts §1), device plugins first so GPUs and EFA exist before any Ray pod.
+
+    On EKS the values fit the node groups this tool makes. On another target the plugins go to the nodes of
+    ``cluster.gpu_node_selector`` (tolerating the worker pods' tolerations) and the operator to those of
+    ``cluster.head_node_selector``; the NVIDIA chart's own affinity (labels that node feature discovery sets) is
+    replaced by that selector, which every cluster can give.
+    """
+    if cfg.cluster.target != "eks":
+        return _releases(
+            cfg,
+            nvidia={"nodeSelector": m.gpu_node_selector(cfg), "affinity": None, "tolerations": m.gpu_tolerations(cfg)},
+            efa={"nodeSelector": m.gpu_node_selector(cfg), "tolerations": m.gpu_tolerations(cfg)},
+            kuberay={"nodeSelector": selector} if (selector := m.head_node_selector(cfg)) else {},
+        )
+    # The NVIDIA chart's default affinity (nvidia.com/gpu.present=true, set on the GPU node group) and its default
+    # toleration of the nvidia.com/gpu taint are what we need; nothing to override. The EFA chart tolerates only
+    # CriticalAddonsOnly; without the toleration it would never run on the tainted GPU nodes.
+    return _releases(
+        cfg,
+        nvidia={},
+        efa={"tolerations": [dict(m.GPU_TOLERATION)]},
+        kuberay={"nodeSelector": dict(m.SYSTEM_NODE_LABELS)},
+    )
+
+
+def _releases(
+    cfg: Config, *, nvidia: dict[str, Any], efa: dict[str, Any], kuberay: dict[str, Any]
+) -> list[HelmRelease]:
     a = cfg.addons
     return [
         HelmRelease(
@@ -110,9 +135,7 @@ def helm_releases(cfg: Config) -> list[HelmRelease]:
             repo_url="https://nvidia.github.io/k8s-device-plugin",
             chart="nvidia-device-plugin",
             version=a.nvidia_device_plugin_version,
-            # The chart's default affinity (nvidia.com/gpu.present=true, set on the GPU node group) and its
-            # default toleration of the nvidia.com/gpu taint are what we need; nothing to override.
-            values={},
+            values=nvidia,
             purpose="advertises nvidia.com/gpu on the GPU nodes",
             # The chart also renders nvidia-device-plugin-mps-control-daemon, which runs only on nodes labelled
             # nvidia.com/mps.capable=true: not on these, and not checked.
@@ -125,8 +148,7 @@ def helm_releases(cfg: Config) -> list[HelmRelease]:
             repo_url="https://aws.github.io/eks-charts",
             chart="aws-efa-k8s-device-plugin",
             version=a.efa_device_plugin_version,
-            # The chart tolerates only CriticalAddonsOnly; without this it would never run on the tainted GPU nodes.
-            values={"tolerations": [dict(m.GPU_TOLERATION)]},
+            values=efa,
             purpose="advertises vpc.amazonaws.com/efa on the GPU nodes",
             # The same name as the DaemonSet eksctl applies by itself (remove_eksctl_device_plugins).
             workload=("DaemonSet", "aws-efa-k8s-device-plugin"),
@@ -138,7 +160,7 @@ def helm_releases(cfg: Config) -> list[HelmRelease]:
             repo_url="https://ray-project.github.io/kuberay-helm/",
             chart="kuberay-operator",
             version=a.kuberay_version,
-            values={"nodeSelector": dict(m.SYSTEM_NODE_LABELS)},
+            values=kuberay,
             purpose="installs the RayCluster/RayJob CRDs and runs the operator on the system node",
             workload=("Deployment", "kuberay-operator"),
         ),
@@ -160,8 +182,8 @@ class NodesNotReady(UserError):
         lines = [head + ":"] + [f"  - {p}" for p in self.problems]
         super().__init__(
             "\n".join(lines),
-            hint="Run `raytrain-eks up` again: it reinstalls the device plugins and waits until every GPU node "
-            "advertises nvidia.com/gpu and vpc.amazonaws.com/efa. `raytrain-eks status` shows the nodes.",
+            hint="Run `raytrain-eks up` again: it installs the device plugins the nodes lack and waits until every "
+            "GPU node advertises what the worker pods request. `raytrain-eks status` shows the nodes.",
         )
 
 
@@ -171,12 +193,13 @@ class NodesNotReady(UserError):
 
 
 def helm(d: Deployment, argv: list[str], **kwargs: Any) -> Completed:
-    return d.run([*argv, "--kubeconfig", d.kubeconfig], **kwargs)
+    return d.run([*argv, *d.kube_flags("--kube-context")], **kwargs)
 
 
 def shown(d: Deployment, *argv: str) -> str:
-    """A helm or kubectl command for the user to run, on this folder's cluster (its kubeconfig named)."""
-    return shlex.join([argv[0], "--kubeconfig", d.kubeconfig, *argv[1:]])
+    """A helm or kubectl command for the user to run, on this deployment's cluster (its kubeconfig named)."""
+    context = "--kube-context" if argv[0] == "helm" else "--context"
+    return shlex.join([argv[0], *d.kube_flags(context), *argv[1:]])
 
 
 def release_info_argv(name: str, namespace: str) -> list[str]:
@@ -188,7 +211,7 @@ def release_info_argv(name: str, namespace: str) -> list[str]:
 def release_info(d: Deployment, name: str, namespace: str) -> dict[str, Any] | None:
     """The release's metadata (``status``, ``chart``, ``version`` = the chart's version, ``revision``), or ``None``
     when there is no such release. Only Helm's "release: not found" means that; any other failure (the cluster
-    unreachable, a refused token) raises :class:`~raytrain_eks.eks.runner.CommandError`."""
+    unreachable, a refused token) raises :class:`~raytrain_eks.k8s.runner.CommandError`."""
     done = helm(d, release_info_argv(name, namespace), timeout=QUICK_TIMEOUT_S, check=False)
     if done.returncode != 0:
         if RELEASE_NOT_FOUND in done.stderr:
@@ -227,11 +250,11 @@ def workload_of(d: Deployment, rel: HelmRelease) -> dict[str, Any] | None:
     return d.kube.get("apps/v1", kind, name, rel.namespace)
 
 
-def install_argv(rel: HelmRelease, values: str, kubeconfig: str) -> list[str]:
+def install_argv(rel: HelmRelease, values: str, kubeconfig: str, context: str | None = None) -> list[str]:
     """``helm upgrade --install`` of ``rel`` with its values file at ``values``: what ``up`` runs and ``up --plan``
     shows. helm's own wait stops before the runner's ``HELM_TIMEOUT_S``, so its message is the one seen."""
     argv = [values if a == rel.values_file else a for a in rel.argv()]
-    return [*argv, "--timeout", "10m", "--kubeconfig", kubeconfig]
+    return [*argv, "--timeout", "10m", "--kubeconfig", kubeconfig, *(["--kube-context", context] if context else [])]
 
 
 def ensure_release(d: Deployment, rel: HelmRelease) -> None:
@@ -254,30 +277,11 @@ def ensure_release(d: Deployment, rel: HelmRelease) -> None:
     d.state.record(helm_item(rel))
     d.say(f"Installing {rel.repo_name}/{rel.chart} {rel.version} ({rel.purpose})")
     d.run(
-        install_argv(rel, str(values), d.kubeconfig),
+        install_argv(rel, str(values), d.kubeconfig, d.context),
         timeout=HELM_TIMEOUT_S,
         hint=f"Run `raytrain-eks up` again; `{shown(d, 'helm', 'status', rel.name, '-n', rel.namespace)}` shows the "
         "release.",
     )
-
-
-def remove_eksctl_device_plugins(d: Deployment) -> None:
-    """Delete the plugin DaemonSets eksctl applies by itself: only the pinned charts may advertise GPUs and EFA.
-
-    eksctl's EFA DaemonSet has the name of the EFA chart's own, so a DaemonSet of that name is deleted only while
-    it lacks the release's Helm ownership metadata: that is eksctl's copy (just applied, or applied over the
-    chart's when a node group was created again), and Helm would refuse to install the chart over it.
-    """
-    owners = {rel.workload: rel for rel in helm_releases(d.cfg) if rel.namespace == "kube-system"}
-    for name in (eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET, eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET):
-        found = d.kube.get("apps/v1", "DaemonSet", name, "kube-system")
-        if found is None:
-            continue
-        owner = owners.get(("DaemonSet", name))
-        if owner is not None and owned_by(found, owner):
-            continue
-        if d.kube.delete("apps/v1", "DaemonSet", name, "kube-system"):
-            d.say(f"Removed eksctl's own DaemonSet kube-system/{name} (the pinned chart replaces it)")
 
 
 def _quantity(value: str | None) -> int:
@@ -287,58 +291,82 @@ def _quantity(value: str | None) -> int:
         return 0
 
 
-def gpu_node_problems(d: Deployment, gpu: InstanceType, zone: str | None) -> tuple[list[Node], list[str]]:
+@dataclass(frozen=True)
+class GpuNodeSpec:
+    """What the worker pods need of the GPU nodes, as a target knows it: the nodes' labels, how many, the GPUs and
+    EFA interfaces each pod requests, one zone (EFA cannot cross zones; ``None``: not checked), the device-plugin
+    releases whose DaemonSets must be Ready on every node (those the target installs), whether the NVIDIA chart's
+    ``nvidia.com/gpu.present`` label is needed, and where to look when nodes are missing."""
+
+    selector: dict[str, str]
+    count: int
+    gpus: int
+    efa: int
+    zone: str | None = None
+    plugins: tuple[str, ...] = DEVICE_PLUGIN_RELEASES
+    needs_present_label: bool = True
+    missing_hint: str = ""
+
+    @property
+    def wants(self) -> str:
+        return m.GPU_RESOURCE + (f" and {m.EFA_RESOURCE}" if self.efa else "")
+
+
+def gpu_nodes(d: Deployment, spec: GpuNodeSpec) -> list[Node]:
+    """The nodes of ``spec.selector``; with no selector, those that advertise ``nvidia.com/gpu``."""
+    nodes = d.kube.nodes(spec.selector or None)
+    if not spec.selector:
+        nodes = [n for n in nodes if _quantity(n.allocatable.get(m.GPU_RESOURCE))]
+    return nodes
+
+
+def gpu_node_problems(d: Deployment, spec: GpuNodeSpec) -> tuple[list[Node], list[str]]:
     """The GPU nodes, and everything that keeps a worker pod from running on them, each with its fix.
 
-    Checked: the number of nodes, Ready, the ``nvidia.com/gpu.present`` label, one zone, allocatable
-    ``nvidia.com/gpu`` and ``vpc.amazonaws.com/efa`` at least what a worker pod requests, and a Ready pod of each
-    device-plugin DaemonSet on every GPU node. Empty problems: the nodes are ready for the workers.
+    Checked: the number of nodes, Ready, the ``nvidia.com/gpu.present`` label (when the NVIDIA chart's affinity
+    needs it), one zone, allocatable ``nvidia.com/gpu`` and ``vpc.amazonaws.com/efa`` at least what a worker pod
+    requests, and a Ready pod of each of ``spec.plugins``' DaemonSets on every GPU node. Empty problems: the nodes
+    are ready for the workers.
     """
-    cfg = d.cfg
-    want_gpu, want_efa = cfg.derived.ray_gpus_per_worker_pod, gpu.efa_interfaces
-    nodes = d.kube.nodes(GPU_NODE_SELECTOR)
+    nodes = gpu_nodes(d, spec)
     problems: list[str] = []
-    if len(nodes) < cfg.cluster.gpu_node_count:
-        problems.append(
-            f"{len(nodes)} of {cfg.cluster.gpu_node_count} GPU nodes (label role=gpu-worker) have joined the cluster; "
-            f"check node group {cfg.cluster.gpu_nodegroup_name} with `eksctl get nodegroup --cluster "
-            f"{cfg.cluster.name} --region {cfg.cluster.region}`"
-        )
+    if len(nodes) < spec.count:
+        labels = ",".join(f"{k}={v}" for k, v in spec.selector.items()) or f"advertising {m.GPU_RESOURCE}"
+        problems.append(f"{len(nodes)} of {spec.count} GPU nodes ({labels}) are in the cluster; {spec.missing_hint}")
     for node in nodes:
         if not node.ready:
             problems.append(
                 f"node {node.name} is not Ready; `{shown(d, 'kubectl', 'describe', 'node', node.name)}` says why"
             )
-        if node.labels.get("nvidia.com/gpu.present") != "true":
+        if spec.needs_present_label and node.labels.get("nvidia.com/gpu.present") != "true":
             problems.append(
                 f"node {node.name} lacks the label nvidia.com/gpu.present=true, so the NVIDIA device plugin does not "
                 f"run there; fix: `{shown(d, 'kubectl', 'label', 'node', node.name, 'nvidia.com/gpu.present=true')}`"
             )
-        if zone and node.zone and node.zone != zone:
-            problems.append(f"node {node.name} is in {node.zone}, not {zone}: EFA traffic cannot cross zones")
+        if spec.zone and node.zone and node.zone != spec.zone:
+            problems.append(f"node {node.name} is in {node.zone}, not {spec.zone}: EFA traffic cannot cross zones")
         have_gpu = _quantity(node.allocatable.get(m.GPU_RESOURCE))
-        if have_gpu < want_gpu:
+        if have_gpu < spec.gpus:
             problems.append(
-                f"node {node.name} advertises {m.GPU_RESOURCE}={have_gpu}, a worker pod needs {want_gpu}: the NVIDIA "
-                "device plugin is not running there (fix: `raytrain-eks up` reinstalls it)"
+                f"node {node.name} advertises {m.GPU_RESOURCE}={have_gpu}, a worker pod needs {spec.gpus}: the NVIDIA "
+                "device plugin is not running there (fix: `raytrain-eks up` installs it)"
             )
         have_efa = _quantity(node.allocatable.get(m.EFA_RESOURCE))
-        if have_efa < want_efa:
+        if have_efa < spec.efa:
             problems.append(
-                f"node {node.name} advertises {m.EFA_RESOURCE}={have_efa}, a worker pod needs {want_efa}: the EFA "
-                "device plugin is not running there or the node group is not EFA-enabled (fix: `raytrain-eks up` "
-                "reinstalls the plugin; the node group needs efaEnabled: true)"
+                f"node {node.name} advertises {m.EFA_RESOURCE}={have_efa}, a worker pod needs {spec.efa}: the EFA "
+                "device plugin is not running there or the node has no EFA interface (fix: `raytrain-eks up` "
+                "installs the plugin; an EKS node group needs efaEnabled: true)"
             )
-    problems += _plugin_problems(d, nodes)
+    problems += _plugin_problems(d, nodes, spec.plugins)
     return nodes, problems
 
 
-def _plugin_problems(d: Deployment, nodes: list[Node]) -> list[str]:
-    """The device-plugin DaemonSet of each plugin release (found by the release's label, as the chart sets it)
-    without a Ready pod on some GPU node."""
+def _plugin_problems(d: Deployment, nodes: list[Node], plugins: Sequence[str]) -> list[str]:
+    """The device-plugin DaemonSet of each of the ``plugins`` releases (found by the release's label, as the chart
+    sets it) without a Ready pod on some GPU node."""
     problems = []
-    plugins = [rel for rel in helm_releases(d.cfg) if rel.name in DEVICE_PLUGIN_RELEASES]
-    for rel in plugins:
+    for rel in [rel for rel in helm_releases(d.cfg) if rel.name in plugins]:
         name = rel.workload[1]
         sets = d.kube.daemon_sets(rel.namespace, {"app.kubernetes.io/instance": rel.name})
         ds = next((s for s in sets if s.name == name), None)
@@ -357,14 +385,12 @@ def _plugin_problems(d: Deployment, nodes: list[Node]) -> list[str]:
     return problems
 
 
-def wait_gpu_nodes(
-    d: Deployment, gpu: InstanceType, zone: str | None, timeout: float = GPU_READY_TIMEOUT_S
-) -> list[Node]:
+def wait_gpu_nodes(d: Deployment, spec: GpuNodeSpec, timeout: float = GPU_READY_TIMEOUT_S) -> list[Node]:
     """Wait until :func:`gpu_node_problems` finds nothing; raise :class:`NodesNotReady` with every problem."""
     latest: list[str] = []
 
     def probe() -> tuple[list[Node] | None, str]:
-        nodes, problems = gpu_node_problems(d, gpu, zone)
+        nodes, problems = gpu_node_problems(d, spec)
         if not problems:
             return nodes, "ready"
         latest[:] = problems
@@ -376,10 +402,8 @@ def wait_gpu_nodes(
         timeout=timeout,
         on_timeout=lambda _, waited: NodesNotReady(latest, waited_s=waited),
     )
-    d.say(
-        f"{len(nodes)} GPU nodes ready: each advertises {m.GPU_RESOURCE} and {m.EFA_RESOURCE}, device "
-        "plugins Ready on every one"
-    )
+    plugins = ", device plugins Ready on every one" if spec.plugins else ""
+    d.say(f"{len(nodes)} GPU nodes ready: each advertises {spec.wants}{plugins}")
     return nodes
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_eks.config import Config
-from raytrain_eks.eks.runner import Runner, require_tool
-from raytrain_eks.eks.wait import POLL_S, T, poll
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s.cluster import KubeApi
+from raytrain_eks.k8s.runner import Runner, require_tool
+from raytrain_eks.k8s.wait import POLL_S, T, poll
 
 STATE_DIR = ".raytrain-eks"
 STATE_FILE = "state.json"
@@ -215,10 +215,18 @@ class Deployment:
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.monotonic
     require_tool: Callable[[str], object] = require_tool
+    # The kubeconfig (and its context) helm and kubectl are given: this folder's own, written by eksctl (eks), else
+    # the user's (the kubernetes target).
+    kubeconfig_file: str | None = None
+    context: str | None = None
 
     @property
     def kubeconfig(self) -> str:
-        return str(self.state.kubeconfig)
+        return self.kubeconfig_file or str(self.state.kubeconfig)
+
+    def kube_flags(self, context_flag: str = "--context") -> list[str]:
+        """``--kubeconfig FILE`` and, with a context, ``context_flag CONTEXT`` (helm: ``--kube-context``)."""
+        return ["--kubeconfig", self.kubeconfig, *([context_flag, self.context] if self.context else [])]
 
     def wait(
         self,
@@ -229,7 +237,7 @@ class Deployment:
         on_timeout: Callable[[str, float], Exception] | None = None,
         interval: float = POLL_S,
     ) -> T:
-        """:func:`raytrain_eks.eks.wait.poll` on this deployment's clock, sleep and progress lines."""
+        """:func:`raytrain_eks.k8s.wait.poll` on this deployment's clock, sleep and progress lines."""
         return poll(
             probe,
             what=what,
