@@ -59,6 +59,11 @@ def register(app: typer.Typer) -> None:
     app.command("compare-fabric")(compare_fabric)
 
 
+KubeconfigOpt = Annotated[
+    Path | None,
+    typer.Option(help="cluster.target kubernetes: the cluster's kubeconfig (default: $KUBECONFIG, ~/.kube/config)."),
+]
+ContextOpt = Annotated[str | None, typer.Option(help="cluster.target kubernetes: the kubeconfig's context to use.")]
 ModeOpt = Annotated[
     PlanMode, typer.Option(help="raycluster: a long-lived cluster the job is submitted to; rayjob: one job.")
 ]
@@ -126,8 +131,20 @@ def _say(line: str) -> None:
     _out.print(line, markup=False)
 
 
-def _load(config: Path | None, preset: str, sets: list[str] | None = None) -> Config:
-    return load_config(preset=presets.choose(preset), path=config, sets=sets)
+def _load(
+    config: Path | None,
+    preset: str,
+    sets: list[str] | None = None,
+    kubeconfig: Path | None = None,
+    context: str | None = None,
+) -> Config:
+    """The configuration; ``--kubeconfig`` and ``--context`` set ``cluster.kubeconfig`` and ``cluster.context``."""
+    given = [*(sets or [])]
+    if kubeconfig is not None:
+        given.append(f"cluster.kubeconfig={kubeconfig}")
+    if context is not None:
+        given.append(f"cluster.context={context}")
+    return load_config(preset=presets.choose(preset), path=config, sets=given or None)
 
 
 def remembered_config(cfg: Config, store: StateStore, say: Callable[[str], None]) -> Config:
@@ -154,8 +171,23 @@ def make_deployment(cfg: Config, state_dir: Path, say: Callable[[str], None] = _
     from raytrain_eks.k8s.state import Deployment, StateStore
 
     store = StateStore(state_dir)
-    remembered = remembered_config(cfg, store, say)
-    return Deployment(cfg=remembered, kube=KubernetesApi(store.kubeconfig), run=runner.run, state=store, say=say)
+    if cfg.cluster.target == "kubernetes":  # the user's cluster, through their kubeconfig
+        from raytrain_eks.errors import UserError
+        from raytrain_eks.k8s.existing import kubeconfig_path, remembered
+
+        path, context = kubeconfig_path(cfg), cfg.cluster.context
+        if not Path(path).is_file():
+            raise UserError(
+                f"the kubeconfig {path} does not exist (cluster.target is kubernetes)",
+                hint="Give the cluster's kubeconfig with --kubeconfig (or cluster.kubeconfig, or $KUBECONFIG).",
+            )
+        kube = KubernetesApi(path, context=context)
+        return Deployment(
+            cfg=remembered(cfg, store), kube=kube, run=runner.run, state=store, say=say,
+            kubeconfig_file=path, context=context,
+        )  # fmt: skip
+    remembered_cfg = remembered_config(cfg, store, say)
+    return Deployment(cfg=remembered_cfg, kube=KubernetesApi(store.kubeconfig), run=runner.run, state=store, say=say)
 
 
 def _confirm(yes: bool) -> Callable[[str], bool]:
@@ -174,12 +206,27 @@ def up(
     yes: YesOpt = False,
     state_dir: StateDirOpt = Path(".raytrain-eks"),
     sets: SetOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
 ) -> None:
-    """Create (or resume) the cluster, GPU node group, device plugins and KubeRay; --train then runs the job."""
-    from raytrain_eks.eks import lifecycle, nodegroups
+    """Create (or resume) the cluster, GPU node group, device plugins and KubeRay; --train then runs the job. With
+    cluster.target kubernetes: install only what the kubeconfig's cluster lacks."""
+    from raytrain_eks.eks import lifecycle
     from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
+    from raytrain_eks.eks.target import target_for
 
-    cfg = _load(config, preset, sets)
+    cfg = _load(config, preset, sets, kubeconfig, context)
+    target = target_for(cfg)
+    if plan_only and target.name == "kubernetes":
+        _say(
+            "up would, on the cluster of the kubeconfig (nothing is changed now): find the GPU nodes "
+            "(cluster.gpu_node_selector, else those advertising nvidia.com/gpu) and read what they advertise; "
+            "install, after asking, only what is missing of: the NVIDIA device plugin (nodes advertising no GPU), "
+            "the EFA device plugin (cluster.efa_per_node above what the nodes advertise), KubeRay (no RayCluster "
+            "CRD); create the Ray pods' service account; then wait until the GPU nodes and KubeRay are ready. "
+            "No cloud resource is created."
+        )
+        return
     if plan_only:
         _say(f"up would do, for cluster {cfg.cluster.name} in {cfg.cluster.region} (nothing is created now):")
         for i, action in enumerate(lifecycle.planned_actions(cfg), 1):
@@ -192,16 +239,16 @@ def up(
         cost = cost_per_hour(cfg, gpu, system)
         _say(f"Cost while it runs: about ${cost['total_usd']:.2f} per hour ({cost['price_region']} on-demand).")
         return
+    from raytrain_eks.eks.programs import require_programs
+
     d = make_deployment(cfg, state_dir)
     if train:  # up checks its own programs; --train runs submit's too, checked before up starts
-        from raytrain_eks.eks.programs import require_programs
-
         require_programs(d, "up", "submit", mode=mode.value)
-    lifecycle.up(d, confirm=_confirm(yes), offered_zones=lambda: nodegroups.placement_zones(d.cfg))
-    if train:  # with what up remembered on the way, the checkpoint bucket it created among it
-        from raytrain_eks.k8s.state import apply_state
-
-        _submit(dataclasses.replace(d, cfg=apply_state(cfg, d.state)), mode)
+    elif target.name != "eks":
+        require_programs(d, "up")  # the kubeconfig's credential program (helm: when something is to install)
+    target.up(d, confirm=_confirm(yes))
+    if train:  # with what up remembered on the way (the checkpoint bucket it created, the nodes it found)
+        _submit(dataclasses.replace(d, cfg=target.remembered(cfg, d.state)), mode)
 
 
 def submit(
@@ -210,11 +257,13 @@ def submit(
     mode: ModeOpt = PlanMode.raycluster,
     state_dir: StateDirOpt = Path(".raytrain-eks"),
     sets: SetOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
 ) -> None:
     """Run the training job in the cluster and check that EFA carried it (exit 1 if not, 2 if undecided)."""
     from raytrain_eks.eks.programs import require_programs
 
-    d = make_deployment(_load(config, preset, sets), state_dir)
+    d = make_deployment(_load(config, preset, sets, kubeconfig, context), state_dir)
     require_programs(d, "submit", mode=mode.value)
     _submit(d, mode)
 
@@ -232,11 +281,14 @@ def status(
     config: ConfigOpt = None,
     preset: ClusterPresetOpt = "reference",
     state_dir: StateDirOpt = Path(".raytrain-eks"),
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
 ) -> None:
     """Show what this folder deployed, the GPU nodes' resources and the Ray pods and job."""
-    from raytrain_eks.eks.lifecycle import status as deploy_status
+    from raytrain_eks.eks.target import target_for
 
-    for line in deploy_status(make_deployment(_load(config, preset), state_dir)):
+    cfg = _load(config, preset, None, kubeconfig, context)
+    for line in target_for(cfg).status(make_deployment(cfg, state_dir)):
         _say(line)
 
 
@@ -245,12 +297,14 @@ def logs(
     preset: ClusterPresetOpt = "reference",
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Stream until the job ends.")] = False,
     state_dir: StateDirOpt = Path(".raytrain-eks"),
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
 ) -> None:
     """Print the last submitted job's output (read inside the head pod)."""
     from raytrain_eks.eks.programs import require_programs
     from raytrain_eks.eks.submit import logs as job_logs
 
-    d = make_deployment(_load(config, preset), state_dir)
+    d = make_deployment(_load(config, preset, None, kubeconfig, context), state_dir)
     require_programs(d, "logs")
     code = job_logs(d, follow=follow)
     if code:
@@ -269,16 +323,17 @@ def down(
             help="Also delete the checkpoint bucket up created, with every checkpoint and export in it.",
         ),
     ] = False,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
 ) -> None:
     """Delete everything up and submit created (newest first), then check that nothing billable is left. The
-    checkpoint bucket up created is kept while it holds anything, unless --delete-checkpoints is given."""
-    from raytrain_eks.eks.lifecycle import down as deploy_down
+    checkpoint bucket up created is kept while it holds anything, unless --delete-checkpoints is given. With
+    cluster.target kubernetes: only what up and submit installed there; the cluster stays."""
+    from raytrain_eks.eks.target import target_for
 
-    deploy_down(
-        make_deployment(_load(config, preset), state_dir),
-        confirm=_confirm(yes),
-        delete_checkpoints=delete_checkpoints,
-    )
+    cfg = _load(config, preset, None, kubeconfig, context)
+    d = make_deployment(cfg, state_dir)
+    target_for(cfg).down(d, confirm=_confirm(yes), delete_checkpoints=delete_checkpoints)
 
 
 def compare_fabric(

@@ -63,6 +63,7 @@ from raytrain_eks.k8s.addons import (
     wait_gpu_nodes,
     wait_kuberay,
 )
+from raytrain_eks.k8s.existing import ray_lines
 from raytrain_eks.k8s.runner import Interrupted
 from raytrain_eks.k8s.state import KUBECONFIG_FILE, STATE_DIR, Cancelled, Deployment, describe
 from raytrain_eks.train.memory import fit_config
@@ -418,12 +419,4 @@ def status(d: Deployment) -> list[str]:
             f"{m.EFA_RESOURCE}={node.allocatable.get(m.EFA_RESOURCE, 0)} {'Ready' if node.ready else 'NotReady'}"
         )
     lines += [f"  problem: {p}" for p in problems]
-    job = s.get("job") or {}
-    ns = job.get("namespace", d.cfg.ray.namespace)
-    cluster_name = job.get("raycluster", d.cfg.ray.cluster_name)
-    pods = d.kube.pods(ns, {"ray.io/cluster": cluster_name})
-    for pod in pods:
-        lines.append(f"Ray pod {pod.name}: {pod.waiting_reason or pod.phase}{' Ready' if pod.ready else ''}")
-    if job.get("id"):
-        lines.append(f"Last job {job['id']} ({job.get('mode')}): {job.get('status', 'unknown')}")
-    return lines
+    return lines + ray_lines(d)

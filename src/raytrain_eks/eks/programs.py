@@ -60,6 +60,8 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "logs": ("kubernetes",),
     "down": ("cluster",),  # it asks eksctl whether the cluster exists; then DELETE_STEPS of what is recorded
 }
+# Steps of the EKS target only (the kubernetes target's up checks helm itself, once it knows it installs something).
+EKS_ONLY_STEPS = ("cluster", "node-groups", "iam-service-account")
 # What down takes to delete each kind of item the state file records.
 DELETE_STEPS: dict[str, tuple[str, ...]] = {
     "bucket": (),
@@ -86,6 +88,8 @@ def command_steps(d: Deployment, command: str, *, mode: str = "raycluster") -> t
             steps = (*steps, "node-groups")
     elif command == "logs" and not (s.get("job") or {}).get("id"):
         return ()
+    if d.cfg.cluster.target != "eks":  # a cluster of the kubeconfig: no eksctl; helm only for what up installs
+        steps = tuple(x for x in steps if x not in EKS_ONLY_STEPS and (command, x) != ("up", "helm-releases"))
     return tuple(dict.fromkeys(steps))
 
 
@@ -113,8 +117,11 @@ def kubeconfig_programs(path: Path) -> list[tuple[str, list[str]]] | None:
 def credential_needs(d: Deployment, command: str, uses: str) -> list[tuple[tuple[str, ...], str]]:
     """What every call to the cluster needs for its credentials: the program(s) the kubeconfig names, or, before it
     exists (and for ``up``, which writes it anew), either program eksctl may name. ``uses``: the steps, in words."""
-    path = d.state.kubeconfig
-    named = None if command == "up" else kubeconfig_programs(path)
+    path = Path(d.kubeconfig)
+    own = d.cfg.cluster.target == "eks"  # this folder's kubeconfig, which eksctl (re)writes at up
+    named = None if command == "up" and own else kubeconfig_programs(path)
+    if named is None and not own:  # the user's kubeconfig, unreadable: the Kubernetes client says why, first call
+        return []
     if named is None:
         return [
             (

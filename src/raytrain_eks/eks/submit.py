@@ -26,16 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from raytrain_eks.eks.irsa import check_before_pods
-from raytrain_eks.eks.nodegroups import gpu_node_spec, scale_gpu_nodes
-from raytrain_eks.eks.pricing import check_deployable, deployment_record
+from raytrain_eks.eks.pricing import deployment_record
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.decision import gate_decision
 from raytrain_eks.fabric.deployment import DEPLOYMENT_RECORD
 from raytrain_eks.fabric.nccl_lines import NCCL_LOG_PREFIX
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
 from raytrain_eks.k8s import manifests as m
-from raytrain_eks.k8s.addons import NodesNotReady, gpu_node_problems, wait_gpu_nodes
+from raytrain_eks.k8s.addons import NodesNotReady, gpu_node_problems
 from raytrain_eks.k8s.cluster import KubeApiError, Pod
 from raytrain_eks.k8s.job import (
     DASHBOARD,
@@ -393,22 +391,25 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
     a Secret through the API only. Returns the result; its ``exit_code`` is 0 only when the job succeeded, NCCL's
     log meets ``fabric.require``, and (for ``efa``) ``fi_info`` sees EFA.
     """
+    from raytrain_eks.eks.target import target_for
+
     cfg = d.cfg
     ns = cfg.ray.namespace
-    gpu, _ = check_deployable(cfg)
-    cfg, memory = fit_config(cfg, gpu)  # before any pod: DoesNotFit, or activation checkpointing switched on
-    if memory is not None:
-        d.say(memory.line)
-        d.cfg = cfg  # the job's ConfigMap carries what the estimate decided
+    target = target_for(cfg)
+    gpu = target.gpu_type(d)
+    if gpu is None:
+        d.say("The GPU nodes' type is not known: the memory estimate is left out (a run that does not fit fails)")
+    else:
+        cfg, memory = fit_config(cfg, gpu)  # before any pod: DoesNotFit, or activation checkpointing switched on
+        if memory is not None:
+            d.say(memory.line)
+            d.cfg = cfg  # the job's ConfigMap carries what the estimate decided
     cfg.check_cluster_storage()  # checkpoints every node reaches, before any node is scaled or job submitted
     if mode == "rayjob":
         refuse_raycluster_holding_gpus(d)  # the RayJob's own cluster would wait for GPUs that one holds
-    check_before_pods(d)  # the pods' service account, and its IAM role's grants on the bucket, before any pod
-    if d.state.get("gpu_scaled_to") == 0:  # a finished RayJob left the GPU group at 0 nodes
-        d.say(f"Scaling GPU node group {cfg.cluster.gpu_nodegroup_name} back to {cfg.cluster.gpu_node_count} nodes")
-        scale_gpu_nodes(d, cfg.cluster.gpu_node_count)
-        wait_gpu_nodes(d, gpu_node_spec(cfg, d.state.get("gpu_az")))
-    _, problems = gpu_node_problems(d, gpu_node_spec(cfg, d.state.get("gpu_az")))
+    target.before_pods(d)  # the pods' service account (on EKS its IAM role's grants on the bucket), before any pod
+    target.before_job(d)
+    _, problems = gpu_node_problems(d, target.gpu_node_spec(d))
     if problems:
         raise NodesNotReady(problems)  # at once: pods would only sit Pending
 
@@ -460,12 +461,7 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
         # ttlSecondsAfterFinished after the job ended, is the backstop for when submit is not there).
         if d.kube.delete("ray.io/v1", "RayCluster", cluster, ns):
             d.say(f"Deleted RayCluster {ns}/{cluster} of the RayJob (its pods' evidence is read)")
-        # The RayJob removes its pods, not the GPU instances: scale the group to 0 so they stop billing.
-        d.say(
-            f"RayJob done: scaling GPU node group {cfg.cluster.gpu_nodegroup_name} to 0 (the next submit or up "
-            "scales it back)"
-        )
-        scale_gpu_nodes(d, 0)
+        target.after_rayjob(d)
     return result
 
 

@@ -1,0 +1,373 @@
+"""The ``kubernetes`` target: an existing cluster, reached through the user's kubeconfig, taken as it is.
+
+``up`` looks first and changes only what is missing: it finds the GPU nodes (by ``cluster.gpu_node_selector``, or
+every node that advertises ``nvidia.com/gpu``), reads what they advertise, and installs the pinned NVIDIA device
+plugin only where the selected nodes advertise no GPU, the EFA plugin only where ``cluster.efa_per_node`` asks for
+EFA the nodes do not advertise, and KubeRay only where the RayCluster CRD is missing; then the Ray pods' service
+account (and namespace). It says all of it and asks once before installing anything, and it never creates a cloud
+resource. What it finds (the GPU nodes' EFA, their worker pod size, their EC2 type when they carry a known one) is
+recorded in the state file, and later commands configure the job from it (:func:`remembered`). ``down`` removes
+only what the state file records this tool created there (Helm releases and objects), never the cluster. Example::
+
+    d = Deployment(cfg, kube=KubernetesApi(path, context=ctx), run=runner.run, state=StateStore(".raytrain-eks"),
+                   kubeconfig_file=path, context=ctx)
+    up(d, confirm=lambda question: True)      # the plan, then the missing add-ons, proven to work
+    down(d, confirm=lambda question: True)    # what up and submit created, newest first
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from raytrain_eks.config import Config
+from raytrain_eks.errors import UserError
+from raytrain_eks.instances import INSTANCE_TYPES, InstanceType
+from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.addons import (
+    DEVICE_PLUGIN_RELEASES,
+    HELM_TIMEOUT_S,
+    KUBERAY_RELEASE,
+    RAYCLUSTER_CRD,
+    GpuNodeSpec,
+    HelmRelease,
+    ensure_release,
+    gpu_node_problems,
+    helm,
+    helm_releases,
+    release_info,
+    wait_gpu_nodes,
+    wait_kuberay,
+)
+from raytrain_eks.k8s.cluster import Node
+from raytrain_eks.k8s.state import Cancelled, Deployment, StateStore, describe, object_item
+
+TARGET = "kubernetes"
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+# A worker pod fills 5/6 of the smallest GPU node's allocatable CPU and memory: the rest is for the DaemonSets
+# (device plugins, CNI, logging) that also run there. The same share as on EKS (instances.default_worker_pod_size).
+POD_SHARE = (5, 6)
+
+
+def kubeconfig_path(cfg: Config, environ: dict[str, str] | None = None) -> str:
+    """The kubeconfig the target uses, as kubectl picks it: ``cluster.kubeconfig``, else the first file of
+    ``$KUBECONFIG``, else ``~/.kube/config``."""
+    env = os.environ if environ is None else environ
+    if cfg.cluster.kubeconfig:
+        return str(Path(cfg.cluster.kubeconfig).expanduser())
+    first = next((p for p in env.get("KUBECONFIG", "").split(os.pathsep) if p), None)
+    return str(Path(first).expanduser()) if first else str(Path("~/.kube/config").expanduser())
+
+
+def _where(d: Deployment) -> str:
+    return f"the cluster of {d.kubeconfig}" + (f" (context {d.context})" if d.context else "")
+
+
+def _quantity(value: str | None) -> float:
+    """A Kubernetes quantity as a number (CPU in cores, memory in bytes): ``"47"``, ``"3920m"``, ``"185Gi"``."""
+    if not value:
+        return 0.0
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "m": 1e-3}
+    for suffix in sorted(units, key=len, reverse=True):
+        if value.endswith(suffix):
+            try:
+                return float(value[: -len(suffix)]) * units[suffix]
+            except ValueError:
+                return 0.0
+    try:
+        return float(value)
+    except ValueError:
+        return 0.0
+
+
+@dataclass
+class Found:
+    """What ``up`` found in the cluster, and what it will install there."""
+
+    gpu_nodes: list[Node]
+    gpus: int
+    efa: int
+    worker_cpu: int
+    worker_memory_gib: int
+    gpu_node_type: str | None
+    install: list[HelmRelease] = field(default_factory=list)
+    create: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _min(nodes: list[Node], resource: str) -> float:
+    return min(_quantity(n.allocatable.get(resource)) for n in nodes)
+
+
+def look(d: Deployment) -> Found:
+    """Read the cluster and decide what ``up`` installs; a :class:`UserError` when it cannot serve the job."""
+    cfg, c = d.cfg, d.cfg.cluster
+    selector = m.gpu_node_selector(cfg)
+    everything = d.kube.nodes()  # the first call: a kubeconfig or access problem stops here, with its message
+    nodes = (
+        d.kube.nodes(selector) if selector else [n for n in everything if _quantity(n.allocatable.get(m.GPU_RESOURCE))]
+    )
+    if not nodes:
+        which = f"matches the labels {selector}" if selector else f"advertises {m.GPU_RESOURCE}"
+        raise UserError(
+            f"no node of {_where(d)} {which} ({len(everything)} nodes in all); nothing was installed",
+            hint="Set cluster.gpu_node_selector to the labels of your GPU nodes (`kubectl get nodes --show-labels` "
+            "lists them); up then installs the NVIDIA device plugin there if they do not advertise GPUs yet.",
+        )
+    if len(nodes) < c.gpu_node_count:
+        raise UserError(
+            f"{len(nodes)} GPU nodes in {_where(d)}, and cluster.gpu_node_count is {c.gpu_node_count}: "
+            f"{', '.join(n.name for n in nodes)}; nothing was installed",
+            hint="Set cluster.gpu_node_count to the GPU nodes there are, or add nodes (an autoscaler that adds "
+            "them on demand is not waited for).",
+        )
+    releases = {rel.name: rel for rel in helm_releases(cfg)}
+    found = Found(nodes, 0, 0, 0, 0, None)
+    found.gpus = int(_min(nodes, m.GPU_RESOURCE))
+    if found.gpus == 0:
+        found.install.append(releases["nvidia-device-plugin"])
+        found.gpus = c.gpus_per_node
+    elif found.gpus < c.gpus_per_node:
+        raise UserError(
+            f"the GPU nodes advertise {m.GPU_RESOURCE}={found.gpus} (the fewest), and cluster.gpus_per_node is "
+            f"{c.gpus_per_node}; nothing was installed",
+            hint=f"Set cluster.gpus_per_node to {found.gpus} (each worker pod then requests that many).",
+        )
+    advertised = int(_min(nodes, m.EFA_RESOURCE))
+    found.efa = advertised if c.efa_per_node is None else c.efa_per_node
+    if found.efa > advertised:
+        if advertised:
+            raise UserError(
+                f"cluster.efa_per_node = {c.efa_per_node}, and the GPU nodes advertise {m.EFA_RESOURCE}={advertised}",
+                hint=f"Set cluster.efa_per_node to {advertised}, or leave it empty to use what the nodes have.",
+            )
+        found.install.append(releases["aws-efa-k8s-device-plugin"])
+    if d.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", RAYCLUSTER_CRD) is None:
+        found.install.append(releases[KUBERAY_RELEASE])
+    share, whole = POD_SHARE
+    found.worker_cpu = max(1, int(_min(nodes, "cpu") * share // whole))
+    found.worker_memory_gib = max(1, int(_min(nodes, "memory") / 2**30 * share // whole))
+    types = {n.labels.get(INSTANCE_TYPE_LABEL) for n in nodes}
+    (only,) = types if len(types) == 1 else (None,)
+    found.gpu_node_type = only if only in INSTANCE_TYPES else None
+    ns = cfg.ray.namespace
+    if ns != "default" and d.kube.get("v1", "Namespace", ns) is None:
+        found.create.append(m.namespace(cfg))
+    if d.kube.get("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, ns) is None:
+        found.create.append(service_account(cfg))
+    return found
+
+
+def service_account(cfg: Config) -> dict[str, Any]:
+    """The Ray pods' service account, plain: on this target the pods get their storage access as the cluster
+    grants it (a node role, workload identity, or the volume they mount), not from this tool."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {"name": m.RAY_SERVICE_ACCOUNT, "namespace": cfg.ray.namespace, "labels": m.labels(cfg)},
+    }
+
+
+def gpu_node_spec(cfg: Config, state: StateStore) -> GpuNodeSpec:
+    """What the worker pods need of the GPU nodes; the device plugins checked are only those this tool installed."""
+    ours = {i["name"] for i in state.created if i["type"] == "helm"}
+    return GpuNodeSpec(
+        selector=m.gpu_node_selector(cfg),
+        count=cfg.cluster.gpu_node_count,
+        gpus=cfg.derived.ray_gpus_per_worker_pod,
+        efa=m.efa_per_pod(cfg),
+        plugins=tuple(p for p in DEVICE_PLUGIN_RELEASES if p in ours),
+        needs_present_label=False,
+        missing_hint="the nodes of cluster.gpu_node_selector are fewer than cluster.gpu_node_count",
+    )
+
+
+def remembered(cfg: Config, store: StateStore) -> Config:
+    """``cfg`` with what ``up`` read from the GPU nodes, where the settings leave it open: the EFA interfaces each
+    worker pod requests, the worker pod size, and the nodes' EC2 type (for the memory estimate). With no EFA on the
+    nodes, ``fabric.require = efa`` (the default) becomes ``any``: a run there could never meet it."""
+    if store.get("target") != TARGET:
+        return cfg
+    cluster, ray, fabric = cfg.cluster, cfg.ray, cfg.fabric
+    if cluster.efa_per_node is None and store.get("efa_per_node") is not None:
+        cluster = cluster.model_copy(update={"efa_per_node": store.get("efa_per_node")})
+    if store.get("gpu_node_type") and cluster.gpu_node_type != store.get("gpu_node_type"):
+        cluster = cluster.model_copy(update={"gpu_node_type": store.get("gpu_node_type")})
+    pod = {k: store.get(k) for k in ("worker_cpu", "worker_memory_gib") if getattr(ray, k) is None and store.get(k)}
+    if pod:
+        ray = ray.model_copy(update=pod)
+    if fabric.require == "efa" and not m.efa_per_pod(cfg.model_copy(update={"cluster": cluster})):
+        fabric = fabric.model_copy(update={"require": "any"})
+    return cfg.model_copy(update={"cluster": cluster, "ray": ray, "fabric": fabric})
+
+
+def _check_state_matches(d: Deployment) -> None:
+    s = d.state
+    if s.created and s.get("target") != TARGET:
+        raise UserError(
+            f"this folder's {s.path} records an EKS deployment ({s.get('cluster')} in {s.get('region')}), not a "
+            "cluster of cluster.target kubernetes",
+            hint="Run `raytrain-eks down` for it first, or work in another folder.",
+        )
+    if s.get("target") == TARGET and (s.get("kubeconfig"), s.get("context")) != (d.kubeconfig, d.context):
+        raise UserError(
+            f"this folder's {s.path} belongs to the cluster of {s.get('kubeconfig')} (context "
+            f"{s.get('context') or 'current'}), not {_where(d)}",
+            hint="Run `raytrain-eks down` there first, or work in another folder.",
+        )
+
+
+def up(d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
+    """Look, say what is missing, ask once, install it, and prove the GPU nodes and KubeRay ready; returns the GPU
+    nodes' names. Re-running finds what the last run installed and installs nothing again."""
+    _check_state_matches(d)
+    found = look(d)
+    efa = f", {m.EFA_RESOURCE}={found.efa}" if found.efa else f", no EFA (fabric.require {d.cfg.fabric.require})"
+    d.say(
+        f"{_where(d)}: {len(found.gpu_nodes)} GPU nodes ({', '.join(n.name for n in found.gpu_nodes)}) with "
+        f"{m.GPU_RESOURCE}={found.gpus}{efa}; worker pods of {found.worker_cpu} CPU and {found.worker_memory_gib} "
+        "GiB" + (f" on {found.gpu_node_type}" if found.gpu_node_type else "")
+    )
+    if found.install or found.create:
+        if found.install:
+            d.require_tool("helm")  # before the question: a missing helm is named with how to install it
+        todo = [f"  - Helm release {r.namespace}/{r.name} ({r.chart} {r.version}): {r.purpose}" for r in found.install]
+        todo += [f"  - {o['kind']} {o['metadata'].get('namespace', '')}/{o['metadata']['name']}" for o in found.create]
+        question = (
+            f"Install in {_where(d)} (nothing else is changed there, and nothing is created in any cloud; "
+            f"`raytrain-eks down` removes exactly these):\n" + "\n".join(todo) + "\nContinue?"
+        )
+        if not confirm(question):
+            raise Cancelled("cancelled: nothing was installed")
+    d.state.update(
+        target=TARGET,
+        kubeconfig=d.kubeconfig,
+        context=d.context,
+        namespace=d.cfg.ray.namespace,
+        efa_per_node=found.efa,
+        worker_cpu=found.worker_cpu,
+        worker_memory_gib=found.worker_memory_gib,
+        gpu_node_type=found.gpu_node_type,
+    )
+    for obj in found.create:
+        d.state.record(object_item(obj))
+        d.kube.apply(obj)
+        d.say(f"Created {describe(object_item(obj))}")
+    for rel in found.install:
+        ensure_release(d, rel)
+    cfg = remembered(d.cfg, d.state)
+    nodes = wait_gpu_nodes(d, gpu_node_spec(cfg, d.state))
+    if any(i["type"] == "helm" and i["name"] == KUBERAY_RELEASE for i in d.state.created):
+        wait_kuberay(d)
+    d.state.update(phase="up")
+    if not found.gpu_node_type:
+        d.say("The GPU nodes carry no EC2 instance type raytrain-eks knows: submit leaves out the memory estimate.")
+    d.say(f"Ready: {len(nodes)} GPU nodes of {_where(d)}. Next: `raytrain-eks submit`.")
+    return [n.name for n in nodes]
+
+
+def down(d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
+    """Delete what this folder created in the cluster (Helm releases, objects), newest first, after one question;
+    the cluster and everything else in it stay. Returns what was deleted."""
+    created = d.state.created
+    if not created:
+        d.say(f"Nothing to delete: {d.state.path} records nothing created in {_where(d)}.")
+        d.state.clear()
+        return []
+    if any(i["type"] == "helm" for i in created):
+        d.require_tool("helm")
+    listing = "\n".join(f"  - {describe(i)}" for i in reversed(created))
+    if not confirm(f"Delete from {_where(d)}, in this order (the cluster itself stays):\n{listing}\nContinue?"):
+        raise Cancelled("cancelled: nothing was deleted")
+    deleted = []
+    for item in reversed(created):
+        if item["type"] == "helm":
+            gone = release_info(d, item["name"], item["namespace"]) is None
+            if not gone:
+                helm(
+                    d,
+                    ["helm", "uninstall", item["name"], "--namespace", item["namespace"], "--wait"],
+                    timeout=HELM_TIMEOUT_S,
+                )
+        elif item["type"] == "object":
+            gone = not d.kube.delete(item["apiVersion"], item["kind"], item["name"], item.get("namespace"))
+        else:
+            raise ValueError(f"the kubernetes target records no {item['type']}: {item}")
+        if not gone:
+            d.say(f"Deleted {describe(item)}")
+            deleted.append(describe(item))
+        d.state.forget(item)
+    d.state.clear()
+    return deleted
+
+
+def status(d: Deployment) -> list[str]:
+    """Readable lines: the cluster, what this folder installed there, the GPU nodes, the Ray pods and the job."""
+    s = d.state
+    if not s.get("target"):
+        return [f"Nothing deployed from this folder ({s.path} does not exist). Start with `raytrain-eks up`."]
+    lines = [f"Kubernetes: {_where(d)}"]
+    lines += [f"  created: {describe(i)}" for i in s.created]
+    nodes, problems = gpu_node_problems(d, gpu_node_spec(d.cfg, s))
+    for node in nodes:
+        lines.append(
+            f"GPU node {node.name}: {m.GPU_RESOURCE}={node.allocatable.get(m.GPU_RESOURCE, 0)} "
+            f"{m.EFA_RESOURCE}={node.allocatable.get(m.EFA_RESOURCE, 0)} {'Ready' if node.ready else 'NotReady'}"
+        )
+    lines += [f"  problem: {p}" for p in problems]
+    return lines + ray_lines(d)
+
+
+def ray_lines(d: Deployment) -> list[str]:
+    """The Ray pods of the last job's RayCluster and the job's status, as ``status`` shows them on any target."""
+    job = d.state.get("job") or {}
+    ns = job.get("namespace", d.cfg.ray.namespace)
+    lines = []
+    for pod in d.kube.pods(ns, {"ray.io/cluster": job.get("raycluster", d.cfg.ray.cluster_name)}):
+        lines.append(f"Ray pod {pod.name}: {pod.waiting_reason or pod.phase}{' Ready' if pod.ready else ''}")
+    if job.get("id"):
+        lines.append(f"Last job {job['id']} ({job.get('mode')}): {job.get('status', 'unknown')}")
+    return lines
+
+
+class KubernetesTarget:
+    """The :class:`~raytrain_eks.k8s.target.ClusterTarget` of an existing cluster (``cluster.target: kubernetes``)."""
+
+    name = TARGET
+
+    def up(self, d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
+        return up(d, confirm=confirm)
+
+    def down(self, d: Deployment, *, confirm: Callable[[str], bool], delete_checkpoints: bool = False) -> list[str]:
+        return down(d, confirm=confirm)
+
+    def status(self, d: Deployment) -> list[str]:
+        return status(d)
+
+    def remembered(self, cfg: Config, state: StateStore) -> Config:
+        return remembered(cfg, state)
+
+    def gpu_node_spec(self, d: Deployment) -> GpuNodeSpec:
+        return gpu_node_spec(d.cfg, d.state)
+
+    def gpu_type(self, d: Deployment) -> InstanceType | None:
+        """The GPU nodes' EC2 type when ``up`` found one it knows on their labels, else ``None``."""
+        name = d.state.get("gpu_node_type")
+        return INSTANCE_TYPES.get(name) if name else None
+
+    def before_pods(self, d: Deployment) -> None:
+        """The Ray pods' service account must exist (``up`` creates it); nothing else is asked of the cluster."""
+        if d.kube.get("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, d.cfg.ray.namespace) is None:
+            raise UserError(
+                f"the Ray pods' service account {d.cfg.ray.namespace}/{m.RAY_SERVICE_ACCOUNT} does not exist in "
+                f"{_where(d)}; nothing was applied",
+                hint="Run `raytrain-eks up`: it creates it (and installs what else the cluster lacks).",
+            )
+
+    def before_job(self, d: Deployment) -> None:
+        return None
+
+    def after_rayjob(self, d: Deployment) -> None:
+        return None
