@@ -91,6 +91,15 @@ class FakeTools:
         self.launch_minutes: dict[str, float] = {}
         self.cluster_fails: str | None = None
         self.kubeconfig_writes: list[Path] = []
+        # The objects a chart creates: (release, namespace, values file) -> its `helm template` output.
+        self.render: Callable[[str, str, Path], list[dict[str, Any]]] = self._rendered_fixture
+
+    @staticmethod
+    def _rendered_fixture(name: str, ns: str, values: Path) -> list[dict[str, Any]]:
+        """The EKS target's values only: the output kept in fixtures/charts/rendered/ (test_charts.py checks it
+        against real Helm)."""
+        assert values.read_text() == values_path(name).read_text(), f"{values_path(name)} was rendered with others"
+        return rendered(name)
 
     def require(self, name: str) -> str:
         if name in self.missing:
@@ -339,8 +348,7 @@ class FakeTools:
         chart = vendored(chart_name, version)
         if chart is None or chart.repo_url != repo:  # pkg/repo/chartrepo.go FindChartInAuthAndTLSAndPassRepoURL
             return 1, "", f'Error: chart "{chart_name}" version "{version}" not found in {repo} repository\n'
-        assert values.read_text() == values_path(name).read_text(), f"{values_path(name)} was rendered with others"
-        objects = [self._helm_owned(o, name, ns) for o in rendered(name)]
+        objects = [self._helm_owned(o, name, ns) for o in self.render(name, ns, values)]
         old = self.releases.get((ns, name))
         installing = old is None
         new = objects if installing else [o for o in objects if _object_key(o) not in old["objects"]]

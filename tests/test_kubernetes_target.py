@@ -1,0 +1,280 @@
+"""The ``kubernetes`` target (``cluster.target: kubernetes``): an existing cluster of the user's kubeconfig.
+
+Against the deploy tests' fakes (FakeKube's DaemonSet controller, scheduler and KubeRay; FakeTools' helm; FakeRay in
+the pods), with one difference: the charts' objects are what real Helm 4 renders (``helm template`` of the vendored
+chart with the values file the tool wrote), since on this target the values follow the user's node labels. Two
+clusters: one of GPU nodes with no device plugin and no EFA (a cloud other than AWS), where up installs the NVIDIA
+plugin and KubeRay; and one of EKS nodes whose plugins and KubeRay someone else installed, with EFA, where up
+installs nothing. Every helm and kubectl command line is then parsed by the real binaries (test_command_lines).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from charts import vendored
+from fake_kube import FakeKube
+from test_charts import UNREACHABLE_KUBECONFIG
+from test_command_lines import Collector, chart_repo, check  # noqa: F401 - chart_repo: the fixture
+from test_deploy import TOKEN, FakeRay, FakeTools
+
+from raytrain_eks.config import load_config
+from raytrain_eks.eks import submit as sub
+from raytrain_eks.eks.target import target_for
+from raytrain_eks.errors import UserError
+from raytrain_eks.k8s import existing
+from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.state import Cancelled, Deployment, StateStore
+
+CONTEXT = "nowhere"  # the context of UNREACHABLE_KUBECONFIG: real helm and kubectl parse the lines against it
+GPU_LABELS = {"pool": "gpu", existing.INSTANCE_TYPE_LABEL: "a2-highgpu-4g"}  # a Google Cloud node with 4 A100s
+GPU_TAINT = {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}  # as GKE taints GPU node pools
+
+
+def _helm_template(real_tools: Any) -> Any:
+    def render(name: str, ns: str, values: Path) -> list[dict[str, Any]]:
+        found = vendored(name)  # each release has its chart's name
+        done = real_tools.run(
+            real_tools.helm4, ["template", name, str(found.path), "--namespace", ns, "--values", str(values)]
+        )
+        assert done.returncode == 0, done.stderr
+        return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+    return render
+
+
+class Cluster:
+    """A deployment on the kubernetes target against the fakes; ``lines`` is what it said."""
+
+    def __init__(self, tmp: Path, real_tools: Any, *sets: str) -> None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.kubeconfig = tmp / "user-kubeconfig"
+        self.kubeconfig.write_text(UNREACHABLE_KUBECONFIG)
+        given = ["cluster.target=kubernetes", f"cluster.kubeconfig={self.kubeconfig}", f"cluster.context={CONTEXT}"]
+        given.append("training.storage_path=s3://team-checkpoints/runs")  # every node reaches it
+        self.cfg = load_config(environ={}, path=None, sets=[*given, *sets])
+        self.kube = FakeKube()
+        self.tools = FakeTools(self.kube)
+        self.tools.render = _helm_template(real_tools)
+        self.ray = FakeRay(tmp)
+        self.kube.exec_handler = self.ray
+        self.lines: list[str] = []
+        self.store = StateStore(tmp / ".raytrain-eks")
+        self.target = target_for(self.cfg)
+        self.questions: list[str] = []
+
+    def d(self) -> Deployment:
+        """As the commands build it: with what up remembered applied."""
+        return Deployment(
+            cfg=existing.remembered(self.cfg, self.store),
+            kube=self.kube,
+            run=self.tools,
+            state=self.store,
+            say=self.lines.append,
+            sleep=self.kube.sleep,
+            clock=self.kube.monotonic,
+            require_tool=self.tools.require,
+            kubeconfig_file=str(self.kubeconfig),
+            context=CONTEXT,
+        )
+
+    def ask(self, answer: bool = True) -> Any:
+        def confirm(question: str) -> bool:
+            self.questions.append(question)
+            return answer
+
+        return confirm
+
+    def said(self) -> str:
+        return "\n".join(self.lines)
+
+
+@pytest.fixture
+def plain(tmp_path: Path, real_tools: Any, monkeypatch: pytest.MonkeyPatch) -> Cluster:
+    """GPU nodes without a device plugin and without EFA, a CPU node, no KubeRay; the GPU nodes are found by label."""
+    monkeypatch.chdir(tmp_path)
+    c = Cluster(tmp_path, real_tools, "cluster.gpu_node_selector={pool: gpu}")
+    c.kube.add_node("cpu-0", labels={"pool": "general"}, allocatable={"cpu": "7910m", "memory": "29Gi"})
+    for i in range(2):
+        c.kube.add_node(
+            f"gpu-{i}",
+            labels=GPU_LABELS,
+            allocatable={"cpu": "11", "memory": "80Gi"},
+            taints=[GPU_TAINT],
+            devices={m.GPU_RESOURCE: "4"},  # the hardware: advertised only once a device plugin runs there
+        )
+    return c
+
+
+@pytest.fixture
+def efa(tmp_path: Path, real_tools: Any, monkeypatch: pytest.MonkeyPatch) -> Cluster:
+    """An EKS cluster used as it is: its GPU nodes advertise GPUs and EFA, KubeRay's CRD is there."""
+    monkeypatch.chdir(tmp_path)
+    c = Cluster(tmp_path, real_tools)
+    for i in range(2):
+        c.kube.add_node(
+            f"ip-10-0-1-{i}",
+            labels={existing.INSTANCE_TYPE_LABEL: "g6.12xlarge", "eks.amazonaws.com/nodegroup": "gpu"},
+            allocatable={"cpu": "47", "memory": "185Gi", m.GPU_RESOURCE: "4", m.EFA_RESOURCE: "1"},
+        )
+    c.kube.add_node("ip-10-0-2-9", labels={}, allocatable={"cpu": "3920m", "memory": "14Gi"})
+    crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition"}
+    c.kube.put({**crd, "metadata": {"name": "rayclusters.ray.io"}})
+    return c
+
+
+def _workers(c: Cluster) -> list[dict[str, Any]]:
+    (cluster,) = [o for o in c.kube.applied if o["kind"] == "RayCluster"]
+    return cluster["spec"]["workerGroupSpecs"]
+
+
+def test_up_on_a_cluster_without_efa_installs_only_the_missing_plugin_and_kuberay(plain: Cluster):
+    nodes = plain.target.up(plain.d(), confirm=plain.ask())
+    assert nodes == ["gpu-0", "gpu-1"]
+    (question,) = plain.questions
+    assert "nvidia-device-plugin" in question and "kuberay-operator" in question
+    assert "aws-efa-k8s-device-plugin" not in question and "nothing is created in any cloud" in question
+    installs = plain.tools.commands("helm", "upgrade", "--install")
+    assert [c[3] for c in installs] == ["nvidia-device-plugin", "kuberay-operator"]
+    for argv in installs:  # the user's kubeconfig and context, never a file of this folder
+        assert argv[argv.index("--kubeconfig") + 1] == str(plain.kubeconfig)
+        assert argv[argv.index("--kube-context") + 1] == CONTEXT
+    assert not plain.tools.commands("eksctl")
+    # The NVIDIA plugin runs on the labelled GPU nodes (tolerating their taint) and made them advertise GPUs.
+    advertised = {n.name: n.allocatable.get(m.GPU_RESOURCE) for n in plain.kube.nodes()}
+    assert advertised == {"cpu-0": None, "gpu-0": "4", "gpu-1": "4"}
+    state = json.loads(plain.store.path.read_text())
+    assert (state["target"], state["context"], state["efa_per_node"]) == ("kubernetes", CONTEXT, 0)
+    assert (state["worker_cpu"], state["worker_memory_gib"]) == (9, 66)  # 5/6 of the nodes' allocatable
+    assert "no EFA" in plain.said() and "leaves out the memory estimate" in plain.said()
+    # Again: everything is there now; nothing is asked or installed.
+    plain.questions.clear()
+    plain.target.up(plain.d(), confirm=plain.ask())
+    assert plain.questions == [] and len(plain.tools.commands("helm", "upgrade", "--install")) == 2
+
+
+def test_declining_installs_nothing(plain: Cluster):
+    with pytest.raises(Cancelled):
+        plain.target.up(plain.d(), confirm=plain.ask(False))
+    assert not plain.tools.commands("helm", "upgrade", "--install") and not plain.store.created
+
+
+def test_no_gpu_node_found_is_one_message_before_anything(plain: Cluster):
+    other = Cluster(plain.kubeconfig.parent / "x", None, "cluster.gpu_node_selector={pool: gpus}")
+    other.kube = plain.kube
+    with pytest.raises(UserError, match=r"no node .* matches the labels \{'pool': 'gpus'\}") as err:
+        other.target.up(other.d(), confirm=other.ask())
+    assert "gpu_node_selector" in (err.value.hint or "") and not other.questions
+
+
+def test_submit_on_a_cluster_without_efa_requests_none_and_requires_any(plain: Cluster):
+    plain.target.up(plain.d(), confirm=plain.ask())
+    result = sub.submit(plain.d(), hf_token=TOKEN)
+    assert result.exit_code == 0, plain.said()
+    (group,) = _workers(plain)
+    pod = group["template"]["spec"]
+    (container,) = pod["containers"]
+    assert m.EFA_RESOURCE not in container["resources"]["limits"]
+    assert container["resources"]["limits"][m.GPU_RESOURCE] == "4"
+    assert (container["resources"]["limits"]["cpu"], container["resources"]["limits"]["memory"]) == ("9", "66Gi")
+    assert pod["nodeSelector"] == {"pool": "gpu"}
+    (cluster,) = [o for o in plain.kube.applied if o["kind"] == "RayCluster"]
+    assert "nodeSelector" not in cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    config = yaml.safe_load(next(o for o in plain.kube.applied if o["kind"] == "ConfigMap")["data"][m.CONFIG_FILE])
+    assert config["fabric"]["require"] == "any" and config["cluster"]["efa_per_node"] == 0
+    assert "memory estimate is left out" in plain.said()
+    pods = plain.kube.pods("default", {"ray.io/cluster": plain.cfg.ray.cluster_name})
+    assert sorted(p.node_name for p in pods if "worker" in p.name) == ["gpu-0", "gpu-1"]
+
+
+def test_an_efa_cluster_gets_efa_requested_and_required(efa: Cluster):
+    efa.target.up(efa.d(), confirm=efa.ask())
+    assert not efa.tools.commands("helm", "upgrade", "--install")
+    (question,) = efa.questions  # only the service account is created
+    assert "ServiceAccount default/raytrain-eks-ray" in question and "Helm release" not in question
+    result = sub.submit(efa.d())
+    assert result.exit_code == 0 and result.report is not None and result.report.verdict == "efa", efa.said()
+    (group,) = _workers(efa)
+    (container,) = group["template"]["spec"]["containers"]
+    assert container["resources"]["limits"][m.EFA_RESOURCE] == "1"
+    assert (container["resources"]["limits"]["cpu"], container["resources"]["limits"]["memory"]) == ("39", "154Gi")
+    assert "nodeSelector" not in group["template"]["spec"]  # the GPU request alone keeps them on GPU nodes
+    config = yaml.safe_load(next(o for o in efa.kube.applied if o["kind"] == "ConfigMap")["data"][m.CONFIG_FILE])
+    assert config["fabric"]["require"] == "efa" and config["cluster"]["gpu_node_type"] == "g6.12xlarge"
+    assert "memory estimate is left out" not in efa.said()  # the nodes' EC2 type is known: it was made
+
+
+def test_efa_the_nodes_do_not_have_is_refused_or_installed(efa: Cluster, plain: Cluster):
+    wants = Cluster(efa.kubeconfig.parent / "more", None, "cluster.efa_per_node=2")
+    wants.kube, wants.tools = efa.kube, efa.tools
+    with pytest.raises(UserError, match="efa_per_node = 2, and the GPU nodes advertise vpc.amazonaws.com/efa=1"):
+        wants.target.up(wants.d(), confirm=wants.ask())
+    asks = Cluster(
+        plain.kubeconfig.parent / "asks", None, "cluster.gpu_node_selector={pool: gpu}", "cluster.efa_per_node=1"
+    )
+    asks.kube = plain.kube
+    with pytest.raises(Cancelled):
+        asks.target.up(asks.d(), confirm=asks.ask(False))
+    assert "aws-efa-k8s-device-plugin" in asks.questions[0]
+
+
+def test_status_and_down_remove_only_what_was_created(plain: Cluster):
+    plain.target.up(plain.d(), confirm=plain.ask())
+    assert sub.submit(plain.d(), hf_token=TOKEN).exit_code == 0
+    lines = plain.target.status(plain.d())
+    assert lines[0] == f"Kubernetes: the cluster of {plain.kubeconfig} (context {CONTEXT})"
+    assert any(line.startswith("GPU node gpu-0: nvidia.com/gpu=4") for line in lines)
+    assert any(line.startswith("Ray pod ") for line in lines) and any("Last job" in line for line in lines)
+    plain.target.down(plain.d(), confirm=plain.ask())
+    uninstalled = [c[2] for c in plain.tools.commands("helm", "uninstall")]
+    assert uninstalled == ["kuberay-operator", "nvidia-device-plugin"]  # newest first
+    deleted = {(k, n) for _, k, n, _ in plain.kube.deleted}
+    assert {("RayCluster", "ray-train"), ("ServiceAccount", "raytrain-eks-ray"), ("Secret", "hf-token")} <= deleted
+    assert not plain.store.path.exists()
+    assert [n.name for n in plain.kube.nodes()] == ["cpu-0", "gpu-0", "gpu-1"]  # the cluster stays
+    plain.lines.clear()
+    assert plain.target.down(plain.d(), confirm=plain.ask()) == [] and "Nothing to delete" in plain.said()
+
+
+def test_a_folder_of_an_eks_deployment_is_not_reused_for_another_cluster(plain: Cluster):
+    plain.store.update(cluster="ray-train-eks", region="us-east-1")
+    plain.store.record({"type": "cluster", "name": "ray-train-eks", "region": "us-east-1"})
+    with pytest.raises(UserError, match="records an EKS deployment"):
+        plain.target.up(plain.d(), confirm=plain.ask())
+
+
+def test_every_command_line_parses_with_the_real_binaries(
+    plain: Cluster,
+    real_tools: Any,
+    chart_repo: Any,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+):
+    plain.target.up(plain.d(), confirm=plain.ask())
+    assert sub.submit(plain.d(), hf_token=TOKEN).exit_code == 0
+    with pytest.raises(UserError) as err:  # a RayJob beside the RayCluster: the hint says how to delete that
+        sub.submit(plain.d(), mode="rayjob")
+    found = Collector()
+    found.error(err.value, tmp_path, "submit --mode rayjob beside a RayCluster")
+    found.text("\n".join(plain.target.status(plain.d())), tmp_path, "status")
+    for argv in plain.tools.calls:
+        found.add(argv, tmp_path, "up and submit")
+    found.text(plain.said(), tmp_path, "up and submit")
+    home = tmp_path / "checks"
+    home.mkdir()
+    before = found.take()
+    problems = check(before, real_tools, chart_repo, home)  # before down, which removes the values files they name
+    plain.target.down(plain.d(), confirm=plain.ask())
+    for argv in plain.tools.calls:
+        found.add(argv, tmp_path, "down")
+    after = [c for c in found.take() if c.argv not in {b.argv for b in before}]
+    problems += check(after, real_tools, chart_repo, home)
+    commands = before + after
+    verbs = {" ".join(c.argv[:3]) for c in commands}
+    assert {"helm upgrade --install", "helm get metadata", "helm uninstall kuberay-operator"} <= verbs, sorted(verbs)
+    assert any(c.argv[0] == "kubectl" for c in commands)
+    assert all(CONTEXT in c.argv for c in commands), "every line names the context"
+    assert not problems, "\n".join(problems)
