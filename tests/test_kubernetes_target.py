@@ -278,3 +278,38 @@ def test_every_command_line_parses_with_the_real_binaries(
     assert any(c.argv[0] == "kubectl" for c in commands)
     assert all(CONTEXT in c.argv for c in commands), "every line names the context"
     assert not problems, "\n".join(problems)
+
+
+def test_hugging_face_wandb_and_mlflow_settings_reach_the_job_through_a_secret_only(plain: Cluster):
+    environ = {
+        "HF_TOKEN": TOKEN,
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_API_KEY": "wandb-key-0123456789abcdef",
+        "WANDB_PROJECT": "fine-tunes",
+        "MLFLOW_TRACKING_URI": "http://mlflow.internal:5000",
+        "MLFLOW_TRACKING_PASSWORD": "mlflow-pass-42",
+        "HOME": "/root",
+        "WANDB_MODE": "",
+    }
+    env = m.passed_env(environ)
+    assert list(env) == [
+        "HF_HUB_OFFLINE",
+        "MLFLOW_TRACKING_PASSWORD",
+        "MLFLOW_TRACKING_URI",
+        "WANDB_API_KEY",
+        "WANDB_PROJECT",
+    ]
+    plain.target.up(plain.d(), confirm=plain.ask())
+    assert sub.submit(plain.d(), hf_token=TOKEN, env=env).exit_code == 0
+    (secret,) = [o for o in plain.kube.applied if o["metadata"]["name"] == m.job_env_secret_name(plain.cfg)]
+    assert secret["kind"] == "Secret" and secret["stringData"] == env
+    (cluster,) = [o for o in plain.kube.applied if o["kind"] == "RayCluster"]
+    templates = [cluster["spec"]["headGroupSpec"]["template"], cluster["spec"]["workerGroupSpecs"][0]["template"]]
+    for template in templates:
+        (container,) = template["spec"]["containers"]
+        assert {"secretRef": {"name": m.job_env_secret_name(plain.cfg), "optional": True}} in container["envFrom"]
+    hidden = [TOKEN, "wandb-key-0123456789abcdef", "mlflow-pass-42"]
+    outside = json.dumps([o for o in plain.kube.applied if o["kind"] != "Secret"]) + json.dumps(plain.tools.calls)
+    outside += json.dumps(plain.kube.exec_calls) + plain.said()
+    assert not [h for h in hidden if h in outside]
+    assert "passed to the job: HF_HUB_OFFLINE, MLFLOW_TRACKING_PASSWORD" in plain.said()

@@ -272,7 +272,10 @@ def _submit(d: Deployment, mode: PlanMode) -> None:
     from raytrain_eks.eks.submit import Mode, submit
 
     # The token goes from this environment into a Secret through the API: never a file, argv or log line.
-    result = submit(d, mode=cast("Mode", mode.value), hf_token=os.environ.get("HF_TOKEN") or None)
+    from raytrain_eks.k8s.manifests import passed_env
+
+    hf_token, env = os.environ.get("HF_TOKEN") or None, passed_env(os.environ)  # HF_*, WANDB_*, MLFLOW_* as well
+    result = submit(d, mode=cast("Mode", mode.value), hf_token=hf_token, env=env)
     if result.exit_code:
         raise typer.Exit(result.exit_code)
 

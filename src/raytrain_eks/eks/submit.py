@@ -359,7 +359,7 @@ def refuse_raycluster_holding_gpus(d: Deployment) -> None:
     )
 
 
-def apply_job_config(d: Deployment, hf_token: str | None) -> None:
+def apply_job_config(d: Deployment, hf_token: str | None, env: dict[str, str] | None = None) -> None:
     """What every job of ``d.cfg`` needs first: its namespace (unless ``default``), the Hugging Face token's Secret
     (when a token is given) and the ConfigMap with the job's configuration, beside it the deployment record when the
     state says ``up`` made this cluster (what prices the run and tells the probe its nodes)."""
@@ -369,6 +369,9 @@ def apply_job_config(d: Deployment, hf_token: str | None) -> None:
         _apply(d, m.namespace(cfg), f"namespace {ns}")
     if hf_token:
         _apply(d, m.hf_token_secret(cfg, hf_token), f"Secret {ns}/{cfg.ray.hf_token_secret} (the Hugging Face token)")
+    if env:  # names only are said: the values go to the API and nowhere else
+        what = f"Secret {ns}/{m.job_env_secret_name(cfg)} (passed to the job: {', '.join(env)})"
+        _apply(d, m.job_env_secret(cfg, env), what)
     config_map = m.job_config_map(cfg)
     record = deployment_record(cfg, d.state)
     if record is not None:
@@ -382,7 +385,9 @@ def apply_raycluster(d: Deployment, *, hf_token: bool) -> None:
     _apply(d, m.raycluster(cfg, hf_token=hf_token), f"RayCluster {cfg.ray.namespace}/{cfg.ray.cluster_name}")
 
 
-def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = None) -> SubmitResult:
+def submit(
+    d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = None, env: dict[str, str] | None = None
+) -> SubmitResult:
     """Apply the Ray objects, run the job from inside the head pod, stream its logs and judge the fabric.
 
     Resumes: a job of this folder still running is followed instead of submitted twice; a finished RayJob is
@@ -413,7 +418,7 @@ def submit(d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = N
     if problems:
         raise NodesNotReady(problems)  # at once: pods would only sit Pending
 
-    apply_job_config(d, hf_token)
+    apply_job_config(d, hf_token, env)
 
     previous = d.state.get("job") or {}
     rayjob_id = None  # the Ray job id KubeRay gives a RayJob

@@ -118,6 +118,37 @@ def hf_token_secret(cfg: Config, token: str) -> dict[str, Any]:
     }
 
 
+# What `submit` passes from its environment to the job (Hugging Face, W&B and MLflow settings and credentials):
+# into a Secret through the API, read by the Ray pods (envFrom, optional), never written into a manifest or argv.
+# HF_TOKEN has a Secret of its own (ray.hf_token_secret).
+JOB_ENV_PREFIXES = ("HF_", "HUGGING_FACE_", "WANDB_", "MLFLOW_")
+
+
+def passed_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``environ`` the job receives: those of :data:`JOB_ENV_PREFIXES` with a value, but HF_TOKEN."""
+    return {k: v for k, v in sorted(environ.items()) if k.startswith(JOB_ENV_PREFIXES) and v and k != HF_TOKEN_ENV}
+
+
+def job_env_secret_name(cfg: Config) -> str:
+    return f"{cfg.ray.cluster_name}-job-env"
+
+
+def job_env_secret(cfg: Config, values: Mapping[str, str]) -> dict[str, Any]:
+    """The Secret holding :func:`passed_env`'s variables, for the Kubernetes API only: never dump or log it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(cfg, job_env_secret_name(cfg)),
+        "type": "Opaque",
+        "stringData": dict(values),
+    }
+
+
+def _job_env_from(cfg: Config) -> list[dict[str, Any]]:
+    # optional: pods start without it (nothing passed); a running pod keeps the values it started with.
+    return [{"secretRef": {"name": job_env_secret_name(cfg), "optional": True}}]
+
+
 def train_argv() -> list[str]:
     """The job's command inside the cluster: join the running Ray cluster and train with the mounted config.
 
@@ -203,6 +234,7 @@ def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
         "imagePullPolicy": "IfNotPresent",
         "ports": [{"name": name, "containerPort": port} for name, port in HEAD_PORTS.items()],
         "env": env,
+        "envFrom": _job_env_from(cfg),
         "resources": _guaranteed({"cpu": str(cpu), "memory": f"{mem}Gi"}),
         "lifecycle": copy.deepcopy(RAY_STOP_HOOK),
         "volumeMounts": [
@@ -243,6 +275,7 @@ def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
         "image": cfg.ray.image,
         "imagePullPolicy": "IfNotPresent",
         "env": env,
+        "envFrom": _job_env_from(cfg),
         "resources": _guaranteed(resources),
         "lifecycle": copy.deepcopy(RAY_STOP_HOOK),
         "volumeMounts": [
