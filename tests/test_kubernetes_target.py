@@ -50,12 +50,15 @@ def _helm_template(real_tools: Any) -> Any:
 class Cluster:
     """A deployment on the kubernetes target against the fakes; ``lines`` is what it said."""
 
-    def __init__(self, tmp: Path, real_tools: Any, *sets: str) -> None:
+    def __init__(
+        self, tmp: Path, real_tools: Any, *sets: str, storage: str | None = "s3://team-checkpoints/runs"
+    ) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         self.kubeconfig = tmp / "user-kubeconfig"
         self.kubeconfig.write_text(UNREACHABLE_KUBECONFIG)
         given = ["cluster.target=kubernetes", f"cluster.kubeconfig={self.kubeconfig}", f"cluster.context={CONTEXT}"]
-        given.append("training.storage_path=s3://team-checkpoints/runs")  # every node reaches it
+        if storage:
+            given.append(f"training.storage_path={storage}")  # every node reaches it
         self.cfg = load_config(environ={}, path=None, sets=[*given, *sets])
         self.kube = FakeKube()
         self.tools = FakeTools(self.kube)
@@ -313,3 +316,40 @@ def test_hugging_face_wandb_and_mlflow_settings_reach_the_job_through_a_secret_o
     outside += json.dumps(plain.kube.exec_calls) + plain.said()
     assert not [h for h in hidden if h in outside]
     assert "passed to the job: HF_HUB_OFFLINE, MLFLOW_TRACKING_PASSWORD" in plain.said()
+
+
+def _claim(c: Cluster, modes: list[str]) -> None:
+    c.kube.put(
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "checkpoints", "namespace": "default"},
+            "spec": {"accessModes": modes, "storageClassName": "efs-sc", "resources": {"requests": {"storage": "1Ti"}}},
+        }
+    )
+
+
+def test_a_read_write_many_volume_is_mounted_into_every_ray_pod_and_holds_the_checkpoints(
+    tmp_path: Path, real_tools: Any, plain: Cluster
+):
+    selected, volume = "cluster.gpu_node_selector={pool: gpu}", "ray.shared_volume=checkpoints"
+    shared = Cluster(tmp_path / "shared", real_tools, selected, volume, storage=None)
+    shared.kube, shared.tools = plain.kube, plain.tools
+    shared.kube.exec_handler = shared.ray
+    with pytest.raises(UserError, match="no PersistentVolumeClaim default/checkpoints"):
+        shared.target.up(shared.d(), confirm=shared.ask())
+    _claim(shared, ["ReadWriteOnce"])
+    with pytest.raises(UserError, match=r"access modes are \['ReadWriteOnce'\]"):
+        shared.target.up(shared.d(), confirm=shared.ask())
+    assert not shared.questions  # refused before anything was asked or installed
+    _claim(shared, ["ReadWriteMany"])
+    shared.target.up(shared.d(), confirm=shared.ask())
+    assert sub.submit(shared.d()).exit_code == 0, shared.said()
+    (cluster,) = [o for o in shared.kube.applied if o["kind"] == "RayCluster"]
+    for template in (cluster["spec"]["headGroupSpec"]["template"], cluster["spec"]["workerGroupSpecs"][0]["template"]):
+        spec = template["spec"]
+        assert {"name": m.SHARED_VOLUME, "persistentVolumeClaim": {"claimName": "checkpoints"}} in spec["volumes"]
+        (container,) = spec["containers"]
+        assert {"name": m.SHARED_VOLUME, "mountPath": "/mnt/shared"} in container["volumeMounts"]
+    config = yaml.safe_load(next(o for o in shared.kube.applied if o["kind"] == "ConfigMap")["data"][m.CONFIG_FILE])
+    assert (config["training"]["storage_path"], config["training"]["storage_shared"]) == ("/mnt/shared/runs", True)

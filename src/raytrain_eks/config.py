@@ -280,6 +280,14 @@ class RayConfig(_Section):
     head_memory_gib: int | None = Field(
         None, ge=1, description="memory of the Ray head pod, GiB; empty = of the system node (eks), 8"
     )
+    shared_volume: str | None = Field(
+        None,
+        description=(
+            "a ReadWriteMany PersistentVolumeClaim of ray.namespace (EFS, FSx for Lustre, NFS) mounted into every "
+            "Ray pod; the checkpoints go there unless training.storage_path says otherwise"
+        ),
+    )
+    shared_volume_path: str = Field("/mnt/shared", description="where every Ray pod mounts ray.shared_volume")
     hf_token_secret: str = Field(
         "hf-token", description="Kubernetes Secret that holds HF_TOKEN (created from your environment, never written)"
     )
@@ -299,6 +307,18 @@ class RayConfig(_Section):
             "KubeRay gives up on a job not running by then"
         ),
     )
+
+    @field_validator("shared_volume")
+    @classmethod
+    def _claim(cls, v: str | None) -> str | None:
+        return _check_optional(_DNS_LABEL, v, "a PersistentVolumeClaim name: lowercase letters, digits and '-'")
+
+    @field_validator("shared_volume_path")
+    @classmethod
+    def _mount(cls, v: str) -> str:
+        if not v.startswith("/") or v.rstrip("/") in ("", "/tmp", "/dev", "/etc", "/proc", "/sys"):
+            raise ValueError(f"{v!r}: give an absolute folder of its own, such as /mnt/shared")
+        return v.rstrip("/")
 
     @field_validator("image")
     @classmethod

@@ -11,7 +11,7 @@ from raytrain_eks.eks.irsa import check_before_pods
 from raytrain_eks.eks.pricing import check_deployable
 from raytrain_eks.instances import InstanceType
 from raytrain_eks.k8s.addons import GpuNodeSpec, wait_gpu_nodes
-from raytrain_eks.k8s.existing import KubernetesTarget
+from raytrain_eks.k8s.existing import KubernetesTarget, check_shared_volume
 from raytrain_eks.k8s.state import Deployment, StateStore, apply_state
 from raytrain_eks.k8s.target import ClusterTarget
 
@@ -40,6 +40,7 @@ class EksTarget:
         return check_deployable(d.cfg)[0]
 
     def before_pods(self, d: Deployment) -> None:
+        check_shared_volume(d)
         check_before_pods(d)  # the service account, and its IAM role's grants on the bucket
 
     def before_job(self, d: Deployment) -> None:

@@ -43,7 +43,7 @@ from raytrain_eks.k8s.addons import (
     wait_kuberay,
 )
 from raytrain_eks.k8s.cluster import Node
-from raytrain_eks.k8s.state import Cancelled, Deployment, StateStore, describe, object_item
+from raytrain_eks.k8s.state import Cancelled, Deployment, StateStore, describe, object_item, with_shared_volume
 
 TARGET = "kubernetes"
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
@@ -144,6 +144,7 @@ def look(d: Deployment) -> Found:
                 hint=f"Set cluster.efa_per_node to {advertised}, or leave it empty to use what the nodes have.",
             )
         found.install.append(releases["aws-efa-k8s-device-plugin"])
+    check_shared_volume(d)
     if d.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", RAYCLUSTER_CRD) is None:
         found.install.append(releases[KUBERAY_RELEASE])
     share, whole = POD_SHARE
@@ -158,6 +159,27 @@ def look(d: Deployment) -> Found:
     if d.kube.get("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, ns) is None:
         found.create.append(service_account(cfg))
     return found
+
+
+def check_shared_volume(d: Deployment) -> None:
+    """A :class:`UserError` unless ``ray.shared_volume`` (when set) is a claim of the Ray namespace that every pod
+    can mount at once (``ReadWriteMany``): the checkpoints of every rank go there."""
+    claim, ns = d.cfg.ray.shared_volume, d.cfg.ray.namespace
+    if not claim:
+        return
+    found = d.kube.get("v1", "PersistentVolumeClaim", claim, ns)
+    if found is None:
+        raise UserError(
+            f"ray.shared_volume = {claim!r}: no PersistentVolumeClaim {ns}/{claim} in {_where(d)}",
+            hint="Create the claim (ReadWriteMany, on EFS, FSx for Lustre or NFS) in ray.namespace, or name yours.",
+        )
+    modes = (found.get("spec") or {}).get("accessModes") or []
+    if "ReadWriteMany" not in modes:
+        raise UserError(
+            f"ray.shared_volume = {claim!r}: the claim's access modes are {modes}, so the Ray pods on several nodes "
+            "cannot all mount it",
+            hint="Use a ReadWriteMany claim (EFS, FSx for Lustre, NFS), or s3:// in training.storage_path.",
+        )
 
 
 def service_account(cfg: Config) -> dict[str, Any]:
@@ -188,6 +210,7 @@ def remembered(cfg: Config, store: StateStore) -> Config:
     """``cfg`` with what ``up`` read from the GPU nodes, where the settings leave it open: the EFA interfaces each
     worker pod requests, the worker pod size, and the nodes' EC2 type (for the memory estimate). With no EFA on the
     nodes, ``fabric.require = efa`` (the default) becomes ``any``: a run there could never meet it."""
+    cfg = with_shared_volume(cfg)
     if store.get("target") != TARGET:
         return cfg
     cluster, ray, fabric = cfg.cluster, cfg.ray, cfg.fabric
@@ -358,7 +381,8 @@ class KubernetesTarget:
         return INSTANCE_TYPES.get(name) if name else None
 
     def before_pods(self, d: Deployment) -> None:
-        """The Ray pods' service account must exist (``up`` creates it); nothing else is asked of the cluster."""
+        """The Ray pods' service account must exist (``up`` creates it), and the shared volume when one is set."""
+        check_shared_volume(d)
         if d.kube.get("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, d.cfg.ray.namespace) is None:
             raise UserError(
                 f"the Ray pods' service account {d.cfg.ray.namespace}/{m.RAY_SERVICE_ACCOUNT} does not exist in "

@@ -228,6 +228,7 @@ def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
     env: list[dict[str, Any]] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
     if hf_token:
         env.append(hf_token_env(cfg))
+    mounts, volumes = _shared_volume(cfg)
     container = {
         "name": "ray-head",
         "image": cfg.ray.image,
@@ -240,6 +241,7 @@ def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
         "volumeMounts": [
             {"name": "ray-logs", "mountPath": RAY_LOG_DIR},
             {"name": "job-config", "mountPath": CONFIG_DIR, "readOnly": True},
+            *mounts,
         ],
     }
     return {
@@ -251,6 +253,7 @@ def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
             "volumes": [
                 {"name": "ray-logs", "emptyDir": {}},
                 {"name": "job-config", "configMap": {"name": config_map_name(cfg)}},
+                *volumes,
             ],
         },
     }
@@ -270,6 +273,7 @@ def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
     if efa:  # requested only where the nodes have EFA (the request would keep the pods Pending elsewhere)
         # Without the EFA request the device plugin mounts no EFA device and NCCL silently falls back to sockets.
         resources[EFA_RESOURCE] = str(efa)
+    mounts, volumes = _shared_volume(cfg)
     container = {
         "name": "ray-worker",
         "image": cfg.ray.image,
@@ -281,6 +285,7 @@ def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
         "volumeMounts": [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "ray-logs", "mountPath": RAY_LOG_DIR},
+            *mounts,
         ],
     }
     return {
@@ -295,9 +300,21 @@ def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
                 # tmpfs pages count against the pod's memory limit, so a quarter of it is the cap.
                 {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{max(1, mem // 4)}Gi"}},
                 {"name": "ray-logs", "emptyDir": {}},
+                *volumes,
             ],
         },
     }
+
+
+SHARED_VOLUME = "shared"
+
+
+def _shared_volume(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The mount and the volume of ``ray.shared_volume`` in every Ray pod (none when it is not set)."""
+    if not cfg.ray.shared_volume:
+        return [], []
+    mount = {"name": SHARED_VOLUME, "mountPath": cfg.ray.shared_volume_path}
+    return [mount], [{"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": cfg.ray.shared_volume}}]
 
 
 def ray_cluster_spec(cfg: Config, *, hf_token: bool = False) -> dict[str, Any]:

@@ -179,10 +179,26 @@ def with_bucket_storage(cfg: Config, bucket: str | None) -> Config:
     return cfg.model_copy(update={"training": cfg.training.model_copy(update={"storage_path": storage_uri(bucket)})})
 
 
+def with_shared_volume(cfg: Config) -> Config:
+    """``cfg`` with its checkpoints on ``ray.shared_volume`` (``SHARED_PATH/runs``, storage every node reaches) when
+    one is mounted and ``training.storage_path`` is unset; a storage path under the mount counts as shared."""
+    r, t = cfg.ray, cfg.training
+    if not r.shared_volume:
+        return cfg
+    if not t.storage_path:
+        update: dict[str, Any] = {"storage_path": f"{r.shared_volume_path}/{RUNS_PREFIX}", "storage_shared": True}
+    elif t.storage_path == r.shared_volume_path or t.storage_path.startswith(f"{r.shared_volume_path}/"):
+        update = {"storage_shared": True}
+    else:
+        return cfg
+    return cfg.model_copy(update={"training": t.model_copy(update=update)})
+
+
 def apply_state(cfg: Config, store: StateStore) -> Config:
     """``cfg`` with the cluster name, region and GPU zone remembered by ``up``, so later commands (``submit``,
     ``status``, ``down``) act on the cluster that was created even when the shell's REGION or GPU_AZ changed; and
     with the checkpoints in the cluster's bucket (:func:`with_bucket_storage`)."""
+    cfg = with_shared_volume(cfg)
     remembered = {k: store.get(s) for k, s in (("name", "cluster"), ("region", "region"), ("gpu_az", "gpu_az"))}
     remembered = {k: v for k, v in remembered.items() if v}
     if not remembered:
