@@ -473,6 +473,8 @@ class FakeRay:
         # ``agent_took_it`` the agent took the job all the same (the dashboard stopped waiting for its answer).
         self.agent_busy = 0
         self.agent_took_it = False
+        # The distributions the image has, by name, as its python3 reports them (none of the job's by default).
+        self.image: dict[str, str] = {}
 
     def __call__(self, ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:
         if argv[:3] == ["ray", "job", "submit"]:
@@ -508,6 +510,8 @@ class FakeRay:
             dest = self.tmp / "head" / argv[3].lstrip("/")
             self.unpacked = dest
             return run_script(argv[2], [str(dest)], stdin)
+        if argv[:2] == [m.IMAGE_PYTHON, "-c"] and argv[2] == shipping.IMAGE_VERSIONS:
+            return ExecResult(0, json.dumps({name: self.image.get(name) for name in argv[3:]}) + "\n")
         if argv[:2] == [m.IMAGE_PYTHON, "-c"] and argv[2] == sub._NCCL_LINES:
             index = int(pod.rsplit("-", 1)[1])
             source = self.worker_logs[index]

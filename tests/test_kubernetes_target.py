@@ -353,3 +353,35 @@ def test_a_read_write_many_volume_is_mounted_into_every_ray_pod_and_holds_the_ch
         assert {"name": m.SHARED_VOLUME, "mountPath": "/mnt/shared"} in container["volumeMounts"]
     config = yaml.safe_load(next(o for o in shared.kube.applied if o["kind"] == "ConfigMap")["data"][m.CONFIG_FILE])
     assert (config["training"]["storage_path"], config["training"]["storage_shared"]) == ("/mnt/shared/runs", True)
+
+
+def test_runtime_env_installs_only_what_the_image_lacks_in_range(plain: Cluster):
+    # As an image's python3 would report them: some in range, some older or newer than the job takes.
+    plain.ray.image = {"transformers": "5.13.0", "PyYAML": "6.0.3", "rich": "15.1.0", "tokenizers": "0.24.0"}
+    plain.target.up(plain.d(), confirm=plain.ask())
+    assert sub.submit(plain.d()).exit_code == 0
+    (argv,) = plain.ray.submitted
+    pip = json.loads(argv[argv.index("--runtime-env-json") + 1])["pip"]
+    names = [p.split(">")[0] for p in pip]
+    assert "transformers>=5.23.0,<6" in pip and "tokenizers>=0.23.3,<0.24" in pip  # 5.13 too old, 0.24 too new
+    assert "PyYAML" not in names and "rich" not in names and "torch" not in names and "ray" not in names
+    assert "The image has 2 of the job's" in plain.said() and "PyYAML 6.0.3" in plain.said()
+
+
+def test_the_image_version_probe_reports_what_an_interpreter_has():
+    import subprocess
+    import sys
+
+    import transformers
+
+    from raytrain_eks.k8s import job
+
+    done = subprocess.run(
+        [sys.executable, "-c", job.IMAGE_VERSIONS, "transformers", "no-such-distribution"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert json.loads(done.stdout) == {"transformers": transformers.__version__, "no-such-distribution": None}
+    assert job.left_to_install(["a>=1.2,<2", "b>=0.3,<0.4"], {"a": "1.9.1", "b": "0.2"}) == ["b>=0.3,<0.4"]

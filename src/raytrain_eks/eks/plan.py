@@ -237,8 +237,9 @@ def _steps(
             Step(
                 "submit",
                 f"Run the job from inside the head pod (the dashboard port stays inside the cluster): "
-                f"{shlex.join(m.train_argv())} on {d.world_size} workers, with a runtime_env that pip-installs the "
-                "pinned packages the image lacks and ships the package unpacked above.",
+                f"{shlex.join(m.train_argv())} on {d.world_size} workers, with a runtime_env that ships the package "
+                "unpacked above and pip-installs those of " + ", ".join(job_files.job_requirements()) + " the image "
+                "does not have in range (asked of the head pod's python3 first; the command below lists them all).",
                 [*head_exec, "--", *job_files.ray_job_submit_argv(code_dir)],
             ),
         ]

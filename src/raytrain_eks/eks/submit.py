@@ -37,12 +37,16 @@ from raytrain_eks.k8s.addons import NodesNotReady, gpu_node_problems
 from raytrain_eks.k8s.cluster import KubeApiError, Pod
 from raytrain_eks.k8s.job import (
     DASHBOARD,
+    IMAGE_VERSIONS,
     code_config_map,
     head_code_dir,
+    job_requirements,
+    left_to_install,
     package_archive,
     package_files,
     ray_job_submit_argv,
     rayjob_manifest,
+    requirement_name,
     unpack_argv,
 )
 from raytrain_eks.k8s.runner import CommandError
@@ -209,6 +213,30 @@ AGENT_WAIT_S = 180.0  # how long submit keeps trying while the agent is not read
 AGENT_RETRY_S = 5.0
 
 
+def image_lacks(d: Deployment, head: Pod) -> list[str]:
+    """What the job's runtime_env must install: :func:`~raytrain_eks.k8s.job.job_requirements` less what the head
+    pod's image already has in range (asked of its python3); all of them when the image cannot be asked."""
+    wanted = job_requirements()
+    names = [requirement_name(r) for r in wanted]
+    res = head_exec(d, head, [m.IMAGE_PYTHON, "-c", IMAGE_VERSIONS, *names])
+    try:
+        installed = json.loads(res.stdout) if res.ok else None
+    except ValueError:
+        installed = None
+    if not isinstance(installed, dict):
+        d.say(f"Could not ask the image which packages it has ({(res.stderr or res.stdout).strip()[:200]}): "
+              "runtime_env installs all of them")  # fmt: skip
+        return wanted
+    left = left_to_install(wanted, installed)
+    kept = [f"{n} {installed[n]}" for n, r in zip(names, wanted, strict=True) if r not in left]
+    d.say(
+        f"The image has {len(kept)} of the job's {len(wanted)} packages in range"
+        + (f" ({', '.join(kept)})" if kept else "")
+        + f"; runtime_env installs {', '.join(left) if left else 'nothing'}"
+    )
+    return left
+
+
 def submit_job(d: Deployment, head: Pod, code_dir: str) -> str:
     """``ray job submit --no-wait`` in the head pod; returns the submission id.
 
@@ -216,7 +244,7 @@ def submit_job(d: Deployment, head: Pod, code_dir: str) -> str:
     :data:`AGENT_RETRY_S` for up to :data:`AGENT_WAIT_S`; a try that reached the agent after all (its status is
     known) is not submitted twice."""
     submission_id = time.strftime("raytrain-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
-    argv = ray_job_submit_argv(code_dir, submission_id=submission_id, wait=False)
+    argv = ray_job_submit_argv(code_dir, submission_id=submission_id, wait=False, pip=image_lacks(d, head))
     start = d.clock()
     while True:
         res = head_exec(d, head, argv)

@@ -31,10 +31,10 @@ from raytrain_eks.k8s import manifests as m
 
 DIST_NAME = "raytrain-eks"
 # Already in the cluster image (Ray 2.58 with Ray Train/Data, PyTorch): installing another copy would shadow the
-# versions the image was built and tested with. pyarrow comes with Ray Data. kubernetes and boto3 are for the
-# deploy side only.
+# versions the image was built and tested with. pyarrow comes with Ray Data. kubernetes, boto3 and packaging are for
+# the deploy side only.
 IMAGE_PROVIDED = frozenset({"torch", "torchvision", "ray", "pyarrow"})
-DEPLOY_ONLY = frozenset({"kubernetes", "boto3"})
+DEPLOY_ONLY = frozenset({"kubernetes", "boto3", "packaging"})
 
 DASHBOARD = f"http://127.0.0.1:{m.HEAD_PORTS['dashboard']}"
 # What KubeRay's RayJob controller gives the submitter container (configureSubmitterContainer in
@@ -149,6 +149,61 @@ def image_missing_requirements() -> list[str]:
     return out
 
 
+def _range(version: str) -> str:
+    """The versions of a dependency the job takes on the cluster: from the one pinned (and tested) here up to its
+    next major (next minor for a 0.x version), so a copy the image has in that range is used as it is.
+    Example: ``_range("5.23.0") == ">=5.23.0,<6"``, ``_range("0.23.3") == ">=0.23.3,<0.24"``."""
+    parts = [int(x) if x.isdigit() else 0 for x in version.split(".")[:2]] + [0]
+    upper = f"{parts[0] + 1}" if parts[0] else f"0.{parts[1] + 1}"
+    return f">={version},<{upper}"
+
+
+def job_requirements() -> list[str]:
+    """What the job needs beyond the image's Ray and PyTorch, as ranges (:func:`_range`) of the pinned versions.
+
+    Example (reference): ``["transformers>=5.23.0,<6", "tokenizers>=0.23.3,<0.24", ...]``."""
+    out = []
+    for spec in image_missing_requirements():
+        name, _, version = spec.partition("==")
+        out.append(f"{name}{_range(version)}" if version and "," not in version else spec)
+    return out
+
+
+# Run in the head pod (the image's python3): the installed version of each distribution named in argv, or null.
+IMAGE_VERSIONS = """import importlib.metadata as md, json, sys
+found = {}
+for name in sys.argv[1:]:
+    try:
+        found[name] = md.version(name)
+    except md.PackageNotFoundError:
+        found[name] = None
+print(json.dumps(found))
+"""
+
+
+def requirement_name(spec: str) -> str:
+    match = re.match(r"\s*([A-Za-z0-9._-]+)", spec)
+    return match.group(1) if match else spec
+
+
+def left_to_install(requirements: list[str], installed: Mapping[str, str | None]) -> list[str]:
+    """The ``requirements`` the image does not meet: not installed, or at a version outside the range."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion
+
+    out = []
+    for spec in requirements:
+        name = requirement_name(spec)
+        have = installed.get(name)
+        try:
+            usable = have is not None and SpecifierSet(spec[len(name) :]).contains(have, prereleases=True)
+        except InvalidVersion:
+            usable = False
+        if not usable:
+            out.append(spec)
+    return out
+
+
 def package_files(root: Path | None = None) -> dict[str, str]:
     """Relative path -> text of every source and data file of the ``raytrain_eks`` package (no caches)."""
     base = Path(root) if root is not None else Path(raytrain_eks.__file__).parent
@@ -179,10 +234,13 @@ def package_archive(files: Mapping[str, str]) -> str:
     return base64.b64encode(gzip.compress(buf.getvalue(), compresslevel=9, mtime=0)).decode("ascii")
 
 
-def runtime_env(code_dir: str) -> dict[str, Any]:
-    """The job's Ray ``runtime_env``: pip installs what the image lacks, ``py_modules`` ships ``raytrain_eks``
-    from ``code_dir`` (a path where ``ray job submit`` runs). No secret is ever put here."""
-    return {"pip": image_missing_requirements(), "py_modules": [f"{code_dir}/raytrain_eks"]}
+def runtime_env(code_dir: str, pip: list[str] | None = None) -> dict[str, Any]:
+    """The job's Ray ``runtime_env``: pip installs ``pip`` (default: all of :func:`job_requirements`; ``submit``
+    leaves out what the image has in range), ``py_modules`` ships ``raytrain_eks`` from ``code_dir`` (a path where
+    ``ray job submit`` runs). No secret is ever put here."""
+    env: dict[str, Any] = {"py_modules": [f"{code_dir}/raytrain_eks"]}
+    packages = job_requirements() if pip is None else pip
+    return {"pip": packages, **env} if packages else env
 
 
 CONFIG_MAP_MAX_BYTES = 1 << 20  # Kubernetes rejects a ConfigMap whose data exceeds 1 MiB
@@ -265,7 +323,9 @@ def unpack_argv(dest: str) -> list[str]:
     return [m.IMAGE_PYTHON, "-c", _UNPACK, dest]
 
 
-def ray_job_submit_argv(code_dir: str, *, submission_id: str | None = None, wait: bool = True) -> list[str]:
+def ray_job_submit_argv(
+    code_dir: str, *, submission_id: str | None = None, wait: bool = True, pip: list[str] | None = None
+) -> list[str]:
     """``ray job submit`` as run in the head pod: the job's ``runtime_env`` (:func:`runtime_env` of ``code_dir``) and
     its entrypoint (:func:`raytrain_eks.k8s.manifests.train_argv`). ``submission_id``: Ray makes one when ``None``.
     ``wait=False`` returns once submitted (``submit`` then follows the logs itself)."""
@@ -274,4 +334,4 @@ def ray_job_submit_argv(code_dir: str, *, submission_id: str | None = None, wait
         argv += ["--submission-id", submission_id]
     if not wait:
         argv.append("--no-wait")
-    return [*argv, "--runtime-env-json", json.dumps(runtime_env(code_dir)), "--", *m.train_argv()]
+    return [*argv, "--runtime-env-json", json.dumps(runtime_env(code_dir, pip)), "--", *m.train_argv()]
