@@ -14,6 +14,7 @@ from raytrain_eks.config import load_config
 from raytrain_eks.train.checkpoint import list_checkpoints
 from raytrain_eks.train.faults import ENV as FAULT_ENV
 from raytrain_eks.train.launch import run_training
+from raytrain_eks.train.staged import CACHE_ENV as MODEL_CACHE_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +47,11 @@ def s3_and_ray(moto_url):
 
 
 def test_checkpoints_live_in_s3_and_survive_a_kill(tmp_path, monkeypatch, s3_and_ray):
+    # The model too comes from S3: staged there once, each node (here, the one) reads its own copy of it.
+    main(["stage-model", "builtin:tiny-qwen2", "--to", f"s3://{BUCKET}/models"])
+    monkeypatch.setenv(MODEL_CACHE_ENV, str(tmp_path / "model-cache"))
     training = {
+        "model_id": f"s3://{BUCKET}/models/tiny-qwen2",
         "data": "random",
         "steps": 6,
         "seq_len": 32,
@@ -71,6 +76,10 @@ def test_checkpoints_live_in_s3_and_survive_a_kill(tmp_path, monkeypatch, s3_and
     stored = s3_and_ray.get_object(Bucket=BUCKET, Key="runs/run/config.yaml")["Body"].read().decode()
     assert stored == (result.run_dir / "config.yaml").read_text()
     assert not (tmp_path / "run" / "ray").exists(), "nothing of the checkpoints is kept on the driver's disk"
+    (copy,) = (tmp_path / "model-cache").glob("tiny-qwen2-*/config.json")  # one copy, shared by the ranks
+    staged = {o["Key"] for o in s3_and_ray.list_objects_v2(Bucket=BUCKET, Prefix="models/")["Contents"]}
+    assert {"models/tiny-qwen2/config.json", "models/tiny-qwen2/model.safetensors"} <= staged
+    assert stored.count(f"s3://{BUCKET}/models/tiny-qwen2") == 1  # the run's config names the staged model
 
     # `export RUN_DIR` finds the run's checkpoints in S3 through its config.yaml.
     main(["export", str(result.run_dir), str(tmp_path / "exported")])

@@ -293,6 +293,27 @@ def export(
     out.print(f"model: {path.resolve()}")
 
 
+@app.command("stage-model")
+def stage_model(
+    model: Annotated[
+        str, typer.Argument(help="A Hugging Face Hub id (Qwen/Qwen2.5-1.5B), a model folder, or builtin:tiny-qwen2.")
+    ],
+    to: Annotated[
+        str,
+        typer.Option(
+            "--to", help="Where every node reads it: s3://BUCKET/PREFIX (any URI pyarrow reads) or a shared folder."
+        ),
+    ],
+) -> None:
+    """Copy a model once where every node reads it (its config, weights and tokenizer files); a job whose
+    training.model_id is the printed location reads it from there, and none of its workers asks the Hub."""
+    from raytrain_eks.train.staged import stage_model as stage
+
+    uri = stage(model, to, say=lambda line: out.print(line, markup=False))
+    out.print(f"model: {uri}", markup=False)
+    out.print("Set training.model_id (--model) to it.", markup=False)
+
+
 @app.command()
 def init(
     path: Annotated[Path, typer.Argument(help="File to write.")] = Path(DEFAULT_CONFIG_FILE),

@@ -34,6 +34,8 @@ from raytrain_eks.ray_session import (
 )
 from raytrain_eks.train.fabric_gate import nccl_env
 from raytrain_eks.train.faults import ENV as FAULT_ENV
+from raytrain_eks.train.staged import CACHE_ENV as MODEL_CACHE_ENV
+from raytrain_eks.train.staged import is_staged_location
 
 ERROR_LOG = "error.log"  # in the run folder: the full tracebacks behind a failure's one-line message
 _DONE = {"done": True}
@@ -300,6 +302,10 @@ def _train_in(
         forget_ray_snapshot(root)
     # Workers inherit the raylet's environment, not the driver's: what they need is passed explicitly.
     worker_env = {}
+    if is_staged_location(training.model_id):  # read from where it is staged: no worker asks the Hub for anything
+        worker_env["HF_HUB_OFFLINE"] = "1"
+        if os.environ.get(MODEL_CACHE_ENV):
+            worker_env[MODEL_CACHE_ENV] = os.environ[MODEL_CACHE_ENV]
     if cfg.fabric.require != "any":
         worker_env.update(nccl_env(f"{run_dir.name}-{os.getpid()}"))
     if os.environ.get(FAULT_ENV):
@@ -326,7 +332,8 @@ def _train_in(
         _worker_entry,
         train_loop_config={
             "training": training.model_dump(mode="json"),
-            "model_path": model_path,
+            # A staged model: each worker reads its own node's copy (the driver's folder is on the driver's node).
+            "model_path": training.model_id if is_staged_location(training.model_id) else model_path,
             "metrics_queue": queue,
             "checkpoint_root": root,
             "resume_from": resume_from,

@@ -460,9 +460,14 @@ def ray_worker_entry(job: dict[str, Any]) -> None:
     quiet_libraries()
     cfg = TrainingConfig.model_validate(job["training"])
     ctx = RayContext(job.get("metrics_queue"), job["checkpoint_root"], job.get("resume_from"), job.get("datasets"))
+    model_path = job["model_path"]
+    if "://" in model_path:  # staged where every node reads it: this node's copy
+        from raytrain_eks.train.staged import local_copy
+
+        model_path = local_copy(model_path)
     train(
         cfg,
-        job["model_path"],
+        model_path,
         ctx,
         fabric_require=job.get("fabric_require", "any"),
         sample_prompts=job.get("sample_prompts"),

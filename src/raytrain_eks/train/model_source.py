@@ -1,5 +1,6 @@
-"""Where a model comes from, checked on the driver before anything starts: a hub id, a local folder, or the built-in
-model (built on first use). Nothing here imports torch, so these checks run while it has not been loaded yet.
+"""Where a model comes from, checked on the driver before anything starts: a hub id, a local folder, the built-in
+model (built on first use), or a model staged where every node reads it (``s3://...``, :mod:`.staged`). Nothing
+here imports torch, so these checks run while it has not been loaded yet.
 
 Example::
 
@@ -22,6 +23,10 @@ def resolve_model_path(model_id: str) -> str:
         from raytrain_eks.train.builtin import ensure_builtin_model
 
         return str(ensure_builtin_model())
+    if "://" in model_id:  # staged (raytrain-eks stage-model): this node's copy of it
+        from raytrain_eks.train.staged import local_copy
+
+        return local_copy(model_id)
     local = Path(model_id).expanduser()
     if model_id.startswith((".", "/", "~")) or local.exists():
         if not (local / "config.json").exists():
