@@ -1829,3 +1829,24 @@ def test_release_lookups_are_helm_get_metadata_and_a_missing_release_is_none(rea
     assert addons.release_info(ready.d, "no-such-release", "kube-system") is None
     lifecycle.down(ready.d, confirm=lambda q: True)
     assert not [c for c in ready.tools.calls if c[:2] == ["helm", "list"]]
+
+
+def test_an_existing_cluster_is_used_and_never_created_or_deleted(world: World):
+    existing = dataclasses.replace(
+        world.d,
+        cfg=world.d.cfg.model_copy(update={"cluster": world.d.cfg.cluster.model_copy(update={"existing": True})}),
+    )
+    questions: list[str] = []
+    with pytest.raises(UserError, match="cluster.existing is true: up does not create one"):
+        lifecycle.up(existing, confirm=questions.append, offered_zones=lambda: nodegroups.Placement(list(ZONES)))
+    assert questions == [] and not world.store.created and not world.tools.commands("eksctl", "create")
+    assert not boto3.client("s3").list_buckets()["Buckets"]  # not even the checkpoint bucket
+    world.tools.cluster = {"name": "ray-train-eks", "azs": ZONES}
+    lifecycle.up(
+        existing, confirm=lambda q: questions.append(q) or True, offered_zones=lambda: nodegroups.Placement(list(ZONES))
+    )
+    assert questions[0].startswith("Use existing cluster ray-train-eks in us-east-1, adding 2 x g6.12xlarge")
+    assert not world.tools.commands("eksctl", "create", "cluster")
+    assert world.tools.commands("eksctl", "create", "nodegroup")
+    lifecycle.down(existing, confirm=lambda q: True)
+    assert not world.tools.commands("eksctl", "delete", "cluster") and world.tools.cluster is not None

@@ -119,6 +119,13 @@ class ClusterConfig(_Section):
             "nodes advertise at up (kubernetes)"
         ),
     )
+    existing: bool = Field(
+        False,
+        description=(
+            "eks: cluster.name is an EKS cluster that exists already: up adds its node groups, add-ons and service "
+            "account there and never creates or deletes the cluster"
+        ),
+    )
     name: str = Field("ray-train-eks", max_length=100)
     region: str = "us-east-1"
     # The reference's version; newer versions stay longer in EKS standard support ($0.10 instead of $0.60 per hour).

@@ -45,6 +45,7 @@ from raytrain_eks.eks.nodegroups import (
     gpu_node_spec,
     kubeconfig_argv,
     leftover_cluster_stack,
+    no_existing_cluster,
     nodegroup_statuses,
     remove_eksctl_device_plugins,
 )
@@ -211,12 +212,16 @@ def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callabl
         d.say(memory.line)
     require_programs(d, "up")  # every program up runs, all the missing ones named at once
     _check_state_matches(d)
+    if c.existing and cluster_status(d) is None:
+        raise no_existing_cluster(cfg)  # before anything is asked or made (the bucket comes first)
     plan = choose_zones(cfg, d.state, offered_zones)
     cost = cost_per_hour(cfg, gpu, system)["total_usd"]
+    where = f"cluster {c.name} in {c.region}"
+    nat = "" if c.existing else ", a NAT gateway"
     question = (
-        f"Create (or resume) cluster {c.name} in {c.region}: {c.gpu_node_count} x {gpu.name} in "
-        f"{' or '.join(plan.candidates)}, {c.system_node_count} x {system.name}, a NAT gateway; about "
-        f"${cost:.2f} per hour until `raytrain-eks down`. Continue?"
+        (f"Use existing {where}, adding" if c.existing else f"Create (or resume) {where}:")
+        + f" {c.gpu_node_count} x {gpu.name} in {' or '.join(plan.candidates)}, {c.system_node_count} x "
+        f"{system.name}{nat}; about ${cost:.2f} per hour until `raytrain-eks down`. Continue?"
     )
     if not confirm(question):
         raise Cancelled("cancelled: nothing was created")

@@ -408,11 +408,23 @@ def remove_stale_cluster_stack(d: Deployment) -> None:
         )
 
 
+def no_existing_cluster(cfg: Config) -> UserError:
+    c = cfg.cluster
+    return UserError(
+        f"EKS has no cluster {c.name} in {c.region}, and cluster.existing is true: up does not create one; nothing "
+        "was created",
+        hint="Name your cluster in cluster.name (and its region in cluster.region), or set cluster.existing to "
+        "false to have up create it.",
+    )
+
+
 def ensure_cluster(d: Deployment, plan: ZonePlan) -> None:
     """Create the EKS cluster (no node groups) unless it exists; write this folder's kubeconfig for it."""
     c = d.cfg.cluster
     item = cluster_item(d.cfg)
     status = _wait_while_busy(d, f"cluster {c.name}", lambda: cluster_status(d), CLUSTER_TIMEOUT_S)
+    if status is None and c.existing:
+        raise no_existing_cluster(d.cfg)
     if status is None:
         remove_stale_cluster_stack(d)
         for note in plan.notes:
