@@ -119,3 +119,21 @@ def test_bfloat16_export_is_filled_in_bfloat16_from_an_fp32_checkpoint(tmp_path,
         assert tensor.dtype == torch.bfloat16, name
         assert torch.equal(tensor, full[name].to(torch.bfloat16)), name
     assert torch.equal(full["model.embed_tokens.weight"], model.model.embed_tokens.weight.detach())
+
+
+def test_the_temporary_folders_of_workers_that_are_gone_are_removed_and_others_kept(tmp_path):
+    import subprocess
+    import sys
+
+    from raytrain_eks.train.context import TEMP_PREFIX, remove_stale_folders
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)  # a worker killed mid-run: its process has exited
+    stale = [tmp_path / f"{TEMP_PREFIX}resume-r1-p{dead}-x1y2z3", tmp_path / f"{TEMP_PREFIX}ckpt-40-r0-p{dead}-q9w8"]
+    live = tmp_path / f"{TEMP_PREFIX}resume-r0-p{os.getpid()}-abcd"  # a worker still running
+    other = tmp_path / f"{TEMP_PREFIX}resume-k2j3h4"  # the CLI's own copy of a storage folder's config: not ours
+    for folder in [*stale, live, other]:
+        (folder / "checkpoint").mkdir(parents=True)
+        (folder / "checkpoint" / "__0_0.distcp").write_bytes(b"\0" * 1024)
+    assert sorted(remove_stale_folders(tmp_path)) == sorted(stale)
+    assert not any(p.exists() for p in stale) and live.is_dir() and other.is_dir()

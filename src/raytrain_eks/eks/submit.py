@@ -34,7 +34,7 @@ from raytrain_eks.fabric.nccl_lines import NCCL_LOG_PREFIX
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import NodesNotReady, gpu_node_problems
-from raytrain_eks.k8s.cluster import KubeApiError, Pod
+from raytrain_eks.k8s.cluster import ExecResult, KubeApiError, Pod
 from raytrain_eks.k8s.job import (
     DASHBOARD,
     IMAGE_VERSIONS,
@@ -171,7 +171,7 @@ def _pods_report(d: Deployment, ns: str, pods: list[Pod], want: int, timeout: fl
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def head_exec(d: Deployment, head: Pod, argv: list[str], *, timeout: float = EXEC_TIMEOUT_S, **kw: Any) -> Any:
+def head_exec(d: Deployment, head: Pod, argv: list[str], *, timeout: float = EXEC_TIMEOUT_S, **kw: Any) -> ExecResult:
     return d.kube.exec(head.namespace, head.name, argv, timeout=timeout, container="ray-head", **kw)
 
 

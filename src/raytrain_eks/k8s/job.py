@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import raytrain_eks
+from raytrain_eks.config import Config
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 
@@ -246,7 +247,7 @@ def runtime_env(code_dir: str, pip: list[str] | None = None) -> dict[str, Any]:
 CONFIG_MAP_MAX_BYTES = 1 << 20  # Kubernetes rejects a ConfigMap whose data exceeds 1 MiB
 
 
-def code_config_map(cfg: Any, files: Mapping[str, str]) -> tuple[dict[str, Any], list[dict[str, str]]]:
+def code_config_map(cfg: Config, files: Mapping[str, str]) -> tuple[dict[str, Any], list[dict[str, str]]]:
     """The package as a ConfigMap (for a RayJob's submitter pod): one ``binaryData`` key, :data:`ARCHIVE_KEY`, the
     :func:`package_archive` tar.gz (a quarter of the sources' size), and the volume ``items`` that mount it as that
     file. The submitter unpacks it (:func:`submitter_argv`)."""
@@ -278,7 +279,7 @@ def config_map_bytes(doc: Mapping[str, Any]) -> int:
 
 
 def rayjob_manifest(
-    cfg: Any, *, hf_token: bool, code_map: dict[str, Any], items: list[dict[str, str]]
+    cfg: Config, *, hf_token: bool, code_map: dict[str, Any], items: list[dict[str, str]]
 ) -> dict[str, Any]:
     """The RayJob of :func:`raytrain_eks.k8s.manifests.rayjob` (its entrypoint is the same driver command as
     :func:`submit_job`'s), plus the runtime_env and a submitter pod that mounts the code ConfigMap and runs

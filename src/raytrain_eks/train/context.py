@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -213,7 +214,8 @@ class RayContext:
         self._root = checkpoint_root
         self._resume_from = resume_from
         self._datasets = datasets or {}
-        self._downloads = Path(tempfile.mkdtemp(prefix=f"raytrain-eks-resume-r{self.rank}-"))
+        remove_stale_folders()  # what workers killed mid-run left (a downloaded checkpoint is the size of the model)
+        self._downloads = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}resume-r{self.rank}-p{os.getpid()}-"))
 
     def data_batches(self, batch_size: int, position: dict[str, int] | None, seed: int) -> DataCursor:
         from raytrain_eks.train.data import TRAIN_DATASET
@@ -258,7 +260,7 @@ class RayContext:
     def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any], keep: int) -> None:
         import ray.train
 
-        staging = Path(tempfile.mkdtemp(prefix=f"raytrain-eks-ckpt-{step}-r{self.rank}-"))
+        staging = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}ckpt-{step}-r{self.rank}-p{os.getpid()}-"))
         try:
             write(staging)
             name = checkpoint_name(step)
@@ -274,6 +276,35 @@ class RayContext:
         if self.rank == 0 and self._queue is not None:
             self._queue.put({"summary": summary})
         shutil.rmtree(self._downloads, ignore_errors=True)
+
+
+TEMP_PREFIX = "raytrain-eks-"
+# The temporary folders a worker makes: a checkpoint it downloads to resume from, one it stages to save; each named
+# with the worker's process id.
+_TEMP_FOLDER = re.compile(rf"^{TEMP_PREFIX}(?:resume|ckpt)-.*-p(\d+)-[^/]+$")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_stale_folders(root: str | Path | None = None) -> list[Path]:
+    """Delete the temporary folders of workers that are gone (killed before they could clean up: a node lost, an
+    out-of-memory kill, a worker group restarted); those of running workers stay. Returns what was deleted."""
+    base = Path(root or tempfile.gettempdir())
+    removed = []
+    for path in base.glob(f"{TEMP_PREFIX}*"):
+        found = _TEMP_FOLDER.match(path.name)
+        if found and path.is_dir() and not _alive(int(found.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 class ProcessContext:
