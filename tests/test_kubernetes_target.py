@@ -385,3 +385,21 @@ def test_the_image_version_probe_reports_what_an_interpreter_has():
     )
     assert json.loads(done.stdout) == {"transformers": transformers.__version__, "no-such-distribution": None}
     assert job.left_to_install(["a>=1.2,<2", "b>=0.3,<0.4"], {"a": "1.9.1", "b": "0.2"}) == ["b>=0.3,<0.4"]
+
+
+def test_the_commands_say_what_is_missing_before_touching_anything(tmp_path, monkeypatch, capsys):
+    from raytrain_eks.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "raytrain-eks.yaml"
+    config.write_text("cluster:\n  target: kubernetes\n")
+    for command in ("up", "status", "down"):
+        yes = [] if command == "status" else ["-y"]
+        with pytest.raises(SystemExit) as done:
+            main([command, "--config", str(config), "--kubeconfig", str(tmp_path / "nope"), *yes])
+        assert done.value.code != 0
+        assert f"the kubeconfig {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--config", str(config)])
+    assert "raytrain-eks up --plan" in capsys.readouterr().err
+    assert not (tmp_path / ".raytrain-eks").exists()

@@ -83,6 +83,15 @@ def plan(
     from raytrain_eks.eks.plan import Mode, build_plan, write_plan
 
     cfg = _load(config, preset, sets)
+    if cfg.cluster.target != "eks":
+        from raytrain_eks.errors import UserError
+
+        raise UserError(
+            "plan renders the EKS deployment (eksctl, node groups, cost); cluster.target is kubernetes, whose "
+            "worker pods are sized from the nodes `up` finds",
+            hint="Run `raytrain-eks up --plan` to see what up would do there, then `raytrain-eks up`; submit renders "
+            "the RayCluster from what it found.",
+        )
     # Only whether a token is there: its value stays in this process's environment until deploy sends it.
     hf_token = bool(os.environ.get("HF_TOKEN"))
     chosen = cast("Mode", mode.value)
