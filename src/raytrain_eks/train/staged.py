@@ -46,11 +46,18 @@ def is_staged_location(model_id: str) -> bool:
 def _source_folder(model: str, say: Callable[[str], None]) -> Path:
     """The local folder of ``model``: the built-in model, a folder, or a snapshot of a Hub id (its model files
     only, into the Hugging Face cache; HF_TOKEN is used for gated models)."""
-    from raytrain_eks.train.model_source import resolve_model_path
+    if model == BUILTIN_MODEL:
+        from raytrain_eks.train.builtin import ensure_builtin_model
 
-    resolved = resolve_model_path(model)
-    if model == BUILTIN_MODEL or Path(resolved).is_dir():
-        return Path(resolved)
+        return Path(ensure_builtin_model())
+    local = Path(model).expanduser()
+    if model.startswith((".", "/", "~")) or local.exists():
+        if not (local / "config.json").is_file():
+            raise UserError(
+                f"{model!r}: not a Hugging Face model folder (no config.json in it)",
+                hint="Give a folder written by save_pretrained, a hub id (Qwen/Qwen2.5-1.5B) or builtin:tiny-qwen2.",
+            )
+        return local.resolve()
     from huggingface_hub import snapshot_download
 
     say(f"Downloading {model} from the Hugging Face Hub (model files only)")
