@@ -668,12 +668,7 @@ def prepare_dataset(
                     if kind == "parquet"
                     else ray.data.read_datasource(json_datasource(files), ray_remote_args=where)
                 )
-            # Ray's annotation of map_batches takes no function with keyword-only arguments (fn_kwargs fills them).
-            encoded = raw.map_batches(
-                _encode_batch,  # type: ignore[arg-type]
-                batch_format="pyarrow",
-                fn_kwargs=encode,
-            ).materialize()
+            encoded = raw.map_batches(_encode_batch, batch_format="pyarrow", fn_kwargs=encode).materialize()
     except DataError:
         raise
     except Exception as exc:  # Ray wraps reader errors; show the root cause, not Ray's traceback.

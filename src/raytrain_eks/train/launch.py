@@ -347,8 +347,7 @@ def _train_in(
             name=RAY_DIR,
             storage_path=storage_root(run_dir, training.storage_path),
             failure_config=ray.train.FailureConfig(max_failures=training.max_failures),
-            # Ray Train v2's RunConfig (chosen when ray.train is imported) takes it; the one typed statically is v1's.
-            worker_runtime_env={"env_vars": worker_env},  # type: ignore[call-arg]
+            worker_runtime_env={"env_vars": worker_env},  # Ray Train v2's RunConfig (ray.train picks v2 at import)
         ),
     )
 
