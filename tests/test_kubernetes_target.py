@@ -403,3 +403,21 @@ def test_the_commands_say_what_is_missing_before_touching_anything(tmp_path, mon
         main(["plan", "--config", str(config)])
     assert "raytrain-eks up --plan" in capsys.readouterr().err
     assert not (tmp_path / ".raytrain-eks").exists()
+
+
+def test_gpu_feature_discoverys_labels_give_the_memory_estimate(plain: Cluster):
+    gfd = {existing.GPU_MEMORY_LABEL: "40960", existing.GPU_PRODUCT_LABEL: "NVIDIA-A100-SXM4-40GB"}
+    for i in range(2):  # the same nodes, as the GPU operator's feature discovery labels an A100 40GB node
+        plain.kube.add_node(
+            f"gpu-{i}",
+            labels={**GPU_LABELS, **gfd},
+            allocatable={"cpu": "11", "memory": "80Gi"},
+            taints=[GPU_TAINT],
+            devices={m.GPU_RESOURCE: "4"},
+        )
+    plain.target.up(plain.d(), confirm=plain.ask())
+    assert "leaves out the memory estimate" not in plain.said()
+    gpu = plain.target.gpu_type(plain.d())
+    assert gpu is not None and (gpu.gpu_mib, gpu.gpu_model, gpu.gpus) == (40960, "NVIDIA-A100-SXM4-40GB", 4)
+    assert sub.submit(plain.d()).exit_code == 0
+    assert "memory estimate is left out" not in plain.said() and "NVIDIA-A100-SXM4-40GB" in plain.said()

@@ -47,6 +47,10 @@ from raytrain_eks.k8s.state import Cancelled, Deployment, StateStore, describe, 
 
 TARGET = "kubernetes"
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+# What NVIDIA's GPU feature discovery (part of the GPU operator) labels a GPU node with: each GPU's memory in MiB
+# and its product name (NVIDIA/k8s-device-plugin, docs/gpu-feature-discovery/README.md, "Generated Labels").
+GPU_MEMORY_LABEL = "nvidia.com/gpu.memory"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 # A worker pod fills 5/6 of the smallest GPU node's allocatable CPU and memory: the rest is for the DaemonSets
 # (device plugins, CNI, logging) that also run there. The same share as on EKS (instances.default_worker_pod_size).
 POD_SHARE = (5, 6)
@@ -93,6 +97,8 @@ class Found:
     worker_cpu: int
     worker_memory_gib: int
     gpu_node_type: str | None
+    gpu_mib: int | None = None  # from GPU feature discovery's labels, when every GPU node has them
+    gpu_model: str | None = None
     install: list[HelmRelease] = field(default_factory=list)
     create: list[dict[str, Any]] = field(default_factory=list)
 
@@ -153,6 +159,11 @@ def look(d: Deployment) -> Found:
     types = {n.labels.get(INSTANCE_TYPE_LABEL) for n in nodes}
     (only,) = types if len(types) == 1 else (None,)
     found.gpu_node_type = only if only in INSTANCE_TYPES else None
+    memory = [n.labels.get(GPU_MEMORY_LABEL, "") for n in nodes]
+    if all(v.isdigit() for v in memory):
+        found.gpu_mib = min(int(v) for v in memory)
+        products = {n.labels.get(GPU_PRODUCT_LABEL) for n in nodes}
+        found.gpu_model = products.pop() if len(products) == 1 else None
     ns = cfg.ray.namespace
     if ns != "default" and d.kube.get("v1", "Namespace", ns) is None:
         found.create.append(m.namespace(cfg))
@@ -273,6 +284,8 @@ def up(d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
         worker_cpu=found.worker_cpu,
         worker_memory_gib=found.worker_memory_gib,
         gpu_node_type=found.gpu_node_type,
+        gpu_mib=found.gpu_mib,
+        gpu_model=found.gpu_model,
     )
     for obj in found.create:
         d.state.record(object_item(obj))
@@ -285,8 +298,11 @@ def up(d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
     if any(i["type"] == "helm" and i["name"] == KUBERAY_RELEASE for i in d.state.created):
         wait_kuberay(d)
     d.state.update(phase="up")
-    if not found.gpu_node_type:
-        d.say("The GPU nodes carry no EC2 instance type raytrain-eks knows: submit leaves out the memory estimate.")
+    if not found.gpu_node_type and not found.gpu_mib:
+        d.say(
+            "The GPU nodes carry neither an EC2 instance type raytrain-eks knows nor GPU feature discovery's "
+            f"{GPU_MEMORY_LABEL} label: submit leaves out the memory estimate."
+        )
     d.say(f"Ready: {len(nodes)} GPU nodes of {_where(d)}. Next: `raytrain-eks submit`.")
     return [n.name for n in nodes]
 
@@ -376,9 +392,18 @@ class KubernetesTarget:
         return gpu_node_spec(d.cfg, d.state)
 
     def gpu_type(self, d: Deployment) -> InstanceType | None:
-        """The GPU nodes' EC2 type when ``up`` found one it knows on their labels, else ``None``."""
-        name = d.state.get("gpu_node_type")
-        return INSTANCE_TYPES.get(name) if name else None
+        """The GPU nodes' EC2 type when ``up`` found one it knows on their labels; else their GPUs as GPU feature
+        discovery labels them (memory and product); else ``None``."""
+        s = d.state
+        if s.get("gpu_node_type") in INSTANCE_TYPES:
+            return INSTANCE_TYPES[s.get("gpu_node_type")]
+        if not s.get("gpu_mib"):
+            return None
+        model = s.get("gpu_model")
+        c = d.cfg.cluster
+        # Only the GPU fields are read by the memory estimate; nothing here is priced.
+        return InstanceType(f"GPU node ({model or 'GPU'})", c.gpus_per_node, model, int(s.get("gpu_mib")), 0, 0,
+                            0.0, m.efa_per_pod(d.cfg), None, verified=False)  # fmt: skip
 
     def before_pods(self, d: Deployment) -> None:
         """The Ray pods' service account must exist (``up`` creates it), and the shared volume when one is set."""
