@@ -421,3 +421,20 @@ def test_gpu_feature_discoverys_labels_give_the_memory_estimate(plain: Cluster):
     assert gpu is not None and (gpu.gpu_mib, gpu.gpu_model, gpu.gpus) == (40960, "NVIDIA-A100-SXM4-40GB", 4)
     assert sub.submit(plain.d()).exit_code == 0
     assert "memory estimate is left out" not in plain.said() and "NVIDIA-A100-SXM4-40GB" in plain.said()
+
+
+def test_without_up_or_efa_the_job_commands_stop_with_the_fix(plain: Cluster, monkeypatch, capsys):
+    from raytrain_eks.cli import main
+    from raytrain_eks.eks import commands
+
+    with pytest.raises(UserError, match="service account default/raytrain-eks-ray does not exist") as err:
+        sub.submit(plain.d())  # up has not run: nothing it makes is there, nor what it reads from the nodes
+    assert "raytrain-eks up" in (err.value.hint or "") and not plain.kube.applied
+    plain.target.up(plain.d(), confirm=plain.ask())
+    monkeypatch.setattr(commands, "make_deployment", lambda cfg, state_dir, say=None: plain.d())
+    config = plain.kubeconfig.parent / "raytrain-eks.yaml"
+    config.write_text(yaml.safe_dump(plain.cfg.model_dump(mode="json")))
+    with pytest.raises(SystemExit):
+        main(["compare-fabric", "--config", str(config), "-y"])
+    assert "the GPU nodes have no EFA" in capsys.readouterr().err
+    assert not [o for o in plain.kube.applied if o["kind"] == "RayCluster"]

@@ -407,7 +407,19 @@ def compare_fabric(
     compare.check_report_folder(out)  # before any run: a bad --out found after two runs would waste them
     from raytrain_eks.eks.programs import require_programs
 
-    require_programs(make_deployment(cfg, state_dir, lambda _: None), "compare-fabric")  # before the RayCluster
+    first = make_deployment(cfg, state_dir, lambda _: None)
+    require_programs(first, "compare-fabric")  # before the RayCluster
+    from raytrain_eks.k8s.manifests import efa_per_pod
+
+    if not efa_per_pod(first.cfg):  # a cluster whose GPU nodes have no EFA (cluster.target kubernetes)
+        from raytrain_eks.errors import UserError
+
+        raise UserError(
+            "compare-fabric measures EFA against TCP, and the GPU nodes have no EFA (cluster.efa_per_node is 0, "
+            "as up found them); nothing was run",
+            hint="Run it on nodes with EFA interfaces (an EFA-enabled EKS node group); `raytrain-eks submit` runs the "
+            "job here and says which transport NCCL used.",
+        )
     # The token goes from this environment into a Secret through the API: never a file, argv or log line.
     with compare.eks_runner(
         cfg,
