@@ -333,7 +333,7 @@ def test_a_read_write_many_volume_is_mounted_into_every_ray_pod_and_holds_the_ch
     tmp_path: Path, real_tools: Any, plain: Cluster
 ):
     selected, volume = "cluster.gpu_node_selector={pool: gpu}", "ray.shared_volume=checkpoints"
-    shared = Cluster(tmp_path / "shared", real_tools, selected, volume, storage=None)
+    shared = Cluster(tmp_path / "rwx-claim", real_tools, selected, volume, storage=None)
     shared.kube, shared.tools = plain.kube, plain.tools
     shared.kube.exec_handler = shared.ray
     with pytest.raises(UserError, match="no PersistentVolumeClaim default/checkpoints"):

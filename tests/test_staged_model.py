@@ -70,3 +70,8 @@ def test_a_location_without_a_staged_model_is_one_message(bucket, tmp_path):
     with pytest.raises(UserError, match="not a Hugging Face model folder"):
         staged.stage_model(str(empty), f"s3://{BUCKET}/models")
     assert "models/empty/" not in json.dumps(bucket.list_objects_v2(Bucket=BUCKET).get("Contents", []), default=str)
+
+
+def test_a_destination_that_cannot_be_written_is_one_message(bucket, tmp_path):
+    with pytest.raises(UserError, match="cannot write the model to s3://no-such-bucket/models/tiny-qwen2"):
+        staged.stage_model("builtin:tiny-qwen2", "s3://no-such-bucket/models")

@@ -54,13 +54,11 @@ from raytrain_eks.eks.programs import declared_programs, require_programs
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import (
-    HELM_TIMEOUT_S,
+    delete_recorded,
     ensure_release,
-    gpu_node_problems,
-    helm,
+    gpu_node_lines,
     helm_releases,
     install_argv,
-    release_info,
     wait_gpu_nodes,
     wait_kuberay,
 )
@@ -263,15 +261,8 @@ def _delete(d: Deployment, item: dict[str, Any], cluster_exists: bool) -> bool:
             return False
         delete_bucket(d, item["name"])
         return True
-    if kind == "object":
-        return cluster_exists and d.kube.delete(item["apiVersion"], item["kind"], item["name"], item.get("namespace"))
-    if kind == "helm":
-        if not cluster_exists:
-            return False
-        if release_info(d, item["name"], item["namespace"]) is None:
-            return False
-        helm(d, ["helm", "uninstall", item["name"], "--namespace", item["namespace"], "--wait"], timeout=HELM_TIMEOUT_S)
-        return True
+    if kind in ("object", "helm"):
+        return cluster_exists and delete_recorded(d, item)
     if kind == "nodegroup":
         if not cluster_exists or item["name"] not in nodegroup_statuses(d):
             return False
@@ -417,11 +408,4 @@ def status(d: Deployment) -> list[str]:
         return lines
     for name, st in sorted(nodegroup_statuses(d).items()):
         lines.append(f"Node group {name}: {st}")
-    nodes, problems = gpu_node_problems(d, gpu_node_spec(d.cfg, s.get("gpu_az")))
-    for node in nodes:
-        lines.append(
-            f"GPU node {node.name} ({node.zone or '?'}): {m.GPU_RESOURCE}={node.allocatable.get(m.GPU_RESOURCE, 0)} "
-            f"{m.EFA_RESOURCE}={node.allocatable.get(m.EFA_RESOURCE, 0)} {'Ready' if node.ready else 'NotReady'}"
-        )
-    lines += [f"  problem: {p}" for p in problems]
-    return lines + ray_lines(d)
+    return lines + gpu_node_lines(d, gpu_node_spec(d.cfg, s.get("gpu_az"))) + ray_lines(d)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from raytrain_eks.eks.pricing import deployment_record
+from raytrain_eks.eks.target import target_for
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.decision import gate_decision
 from raytrain_eks.fabric.deployment import DEPLOYMENT_RECORD
@@ -424,8 +425,6 @@ def submit(
     a Secret through the API only. Returns the result; its ``exit_code`` is 0 only when the job succeeded, NCCL's
     log meets ``fabric.require``, and (for ``efa``) ``fi_info`` sees EFA.
     """
-    from raytrain_eks.eks.target import target_for
-
     cfg = d.cfg
     ns = cfg.ray.namespace
     target = target_for(cfg)

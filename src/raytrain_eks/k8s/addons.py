@@ -24,7 +24,7 @@ from typing import Any
 from raytrain_eks.config import Config
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
-from raytrain_eks.k8s.cluster import Node
+from raytrain_eks.k8s.cluster import Node, quantity
 from raytrain_eks.k8s.manifests import to_yaml
 from raytrain_eks.k8s.runner import QUICK_TIMEOUT_S, CommandError, Completed
 from raytrain_eks.k8s.state import Deployment
@@ -284,13 +284,6 @@ def ensure_release(d: Deployment, rel: HelmRelease) -> None:
     )
 
 
-def _quantity(value: str | None) -> int:
-    try:
-        return int(value or "0")
-    except ValueError:
-        return 0
-
-
 @dataclass(frozen=True)
 class GpuNodeSpec:
     """What the worker pods need of the GPU nodes, as a target knows it: the nodes' labels, how many, the GPUs and
@@ -312,11 +305,15 @@ class GpuNodeSpec:
         return m.GPU_RESOURCE + (f" and {m.EFA_RESOURCE}" if self.efa else "")
 
 
+def _count(value: str | None) -> int:
+    return int(quantity(value))
+
+
 def gpu_nodes(d: Deployment, spec: GpuNodeSpec) -> list[Node]:
     """The nodes of ``spec.selector``; with no selector, those that advertise ``nvidia.com/gpu``."""
     nodes = d.kube.nodes(spec.selector or None)
     if not spec.selector:
-        nodes = [n for n in nodes if _quantity(n.allocatable.get(m.GPU_RESOURCE))]
+        nodes = [n for n in nodes if _count(n.allocatable.get(m.GPU_RESOURCE))]
     return nodes
 
 
@@ -345,13 +342,13 @@ def gpu_node_problems(d: Deployment, spec: GpuNodeSpec) -> tuple[list[Node], lis
             )
         if spec.zone and node.zone and node.zone != spec.zone:
             problems.append(f"node {node.name} is in {node.zone}, not {spec.zone}: EFA traffic cannot cross zones")
-        have_gpu = _quantity(node.allocatable.get(m.GPU_RESOURCE))
+        have_gpu = _count(node.allocatable.get(m.GPU_RESOURCE))
         if have_gpu < spec.gpus:
             problems.append(
                 f"node {node.name} advertises {m.GPU_RESOURCE}={have_gpu}, a worker pod needs {spec.gpus}: the NVIDIA "
                 "device plugin is not running there (fix: `raytrain-eks up` installs it)"
             )
-        have_efa = _quantity(node.allocatable.get(m.EFA_RESOURCE))
+        have_efa = _count(node.allocatable.get(m.EFA_RESOURCE))
         if have_efa < spec.efa:
             problems.append(
                 f"node {node.name} advertises {m.EFA_RESOURCE}={have_efa}, a worker pod needs {spec.efa}: the EFA "
@@ -360,6 +357,30 @@ def gpu_node_problems(d: Deployment, spec: GpuNodeSpec) -> tuple[list[Node], lis
             )
     problems += _plugin_problems(d, nodes, spec.plugins)
     return nodes, problems
+
+
+def gpu_node_lines(d: Deployment, spec: GpuNodeSpec) -> list[str]:
+    """``status``'s lines for the GPU nodes: each node's GPUs, EFA and readiness, then every problem found."""
+    nodes, problems = gpu_node_problems(d, spec)
+    lines = [
+        f"GPU node {n.name}{f' ({n.zone})' if n.zone else ''}: {m.GPU_RESOURCE}={n.allocatable.get(m.GPU_RESOURCE, 0)} "
+        f"{m.EFA_RESOURCE}={n.allocatable.get(m.EFA_RESOURCE, 0)} {'Ready' if n.ready else 'NotReady'}"
+        for n in nodes
+    ]
+    return lines + [f"  problem: {p}" for p in problems]
+
+
+def delete_recorded(d: Deployment, item: dict[str, Any]) -> bool:
+    """Delete a Helm release or an object the state file records, when it is still there (every target's ``down``);
+    ``True`` when something was deleted."""
+    if item["type"] == "object":
+        return d.kube.delete(item["apiVersion"], item["kind"], item["name"], item.get("namespace"))
+    if item["type"] == "helm":
+        if release_info(d, item["name"], item["namespace"]) is None:
+            return False
+        helm(d, ["helm", "uninstall", item["name"], "--namespace", item["namespace"], "--wait"], timeout=HELM_TIMEOUT_S)
+        return True
+    raise ValueError(f"not a Helm release or an object: {item}")
 
 
 def _plugin_problems(d: Deployment, nodes: list[Node], plugins: Sequence[str]) -> list[str]:

@@ -132,6 +132,20 @@ class KubeApi(Protocol):
         ...
 
 
+_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "m": 1e-3}
+
+
+def quantity(value: str | None) -> float:
+    """A Kubernetes quantity as a number (CPU in cores, memory in bytes, devices as counts): ``"47"`` -> 47.0,
+    ``"3920m"`` -> 3.92, ``"185Gi"`` -> 198642237440.0; absent or unreadable -> 0."""
+    text = (value or "").strip()
+    suffix = next((s for s in sorted(_UNITS, key=len, reverse=True) if text.endswith(s)), "")
+    try:
+        return float(text[: len(text) - len(suffix)]) * _UNITS.get(suffix, 1) if text else 0.0
+    except ValueError:
+        return 0.0
+
+
 def selector_string(selector: Mapping[str, str] | None) -> str | None:
     """``{"a": "1", "b": "2"}`` -> ``"a=1,b=2"`` (``None`` for no selector)."""
     return ",".join(f"{k}={v}" for k, v in selector.items()) if selector else None

@@ -29,20 +29,18 @@ from raytrain_eks.instances import INSTANCE_TYPES, InstanceType
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import (
     DEVICE_PLUGIN_RELEASES,
-    HELM_TIMEOUT_S,
     KUBERAY_RELEASE,
     RAYCLUSTER_CRD,
     GpuNodeSpec,
     HelmRelease,
+    delete_recorded,
     ensure_release,
-    gpu_node_problems,
-    helm,
+    gpu_node_lines,
     helm_releases,
-    release_info,
     wait_gpu_nodes,
     wait_kuberay,
 )
-from raytrain_eks.k8s.cluster import Node
+from raytrain_eks.k8s.cluster import Node, quantity
 from raytrain_eks.k8s.state import Cancelled, Deployment, StateStore, describe, object_item, with_shared_volume
 
 TARGET = "kubernetes"
@@ -70,23 +68,6 @@ def _where(d: Deployment) -> str:
     return f"the cluster of {d.kubeconfig}" + (f" (context {d.context})" if d.context else "")
 
 
-def _quantity(value: str | None) -> float:
-    """A Kubernetes quantity as a number (CPU in cores, memory in bytes): ``"47"``, ``"3920m"``, ``"185Gi"``."""
-    if not value:
-        return 0.0
-    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "m": 1e-3}
-    for suffix in sorted(units, key=len, reverse=True):
-        if value.endswith(suffix):
-            try:
-                return float(value[: -len(suffix)]) * units[suffix]
-            except ValueError:
-                return 0.0
-    try:
-        return float(value)
-    except ValueError:
-        return 0.0
-
-
 @dataclass
 class Found:
     """What ``up`` found in the cluster, and what it will install there."""
@@ -104,7 +85,7 @@ class Found:
 
 
 def _min(nodes: list[Node], resource: str) -> float:
-    return min(_quantity(n.allocatable.get(resource)) for n in nodes)
+    return min(quantity(n.allocatable.get(resource)) for n in nodes)
 
 
 def look(d: Deployment) -> Found:
@@ -113,7 +94,7 @@ def look(d: Deployment) -> Found:
     selector = m.gpu_node_selector(cfg)
     everything = d.kube.nodes()  # the first call: a kubeconfig or access problem stops here, with its message
     nodes = (
-        d.kube.nodes(selector) if selector else [n for n in everything if _quantity(n.allocatable.get(m.GPU_RESOURCE))]
+        d.kube.nodes(selector) if selector else [n for n in everything if quantity(n.allocatable.get(m.GPU_RESOURCE))]
     )
     if not nodes:
         which = f"matches the labels {selector}" if selector else f"advertises {m.GPU_RESOURCE}"
@@ -322,19 +303,7 @@ def down(d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
         raise Cancelled("cancelled: nothing was deleted")
     deleted = []
     for item in reversed(created):
-        if item["type"] == "helm":
-            gone = release_info(d, item["name"], item["namespace"]) is None
-            if not gone:
-                helm(
-                    d,
-                    ["helm", "uninstall", item["name"], "--namespace", item["namespace"], "--wait"],
-                    timeout=HELM_TIMEOUT_S,
-                )
-        elif item["type"] == "object":
-            gone = not d.kube.delete(item["apiVersion"], item["kind"], item["name"], item.get("namespace"))
-        else:
-            raise ValueError(f"the kubernetes target records no {item['type']}: {item}")
-        if not gone:
+        if delete_recorded(d, item):
             d.say(f"Deleted {describe(item)}")
             deleted.append(describe(item))
         d.state.forget(item)
@@ -349,14 +318,7 @@ def status(d: Deployment) -> list[str]:
         return [f"Nothing deployed from this folder ({s.path} does not exist). Start with `raytrain-eks up`."]
     lines = [f"Kubernetes: {_where(d)}"]
     lines += [f"  created: {describe(i)}" for i in s.created]
-    nodes, problems = gpu_node_problems(d, gpu_node_spec(d.cfg, s))
-    for node in nodes:
-        lines.append(
-            f"GPU node {node.name}: {m.GPU_RESOURCE}={node.allocatable.get(m.GPU_RESOURCE, 0)} "
-            f"{m.EFA_RESOURCE}={node.allocatable.get(m.EFA_RESOURCE, 0)} {'Ready' if node.ready else 'NotReady'}"
-        )
-    lines += [f"  problem: {p}" for p in problems]
-    return lines + ray_lines(d)
+    return lines + gpu_node_lines(d, gpu_node_spec(d.cfg, s)) + ray_lines(d)
 
 
 def ray_lines(d: Deployment) -> list[str]:

@@ -22,6 +22,7 @@ import shutil
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from raytrain_eks.config import BUILTIN_MODEL
 from raytrain_eks.errors import UserError
@@ -79,10 +80,24 @@ def stage_model(model: str, destination: str, say: Callable[[str], None] = lambd
         raise UserError(f"{model!r}: no config.json among its files, so it is not a model from_pretrained reads")
     name = model.removeprefix("builtin:").rstrip("/").rsplit("/", 1)[-1]
     target = join(destination, name)
+    try:
+        entries = _upload(source, files, target, model)
+    except OSError as exc:  # no such bucket, no credentials, a folder that cannot be written
+        raise UserError(
+            f"cannot write the model to {target}: {exc}",
+            hint="Check that the bucket (or folder) exists and that these credentials may write there.",
+        ) from None
+    total = sum(path.stat().st_size for path in files)
+    say(f"Staged {model} at {target}: {len(entries)} files, {total / 2**20:,.1f} MiB")
+    return target
+
+
+def _upload(source: Path, files: list[Path], target: str, model: str) -> list[dict[str, Any]]:
+    """Write ``files`` (of the folder ``source``) to ``target``, then the manifest; returns its file entries."""
     fs, root = filesystem(target)
     if not is_remote(target):
         Path(root).mkdir(parents=True, exist_ok=True)
-    entries: list[dict[str, object]] = []
+    entries: list[dict[str, Any]] = []
     for path in files:
         rel = path.relative_to(source).as_posix()
         parent = f"{root}/{rel}".rsplit("/", 1)[0]
@@ -99,20 +114,22 @@ def stage_model(model: str, destination: str, say: Callable[[str], None] = lambd
     }
     with fs.open_output_stream(f"{root}/{MANIFEST}") as out:
         out.write((json.dumps(manifest, indent=2) + "\n").encode())
-    total = sum(path.stat().st_size for path in files)
-    say(f"Staged {model} at {target}: {len(entries)} files, {total / 2**20:,.1f} MiB")
-    return target
+    return entries
 
 
-def _manifest(uri: str) -> tuple[dict[str, object], bytes]:
+def _manifest(uri: str) -> tuple[dict[str, Any], bytes]:
     fs, root = filesystem(uri)
     try:
         with fs.open_input_stream(f"{root.rstrip('/')}/{MANIFEST}") as f:
             raw = f.read()
-    except (FileNotFoundError, OSError):
+    except FileNotFoundError:
         raise UserError(
             f"--model {uri!r}: not a staged model (no {MANIFEST} there)",
             hint="Stage it there first: `raytrain-eks stage-model MODEL --to " + uri.rsplit("/", 1)[0] + "`.",
+        ) from None
+    except OSError as exc:  # no credentials, access denied, no such bucket
+        raise UserError(
+            f"--model {uri!r}: cannot read it: {exc}", hint="Check the credentials this node reads the bucket with."
         ) from None
     return json.loads(raw), raw
 
@@ -139,7 +156,7 @@ def local_copy(uri: str) -> str:
         fs, root = filesystem(uri)
         partial = Path(f"{folder}.partial-{os.getpid()}")
         shutil.rmtree(partial, ignore_errors=True)
-        for entry in manifest["files"]:  # type: ignore[attr-defined]
+        for entry in manifest["files"]:
             dest = partial / entry["path"]
             dest.parent.mkdir(parents=True, exist_ok=True)
             with fs.open_input_stream(f"{root.rstrip('/')}/{entry['path']}") as src, dest.open("wb") as out:
