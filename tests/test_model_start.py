@@ -1,9 +1,13 @@
-"""Start-up of a sharded model: only rank 0 reads the weights; the other ranks build the model on the meta device
-(no memory) and receive their shard, and every buffer, from rank 0. Two gloo processes on CPU."""
+"""Start-up of a sharded model, two gloo processes on CPU: each rank builds the model on the meta device (no memory)
+and reads only its own shard of the weights from the model's safetensors files; when the files cannot be read by
+shard, rank 0 reads them whole and sends each rank its shard and every buffer; a full fine-tune that resumes reads
+no weight from the model's files at all. LoRA's adapters start the same on every rank."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -38,16 +42,19 @@ def _rank(rank: int, world: int, store: str, model_path: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_a_rank_that_read_nothing_gets_rank_0s_weights_and_buffers(tmp_path: Path, builtin_model: str):
-    out = tmp_path / "last-rank.pt"
-    args = ["2", str(tmp_path / "store"), builtin_model, str(out)]
+def _two_ranks(*args: str) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     ranks = [
-        subprocess.Popen([sys.executable, __file__, str(r), *args], env=env, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen([sys.executable, __file__, str(r), "2", *args], env=env, stderr=subprocess.PIPE, text=True)
         for r in range(2)
     ]
     errors = [p.communicate(timeout=300)[1] for p in ranks]
     assert [p.returncode for p in ranks] == [0, 0], "\n".join(e[-3000:] for e in errors)
+
+
+def test_a_rank_that_read_nothing_gets_rank_0s_weights_and_buffers(tmp_path: Path, builtin_model: str):
+    out = tmp_path / "last-rank.pt"
+    _two_ranks(str(tmp_path / "store"), builtin_model, str(out))
     got = torch.load(out)
     want = load_model(builtin_model, activation_checkpointing=False)
     expected = want.state_dict()
@@ -60,8 +67,125 @@ def test_a_rank_that_read_nothing_gets_rank_0s_weights_and_buffers(tmp_path: Pat
         assert torch.equal(got["buffers"][name], buffer), name
 
 
-if __name__ == "__main__":  # one rank of the test above: RANK WORLD STORE MODEL OUT
-    _rank(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:])
+class _Ctx:
+    """What prepare_model reads of a worker's context: its rank, world size and notes."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world_size, self.node, self.device = rank, world, "one-node", torch.device("cpu")
+        self.notes: list[str] = []
+
+    def emit(self, record: dict) -> None:
+        self.notes.append(record["note"])
+
+
+def _prepare_rank(rank: int, world: int, store: str, plan: str) -> None:
+    """Each case of ``plan`` (JSON): prepare_model as the loop calls it, on an FSDP layout over both ranks; this
+    rank's full weights, buffers and notes saved to the case's file (and, when asked, a checkpoint written)."""
+    from raytrain_eks.config import TrainingConfig
+    from raytrain_eks.train.checkpoint import load_sharded, save_sharded
+    from raytrain_eks.train.loop import build_optimizer, prepare_model
+    from raytrain_eks.train.sharding import choose_sharding
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        for case in json.loads(plan):
+            torch.manual_seed(rank)  # a start that depended on the ranks' random state would differ between them
+            cfg = TrainingConfig(model_id=case["model"], method=case.get("method", "full"), steps=4)
+            ctx = _Ctx(rank, world)
+            prepared = prepare_model(
+                cfg,
+                case["model"],
+                ctx,
+                layout=choose_sharding("fsdp", ["one-node"] * world),
+                precision="fp32",
+                checkpointing=False,
+                device=torch.device("cpu"),
+                resuming=bool(case.get("resume")),
+            )
+            model = prepared.model
+            optimizer, scheduler = build_optimizer(model, cfg)
+            if case.get("resume"):
+                load_sharded(Path(case["resume"]), model=model, optimizer=optimizer, scheduler=scheduler, rank=rank)
+            if case.get("save"):
+                kw = dict(model=model, optimizer=optimizer, scheduler=scheduler, step=1, data_position={})
+                save_sharded(Path(case["save"]), **kw, rank=rank, tokenizer_path=None)
+            state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+            buffers = {k: b.clone() for k, b in model.named_buffers()}
+            torch.save({"state": state, "buffers": buffers, "notes": ctx.notes}, f"{case['out']}.{rank}")
+        dist.barrier()  # both ranks leave the group together
+    finally:
+        dist.destroy_process_group()
+
+
+def _same(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), what
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), f"{what}: {name}"
+
+
+def test_each_rank_reads_its_own_shard_and_a_resume_reads_no_weights_of_the_model(tmp_path: Path, builtin_model: str):
+    from raytrain_eks.config import LoraSettings, TrainingConfig
+    from raytrain_eks.train.lora import apply_lora, is_adapter
+    from raytrain_eks.train.start import initial_adapters
+
+    want = load_model(builtin_model, activation_checkpointing=False)
+    # The same model as weights only a whole read can take (no safetensors), and as its config alone (no weights).
+    as_bin = tmp_path / "bin-model"
+    bare = tmp_path / "config-only"
+    for folder in (as_bin, bare):
+        folder.mkdir()
+        shutil.copy(Path(builtin_model) / "config.json", folder)
+    torch.save(want.state_dict(), as_bin / "pytorch_model.bin")  # the older format from_pretrained still reads
+    checkpoint = tmp_path / "checkpoint_00000001"
+    cases = [
+        {"model": builtin_model, "out": str(tmp_path / "own"), "save": str(checkpoint)},
+        {"model": builtin_model, "out": str(tmp_path / "lora"), "method": "lora"},
+        {"model": str(as_bin), "out": str(tmp_path / "bin")},
+        {"model": str(bare), "out": str(tmp_path / "resume"), "resume": str(checkpoint)},
+    ]
+    _two_ranks(str(tmp_path / "store"), "prepare", json.dumps(cases))
+    got = {c["out"]: [torch.load(f"{c['out']}.{r}") for r in range(2)] for c in cases}
+    expected, buffers = want.state_dict(), dict(want.named_buffers())
+    size = (Path(builtin_model) / "model.safetensors").stat().st_size
+
+    own = got[str(tmp_path / "own")]
+    for rank in range(2):
+        _same(own[rank]["state"], expected, f"own shard, rank {rank}")
+        _same(own[rank]["buffers"], buffers, f"own shard's buffers, rank {rank}")
+    (note,) = [n for n in own[0]["notes"] if n.startswith("model start")]
+    assert note.startswith("model start: each rank read its own shard of the weights (rank 0: ")
+    read_mb = float(note.split("rank 0: ")[1].split(" MB")[0])
+    assert 0.3 * size / 1e6 < read_mb < 0.7 * size / 1e6, (note, size)  # about half: its shard, not the whole
+
+    lora = got[str(tmp_path / "lora")]
+    base = load_model(builtin_model, activation_checkpointing=False)
+    apply_lora(base, LoraSettings(), base=builtin_model)
+    adapters = initial_adapters(base, TrainingConfig().seed)
+    assert adapters and all(is_adapter(k) for k in adapters)
+    for rank in range(2):
+        state = lora[rank]["state"]
+        _same({k: v for k, v in state.items() if is_adapter(k)}, adapters, f"adapters, rank {rank}")
+        frozen = {k.replace(".base_layer.", "."): v for k, v in state.items() if not is_adapter(k)}
+        _same(frozen, expected, f"LoRA's base, rank {rank}")
+
+    whole = got[str(tmp_path / "bin")]
+    assert any("rank 0 reads the whole model" in n and "safetensors" in n for n in whole[0]["notes"]), whole[0]
+    for rank in range(2):
+        _same(whole[rank]["state"], expected, f"rank 0's start, rank {rank}")
+        _same(whole[rank]["buffers"], buffers, f"rank 0's start's buffers, rank {rank}")
+
+    resumed = got[str(tmp_path / "resume")]
+    for rank in range(2):  # from a folder with no weights at all: everything came from the checkpoint
+        assert not [n for n in resumed[rank]["notes"] if n.startswith("model start")]
+        _same(resumed[rank]["state"], expected, f"resume, rank {rank}")
+        _same(resumed[rank]["buffers"], buffers, f"resume's buffers, rank {rank}")
+
+
+if __name__ == "__main__":  # one rank: RANK WORLD STORE MODEL OUT (the rank-0 test) or RANK WORLD STORE prepare PLAN
+    if sys.argv[4] == "prepare":
+        _prepare_rank(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[5])
+    else:
+        _rank(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # as the torchrun entry does: no interpreter shutdown racing gloo's threads (SIGABRT at exit)

@@ -42,6 +42,16 @@ from raytrain_eks.train.model import (
 )
 from raytrain_eks.train.precision import resolve_precision
 from raytrain_eks.train.sharding import Layout, choose_sharding, set_gradient_sync, shard_model
+from raytrain_eks.train.start import (
+    WeightFiles,
+    computed_buffers,
+    files_bytes,
+    initial_adapters,
+    read_own_shard,
+    restore_buffers,
+    set_full_values,
+    weights_source,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -135,11 +145,9 @@ def _sync(device: torch.device) -> None:
 def agreed_precision(requested: str, device: torch.device) -> tuple[str, str]:
     """:func:`resolve_precision` on every rank, then the same answer everywhere: bf16 only if every rank can."""
     precision, reason = resolve_precision(requested, device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        vote = torch.tensor([1 if precision == "bf16" else 0], device=device)
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN)
-        if precision == "bf16" and not int(vote):
-            precision, reason = "fp32", "auto: another rank's device has no native bf16"
+    everyone = _everywhere(precision == "bf16", device)
+    if precision == "bf16" and not everyone:
+        precision, reason = "fp32", "auto: another rank's device has no native bf16"
     return precision, reason
 
 
@@ -177,22 +185,40 @@ def prepare_model(
     precision: str,
     checkpointing: bool,
     device: torch.device,
+    resuming: bool = False,
 ) -> PreparedModel:
     """Load, adapt, shard and fill the model: the one place where the model is prepared (a collective).
 
-    Sharded over several ranks, only rank 0 reads the weights; the others build the model on the meta device and
-    receive their shard from rank 0 after sharding, so their memory follows the shard, not the whole model. LoRA's
-    adapters go in right after loading, on every rank alike, so they are part of what rank 0 sends and of what is
-    sharded; only they train.
+    Sharded over several ranks, every rank builds the model on the meta device and, once it is sharded, reads only
+    its own shard of each weight from the model's safetensors files (:mod:`.start`); when they cannot be read by
+    shard, rank 0 reads the whole model and sends each rank its shard. A full fine-tune that ``resuming`` reads no
+    weight from the model's files at all (the checkpoint holds them). LoRA's adapters go in right after the model is
+    built, on every rank alike, and start from the same values everywhere (drawn from the seed); only they train.
     """
-    from_rank0 = layout.mode != "none" and ctx.world_size > 1
-    shell = from_rank0 and ctx.rank != 0  # built on the meta device, filled by rank 0 after sharding
-    load = load_model_shell if shell else load_model
-    model = load(model_path, activation_checkpointing=checkpointing)
+    sharded = layout.mode != "none" and ctx.world_size > 1
+    start, source = "whole", None  # one rank of its own reads the whole model
+    if resuming and cfg.method == "full":
+        start = "checkpoint"
+    elif sharded:
+        start = "own-shard"
+    model = None if start == "whole" else load_model_shell(model_path, activation_checkpointing=checkpointing)
+    if start == "own-shard":
+        found = weights_source(model_path, model)
+        if _everywhere(isinstance(found, WeightFiles), device):
+            source = found
+        else:
+            start = "rank0"
+            why = found if isinstance(found, str) else "another rank cannot read them by shard"
+            ctx.emit({"note": f"model start: rank 0 reads the whole model and sends each rank its shard ({why})"})
+    reads_whole = start == "whole" or (start == "rank0" and ctx.rank == 0)
+    if reads_whole:
+        model = load_model(model_path, activation_checkpointing=checkpointing)
     targets = apply_lora(model, cfg.lora, base=cfg.model_id) if cfg.method == "lora" else None
+    adapters = initial_adapters(model, cfg.seed)  # the same on every rank, whatever its model holds
+    buffers = {} if reads_whole else computed_buffers(model)
     full_state = None
-    if not shell:
-        if from_rank0:  # what rank 0 sends, taken before sharding
+    if reads_whole:
+        if start == "rank0":  # what rank 0 sends, taken before sharding
             full_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         model.to(device)
     trainable, total = parameter_counts(model)
@@ -200,10 +226,31 @@ def prepare_model(
     if cfg.compile:  # before sharding: FSDP's gathers and reductions stay outside the compiled code
         ctx.emit({"note": f"compile: {compile_layers(model)} decoder layers with torch.compile (inductor)"})
     shard_model(model, layout, precision=precision, reduce_precision=cfg.reduce_precision, device=device)
-    if from_rank0:
+    if start == "rank0":
         fill_from_rank0(model, full_state, device)
         del full_state
+    elif start != "whole":  # storage for this rank's shard, then its values
+        model.to_empty(device=device)
+        restore_buffers(model, buffers)
+        if source is not None:
+            read, size = read_own_shard(model, source), files_bytes(source)
+            shares = f"rank 0: {_gb(read)} of {_gb(size)}"
+            ctx.emit({"note": f"model start: each rank read its own shard of the weights ({shares})"})
+    set_full_values(model, adapters)
     return PreparedModel(model, output_weight, parameters=total, trainable=trainable, lora_targets=targets)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _everywhere(ok: bool, device: torch.device) -> bool:
+    """Whether ``ok`` holds on every rank of the default group (a collective)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    vote = torch.tensor([1 if ok else 0], device=device)
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN)
+    return bool(int(vote))
 
 
 def train(
@@ -237,8 +284,16 @@ def train(
         ctx.emit({"note": fit.line})
         refuse_unless_fits(fit)  # every rank computes the same estimate, so all stop together
         checkpointing = fit.checkpointing
+    resume = ctx.resume_checkpoint()
     prepared = prepare_model(
-        cfg, model_path, ctx, layout=layout, precision=precision, checkpointing=checkpointing, device=device
+        cfg,
+        model_path,
+        ctx,
+        layout=layout,
+        precision=precision,
+        checkpointing=checkpointing,
+        device=device,
+        resuming=resume is not None,
     )
     model, output_weight = prepared.model, prepared.output_weight
     if prepared.lora_targets:
@@ -251,7 +306,6 @@ def train(
     optimizer, scheduler = build_optimizer(model, cfg, device)
 
     start_step, resumed_from, position = 0, None, None
-    resume = ctx.resume_checkpoint()
     if resume is not None:
         state = load_sharded(resume, model=model, optimizer=optimizer, scheduler=scheduler, rank=ctx.rank)
         start_step = resumed_from = state.step
