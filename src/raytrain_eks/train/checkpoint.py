@@ -107,7 +107,7 @@ def save_sharded(
             encoding_tokenizer(tokenizer_path, chat_template).save_pretrained(hf)
 
 
-def _tied_names(model: Any) -> set[str]:
+def tied_names(model: Any) -> set[str]:
     """The second and later names of parameters that are one tensor (an output projection tied to the embedding):
     a checkpoint holds each such tensor once, under its first name, and loading that name fills them all."""
     seen: set[int] = set()
@@ -121,7 +121,7 @@ def _tied_names(model: Any) -> set[str]:
 
 def _saved_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, Any], Any]:
     """The model's and optimizer's state dicts as a checkpoint holds them, and the options to load them back with:
-    a tied tensor once (:func:`_tied_names`: 0.93 GB less per checkpoint of Qwen2.5-1.5B in fp32), and with LoRA
+    a tied tensor once (:func:`tied_names`: 0.93 GB less per checkpoint of Qwen2.5-1.5B in fp32), and with LoRA
     the adapters only (the frozen base is the model the run started from, loaded again on resume; filtered by name
     too, as a frozen tied weight's second name escapes ``ignore_frozen_params``). Loading is not strict then: the
     names left out are filled through the tensors they share, or by the base."""
@@ -130,7 +130,7 @@ def _saved_state(model: Any, optimizer: Any) -> tuple[dict[str, Any], dict[str, 
     from raytrain_eks.train.lora import is_adapter, lora_of
 
     adapted = lora_of(model) is not None
-    tied = _tied_names(model)
+    tied = tied_names(model)
     options = StateDictOptions(ignore_frozen_params=adapted, strict=not (adapted or tied))
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     model_sd = {k: v for k, v in model_sd.items() if k not in tied and (is_adapter(k) or not adapted)}
