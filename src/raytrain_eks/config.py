@@ -295,6 +295,9 @@ class RayConfig(_Section):
         ),
     )
     shared_volume_path: str = Field("/mnt/shared", description="where every Ray pod mounts ray.shared_volume")
+    offline: bool = Field(
+        False, description="submit --offline: the job's packages from a wheelhouse in storage, no package index"
+    )
     hf_token_secret: str = Field(
         "hf-token", description="Kubernetes Secret that holds HF_TOKEN (created from your environment, never written)"
     )

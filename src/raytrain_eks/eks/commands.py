@@ -69,6 +69,16 @@ ModeOpt = Annotated[
 ]
 
 
+OfflineOpt = Annotated[
+    bool,
+    typer.Option(
+        "--offline",
+        help="No node reaches a package index: the packages the image lacks go as wheels, built here for the "
+        "image's Python, through training.storage_path (ray.offline).",
+    ),
+]
+
+
 def plan(
     config: ConfigOpt = None,
     preset: ClusterPresetOpt = "reference",
@@ -78,11 +88,12 @@ def plan(
     ] = None,
     mode: ModeOpt = PlanMode.raycluster,
     sets: SetOpt = None,
+    offline: OfflineOpt = False,
 ) -> None:
     """Show what deploy would create, apply and submit, and its cost per hour. Needs no credentials."""
     from raytrain_eks.eks.plan import Mode, build_plan, write_plan
 
-    cfg = _load(config, preset, sets)
+    cfg = _load(config, preset, [*(sets or []), *(["ray.offline=true"] if offline else [])])
     if cfg.cluster.target != "eks":
         from raytrain_eks.errors import UserError
 
@@ -268,11 +279,13 @@ def submit(
     sets: SetOpt = None,
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
+    offline: OfflineOpt = False,
 ) -> None:
     """Run the training job in the cluster and check that EFA carried it (exit 1 if not, 2 if undecided)."""
     from raytrain_eks.eks.programs import require_programs
 
-    d = make_deployment(_load(config, preset, sets, kubeconfig, context), state_dir)
+    given = [*(sets or []), *(["ray.offline=true"] if offline else [])]
+    d = make_deployment(_load(config, preset, given, kubeconfig, context), state_dir)
     require_programs(d, "submit", mode=mode.value)
     _submit(d, mode)
 

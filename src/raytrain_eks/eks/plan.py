@@ -32,6 +32,7 @@ from raytrain_eks.instances import (
 )
 from raytrain_eks.k8s import job as job_files
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s import wheelhouse
 from raytrain_eks.k8s.addons import HelmRelease, helm_releases
 from raytrain_eks.k8s.manifests import to_yaml
 from raytrain_eks.k8s.state import with_bucket_storage
@@ -271,6 +272,9 @@ def _steps(
             ),
             Step("wait-rayjob", "Follow the job until it succeeds or fails."),
         ]
+    if cfg.ray.offline:  # before the job's submission (raycluster) or the RayJob's apply
+        at = next(i for i, s in enumerate(steps) if s.name in ("submit", "code-configmap"))
+        steps.insert(at, Step("offline-wheelhouse", _offline_step(cfg, mode)))
     steps.append(
         Step(
             "check-nccl-transport",
@@ -289,6 +293,25 @@ def _steps(
             )
         )
     return steps
+
+
+def _offline_step(cfg: Config, mode: Mode) -> str:
+    """What ``submit --offline`` does; the wheels and their size are known only once the image is asked."""
+    asked = (
+        "the head pod's python3 (its version, platform tags and packages)"
+        if mode == "raycluster"
+        else "what an earlier `submit --offline` (raycluster) remembered of the image's python3"
+    )
+    return (
+        f"--offline: from {asked}, download here wheels (`pip download --no-deps --only-binary=:all:` for that "
+        "Python and platform) of those of " + ", ".join(job_files.job_requirements()) + " the image lacks in "
+        "range and of their dependencies the image does not meet; submit prints each wheel and the total size, "
+        "and stops (exit 2) naming a package without a wheel. Upload them with a manifest (names, sizes, sha256; "
+        f"written last) to {cfg.training.storage_path or 'training.storage_path'}/{wheelhouse.STORAGE_FOLDER}/"
+        f"DIGEST; every Ray pod copies them into {wheelhouse.WHEELS_DIR}/DIGEST (an init container"
+        + (", and an exec in the pods already running" if mode == "raycluster" else "")
+        + "), and the runtime_env installs with --no-index --find-links there."
+    )
 
 
 def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False, on: date | None = None) -> Plan:

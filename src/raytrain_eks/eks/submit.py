@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from raytrain_eks.eks import offline as offline_wheels
 from raytrain_eks.eks.pricing import deployment_record
 from raytrain_eks.eks.target import target_for
 from raytrain_eks.errors import UserError
@@ -53,6 +54,8 @@ from raytrain_eks.k8s.job import (
 from raytrain_eks.k8s.runner import CommandError
 from raytrain_eks.k8s.state import Deployment, object_item
 from raytrain_eks.k8s.wait import POLL_S
+from raytrain_eks.k8s.wheelhouse import pip_options as wheel_options
+from raytrain_eks.k8s.wheelhouse import with_wheels
 from raytrain_eks.train.memory import fit_config
 
 Mode = Literal["raycluster", "rayjob"]
@@ -238,14 +241,28 @@ def image_lacks(d: Deployment, head: Pod) -> list[str]:
     return left
 
 
-def submit_job(d: Deployment, head: Pod, code_dir: str) -> str:
-    """``ray job submit --no-wait`` in the head pod; returns the submission id.
+def submit_job(
+    d: Deployment,
+    head: Pod,
+    code_dir: str,
+    *,
+    offline: bool = False,
+    workers: list[Pod] | None = None,
+    hf_token: bool = False,
+) -> str:
+    """``ray job submit --no-wait`` in the head pod; returns the submission id. ``offline``: what the image lacks
+    comes from a wheelhouse put into the head and ``workers`` pods (:func:`raytrain_eks.eks.offline.for_raycluster`;
+    ``hf_token``: as the RayCluster was applied).
 
     While the dashboard says its job agent is not ready, the same submission is tried again every
     :data:`AGENT_RETRY_S` for up to :data:`AGENT_WAIT_S`; a try that reached the agent after all (its status is
     known) is not submitted twice."""
     submission_id = time.strftime("raytrain-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
-    argv = ray_job_submit_argv(code_dir, submission_id=submission_id, wait=False, pip=image_lacks(d, head))
+    pip = image_lacks(d, head)
+    options = None
+    if offline:
+        options = offline_wheels.for_raycluster(d, head, workers or [], pip, hf_token=hf_token)
+    argv = ray_job_submit_argv(code_dir, submission_id=submission_id, wait=False, pip=pip, pip_options=options)
     start = d.clock()
     while True:
         res = head_exec(d, head, argv)
@@ -437,6 +454,9 @@ def submit(
             d.say(memory.line)
             d.cfg = cfg  # the job's ConfigMap carries what the estimate decided
     cfg.check_cluster_storage()  # checkpoints every node reaches, before any node is scaled or job submitted
+    offline = cfg.ray.offline
+    if offline:
+        offline_wheels.check(d, mode)  # storage the pods read; for a RayJob, what the image said before
     if mode == "rayjob":
         refuse_raycluster_holding_gpus(d)  # the RayJob's own cluster would wait for GPUs that one holds
     target.before_pods(d)  # the pods' service account (on EKS its IAM role's grants on the bucket), before any pod
@@ -459,8 +479,16 @@ def submit(
             d.kube.delete("ray.io/v1", "RayJob", cfg.ray.cluster_name, ns)
             previous = {}
         code_map, items = code_config_map(cfg, package_files())
+        pip, options, house = None, None, None
+        if offline:  # built and uploaded before the RayJob (a requirement without a wheel stops here)
+            pip, house = offline_wheels.for_rayjob(d, job_requirements())
+            options = wheel_options(house.digest) if house is not None else None
         _apply(d, code_map, f"ConfigMap {ns}/{code_map['metadata']['name']} (the raytrain_eks package)")
-        doc = rayjob_manifest(cfg, hf_token=bool(hf_token), code_map=code_map, items=items)
+        doc = rayjob_manifest(
+            cfg, hf_token=bool(hf_token), code_map=code_map, items=items, pip=pip, pip_options=options
+        )
+        if house is not None:
+            doc = with_wheels(doc, cfg, offline_wheels.source_of(d, house), house.digest)
         _apply(d, doc, f"RayJob {ns}/{cfg.ray.cluster_name}")
         cluster, rayjob_id = _wait_rayjob_cluster(d, cfg.ray.job_start_deadline_s)
 
@@ -473,7 +501,12 @@ def submit(
             submission_id = previous["id"]
             d.say(f"Job {submission_id} from an earlier submit is {status}: following it instead of submitting again")
     if submission_id is None:
-        submission_id = rayjob_id if rayjob_id is not None else submit_job(d, head, _upload_package(d, head))
+        code_dir = _upload_package(d, head) if rayjob_id is None else ""
+        submission_id = (
+            rayjob_id
+            if rayjob_id is not None
+            else submit_job(d, head, code_dir, offline=offline, workers=workers, hf_token=bool(hf_token))
+        )
     d.state.update(job={"id": submission_id, "mode": mode, "namespace": ns, "raycluster": cluster, "status": "RUNNING"})
 
     run_dirs: list[str] = []

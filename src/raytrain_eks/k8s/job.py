@@ -235,12 +235,15 @@ def package_archive(files: Mapping[str, str]) -> str:
     return base64.b64encode(gzip.compress(buf.getvalue(), compresslevel=9, mtime=0)).decode("ascii")
 
 
-def runtime_env(code_dir: str, pip: list[str] | None = None) -> dict[str, Any]:
+def runtime_env(code_dir: str, pip: list[str] | None = None, pip_options: list[str] | None = None) -> dict[str, Any]:
     """The job's Ray ``runtime_env``: pip installs ``pip`` (default: all of :func:`job_requirements`; ``submit``
     leaves out what the image has in range), ``py_modules`` ships ``raytrain_eks`` from ``code_dir`` (a path where
-    ``ray job submit`` runs). No secret is ever put here."""
+    ``ray job submit`` runs). ``pip_options`` (``submit --offline``: the local wheelhouse, no index) go to ``pip
+    install`` in Ray's dict form. No secret is ever put here."""
     env: dict[str, Any] = {"py_modules": [f"{code_dir}/raytrain_eks"]}
     packages = job_requirements() if pip is None else pip
+    if packages and pip_options:
+        return {"pip": {"packages": packages, "pip_install_options": list(pip_options)}, **env}
     return {"pip": packages, **env} if packages else env
 
 
@@ -279,12 +282,19 @@ def config_map_bytes(doc: Mapping[str, Any]) -> int:
 
 
 def rayjob_manifest(
-    cfg: Config, *, hf_token: bool, code_map: dict[str, Any], items: list[dict[str, str]]
+    cfg: Config,
+    *,
+    hf_token: bool,
+    code_map: dict[str, Any],
+    items: list[dict[str, str]],
+    pip: list[str] | None = None,
+    pip_options: list[str] | None = None,
 ) -> dict[str, Any]:
     """The RayJob of :func:`raytrain_eks.k8s.manifests.rayjob` (its entrypoint is the same driver command as
-    :func:`submit_job`'s), plus the runtime_env and a submitter pod that mounts the code ConfigMap and runs
-    :func:`submitter_argv`: it unpacks the package where ``py_modules`` points, then ``ray job submit``."""
-    env = runtime_env(SUBMITTER_CODE_DIR)
+    :func:`submit_job`'s), plus the runtime_env (``pip``, ``pip_options``: as :func:`runtime_env` takes them) and a
+    submitter pod that mounts the code ConfigMap and runs :func:`submitter_argv`: it unpacks the package where
+    ``py_modules`` points, then ``ray job submit``."""
+    env = runtime_env(SUBMITTER_CODE_DIR, pip, pip_options)
     doc = m.rayjob(cfg, hf_token=hf_token, runtime_env=env)
     submitter = {
         "spec": {
@@ -325,7 +335,12 @@ def unpack_argv(dest: str) -> list[str]:
 
 
 def ray_job_submit_argv(
-    code_dir: str, *, submission_id: str | None = None, wait: bool = True, pip: list[str] | None = None
+    code_dir: str,
+    *,
+    submission_id: str | None = None,
+    wait: bool = True,
+    pip: list[str] | None = None,
+    pip_options: list[str] | None = None,
 ) -> list[str]:
     """``ray job submit`` as run in the head pod: the job's ``runtime_env`` (:func:`runtime_env` of ``code_dir``) and
     its entrypoint (:func:`raytrain_eks.k8s.manifests.train_argv`). ``submission_id``: Ray makes one when ``None``.
@@ -335,4 +350,5 @@ def ray_job_submit_argv(
         argv += ["--submission-id", submission_id]
     if not wait:
         argv.append("--no-wait")
-    return [*argv, "--runtime-env-json", json.dumps(runtime_env(code_dir, pip)), "--", *m.train_argv()]
+    env = runtime_env(code_dir, pip, pip_options)
+    return [*argv, "--runtime-env-json", json.dumps(env), "--", *m.train_argv()]

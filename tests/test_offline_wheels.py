@@ -1,0 +1,307 @@
+"""``submit --offline``: the wheelhouse built for the image's Python, uploaded with its manifest to moto's S3, copied
+into a pod's folder by the init container's own script, and installed from there by pip with no index. Real pip
+builds, downloads and installs every wheel (from a local folder this test fills with packages it builds itself:
+``PIP_NO_INDEX``/``PIP_FIND_LINKS``, pip's own settings, stand in for PyPI); the manifests carrying the init
+container validate against the real schemas, and real Ray accepts the runtime_env."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import tarfile
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import boto3
+import jsonschema
+import kubernetes_validate
+import pytest
+from schema_errors import schema_errors
+
+import raytrain_eks
+from raytrain_eks.config import load_config
+from raytrain_eks.k8s import job as shipping
+from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s import wheelhouse as wh
+
+BUCKET = "offline-wheels"
+SCHEMAS = Path(__file__).parent / "schemas" / "kuberay"
+IMAGE_HAS = {"rte-image-dep": "2.1.0"}  # what the stand-in image reports installed (any other name: not installed)
+
+
+def _package(root: Path, name: str, version: str, requires: list[str]) -> Path:
+    """A one-module project (setuptools) whose module says its name and version when imported."""
+    src = root / f"{name}-{version}"
+    module = name.replace("-", "_")
+    (src / module).mkdir(parents=True)
+    (src / module / "__init__.py").write_text(f"WHO = {name + ' ' + version!r}\n")
+    deps = ", ".join(json.dumps(r) for r in requires)
+    (src / "pyproject.toml").write_text(
+        textwrap.dedent(f"""\
+        [build-system]
+        requires = ["setuptools"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "{name}"
+        version = "{version}"
+        dependencies = [{deps}]
+        [tool.setuptools]
+        packages = ["{module}"]
+        """)
+    )
+    return src
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local package index (a folder pip reads with --find-links): wheels built here by ``pip wheel``, and one
+    project with a source distribution only."""
+    root = tmp_path_factory.mktemp("index")
+    projects = tmp_path_factory.mktemp("projects")
+    top = ["rte-offline-dep>=1,<2", "rte-image-dep>=2", 'rte-never-here>=1; python_version < "3"']
+    specs = [
+        ("rte-offline-top", "1.0.0", top),
+        ("rte-offline-dep", "1.4.0", []),
+        ("rte-offline-dep", "2.0.0", []),  # outside the range top asks for: never chosen
+        ("rte-image-dep", "2.5.0", []),  # the image's 2.1.0 serves: never downloaded
+    ]
+    for name, version, requires in specs:
+        src = _package(projects, name, version, requires)
+        argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w"]
+        subprocess.run([*argv, str(root), str(src)], check=True, capture_output=True, timeout=300)
+    # A project that publishes only a source distribution (pip never opens it: --only-binary skips it by name).
+    sdist = projects / "rte-sdist-only-1.0.tar.gz"
+    with tarfile.open(sdist, "w:gz") as tar:
+        tar.add(_package(projects, "rte-sdist-only", "1.0", []), arcname="rte-sdist-only-1.0")
+    (root / sdist.name).write_bytes(sdist.read_bytes())
+    return root
+
+
+@pytest.fixture
+def pip_reads(index: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """pip (in every child process) reads the local index only: its own PIP_NO_INDEX and PIP_FIND_LINKS settings."""
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    return index
+
+
+@pytest.fixture(scope="module")
+def here() -> wh.ImagePython:
+    """This interpreter as the image probe (the very script submit runs in the head pod) reports it."""
+    done = subprocess.run(
+        [sys.executable, "-c", wh.IMAGE_PLATFORM], capture_output=True, text=True, check=True, timeout=60
+    )
+    return wh.ImagePython.from_probe(json.loads(done.stdout))
+
+
+def _image_has(asked: list[list[str]]) -> Any:
+    def installed(names: list[str]) -> dict[str, str | None]:
+        asked.append(list(names))
+        return {n: IMAGE_HAS.get(n) for n in names}
+
+    return installed
+
+
+def test_the_probe_reports_this_interpreters_python_abi_and_platform_tags(here: wh.ImagePython):
+    from packaging import tags
+
+    assert here.python == f"{sys.version_info[0]}.{sys.version_info[1]}"
+    assert here.abi == f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    assert here.platforms[0] == next(iter(tags.sys_tags())).platform and "any" not in here.platforms
+    assert here.markers["python_version"] == here.python
+    with pytest.raises(wh.UserError, match="did not report a CPython version"):
+        wh.ImagePython.from_probe({"python": "3.12", "implementation": "pypy", "abi": "pp73", "platforms": ["x"]})
+
+
+def test_pip_download_argv_for_an_image_python_and_platform_and_pip_accepts_it(pip_reads: Path, tmp_path: Path):
+    image = wh.ImagePython("3.12", "cp312", ("manylinux_2_35_x86_64", "manylinux2014_x86_64", "linux_x86_64"), {})
+    argv = wh.pip_download_argv(["rte-offline-dep>=1,<2"], image, tmp_path / "out")
+    assert argv == [
+        sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
+        "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312",
+        "--platform", "manylinux_2_35_x86_64", "--platform", "manylinux2014_x86_64", "--platform", "linux_x86_64",
+        "--dest", str(tmp_path / "out"), "rte-offline-dep>=1,<2",
+    ]  # fmt: skip
+    # Real pip takes every option for a Python other than its own (3.12 here whatever runs the test).
+    subprocess.run(argv, check=True, capture_output=True, timeout=300)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["rte_offline_dep-1.4.0-py3-none-any.whl"]
+
+
+def test_the_wheelhouse_holds_what_the_image_lacks_and_its_unmet_dependencies_only(
+    pip_reads: Path, here: wh.ImagePython, tmp_path: Path
+):
+    asked: list[list[str]] = []
+    calls: list[list[str]] = []
+
+    def run(argv: list[str], **kw: Any) -> Any:
+        calls.append(argv)
+        return subprocess.run(argv, **kw)
+
+    house = wh.build_wheelhouse(
+        ["rte-offline-top>=1,<2"], here, tmp_path / "house", installed=_image_has(asked), run=run
+    )
+    assert [w.name for w in house.wheels] == [
+        "rte_offline_dep-1.4.0-py3-none-any.whl",  # in top's range (2.0.0 is not)
+        "rte_offline_top-1.0.0-py3-none-any.whl",
+    ]  # not rte-image-dep (the image's 2.1.0 meets >=2), not rte-never-here (its marker is false for the image)
+    assert asked == [["rte-offline-top"], ["rte-image-dep", "rte-offline-dep"]]
+    assert [c[-1] for c in calls] == ["rte-offline-top<2,>=1", "rte-offline-dep<2,>=1"]
+    for argv in calls:
+        assert argv[argv.index("--python-version") + 1] == here.python and "--no-deps" in argv
+        platforms = [argv[i + 1] for i, a in enumerate(argv) if a == "--platform"]
+        assert platforms == list(here.platforms)
+    for w in house.wheels:
+        data = (house.folder / w.name).read_bytes()
+        assert (w.bytes, w.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    lines = house.lines()
+    assert lines[0].startswith(f"Wheelhouse for CPython {here.python} ({here.abi}, {here.platforms[0]}): 2 wheels")
+    assert "rte_offline_top-1.0.0-py3-none-any.whl" in lines[2]
+
+
+def test_a_requirement_without_a_wheel_for_the_image_is_one_message_naming_it(
+    pip_reads: Path, here: wh.ImagePython, tmp_path: Path
+):
+    with pytest.raises(wh.NoWheel) as err:
+        wh.build_wheelhouse(["rte-sdist-only>=1"], here, tmp_path / "house", installed=_image_has([]))
+    assert err.value.exit_code == 2
+    assert err.value.message.startswith(
+        f"--offline: rte-sdist-only>=1 has no wheel for the image's CPython {here.python}"
+    )
+    assert "Nothing was uploaded or applied" in err.value.message
+    assert (
+        err.value.hint and "pip wheel 'rte-sdist-only>=1'" in err.value.hint and "without --offline" in err.value.hint
+    )
+
+
+@pytest.fixture
+def bucket(aws_env: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket=BUCKET)
+    return s3
+
+
+def test_uploaded_to_s3_copied_by_the_init_containers_script_and_installed_with_no_index(
+    pip_reads: Path, here: wh.ImagePython, tmp_path: Path, bucket: Any, monkeypatch: pytest.MonkeyPatch
+):
+    # An image with none of them (pip installs into an empty --target below, as into a bare image).
+    nothing = {"rte-image-dep": None}
+    house = wh.build_wheelhouse(
+        ["rte-offline-top>=1"], here, tmp_path / "house", installed=lambda names: {n: nothing.get(n) for n in names}
+    )
+    assert len(house.wheels) == 3
+    cfg = load_config(environ={}, path=None, sets=[f"training.storage_path=s3://{BUCKET}/runs", "ray.offline=true"])
+    location = wh.storage_location(cfg)
+    assert location == f"s3://{BUCKET}/runs/{wh.STORAGE_FOLDER}"
+    said: list[str] = []
+    source = wh.upload(house, location, said.append)
+    assert source == f"{location}/{house.digest}" and "manifest last" in said[-1]
+    prefix = f"runs/{wh.STORAGE_FOLDER}/{house.digest}/"
+    keys = sorted(o["Key"].removeprefix(prefix) for o in bucket.list_objects_v2(Bucket=BUCKET)["Contents"])
+    assert keys == sorted([wh.MANIFEST, *(w.name for w in house.wheels)])
+    manifest = json.loads(bucket.get_object(Bucket=BUCKET, Key=prefix + wh.MANIFEST)["Body"].read())
+    assert manifest["files"] == [{"name": w.name, "bytes": w.bytes, "sha256": w.sha256} for w in house.wheels]
+    assert wh.upload(house, location, said.append) == source and "already at" in said[-1]
+
+    # The init container's command as the RayCluster carries it: the image's python3 is this interpreter here,
+    # and the pod's emptyDir at /tmp/raytrain-eks-wheels is a folder of this test.
+    doc = wh.with_wheels(m.raycluster(cfg), cfg, source, house.digest)
+    (init,) = doc["spec"]["headGroupSpec"]["template"]["spec"]["initContainers"]
+    command = init["command"]
+    assert command[:2] == [m.IMAGE_PYTHON, "-c"] and command[3:] == [source, wh.local_folder(house.digest)]
+    pod_dir = tmp_path / "pod" / house.digest
+    (tmp_path / "pod").mkdir()  # the emptyDir, which Kubernetes makes
+    argv = [sys.executable, "-c", command[2], command[3], str(pod_dir)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "copied 3 wheels" in done.stdout
+    assert sorted(p.name for p in pod_dir.iterdir()) == sorted([wh.MANIFEST, *(w.name for w in house.wheels)])
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True)
+    assert "already at" in again.stdout
+
+    # pip as the runtime_env runs it: the job's options, this folder instead of the pod's, nothing else to read.
+    monkeypatch.delenv("PIP_FIND_LINKS")
+    options = wh.pip_options(house.digest)
+    options[options.index("--find-links") + 1] = str(pod_dir)
+    target = tmp_path / "site"
+    install = [sys.executable, "-m", "pip", "install", "--target", str(target), *options, "rte-offline-top>=1"]
+    subprocess.run(install, check=True, capture_output=True, timeout=300)
+    imported = subprocess.run(
+        [sys.executable, "-c", "import rte_offline_top as t, rte_offline_dep as d; print(t.WHO, '|', d.WHO)"],
+        capture_output=True, text=True, check=True, timeout=60, env={"PYTHONPATH": str(target)},
+    )  # fmt: skip
+    assert imported.stdout.strip() == "rte-offline-top 1.0.0 | rte-offline-dep 1.4.0"
+
+
+def test_the_copy_refuses_a_wheel_that_differs_from_the_manifest(
+    pip_reads: Path, here: wh.ImagePython, tmp_path: Path, bucket: Any
+):
+    house = wh.build_wheelhouse(["rte-offline-dep>=1,<2"], here, tmp_path / "house", installed=_image_has([]))
+    source = wh.upload(house, f"s3://{BUCKET}/runs/{wh.STORAGE_FOLDER}")
+    key = source.removeprefix(f"s3://{BUCKET}/") + "/" + house.wheels[0].name
+    bucket.put_object(Bucket=BUCKET, Key=key, Body=b"not the wheel the manifest names")
+    command = wh.copy_argv(source, house.digest)
+    (tmp_path / "pod").mkdir()
+    done = subprocess.run(
+        [sys.executable, *command[1:4], str(tmp_path / "pod" / house.digest)], capture_output=True, text=True
+    )
+    assert done.returncode != 0 and "the manifest says" in done.stderr and house.wheels[0].sha256 in done.stderr
+    assert not (tmp_path / "pod" / house.digest).exists()  # nothing complete was left behind
+
+
+def test_offline_needs_storage_the_pods_read_through_a_uri():
+    cfg = load_config(environ={}, path=None, sets=["training.storage_path=/mnt/local", "training.storage_shared=true"])
+    with pytest.raises(wh.UserError, match="not storage the Ray pods read through a URI") as err:
+        wh.storage_location(cfg)
+    assert err.value.hint and "s3://" in err.value.hint
+
+
+def _schema(name: str) -> jsonschema.Draft7Validator:
+    return jsonschema.Draft7Validator(json.loads((SCHEMAS / name).read_text()))
+
+
+def test_the_ray_pods_with_the_init_container_validate_and_keep_guaranteed_qos(cfg_for):
+    cfg = cfg_for(NAMESPACE="train")
+    source, digest = f"s3://b/runs/{wh.STORAGE_FOLDER}/0123456789abcdef", "0123456789abcdef"
+    rc = wh.with_wheels(m.raycluster(cfg, hf_token=True), cfg, source, digest)
+    code_map, items = shipping.code_config_map(cfg, {"raytrain_eks/__init__.py": "shipped = True\n"})
+    options = wh.pip_options(digest)
+    plain = shipping.rayjob_manifest(
+        cfg, hf_token=True, code_map=code_map, items=items, pip=["rte-offline-top>=1"], pip_options=options
+    )
+    job = wh.with_wheels(plain, cfg, source, digest)
+    assert (
+        plain["spec"]["submitterPodTemplate"] == job["spec"]["submitterPodTemplate"]
+    )  # the submitter installs nothing
+    assert schema_errors(_schema("raycluster.v1.schema.json"), rc) == []
+    assert schema_errors(_schema("rayjob.v1.schema.json"), job) == []
+    for i, template in enumerate(m.pod_templates(rc) + m.pod_templates(job)):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"pod-{i}", **template["metadata"]}}
+        kubernetes_validate.validate({**pod, "spec": template["spec"]}, "1.33", strict=True)
+        spec = template["spec"]
+        (init,) = spec["initContainers"]
+        assert init["image"] == cfg.ray.image and init["command"] == wh.copy_argv(source, digest)
+        assert init["resources"]["requests"] == init["resources"]["limits"]
+        assert {"name": wh.WHEELS_VOLUME, "emptyDir": {}} in spec["volumes"]
+        for container in [init, *spec["containers"]]:
+            assert {"name": wh.WHEELS_VOLUME, "mountPath": wh.WHEELS_DIR} in container["volumeMounts"]
+    env = json.loads(job["spec"]["submitterPodTemplate"]["spec"]["containers"][0]["command"][3])
+    assert env["pip"] == {"packages": ["rte-offline-top>=1"], "pip_install_options": options}
+    assert options[-2:] == ["--find-links", f"{wh.WHEELS_DIR}/{digest}"] and "--no-index" in options
+
+
+def test_real_ray_accepts_the_offline_runtime_env():
+    from ray.runtime_env import RuntimeEnv
+
+    code_dir = str(Path(raytrain_eks.__file__).parent.parent)  # a folder holding raytrain_eks, as in the head pod
+    options = wh.pip_options("0123456789abcdef")
+    argv = shipping.ray_job_submit_argv(code_dir, pip=["rte-offline-top>=1"], pip_options=options)
+    env = json.loads(argv[argv.index("--runtime-env-json") + 1])
+    parsed = RuntimeEnv(**env)
+    assert parsed["pip"]["packages"] == ["rte-offline-top>=1"]
+    assert parsed["pip"]["pip_install_options"] == options
+    # Nothing to install: no pip entry at all, whatever the options.
+    assert "pip" not in shipping.runtime_env(code_dir, [], options)
