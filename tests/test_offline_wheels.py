@@ -67,6 +67,7 @@ def index(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("rte-offline-dep", "1.4.0", []),
         ("rte-offline-dep", "2.0.0", []),  # outside the range top asks for: never chosen
         ("rte-image-dep", "2.5.0", []),  # the image's 2.1.0 serves: never downloaded
+        ("rich", "15.0.0", []),  # a stand-in for the one job requirement the image of the submit test lacks
     ]
     for name, version, requires in specs:
         src = _package(projects, name, version, requires)
@@ -305,3 +306,78 @@ def test_real_ray_accepts_the_offline_runtime_env():
     assert parsed["pip"]["pip_install_options"] == options
     # Nothing to install: no pip entry at all, whatever the options.
     assert "pip" not in shipping.runtime_env(code_dir, [], options)
+
+
+# --- submit --offline through the deploy fakes (test_deploy.py): Kubernetes and Ray faked, S3 and pip real ---------
+
+
+@pytest.fixture
+def offline_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str, pip_reads: Path) -> Any:
+    from test_deploy import World, run_script
+
+    monkeypatch.chdir(tmp_path)
+    world = World(tmp_path, load_config(environ={}, path=None, sets=["ray.offline=true"]))
+    world.up()
+    world.lines.clear()
+    # The image has every job requirement in range but rich (the versions pinned here are in their ranges).
+    world.ray.image = {
+        shipping.requirement_name(r): r.split(">=")[1].split(",")[0] for r in shipping.job_requirements()
+    }
+    del world.ray.image["rich"]
+    copies: list[str] = []
+    answer = world.kube.exec_handler
+
+    def handler(ns: str, pod: str, argv: list[str], stdin: str | None) -> Any:
+        if argv[:2] == [m.IMAGE_PYTHON, "-c"] and argv[2] == wh.IMAGE_PLATFORM:
+            return run_script(argv[2], [])  # the probe itself, on this interpreter
+        if argv[:2] == [m.IMAGE_PYTHON, "-c"] and argv[2] == wh.copy_argv("", "")[2]:
+            copies.append(pod)
+            local = tmp_path / "pods" / pod / argv[4].lstrip("/")  # the pod's own /tmp
+            local.parent.mkdir(parents=True, exist_ok=True)
+            return run_script(argv[2], [argv[3], str(local)])  # the copy script itself, against moto
+        return answer(ns, pod, argv, stdin)
+
+    world.kube.exec_handler = handler
+    world.copies = copies
+    return world
+
+
+def test_submit_offline_builds_uploads_copies_and_installs_from_the_wheelhouse(offline_world: Any):
+    world = offline_world
+    assert world.submit().exit_code == 0, world.said()
+    (argv,) = world.ray.submitted
+    pip = json.loads(argv[argv.index("--runtime-env-json") + 1])["pip"]
+    assert pip["packages"] == ["rich>=15.0.0,<16"]
+    folder = pip["pip_install_options"][-1]
+    digest = folder.rsplit("/", 1)[1]
+    assert pip["pip_install_options"] == wh.pip_options(digest)
+    said = world.said()
+    assert "Wheelhouse for CPython" in said and "rich-15.0.0-py3-none-any.whl" in said
+    assert sorted(world.copies) == [
+        "ray-train-gpu-workers-worker-0",
+        "ray-train-gpu-workers-worker-1",
+        "ray-train-head-0",
+    ]
+    # The RayCluster applied again: pods made from now on copy the same wheelhouse first.
+    last = [o for o in world.kube.applied if o["kind"] == "RayCluster"][-1]
+    for template in m.pod_templates(last):
+        (init,) = template["spec"]["initContainers"]
+        assert init["command"][-1] == folder
+    storage = apply_bucket(world)
+    keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=storage)["Contents"]]
+    assert f"runs/{wh.STORAGE_FOLDER}/{digest}/{wh.MANIFEST}" in keys
+
+
+def apply_bucket(world: Any) -> str:
+    from raytrain_eks.k8s.state import apply_state
+
+    path = apply_state(world.d.cfg, world.store).training.storage_path
+    return str(path).removeprefix("s3://").split("/", 1)[0]
+
+
+def test_submit_offline_rayjob_needs_the_image_asked_before_and_applies_nothing_without(offline_world: Any):
+    world = offline_world
+    with pytest.raises(wh.UserError, match="has not been asked for its Python") as err:
+        world.submit(mode="rayjob")
+    assert err.value.hint and "submit --offline" in err.value.hint
+    assert not [o for o in world.kube.applied if o["kind"] in ("RayJob", "ConfigMap", "RayCluster")]
