@@ -92,11 +92,14 @@ def weights_source(path: str, model: Any) -> WeightFiles | str:
     if not files:
         return why
     shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as opened:
-            held = opened.keys()  # a safetensors file is not iterable itself
-            for name in held:
-                shapes[name] = tuple(opened.get_slice(name).get_shape())
+    try:
+        for f in files:
+            with safe_open(str(f), framework="pt") as opened:
+                held = opened.keys()  # a safetensors file is not iterable itself
+                for name in held:
+                    shapes[name] = tuple(opened.get_slice(name).get_shape())
+    except Exception as exc:  # a damaged file: the whole read by from_pretrained then says what is wrong with it
+        return f"its files cannot be read by shard ({str(exc).strip().splitlines()[0]})"
     tied = tied_names(model)
     names = {key: file_name(key) for key in model.state_dict() if key not in tied and not is_adapter(key)}
     state = model.state_dict()
