@@ -196,23 +196,24 @@ def prepare_model(
     built, on every rank alike, and start from the same values everywhere (drawn from the seed); only they train.
     """
     sharded = layout.mode != "none" and ctx.world_size > 1
-    start, source = "whole", None  # one rank of its own reads the whole model
+    start = "whole"  # one rank of its own reads the whole model
     if resuming and cfg.method == "full":
         start = "checkpoint"
     elif sharded:
         start = "own-shard"
-    model = None if start == "whole" else load_model_shell(model_path, activation_checkpointing=checkpointing)
+    source: WeightFiles | None = None
+    if start != "whole":
+        shell = load_model_shell(model_path, activation_checkpointing=checkpointing)
     if start == "own-shard":
-        found = weights_source(model_path, model)
-        if _everywhere(isinstance(found, WeightFiles), device):
+        found = weights_source(model_path, shell)
+        if _everywhere(isinstance(found, WeightFiles), device) and isinstance(found, WeightFiles):
             source = found
         else:
             start = "rank0"
             why = found if isinstance(found, str) else "another rank cannot read them by shard"
             ctx.emit({"note": f"model start: rank 0 reads the whole model and sends each rank its shard ({why})"})
     reads_whole = start == "whole" or (start == "rank0" and ctx.rank == 0)
-    if reads_whole:
-        model = load_model(model_path, activation_checkpointing=checkpointing)
+    model = load_model(model_path, activation_checkpointing=checkpointing) if reads_whole else shell
     targets = apply_lora(model, cfg.lora, base=cfg.model_id) if cfg.method == "lora" else None
     adapters = initial_adapters(model, cfg.seed)  # the same on every rank, whatever its model holds
     buffers = {} if reads_whole else computed_buffers(model)

@@ -213,4 +213,5 @@ def set_full_values(model: Any, values: dict[str, torch.Tensor]) -> None:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    set_model_state_dict(model, values, options=StateDictOptions(full_state_dict=True, strict=False))
+    full: dict[str, Any] = dict(values)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
