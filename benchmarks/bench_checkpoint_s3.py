@@ -119,9 +119,10 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t
 
 
-def _rank(rank: int, spec: dict[str, Any]) -> None:
+def _rank(rank: int, spec: dict[str, Any], work: Any = None) -> None:
+    """One spawned rank: ``work(rank, spec)`` (default :func:`_work`); a failure prints its traceback, exit 1."""
     try:
-        _work(rank, spec)
+        (work or _work)(rank, spec)
     except BaseException:
         import traceback
 

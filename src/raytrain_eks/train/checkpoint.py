@@ -18,15 +18,18 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raytrain_eks.errors import UserError
+from raytrain_eks.train.storage import copy_ranges, is_remote, join
 from raytrain_eks.train.storage import filesystem as _fs
-from raytrain_eks.train.storage import is_remote, join
 
 if TYPE_CHECKING:  # torch is imported where it is used: the driver's checks before a run read no tensor
     import torch
@@ -40,6 +43,9 @@ RAY_DIR = "ray"  # Ray Train's storage folder (its run name) in a run's storage 
 # Ray Train's own list of the checkpoints reported to it, in its storage folder (Ray 2.60's file name).
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 _NAME = re.compile(r"^checkpoint_(\d+)$")
+# The start of the name of every temporary folder a worker makes (a checkpoint's share it downloads to resume
+# from, one it stages to save); each also names the worker's process id, so those of dead workers are found.
+TEMP_PREFIX = "raytrain-eks-"
 # Each rank writes its share of a checkpoint as this many files (on as many threads), so storage moves a rank's
 # files in parallel (an upload or download copies several files at once) and no single object grows to a rank's
 # whole share (1.6 GB at 250 M parameters with AdamW on 2 ranks; 9 GB per rank of Qwen2.5-1.5B on 2).
@@ -69,6 +75,19 @@ class TrainerState:
 
     step: int
     data: dict[str, int] = field(default_factory=dict)
+    # From remote storage: the bytes this rank downloaded, and the checkpoint's size (0 and 0 when local).
+    read_bytes: int = 0
+    checkpoint_bytes: int = 0
+
+    @property
+    def note(self) -> str:
+        """A line for the user on what a resume from remote storage downloaded ("" when the checkpoint was local)."""
+        if not self.checkpoint_bytes:
+            return ""
+        return (
+            f"resume: read {self.read_bytes / 1e6:.1f} MB of the checkpoint's {self.checkpoint_bytes / 1e6:.1f} MB "
+            "(this rank's share)"
+        )
 
 
 def save_sharded(
@@ -188,16 +207,37 @@ def mark_complete(folder: str | Path, *, step: int, world_size: int) -> None:
 
 
 def load_sharded(
-    folder: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int
+    location: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int
 ) -> TrainerState:
-    """Load model, optimizer, scheduler and RNG state of this rank from ``folder``; return the trainer state."""
+    """Load model, optimizer, scheduler and RNG state of this rank from the checkpoint at ``location``; return the
+    trainer state.
+
+    A local checkpoint is read in place. From remote storage (``s3://...``) only what this rank reads is
+    downloaded (:func:`_download_share`), into a temporary folder removed after the load; the returned state
+    says how many bytes that was (:attr:`TrainerState.note`).
+    """
+    check_compatible(location, model.config, lora=_lora_settings(model))
+    model_sd, optim_sd, options = _saved_state(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    if not is_remote(location):
+        return _load_local(Path(location).expanduser().resolve(), state, model, optimizer, scheduler, options, rank)
+    folder = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}resume-r{rank}-p{os.getpid()}-"))
+    try:
+        read, total = _download_share(str(location), folder, state, rank)
+        loaded = _load_local(folder, state, model, optimizer, scheduler, options, rank)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    loaded.read_bytes, loaded.checkpoint_bytes = read, total
+    return loaded
+
+
+def _load_local(
+    folder: Path, state: dict[str, Any], model: Any, optimizer: Any, scheduler: Any, options: Any, rank: int
+) -> TrainerState:
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    check_compatible(folder, model.config, lora=_lora_settings(model))
-    model_sd, optim_sd, options = _saved_state(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(folder))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     # A resume on another world size has no file of this rank: take rank 0's step and schedule.
@@ -208,6 +248,40 @@ def load_sharded(
         if "cuda" in extra["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(extra["rng"]["cuda"])
     return TrainerState(step=int(extra["step"]), data=extra["data"])
+
+
+def _download_share(location: str, into: Path, state: dict[str, Any], rank: int) -> tuple[int, int]:
+    """Copy into ``into`` what loading ``state`` from the remote checkpoint ``location`` reads on this rank:
+    ``.metadata``, this rank's trainer state (rank 0's when the run had fewer ranks), and of each shard file only
+    the byte ranges of the items this rank's DCP load plan names (into sparse files: on as many ranks as saved
+    it, about ``1 / ranks`` of the checkpoint). Returns (bytes downloaded, the checkpoint's bytes)."""
+    from pyarrow import fs as pafs
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    fs, base = _fs(location)
+    base = base.rstrip("/")
+    try:
+        listed = fs.get_file_info(pafs.FileSelector(base, recursive=True))
+    except OSError as exc:
+        raise UserError(
+            f"cannot list checkpoint {location}: {str(exc).strip().splitlines()[0]}",
+            hint="Check that this machine may read the checkpoint's storage (credentials, role, network).",
+        ) from None
+    sizes = {i.path[len(base) + 1 :]: i.size for i in listed if i.type == pafs.FileType.File}
+    trainer = next((f.name for f in (_trainer_file(Path(), r) for r in (rank, 0)) if f.name in sizes), None)
+    if ".metadata" not in sizes or trainer is None:
+        raise UserError(
+            f"checkpoint {location} lacks {'.metadata' if trainer else _trainer_file(Path(), 0).name}: it is damaged",
+            hint="Resume from an older checkpoint beside it, or start the run again without --resume.",
+        )
+    read = copy_ranges(location, into, [(n, 0, sizes[n]) for n in (".metadata", trainer)])
+    metadata = FileSystemReader(str(into)).read_metadata()
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, metadata, rank == 0)
+    stored = [metadata.storage_data[item.storage_index] for item in planner.create_local_plan().items]
+    read += copy_ranges(location, into, [(s.relative_path, s.offset, s.length) for s in stored])
+    return read, sum(sizes.values())
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, str, bool]]:
@@ -276,7 +350,8 @@ def forget_ray_snapshot(root: str | Path) -> None:
 
 
 def materialize(location: str | Path, into: Path) -> Path:
-    """A local folder holding the checkpoint: ``location`` itself when local, else a copy downloaded into ``into``."""
+    """A local folder holding the checkpoint: ``location`` itself when local, else a copy of the whole folder
+    downloaded into ``into`` (every rank's shards; a resume reads only its own, see :func:`load_sharded`)."""
     if not is_remote(location):
         return Path(location).expanduser().resolve()
     from pyarrow import fs as pafs

@@ -14,6 +14,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,7 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from raytrain_eks.train.checkpoint import checkpoint_name, join, latest_complete, mark_complete, materialize, prune
+from raytrain_eks.train.checkpoint import TEMP_PREFIX, checkpoint_name, join, latest_complete, mark_complete, prune
+from raytrain_eks.train.records import FabricLook, Finished, Note, Record, StepRecord
 
 Batch = dict[str, torch.Tensor]
 # What a packed block holds: the tokens, their labels and (``packing: documents``) each row's own positions.
@@ -44,13 +46,14 @@ class WorkerContext(Protocol):
         """This worker's share of the held-out data, once through (``None`` when the run has none)."""
         ...
 
-    def emit(self, record: dict[str, Any]) -> None:
-        """Send one metric record (called on every rank; only rank 0's is kept). ``{"note": text}`` is a line for
-        the user, not a metric."""
+    def emit(self, record: Record) -> None:
+        """Send one record to the driver (called on every rank; only rank 0's is kept): a :class:`Note` is a line
+        for the user, a :class:`StepRecord` a logged step (see :mod:`.records`)."""
         ...
 
-    def resume_checkpoint(self) -> Path | None:
-        """The complete checkpoint to continue from, or ``None`` for a fresh start."""
+    def resume_checkpoint(self) -> str | Path | None:
+        """The complete checkpoint to continue from (a local path or a remote URI, read where it lies by
+        :func:`~raytrain_eks.train.checkpoint.load_sharded`), or ``None`` for a fresh start."""
         ...
 
     def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any], keep: int) -> None:
@@ -88,7 +91,8 @@ class DataCursor:
     ``position_ids`` when packed by documents (``blocks`` rows in all). At the start of each epoch the cursor works
     out which blocks this rank takes (:func:`~raytrain_eks.train.data.rank_epoch_blocks`: the epoch's order is
     drawn from the seed and the epoch), walks the set once keeping those, and hands them out ``batch_size`` at a
-    time; it holds its share of the epoch in memory (as int32), not the whole set.
+    time; it holds its share of the epoch in memory (as int32), not the whole set, and reads the next epoch's share
+    on a thread of its own while this epoch's batches train (two epochs' shares are held at that time).
 
     ``position`` is ``{"epoch": e, "sample": s}``: ``s`` samples of epoch ``e``'s order have been taken by all
     ranks together. Every rank's cursor is at the same position after the same number of batches, so any rank's
@@ -126,16 +130,16 @@ class DataCursor:
     def position(self) -> dict[str, int]:
         return {"epoch": self.epoch, "sample": self.sample}
 
-    def _share(self) -> dict[str, np.ndarray]:
-        """This rank's blocks of the current epoch from the current sample on, in order, by column (``input_ids``,
+    def _share(self, epoch: int, start: int) -> dict[str, np.ndarray]:
+        """This rank's blocks of ``epoch`` from its ``start``-th sample on, in order, by column (``input_ids``,
         ``labels`` and, where the set has them, ``position_ids``), as int32."""
         from raytrain_eks.train.data import rank_epoch_blocks
 
         wanted = rank_epoch_blocks(
             self._blocks,
             seed=self._seed,
-            epoch=self.epoch,
-            start=self.sample,
+            epoch=epoch,
+            start=start,
             rank=self._rank,
             world_size=self._world,
             batch_size=self._batch,
@@ -162,10 +166,13 @@ class DataCursor:
 
     def _walk(self) -> Iterator[Batch]:
         per_step = self._world * self._batch
+        ahead: _Ahead | None = None
         while True:
             if self._blocks - self.sample < per_step:  # the tail of this epoch fills no global batch
                 self.epoch, self.sample = self.epoch + 1, 0
-            share = self._share()
+            share = ahead.result() if ahead is not None else self._share(self.epoch, self.sample)
+            # The next epoch's share, read while this one's batches train (each epoch after the first starts at 0).
+            ahead = _Ahead(self._share, self.epoch + 1, 0)
             for k in range(len(share["input_ids"]) // self._batch):
                 rows = slice(k * self._batch, (k + 1) * self._batch)
                 self.sample += per_step
@@ -176,6 +183,31 @@ class DataCursor:
 
     def __next__(self) -> Batch:
         return next(self._it)
+
+
+class _Ahead:
+    """``read(*args)`` on a thread of its own, started now; :meth:`result` waits for it (and raises its error)."""
+
+    def __init__(self, read: Callable[..., dict[str, np.ndarray]], *args: Any) -> None:
+        self._value: dict[str, np.ndarray] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(read, *args), name="raytrain-eks-next-epoch", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, read: Callable[..., dict[str, np.ndarray]], *args: Any) -> None:
+        try:
+            self._value = read(*args)
+        except BaseException as exc:  # handed to the training thread, which raises it where it waits
+            self._error = exc
+
+    def result(self) -> dict[str, np.ndarray]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
 
 
 def _device(local_rank: int) -> torch.device:
@@ -214,8 +246,7 @@ class RayContext:
         self._root = checkpoint_root
         self._resume_from = resume_from
         self._datasets = datasets or {}
-        remove_stale_folders()  # what workers killed mid-run left (a downloaded checkpoint is the size of the model)
-        self._downloads = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}resume-r{self.rank}-p{os.getpid()}-"))
+        remove_stale_folders()  # what workers killed mid-run left (a rank's downloaded share of a checkpoint)
 
     def data_batches(self, batch_size: int, position: dict[str, int] | None, seed: int) -> DataCursor:
         from raytrain_eks.train.data import TRAIN_DATASET
@@ -244,18 +275,16 @@ class RayContext:
             if i % self.world_size == self.rank
         )
 
-    def emit(self, record: dict[str, Any]) -> None:
+    def emit(self, record: Record) -> None:
         if self.rank == 0 and self._queue is not None:
             self._queue.put(record)
 
-    def resume_checkpoint(self) -> Path | None:
+    def resume_checkpoint(self) -> str | Path | None:
         # After a worker-group restart: the newest checkpoint in this run's storage that is complete (marked).
         # Ray's own latest checkpoint is every rank's report, but it may lack the marker if rank 0 died right
         # after reporting; the scan then takes the one before, which Ray still keeps (keep_checkpoints >= 2).
-        chosen = latest_complete(self._root) or self._resume_from
-        if chosen is None:
-            return None
-        return materialize(chosen, self._downloads / "checkpoint")
+        # Not downloaded here: load_sharded reads from remote storage only this rank's share of it.
+        return latest_complete(self._root) or self._resume_from
 
     def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any], keep: int) -> None:
         import ray.train
@@ -274,13 +303,11 @@ class RayContext:
 
     def finish(self, summary: dict[str, Any]) -> None:
         if self.rank == 0 and self._queue is not None:
-            self._queue.put({"summary": summary})
-        shutil.rmtree(self._downloads, ignore_errors=True)
+            self._queue.put(Finished(summary))
 
 
-TEMP_PREFIX = "raytrain-eks-"
-# The temporary folders a worker makes: a checkpoint it downloads to resume from, one it stages to save; each named
-# with the worker's process id.
+# The temporary folders a worker makes: its share of a checkpoint it downloads to resume from (load_sharded), one it
+# stages to save; each named with the worker's process id.
 _TEMP_FOLDER = re.compile(rf"^{TEMP_PREFIX}(?:resume|ckpt)-.*-p(\d+)-[^/]+$")
 
 
@@ -330,14 +357,18 @@ class ProcessContext:
     def eval_batches(self, batch_size: int) -> Iterator[Batch] | None:
         return None
 
-    def emit(self, record: dict[str, Any]) -> None:
-        if self.rank == 0 and "note" in record:
-            print(record["note"], flush=True)
-        elif self.rank == 0:
+    def emit(self, record: Record) -> None:
+        if self.rank != 0:
+            return
+        if isinstance(record, Note):
+            print(record.text, flush=True)
+        elif isinstance(record, FabricLook):
+            print(record.fabric.get("report", ""), flush=True)
+        elif isinstance(record, StepRecord):
             with (self._out / "metrics.jsonl").open("a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(record.to_json()) + "\n")
 
-    def resume_checkpoint(self) -> Path | None:
+    def resume_checkpoint(self) -> str | Path | None:
         return None
 
     def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any], keep: int) -> None:

@@ -39,8 +39,8 @@ import torch
 from raytrain_eks.errors import UserError
 from raytrain_eks.train.checkpoint import EXPORT_MARKER, HF_DIR, resolve_checkpoint
 from raytrain_eks.train.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_key, base_weight_of, is_adapter
+from raytrain_eks.train.storage import copy_ranges, is_remote
 from raytrain_eks.train.storage import filesystem as _fs
-from raytrain_eks.train.storage import is_remote, join
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # safetensors' names of the dtypes a model's tensors may have.
@@ -50,8 +50,6 @@ MAX_SHARD_BYTES = 5 * 10**9
 # Tensors loaded together: one read of the checkpoint's metadata per group, and at most this much held at once
 # (a larger single tensor forms a group alone).
 GROUP_BYTES = 64 * 2**20
-# One ranged read when copying a tensor's bytes out of remote storage: few requests per tensor, little memory.
-_COPY_BYTES = 64 * 2**20
 _DCP_PREFIX = "model."  # the model's tensors are saved under "model" (train.checkpoint.save_sharded)
 
 
@@ -143,37 +141,13 @@ def _model_files(location: str, into: Path) -> Path:
     pafs.copy_files(f"{base}/{HF_DIR}", str(into / HF_DIR), source_filesystem=fs, destination_filesystem=local)
     pafs.copy_files(f"{base}/.metadata", str(into / ".metadata"), source_filesystem=fs, destination_filesystem=local)
     storage = FileSystemReader(str(into)).read_metadata().storage_data
-    ranges: dict[str, list[tuple[int, int]]] = {}
-    for index, info in storage.items():
-        if index.fqn.startswith(_DCP_PREFIX):
-            ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
-    for name, spans in ranges.items():
-        remote = join(location, name)
-        size = fs.get_file_info(_fs(remote)[1]).size
-        with fs.open_input_file(_fs(remote)[1]) as src, open(into / name, "wb") as dst:
-            dst.truncate(size)
-            for offset, length in _merged(spans):
-                dst.seek(offset)
-                done = 0
-                while done < length:
-                    chunk = src.read_at(min(_COPY_BYTES, length - done), offset + done)
-                    if not chunk:
-                        raise UserError(f"{remote} ends before byte {offset + length}: the checkpoint is damaged")
-                    dst.write(chunk)
-                    done += len(chunk)
+    model_part = (
+        (info.relative_path, info.offset, info.length)
+        for index, info in storage.items()
+        if index.fqn.startswith(_DCP_PREFIX)
+    )
+    copy_ranges(location, into, model_part)
     return into
-
-
-def _merged(spans: list[tuple[int, int]], gap: int = 2**20) -> list[tuple[int, int]]:
-    """(offset, length) byte ranges, sorted, with ranges less than ``gap`` apart joined: a tensor's saved bytes
-    lie next to the previous one's, so a whole shard file's model part is read in few large requests."""
-    out: list[list[int]] = []
-    for offset, length in sorted(spans):
-        if out and offset - (out[-1][0] + out[-1][1]) < gap:
-            out[-1][1] = max(out[-1][1], offset + length - out[-1][0])
-        else:
-            out.append([offset, length])
-    return [(o, n) for o, n in out]
 
 
 def _meta_model(hf: Path, dtype: torch.dtype) -> Any:
