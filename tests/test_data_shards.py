@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -139,6 +141,35 @@ def test_cursor_positions_resume_exactly_and_earlier_positions_are_converted():
     assert next(converted)["input_ids"][:, 0].div(3).tolist() == streams[0][(4 + 2) * BATCH : (4 + 3) * BATCH]
     with pytest.raises(RuntimeError, match="fewer than one global batch"):
         DataCursor(_local_read(rows[:7], 5), blocks=7, seed=0, rank=0, world_size=WORLD, batch_size=BATCH)
+
+
+def test_the_next_epochs_share_is_read_while_this_epochs_batches_train():
+    blocks = 37  # 4 global batches per epoch
+    rows = np.arange(blocks * 3).reshape(blocks, 3)
+    readers: list[str] = []
+
+    def read():
+        readers.append(threading.current_thread().name)
+        if len(readers) == 3:
+            raise OSError("the object store lost a block")
+        return _local_read(rows, 5)()
+
+    cursor = DataCursor(read, blocks=blocks, seed=3, rank=0, world_size=WORLD, batch_size=BATCH)
+    next(cursor)  # epoch 0's share is read for this batch; epoch 1's starts on its own thread
+    deadline = time.monotonic() + 30
+    while len(readers) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert readers == [threading.current_thread().name, "raytrain-eks-next-epoch"]
+    assert cursor.position == {"epoch": 0, "sample": WORLD * BATCH}  # still at the start of epoch 0
+    for _ in range(3):
+        next(cursor)
+    assert cursor.position == {"epoch": 0, "sample": 4 * WORLD * BATCH}
+    next(cursor)  # epoch 1 from what was read ahead; epoch 2's read (the third) fails on its thread
+    assert cursor.position == {"epoch": 1, "sample": WORLD * BATCH}
+    for _ in range(3):
+        next(cursor)
+    with pytest.raises(OSError, match="lost a block"):  # raised where training waits for it, not lost
+        next(cursor)
 
 
 def _streams(dataset, out_dir, take: int, cuts: list[int], resume: dict[str, list] | None) -> dict[int, dict]:

@@ -74,8 +74,8 @@ class _Ctx:
         self.rank, self.world_size, self.node, self.device = rank, world, "one-node", torch.device("cpu")
         self.notes: list[str] = []
 
-    def emit(self, record: dict) -> None:
-        self.notes.append(record["note"])
+    def emit(self, record) -> None:
+        self.notes.append(record.text)  # prepare_model sends notes only
 
 
 def _prepare_rank(rank: int, world: int, store: str, plan: str) -> None:

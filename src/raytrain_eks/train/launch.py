@@ -34,6 +34,7 @@ from raytrain_eks.ray_session import (
 )
 from raytrain_eks.train.fabric_gate import nccl_env
 from raytrain_eks.train.faults import ENV as FAULT_ENV
+from raytrain_eks.train.records import FabricLook, Finished, Note, Samples, StepRecord, WorkerFailure, WorkerJob
 from raytrain_eks.train.staged import CACHE_ENV as MODEL_CACHE_ENV
 from raytrain_eks.train.staged import is_staged_location
 
@@ -331,15 +332,17 @@ def _train_in(
     trainer = TorchTrainer(
         _worker_entry,
         train_loop_config={
-            "training": training.model_dump(mode="json"),
-            # A staged model: each worker reads its own node's copy (the driver's folder is on the driver's node).
-            "model_path": training.model_id if is_staged_location(training.model_id) else model_path,
-            "metrics_queue": queue,
-            "checkpoint_root": root,
-            "resume_from": resume_from,
-            "fabric_require": cfg.fabric.require,
-            "datasets": datasets,
-            "sample_prompts": prompts[1],
+            "job": WorkerJob(
+                training=training.model_dump(mode="json"),
+                # A staged model: each worker reads its own node's copy (the driver's folder is on its own node).
+                model_path=training.model_id if is_staged_location(training.model_id) else model_path,
+                metrics_queue=queue,
+                checkpoint_root=root,
+                resume_from=resume_from,
+                fabric_require=cfg.fabric.require,
+                datasets=datasets,
+                sample_prompts=prompts[1],
+            )
         },
         torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
@@ -372,24 +375,26 @@ def _train_in(
             record = queue.get()
             if record == _DONE:
                 break
-            if "summary" in record:
-                summary.update(record["summary"])
-            elif "worker_traceback" in record:
-                worker_tracebacks.append(f"--- worker rank {record['rank']} ---\n{record['worker_traceback']}")
-            elif "note" in record:  # a line for the user from rank 0, such as the precision chosen
-                say(record["note"])
-            elif "samples" in record:
-                write_samples(run_dir, prompts[0], record["samples"])
-            elif "fabric" in record:
-                _write_nccl_lines(run_dir / "nccl", record["nccl_lines"])
-                say(record["fabric"]["report"])
-            else:
-                records.append(record)
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
-                tracker.log(record)
-                if progress is not None:
-                    progress(record, training.steps)
+            match record:
+                case Finished():
+                    summary.update(record.summary)
+                case WorkerFailure():
+                    worker_tracebacks.append(f"--- worker rank {record.rank} ---\n{record.traceback}")
+                case Note():  # a line for the user from rank 0, such as the precision chosen
+                    say(record.text)
+                case Samples():
+                    write_samples(run_dir, prompts[0], record.samples)
+                case FabricLook():
+                    _write_nccl_lines(run_dir / "nccl", record.nccl_lines)
+                    say(record.fabric["report"])
+                case StepRecord():
+                    line = record.to_json()
+                    records.append(line)
+                    metrics_file.write(json.dumps(line) + "\n")
+                    metrics_file.flush()
+                    tracker.log(line)
+                    if progress is not None:
+                        progress(line, training.steps)
     thread.join()
     queue.shutdown(force=True)
     if trained is not None:
@@ -472,19 +477,19 @@ def _eval_dataset(
     return held.dataset
 
 
-def _worker_entry(job: dict[str, Any]) -> None:
+def _worker_entry(config: dict[str, WorkerJob]) -> None:
     """The loop as Ray Train runs it, sending a failing worker's whole traceback to the driver first."""
     from raytrain_eks.train.loop import ray_worker_entry
 
+    job = config["job"]
     try:
         ray_worker_entry(job)
     except Exception:
-        queue = job.get("metrics_queue")
-        if queue is not None:
+        if job.metrics_queue is not None:
             import ray.train
 
             rank = ray.train.get_context().get_world_rank()
-            queue.put({"worker_traceback": traceback.format_exc(), "rank": rank})
+            job.metrics_queue.put(WorkerFailure(rank=rank, traceback=traceback.format_exc()))
         raise
 
 

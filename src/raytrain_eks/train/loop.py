@@ -41,6 +41,7 @@ from raytrain_eks.train.model import (
     router_aux_loss,
 )
 from raytrain_eks.train.precision import resolve_precision
+from raytrain_eks.train.records import FabricLook, Note, Samples, StepRecord, WorkerJob
 from raytrain_eks.train.sharding import Layout, choose_sharding, set_gradient_sync, shard_model
 from raytrain_eks.train.start import (
     WeightFiles,
@@ -211,7 +212,7 @@ def prepare_model(
         else:
             start = "rank0"
             why = found if isinstance(found, str) else "another rank cannot read them by shard"
-            ctx.emit({"note": f"model start: rank 0 reads the whole model and sends each rank its shard ({why})"})
+            ctx.emit(Note(f"model start: rank 0 reads the whole model and sends each rank its shard ({why})"))
     reads_whole = start == "whole" or (start == "rank0" and ctx.rank == 0)
     model = load_model(model_path, activation_checkpointing=checkpointing) if reads_whole else shell
     targets = apply_lora(model, cfg.lora, base=cfg.model_id) if cfg.method == "lora" else None
@@ -225,7 +226,7 @@ def prepare_model(
     trainable, total = parameter_counts(model)
     output_weight = output_projection_deferred(model)
     if cfg.compile:  # before sharding: FSDP's gathers and reductions stay outside the compiled code
-        ctx.emit({"note": f"compile: {compile_layers(model)} decoder layers with torch.compile (inductor)"})
+        ctx.emit(Note(f"compile: {compile_layers(model)} decoder layers with torch.compile (inductor)"))
     shard_model(model, layout, precision=precision, reduce_precision=cfg.reduce_precision, device=device)
     if start == "rank0":
         fill_from_rank0(model, full_state, device)
@@ -236,7 +237,7 @@ def prepare_model(
         if source is not None:
             read, size = read_own_shard(model, source), files_bytes(source)
             shares = f"rank 0: {_gb(read)} of {_gb(size)}"
-            ctx.emit({"note": f"model start: each rank read its own shard of the weights ({shares})"})
+            ctx.emit(Note(f"model start: each rank read its own shard of the weights ({shares})"))
     set_full_values(model, adapters)
     return PreparedModel(model, output_weight, parameters=total, trainable=trainable, lora_targets=targets)
 
@@ -254,6 +255,152 @@ def _everywhere(ok: bool, device: torch.device) -> bool:
     return bool(int(vote))
 
 
+@dataclass
+class StepResult:
+    """One optimizer step's outcome, still on the device: read only on the steps that log (:func:`logged_loss`)."""
+
+    loss_sum: torch.Tensor  # this rank's summed token cross-entropy
+    aux_sum: torch.Tensor  # a mixture of experts' router term, averaged over the micro-batches
+    global_count: torch.Tensor  # trained tokens of all ranks
+    grad_norm: torch.Tensor
+
+
+def train_step(
+    prepared: PreparedModel,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    micro: list[dict[str, torch.Tensor]],
+    *,
+    cfg: TrainingConfig,
+    mode: str,
+    world_size: int,
+    device: torch.device,
+) -> StepResult:
+    """Forward and backward over the step's micro-batches, each one's loss normalised by the step's token count over
+    all ranks (so any world size computes one process's gradient), then clip, step AdamW and the schedule."""
+    model, output_weight = prepared.model, prepared.output_weight
+    # Counted on the host (labels are CPU tensors), summed across ranks on the device: no wait for the device.
+    count = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro)
+    global_count = _to_device(torch.tensor(float(count), dtype=torch.float64), device)
+    dist.all_reduce(global_count)
+    scale = (world_size / global_count.clamp(min=1.0)).float()
+    loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+    aux_sum = torch.zeros((), dtype=torch.float32, device=device)
+    for i, mb in enumerate(micro):
+        set_gradient_sync(model, mode, last=i == len(micro) - 1)  # sharded; across nodes on the last
+        inputs = {k: _to_device(v, device) for k, v in forward_inputs(mb).items()}
+        labels = _to_device(mb["labels"], device)
+        outputs = output_weight.forward(model, **inputs)  # .logits: the final hidden states
+        token_loss = chunked_cross_entropy(
+            outputs.logits[:, :-1],
+            output_weight(),
+            labels[:, 1:],
+            max_logits=LOSS_CHUNK_LOGITS,
+            ignore_index=IGNORE_INDEX,
+            transform=output_weight.transform,
+        )
+        router = router_aux_loss(model, outputs)  # a mixture of experts' own load-balancing term, per batch
+        if router is None:
+            (token_loss * scale).backward()
+        else:  # averaged over micro-batches here and over ranks by the gradient reduction, as one batch's
+            (token_loss * scale + router / len(micro)).backward()
+            aux_sum += router.detach() / len(micro)
+        loss_sum += token_loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss_sum, aux_sum, global_count, grad_norm)
+
+
+def logged_loss(result: StepResult, world_size: int) -> tuple[float, float]:
+    """The step's loss over all ranks (the tokens' mean cross-entropy, plus a mixture of experts' router term) and
+    the gradient norm, as numbers: waits for the device (a collective)."""
+    dist.all_reduce(result.loss_sum)
+    dist.all_reduce(result.aux_sum)
+    loss = float(result.loss_sum) / max(1.0, float(result.global_count)) + float(result.aux_sum) / world_size
+    norm = result.grad_norm
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return loss, float(norm)
+
+
+class ThroughputWindow:
+    """Time, steps and tokens since the last logged step; checkpoint and evaluation time are left out of it.
+
+    Each logged step closes a window (:meth:`close`): its time over its steps is that window's step time. The
+    steady figures (:meth:`steady`) leave the first window out, which holds the first step's one-off costs.
+    """
+
+    def __init__(self) -> None:
+        self.steps, self.tokens = 0, 0
+        self.start = time.perf_counter()
+        self.closed: list[tuple[float, int, int]] = []  # (seconds, steps, tokens) of each closed window
+
+    def add(self, tokens: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+
+    def leave_out(self, seconds: float) -> None:
+        """Time spent on something other than training (a checkpoint) while this window is open."""
+        self.start += seconds
+
+    def close(self) -> tuple[float, float]:
+        """Close the window at this logged step: (its step time, its tokens per second)."""
+        seconds = time.perf_counter() - self.start
+        self.closed.append((seconds, self.steps, self.tokens))
+        return seconds / self.steps, self.tokens / seconds
+
+    def reopen(self) -> None:
+        self.steps, self.tokens, self.start = 0, 0, time.perf_counter()
+
+    def steady(self) -> tuple[float | None, float]:
+        """The median step time and the tokens per second over the windows after the first."""
+        windows = self.closed[1:] or self.closed
+        seconds = sum(w[0] for w in windows)
+        step_time = statistics.median(w[0] / w[1] for w in windows) if windows else None
+        return step_time, sum(w[2] for w in windows) / seconds if seconds > 0 else 0.0
+
+
+@dataclass
+class Resumed:
+    """Where this attempt starts: the step done before it, the step a resume started from, the data position."""
+
+    step: int = 0
+    from_step: int | None = None
+    position: dict[str, int] | None = None
+    note: str = ""  # what a resume from remote storage read of the checkpoint
+
+
+def resume_from(
+    resume: str | Path | None, prepared: PreparedModel, optimizer: torch.optim.Optimizer, scheduler: Any, rank: int
+) -> Resumed:
+    """Weights, optimizer moments, schedule and RNG from the checkpoint ``resume`` (``None``: a fresh start)."""
+    if resume is None:
+        return Resumed()
+    state = load_sharded(resume, model=prepared.model, optimizer=optimizer, scheduler=scheduler, rank=rank)
+    return Resumed(step=state.step, from_step=state.step, position=state.data, note=state.note)
+
+
+def decide_run(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> tuple[str, Layout, bool]:
+    """The precision, the sharding and whether activation checkpointing is on, the same on every rank (collectives);
+    on a GPU the memory estimate against it first, which may switch checkpointing on or stop the run."""
+    device = ctx.device
+    precision, why = agreed_precision(cfg.precision, device)
+    ctx.emit(Note(f"precision: {precision} ({why})"))
+    layout = agreed_sharding(cfg.sharding, ctx, precision)
+    ctx.emit(Note(f"sharding: {layout.describe()}"))
+    checkpointing = cfg.activation_checkpointing
+    if device.type == "cuda":  # the estimate against this GPU, before any weight is loaded
+        props = torch.cuda.get_device_properties(device)
+        fit = check_run(
+            model_path, cfg, layout=layout, precision=precision, gpu_bytes=props.total_memory, gpu_name=props.name
+        )
+        ctx.emit(Note(fit.line))
+        refuse_unless_fits(fit)  # every rank computes the same estimate, so all stop together
+        checkpointing = fit.checkpointing
+    return precision, layout, checkpointing
+
+
 def train(
     cfg: TrainingConfig,
     model_path: str,
@@ -269,22 +416,14 @@ def train(
     after the second when the first look could not prove it), and the run stops there when it is not the
     required one. With held-out data (``ctx.eval_batches``), its loss joins the record every ``eval_every`` steps
     and at the end; ``sample_prompts`` (rendered as trained) are answered greedily at the end.
+
+    The run, in its named steps: :func:`decide_run`, :func:`prepare_model`, :func:`resume_from`, then per step
+    :func:`train_step`, on logged steps :func:`logged_loss` and a :class:`ThroughputWindow`, checkpoints through
+    the context, and at the end the samples and :func:`run_summary`.
     """
     torch.manual_seed(cfg.seed)
     device = ctx.device
-    precision, why = agreed_precision(cfg.precision, device)
-    ctx.emit({"note": f"precision: {precision} ({why})"})
-    layout = agreed_sharding(cfg.sharding, ctx, precision)
-    ctx.emit({"note": f"sharding: {layout.describe()}"})
-    checkpointing = cfg.activation_checkpointing
-    if device.type == "cuda":  # the estimate against this GPU, before any weight is loaded
-        props = torch.cuda.get_device_properties(device)
-        fit = check_run(
-            model_path, cfg, layout=layout, precision=precision, gpu_bytes=props.total_memory, gpu_name=props.name
-        )
-        ctx.emit({"note": fit.line})
-        refuse_unless_fits(fit)  # every rank computes the same estimate, so all stop together
-        checkpointing = fit.checkpointing
+    precision, layout, checkpointing = decide_run(cfg, model_path, ctx)
     resume = ctx.resume_checkpoint()
     prepared = prepare_model(
         cfg,
@@ -296,29 +435,26 @@ def train(
         device=device,
         resuming=resume is not None,
     )
-    model, output_weight = prepared.model, prepared.output_weight
+    model = prepared.model
     if prepared.lora_targets:
         ctx.emit(
-            {
-                "note": f"lora: rank {cfg.lora.rank} adapters on {', '.join(prepared.lora_targets)}; "
+            Note(
+                f"lora: rank {cfg.lora.rank} adapters on {', '.join(prepared.lora_targets)}; "
                 f"{prepared.trainable:,} of {prepared.parameters:,} parameters train"
-            }
+            )
         )
     optimizer, scheduler = build_optimizer(model, cfg, device)
-
-    start_step, resumed_from, position = 0, None, None
-    if resume is not None:
-        state = load_sharded(resume, model=model, optimizer=optimizer, scheduler=scheduler, rank=ctx.rank)
-        start_step = resumed_from = state.step
-        position = state.data
+    start = resume_from(resume, prepared, optimizer, scheduler, ctx.rank)
+    if start.note:  # rank 0's share of a checkpoint in remote storage
+        ctx.emit(Note(start.note))
     batches = (
-        _RandomCursor(cfg, ctx, model.config.vocab_size, position)
+        _RandomCursor(cfg, ctx, model.config.vocab_size, start.position)
         if cfg.uses_random_data
-        else ctx.data_batches(cfg.batch_size, position, seed=cfg.seed)
+        else ctx.data_batches(cfg.batch_size, start.position, seed=cfg.seed)
     )
     note = getattr(batches, "note", "")
     if note:  # a data position in an earlier checkpoint format, converted
-        ctx.emit({"note": note})
+        ctx.emit(Note(note))
 
     fpt = flops_per_token(model.config, cfg.seq_len, adapters=prepared.trainable if prepared.lora_targets else 0)
     peak = peak_flops_for(device_name(device), precision) if device.type == "cuda" else None
@@ -333,11 +469,10 @@ def train(
     eval_s = 0.0
     checkpoints: list[int] = []
     checkpoint_s = 0.0
-    window_steps, window_tokens = 0, 0  # steps and tokens since the last record; its start is set below
-    window_start = 0.0
+    window = ThroughputWindow()
 
-    def save(step: int, metrics: dict[str, Any]) -> None:
-        nonlocal checkpoint_s, window_start
+    def save(step: int, record: StepRecord | None) -> None:
+        nonlocal checkpoint_s
         t = time.perf_counter()
 
         def write(folder: Path) -> None:
@@ -354,130 +489,88 @@ def train(
             )
             maybe_die("checkpoint", step=step, rank=ctx.rank)
 
+        metrics = record.to_json() if record is not None else {"step": step}
         ctx.save_checkpoint(step, write, metrics, keep=cfg.keep_checkpoints)
         checkpoints.append(step)
         spent = time.perf_counter() - t
         checkpoint_s += spent
-        window_start += spent  # throughput and step time leave checkpoint time out
+        window.leave_out(spent)  # throughput and step time leave checkpoint time out
 
     fabric: dict[str, Any] | None = None
-    step_times: list[float] = []  # one per logging window: its time over its steps
-    windows: list[tuple[float, int]] = []  # (seconds, tokens) of each logging window, checkpoints left out
     done = 0
     losses: dict[int, float] = {}
-    loop_start = window_start = time.perf_counter()
+    loop_start = time.perf_counter()
+    window.reopen()
     model.train()
-    for step in range(start_step + 1, cfg.steps + 1):
+    for step in range(start.step + 1, cfg.steps + 1):
         maybe_die("step", step=step, rank=ctx.rank)
         micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
-        # Counted on the host (labels are CPU tensors), summed across ranks on the device: no wait for the device.
-        count = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro)
-        global_count = _to_device(torch.tensor(float(count), dtype=torch.float64), device)
-        dist.all_reduce(global_count)
-        scale = (ctx.world_size / global_count.clamp(min=1.0)).float()
-        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
-        aux_sum = torch.zeros((), dtype=torch.float32, device=device)
-        for i, mb in enumerate(micro):
-            set_gradient_sync(model, layout.mode, last=i == len(micro) - 1)  # sharded; across nodes on the last
-            inputs = {k: _to_device(v, device) for k, v in forward_inputs(mb).items()}
-            labels = _to_device(mb["labels"], device)
-            outputs = output_weight.forward(model, **inputs)  # .logits: the final hidden states
-            token_loss = chunked_cross_entropy(
-                outputs.logits[:, :-1],
-                output_weight(),
-                labels[:, 1:],
-                max_logits=LOSS_CHUNK_LOGITS,
-                ignore_index=IGNORE_INDEX,
-                transform=output_weight.transform,
-            )
-            router = router_aux_loss(model, outputs)  # a mixture of experts' own load-balancing term, per batch
-            if router is None:
-                (token_loss * scale).backward()
-            else:  # averaged over micro-batches here and over ranks by the gradient reduction, as one batch's
-                (token_loss * scale + router / len(micro)).backward()
-                aux_sum += router.detach() / len(micro)
-            loss_sum += token_loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        result = train_step(
+            prepared, optimizer, scheduler, micro, cfg=cfg, mode=layout.mode, world_size=ctx.world_size, device=device
+        )
         done += 1
-        window_steps += 1
-        window_tokens += tokens_per_step
+        window.add(tokens_per_step)
 
         record = None
         eval_due = held_out is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0))
-        if eval_due or step == start_step + 1 or step % cfg.log_every == 0 or step == cfg.steps:
-            dist.all_reduce(loss_sum)
-            dist.all_reduce(aux_sum)
-            # The model's own loss: the tokens' mean cross-entropy, plus a mixture of experts' router term.
-            loss = float(loss_sum) / max(1.0, float(global_count)) + float(aux_sum) / ctx.world_size
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        if eval_due or step == start.step + 1 or step % cfg.log_every == 0 or step == cfg.steps:
+            loss, grad_norm = logged_loss(result, ctx.world_size)
             _sync(device)
             losses[step] = loss
-            window_s = time.perf_counter() - window_start
-            step_time = window_s / window_steps
-            step_times.append(step_time)
-            windows.append((window_s, window_tokens))
-            tps = window_tokens / window_s
-            record = {
-                "step": step,
-                "loss": loss,
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": float(grad_norm),
-                "tokens": step * tokens_per_step,
-                "tokens_per_s": tps,
-                "step_time_s": step_time,
-                "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
-                "resumed_from_step": resumed_from,
-            }
+            step_time, tps = window.close()
             if eval_due and held_out is not None:  # after the window's timing: left out of throughput, like checkpoints
                 t = time.perf_counter()
-                last_eval = held_out.evaluate(model, output_weight, device)
+                last_eval = held_out.evaluate(model, prepared.output_weight, device)
                 eval_s += time.perf_counter() - t
-                record.update(last_eval)
+            record = StepRecord(
+                step=step,
+                loss=loss,
+                lr=scheduler.get_last_lr()[0],
+                grad_norm=grad_norm,
+                tokens=step * tokens_per_step,
+                tokens_per_s=tps,
+                step_time_s=step_time,
+                mfu=mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
+                resumed_from_step=start.from_step,
+                **(last_eval if eval_due else {}),
+            )
             ctx.emit(record)
         if fabric_require != "any" and (fabric is None or fabric["action"] == "look-again"):
             fabric, nccl_lines = check_transport(
                 fabric_require, rank=ctx.rank, world_size=ctx.world_size, node=ctx.node, last_look=fabric is not None
             )
-            ctx.emit({"fabric": fabric, "nccl_lines": nccl_lines})
+            ctx.emit(FabricLook(fabric, nccl_lines))
             if fabric["action"] == "stop":
                 break
         if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-            save(step, record or {"step": step})
+            save(step, record)
         if record is not None:
-            window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
+            window.reopen()
 
     train_s = time.perf_counter() - loop_start
     samples_start = time.perf_counter()
     if sample_prompts and cfg.sample_tokens and (fabric is None or fabric.get("met") is not False):
         samples = greedy_samples(
             model,
-            output_weight,
+            prepared.output_weight,
             load_tokenizer(model_path),
             sample_prompts,
             max_new_tokens=cfg.sample_tokens,
             device=device,
         )
-        ctx.emit({"samples": samples})
+        ctx.emit(Samples(samples))
     samples_s = time.perf_counter() - samples_start
-    # Step times are per logging window (first step alone, then log_every steps): leave the first window out, and
-    # measure throughput (and MFU) over the same steady windows; checkpoint and evaluation time are outside them.
-    steady = step_times[1:] or step_times
-    steady_windows = windows[1:] or windows
-    steady_s = sum(w[0] for w in steady_windows)
-    tps = sum(w[1] for w in steady_windows) / steady_s if steady_s > 0 else 0.0
-    last_step = start_step + done  # cfg.steps, unless the transport gate stopped the run early
+    steady_step_time, tps = window.steady()
+    last_step = start.step + done  # cfg.steps, unless the transport gate stopped the run early
     summary = {
         "steps": last_step,
-        "first_loss": losses.get(start_step + 1),
+        "first_loss": losses.get(start.step + 1),
         "final_loss": losses.get(cfg.steps),
         "tokens": last_step * tokens_per_step,
         "trained_tokens": done * tokens_per_step,  # by this attempt (a resumed run's first steps were trained before)
         "train_s": train_s,
         "tokens_per_s": tps,
-        "step_time_s": statistics.median(steady) if steady else None,
+        "step_time_s": steady_step_time,
         "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
         "precision": precision,
         "sharding": layout.mode,
@@ -491,7 +584,7 @@ def train(
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         # What the caching allocator held at most: what must fit the GPU (allocated plus its free blocks).
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
-        "resumed_from_step": resumed_from,
+        "resumed_from_step": start.from_step,
         "checkpoints": checkpoints,
         "checkpoint_s": checkpoint_s,
         "checkpoint_s_per_save": checkpoint_s / len(checkpoints) if checkpoints else None,
@@ -508,25 +601,19 @@ def train(
     return summary
 
 
-def ray_worker_entry(job: dict[str, Any]) -> None:
-    """The ``train_loop_per_worker`` given to Ray Train's ``TorchTrainer``."""
+def ray_worker_entry(job: WorkerJob) -> None:
+    """The ``train_loop_per_worker`` given to Ray Train's ``TorchTrainer`` (its config: ``{"job": WorkerJob}``)."""
     from raytrain_eks.train.context import RayContext
 
     quiet_libraries()
-    cfg = TrainingConfig.model_validate(job["training"])
-    ctx = RayContext(job.get("metrics_queue"), job["checkpoint_root"], job.get("resume_from"), job.get("datasets"))
-    model_path = job["model_path"]
+    cfg = TrainingConfig.model_validate(job.training)
+    ctx = RayContext(job.metrics_queue, job.checkpoint_root, job.resume_from, job.datasets)
+    model_path = job.model_path
     if "://" in model_path:  # staged where every node reads it: this node's copy
         from raytrain_eks.train.staged import local_copy
 
         model_path = local_copy(model_path)
-    train(
-        cfg,
-        model_path,
-        ctx,
-        fabric_require=job.get("fabric_require", "any"),
-        sample_prompts=job.get("sample_prompts"),
-    )
+    train(cfg, model_path, ctx, fabric_require=job.fabric_require, sample_prompts=job.sample_prompts)
 
 
 def quiet_libraries() -> None:
