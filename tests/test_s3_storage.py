@@ -64,9 +64,15 @@ def test_checkpoints_live_in_s3_and_survive_a_kill(tmp_path, monkeypatch, s3_and
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(FAULT_ENV, f"checkpoint:4:1:{tmp_path / 'fired'}")
     cfg = load_config(preset=presets.local_tiny(), environ={}, overrides={"training": training})
-    result = run_training(cfg, runs_root=tmp_path, say=lambda _: None)
+    said: list[str] = []
+    result = run_training(cfg, runs_root=tmp_path, say=said.append)
     assert (tmp_path / "fired").exists()
     assert result.summary["resumed_from_step"] == 2
+    # Each rank read its own shard of the staged model at the start; the resume read no weight of the model (the
+    # checkpoint holds them all), only each rank's own share of the checkpoint in S3.
+    assert sum(line.startswith("model start: each rank read its own shard") for line in said) == 1, said
+    (resumed,) = [line for line in said if line.startswith("resume: read ")]
+    assert "this rank's share" in resumed, resumed
     root = f"s3://{BUCKET}/runs/run/ray"
     assert result.summary["checkpoints"] == [f"{root}/checkpoint_00000004", f"{root}/checkpoint_00000006"]
     assert [step for step, _, ok in list_checkpoints(root) if ok] == [4, 6]
