@@ -54,17 +54,25 @@ def _head_exec(d: Deployment, head: Pod, argv: list[str]) -> Any:
     return d.kube.exec(head.namespace, head.name, argv, timeout=120, container="ray-head")
 
 
-def ask_image(d: Deployment, head: Pod) -> wh.ImagePython:
-    """The head pod's python3: its version, ABI, platform tags and markers (remembered for this image)."""
-    res = _head_exec(d, head, [m.IMAGE_PYTHON, "-c", wh.IMAGE_PLATFORM])
+def ask_head(d: Deployment, head: Pod, script: str, *args: str) -> tuple[dict[str, Any] | None, str]:
+    """What ``script`` (run by the head pod's python3 with ``args``) printed as a JSON object, or ``None`` and
+    what it said instead."""
+    res = _head_exec(d, head, [m.IMAGE_PYTHON, "-c", script, *args])
     try:
         found = json.loads(res.stdout) if res.ok else None
     except ValueError:
         found = None
+    if not isinstance(found, dict):
+        return None, (res.stderr or res.stdout).strip()
+    return found, ""
+
+
+def ask_image(d: Deployment, head: Pod) -> wh.ImagePython:
+    """The head pod's python3: its version, ABI, platform tags and markers (remembered for this image)."""
+    found, said = ask_head(d, head, wh.IMAGE_PLATFORM)
     if found is None:
         raise UserError(
-            f"--offline: cannot read the image's Python and platform in {head.name}: "
-            f"{(res.stderr or res.stdout).strip()[-300:]}",
+            f"--offline: cannot read the image's Python and platform in {head.name}: {said[-300:]}",
             hint="--offline needs a CPython image whose python3 imports packaging (Ray's images do); or submit "
             "without --offline.",
         )
@@ -83,15 +91,9 @@ def _asker(d: Deployment, head: Pod | None) -> Callable[[list[str]], dict[str, s
         known: dict[str, str | None] = dict(record.get("versions", {}))
         if head is None:
             return {n: known.get(n) for n in names}
-        res = _head_exec(d, head, [m.IMAGE_PYTHON, "-c", IMAGE_VERSIONS, *names])
-        try:
-            found = json.loads(res.stdout) if res.ok else None
-        except ValueError:
-            found = None
-        if not isinstance(found, dict):
-            raise UserError(
-                f"--offline: cannot ask the image which packages it has: {(res.stderr or res.stdout).strip()[:300]}"
-            )
+        found, said = ask_head(d, head, IMAGE_VERSIONS, *names)
+        if found is None:
+            raise UserError(f"--offline: cannot ask the image which packages it has: {said[:300]}")
         known.update(found)
         d.state.update(**{REMEMBERED: {**record, "versions": known}})
         return {n: found.get(n) for n in names}

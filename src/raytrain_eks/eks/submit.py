@@ -222,14 +222,9 @@ def image_lacks(d: Deployment, head: Pod) -> list[str]:
     pod's image already has in range (asked of its python3); all of them when the image cannot be asked."""
     wanted = job_requirements()
     names = [requirement_name(r) for r in wanted]
-    res = head_exec(d, head, [m.IMAGE_PYTHON, "-c", IMAGE_VERSIONS, *names])
-    try:
-        installed = json.loads(res.stdout) if res.ok else None
-    except ValueError:
-        installed = None
-    if not isinstance(installed, dict):
-        d.say(f"Could not ask the image which packages it has ({(res.stderr or res.stdout).strip()[:200]}): "
-              "runtime_env installs all of them")  # fmt: skip
+    installed, said = offline_wheels.ask_head(d, head, IMAGE_VERSIONS, *names)
+    if installed is None:
+        d.say(f"Could not ask the image which packages it has ({said[:200]}): runtime_env installs all of them")
         return wanted
     left = left_to_install(wanted, installed)
     kept = [f"{n} {installed[n]}" for n, r in zip(names, wanted, strict=True) if r not in left]
