@@ -307,7 +307,8 @@ def _ray_copy(folder: Path, dest: Path, rank: int) -> float:
     """What ``ray.train.report`` adds under Ray: each rank copies its own staged files into the run's storage.
 
     ``RayContext.save_checkpoint`` has every rank write into a local staging folder, then Ray copies that folder
-    (``pyarrow.fs.copy_files``, as Ray does) into storage, inside the loop's checkpoint time. Here each rank copies
+    (``pyarrow.fs.copy_files``, as Ray does) into storage; in a run both happen in the background while training
+    goes on (its ``checkpoint_done_s``), measured here in the foreground. Here each rank copies
     the files it wrote (rank 0 also ``.metadata`` and ``hf/``), concurrently; timed from barrier to barrier.
     """
     import pyarrow.fs as pafs

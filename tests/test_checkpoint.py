@@ -32,6 +32,7 @@ from raytrain_eks.train.checkpoint import (
     resolve_checkpoint,
 )
 from raytrain_eks.train.faults import ENV as FAULT_ENV
+from raytrain_eks.train.faults import SLOW_WRITE_ENV
 from raytrain_eks.train.launch import ERROR_LOG, run_training
 
 pytestmark = pytest.mark.integration
@@ -269,6 +270,25 @@ def test_checkpoint_flags_decide_where_and_how_often(flags_run):
     saved = load_config(path=run / "config.yaml", environ={}).training
     assert (saved.checkpoint_every, saved.keep_checkpoints) == (4, 3)
     assert saved.storage_path == str(store.resolve())
+
+
+def test_training_goes_on_while_a_checkpoint_is_written_and_the_run_ends_with_it_complete(
+    tmp_path, monkeypatch, ray_local
+):
+    delay = 3.0  # each rank's files take this much longer to write
+    monkeypatch.setenv(SLOW_WRITE_ENV, str(delay))
+    cfg = make_config(**{**RANDOM, "steps": 6, "checkpoint_every": 3}, output_dir=str(tmp_path / "run"))
+    result = run_training(cfg, runs_root=tmp_path, say=quiet)
+    summary = result.summary
+    # Step 3's save returned at once and training went on; step 6's save waited for it first, then returned at
+    # once too; the run ended only once the last one was complete.
+    assert len(summary["checkpoint_done_s"]) == 2 and min(summary["checkpoint_done_s"]) >= delay, summary
+    assert summary["checkpoint_s"] < 2 * delay, summary  # not both writes (nor the uploads) in the loop
+    assert [step for step, _, ok in list_checkpoints(result.run_dir / "ray") if ok] == [3, 6]
+    steps = [r["step"] for r in history(result.run_dir)]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    exported = load_file(result.run_dir / "model" / "model.safetensors")  # from the last checkpoint, once complete
+    assert exported
 
 
 def test_trainer_state_that_is_not_plain_data_stops_the_resume(tmp_path, ray_local):

@@ -23,6 +23,7 @@ import re
 import shutil
 import tempfile
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,19 +102,32 @@ def save_sharded(
     rank: int,
     tokenizer_path: str | None,
     chat_template: str | None = None,
-) -> None:
+    background: Any | None = None,
+) -> Future[Any] | None:
     """Write this rank's part of the checkpoint of ``step`` into ``folder`` (a collective: every rank calls it).
     The tokenizer goes into ``hf/`` with ``chat_template`` (the run's own, when it has one), so an export renders
-    conversations as training did."""
+    conversations as training did.
+
+    With ``background`` (a gloo process group of all ranks, kept for this), the model and optimizer state are
+    copied now and written by DCP's asynchronous save on a thread of its own, whose collectives use that group;
+    the future of that write is returned and training may change the weights meanwhile. The trainer state and
+    ``hf/`` are written before this returns either way."""
     import torch.distributed.checkpoint as dcp
 
+    from raytrain_eks.train.faults import checkpoint_writer
     from raytrain_eks.train.lora import lora_of
 
     folder.mkdir(parents=True, exist_ok=True)
     lora = lora_of(model)
     model_sd, optim_sd, _ = _saved_state(model, optimizer)
-    writer = dcp.FileSystemWriter(str(folder), thread_count=FILES_PER_RANK)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+    writer = checkpoint_writer(str(folder), thread_count=FILES_PER_RANK)
+    state = {"model": model_sd, "optim": optim_sd}
+    written: Future[Any] | None = None
+    if background is None:
+        dcp.save(state, storage_writer=writer)
+    else:
+        response = dcp.async_save(state, storage_writer=writer, process_group=background)
+        written = response if isinstance(response, Future) else response.upload_completion
     save_trainer_state(folder, rank=rank, step=step, scheduler=scheduler, data_position=data_position)
     if rank == 0:
         hf = folder / HF_DIR
@@ -124,6 +138,7 @@ def save_sharded(
             from raytrain_eks.train.encoding import encoding_tokenizer
 
             encoding_tokenizer(tokenizer_path, chat_template).save_pretrained(hf)
+    return written
 
 
 def tied_names(model: Any) -> set[str]:

@@ -15,7 +15,9 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,6 +29,9 @@ from raytrain_eks.train.checkpoint import TEMP_PREFIX, checkpoint_name, join, la
 from raytrain_eks.train.records import FabricLook, Finished, Note, Record, StepRecord
 
 Batch = dict[str, torch.Tensor]
+# Writes this rank's files of a checkpoint into a folder: at once (the process group None), or in the background over
+# the given process group, returning the write's future.
+CheckpointWriter = Callable[[Path, Any], "Future[Any] | None"]
 # What a packed block holds: the tokens, their labels and (``packing: documents``) each row's own positions.
 BATCH_COLUMNS = ("input_ids", "labels", "position_ids")
 
@@ -56,12 +61,19 @@ class WorkerContext(Protocol):
         :func:`~raytrain_eks.train.checkpoint.load_sharded`), or ``None`` for a fresh start."""
         ...
 
-    def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any], keep: int) -> None:
-        """Save the checkpoint of ``step`` (``write(folder)`` writes this rank's files; a collective), keep ``keep``."""
+    def save_checkpoint(self, step: int, write: CheckpointWriter, metrics: dict[str, Any], keep: int) -> None:
+        """Save the checkpoint of ``step``, keep ``keep`` (a collective). ``write(folder, group)`` writes this rank's
+        files: at once with ``group`` None, else in the background over that process group, returning the future
+        of the write; the context then goes on with it at :meth:`settle`."""
+        ...
+
+    def settle(self) -> None:
+        """Move a checkpoint still being written or uploaded on, without waiting (a collective while one is: every
+        rank calls it once per step)."""
         ...
 
     def finish(self, summary: dict[str, Any]) -> None:
-        """Hand in the end-of-run summary (called on every rank)."""
+        """Hand in the end-of-run summary, once the last checkpoint is complete (called on every rank)."""
         ...
 
 
@@ -246,6 +258,9 @@ class RayContext:
         self._root = checkpoint_root
         self._resume_from = resume_from
         self._datasets = datasets or {}
+        self._pending: _InFlight | None = None  # the checkpoint being written or uploaded
+        self._groups: tuple[Any, Any] | None = None
+        self._done_s: list[float] = []
         remove_stale_folders()  # what workers killed mid-run left (a rank's downloaded share of a checkpoint)
 
     def data_batches(self, batch_size: int, position: dict[str, int] | None, seed: int) -> DataCursor:
@@ -286,24 +301,133 @@ class RayContext:
         # Not downloaded here: load_sharded reads from remote storage only this rank's share of it.
         return latest_complete(self._root) or self._resume_from
 
-    def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any], keep: int) -> None:
-        import ray.train
-
+    def save_checkpoint(self, step: int, write: CheckpointWriter, metrics: dict[str, Any], keep: int) -> None:
+        """Write this rank's files in the background (DCP's asynchronous save, over a gloo group of its own), and
+        go on training: :meth:`settle` reports the checkpoint to Ray Train once every rank's files are written, Ray
+        uploads it on a thread of its own, and once every rank's upload is done rank 0 marks it complete. A save
+        waits first for the one before it (one in flight at a time, in order)."""
+        self._settle(wait=True)
+        started = time.perf_counter()
+        groups = self._checkpoint_groups()
         staging = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}ckpt-{step}-r{self.rank}-p{os.getpid()}-"))
         try:
-            write(staging)
-            name = checkpoint_name(step)
-            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(staging), checkpoint_dir_name=name)
-            dist.barrier()  # every rank's report (and upload) has returned
-            if self.rank == 0:
-                mark_complete(join(self._root, name), step=step, world_size=self.world_size)
-                prune(self._root, keep)
-        finally:
+            written = write(staging, groups[0])
+        except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
+            raise
+        self._pending = _InFlight(step, checkpoint_name(step), staging, written, metrics, keep, started=started)
+        self._settle(wait=False)
+
+    def settle(self) -> None:
+        self._settle(wait=False)
+
+    def _checkpoint_groups(self) -> tuple[Any, Any]:
+        """Two gloo groups of all ranks (made once, by every rank at its first save): one for the background writes'
+        own collectives, one for :meth:`_settle`'s vote, so neither meets the training's collectives nor the other."""
+        if self._groups is None:
+            self._groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+        return self._groups
+
+    def _settle(self, *, wait: bool) -> None:
+        import ray.train
+        from ray.train import CheckpointUploadMode
+
+        while self._pending is not None:
+            flight = self._pending
+            vote = torch.tensor([flight.stage()], dtype=torch.int32)
+            dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self._checkpoint_groups()[1])
+            agreed = int(vote)
+            if agreed == _InFlight.FAILED:
+                self._pending = None
+                flight.raise_failure()  # on the rank that failed; the others stop with a note of it
+                raise RuntimeError(f"another rank could not save checkpoint {flight.name}")
+            if agreed >= _InFlight.WRITTEN and not flight.reported:
+                storage = ray.train.get_context().get_storage()
+                ray.train.report(
+                    flight.metrics,
+                    checkpoint=ray.train.Checkpoint.from_directory(flight.staging),
+                    checkpoint_dir_name=flight.name,
+                    checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+                    checkpoint_upload_fn=flight.uploader(storage),
+                    delete_local_checkpoint_after_upload=False,
+                )
+                flight.reported = True
+                continue
+            if agreed == _InFlight.UPLOADED:
+                if self.rank == 0:
+                    mark_complete(join(self._root, flight.name), step=flight.step, world_size=self.world_size)
+                    prune(self._root, flight.keep)
+                shutil.rmtree(flight.staging, ignore_errors=True)
+                self._pending = None
+                self._done_s.append(time.perf_counter() - flight.started)
+                return
+            if not wait:
+                return
+            time.sleep(_SETTLE_POLL_S)
 
     def finish(self, summary: dict[str, Any]) -> None:
+        self._settle(wait=True)  # the last checkpoint complete before the run is over
+        # Seconds from each save's start until it was complete, while training went on (checkpoint_s: what it waited).
+        summary["checkpoint_done_s"] = list(self._done_s)
         if self.rank == 0 and self._queue is not None:
             self._queue.put(Finished(summary))
+
+
+_SETTLE_POLL_S = 0.05  # how often a save (or the end of the run) looks whether the one in flight is done
+
+
+class _InFlight:
+    """A checkpoint on its way: this rank's files being written (a future), then uploaded by Ray (on its upload
+    thread, through :meth:`uploader`); :meth:`stage` says how far this rank is."""
+
+    FAILED, WRITING, WRITTEN, UPLOADED = -1, 0, 1, 2
+
+    def __init__(
+        self,
+        step: int,
+        name: str,
+        staging: Path,
+        written: Future[Any] | None,
+        metrics: dict[str, Any],
+        keep: int,
+        *,
+        started: float,
+    ) -> None:
+        self.step, self.name, self.staging, self.metrics, self.keep = step, name, staging, metrics, keep
+        self.started = started
+        self._written = written
+        self.reported = False
+        self._uploaded = threading.Event()
+        self._failure: BaseException | None = None
+
+    def stage(self) -> int:
+        if self._failure is not None:
+            return self.FAILED
+        if self._written is not None and self._written.done() and self._written.exception() is not None:
+            self._failure = self._written.exception()
+            return self.FAILED
+        if self._uploaded.is_set():
+            return self.UPLOADED
+        return self.WRITTEN if self._written is None or self._written.done() else self.WRITING
+
+    def uploader(self, storage: Any) -> Callable[[Any, str], Any]:
+        """Ray's own upload of the checkpoint (``persist_current_checkpoint``, what it does by default), which
+        also tells this rank when it is done."""
+
+        def upload(checkpoint: Any, name: str) -> Any:
+            try:
+                persisted = storage.persist_current_checkpoint(checkpoint, name)
+            except BaseException as exc:
+                self._failure = exc
+                raise
+            self._uploaded.set()
+            return persisted
+
+        return upload
+
+    def raise_failure(self) -> None:
+        if self._failure is not None:
+            raise self._failure
 
 
 # The temporary folders a worker makes: its share of a checkpoint it downloads to resume from (load_sharded), one it
@@ -371,13 +495,16 @@ class ProcessContext:
     def resume_checkpoint(self) -> str | Path | None:
         return None
 
-    def save_checkpoint(self, step: int, write: Callable[[Path], None], metrics: dict[str, Any], keep: int) -> None:
+    def save_checkpoint(self, step: int, write: CheckpointWriter, metrics: dict[str, Any], keep: int) -> None:
         folder = self._out / "checkpoints" / checkpoint_name(step)
-        write(folder)
+        write(folder, None)  # at once: the files are in place when it returns
         dist.barrier()
         if self.rank == 0:
             mark_complete(folder, step=step, world_size=self.world_size)
             prune(folder.parent, keep)
+
+    def settle(self) -> None:
+        """Nothing is in flight: every checkpoint is written when :meth:`save_checkpoint` returns."""
 
     def finish(self, summary: dict[str, Any]) -> None:
         if self.rank == 0:

@@ -1,4 +1,5 @@
-"""Fault injection for the recovery tests: a worker kills itself with SIGKILL at a chosen point, once.
+"""Fault injection for the recovery tests: a worker kills itself with SIGKILL at a chosen point, once; or its
+checkpoint writes take longer (``RAYTRAIN_EKS_SLOW_WRITE=SECONDS``), to show training going on while they run.
 
 Inactive unless ``RAYTRAIN_EKS_FAULT`` is set, as ``POINT:STEP:RANK:ONCE_FILE``: ``step`` (before the optimizer
 step STEP) or ``checkpoint`` (after this rank wrote its shards of checkpoint STEP, before they are reported).
@@ -11,9 +12,12 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
+from typing import Any
 
 ENV = "RAYTRAIN_EKS_FAULT"
+SLOW_WRITE_ENV = "RAYTRAIN_EKS_SLOW_WRITE"
 
 
 def maybe_die(point: str, *, step: int, rank: int) -> None:
@@ -29,3 +33,20 @@ def maybe_die(point: str, *, step: int, rank: int) -> None:
     except FileExistsError:
         return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def checkpoint_writer(folder: str, *, thread_count: int) -> Any:
+    """DCP's file writer for ``folder``; with ``RAYTRAIN_EKS_SLOW_WRITE=SECONDS`` set, one that first waits that long
+    (on the thread that writes the files)."""
+    import torch.distributed.checkpoint as dcp
+
+    delay = float(os.environ.get(SLOW_WRITE_ENV) or 0)
+    if not delay:
+        return dcp.FileSystemWriter(folder, thread_count=thread_count)
+
+    class Slowed(dcp.FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            time.sleep(delay)
+            return super().write_data(plan, planner)
+
+    return Slowed(folder, thread_count=thread_count)

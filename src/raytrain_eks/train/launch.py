@@ -34,6 +34,7 @@ from raytrain_eks.ray_session import (
 )
 from raytrain_eks.train.fabric_gate import nccl_env
 from raytrain_eks.train.faults import ENV as FAULT_ENV
+from raytrain_eks.train.faults import SLOW_WRITE_ENV
 from raytrain_eks.train.records import FabricLook, Finished, Note, Samples, StepRecord, WorkerFailure, WorkerJob
 from raytrain_eks.train.staged import CACHE_ENV as MODEL_CACHE_ENV
 from raytrain_eks.train.staged import is_staged_location
@@ -309,8 +310,9 @@ def _train_in(
             worker_env[MODEL_CACHE_ENV] = os.environ[MODEL_CACHE_ENV]
     if cfg.fabric.require != "any":
         worker_env.update(nccl_env(f"{run_dir.name}-{os.getpid()}"))
-    if os.environ.get(FAULT_ENV):
-        worker_env[FAULT_ENV] = os.environ[FAULT_ENV]
+    for fault in (FAULT_ENV, SLOW_WRITE_ENV):
+        if os.environ.get(fault):
+            worker_env[fault] = os.environ[fault]
 
     prompts = sample_prompts(
         training.sample_prompts,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -475,8 +476,8 @@ def train(
         nonlocal checkpoint_s
         t = time.perf_counter()
 
-        def write(folder: Path) -> None:
-            save_sharded(
+        def write(folder: Path, background: Any) -> Future[Any] | None:
+            written = save_sharded(
                 folder,
                 model=model,
                 optimizer=optimizer,
@@ -486,8 +487,10 @@ def train(
                 rank=ctx.rank,
                 tokenizer_path=model_path,  # the tokenizer goes into every checkpoint, for export
                 chat_template=cfg.chat_template,
+                background=background,
             )
             maybe_die("checkpoint", step=step, rank=ctx.rank)
+            return written
 
         metrics = record.to_json() if record is not None else {"step": step}
         ctx.save_checkpoint(step, write, metrics, keep=cfg.keep_checkpoints)
@@ -510,6 +513,7 @@ def train(
         )
         done += 1
         window.add(tokens_per_step)
+        ctx.settle()  # a checkpoint still being written or uploaded goes on (reported, then marked complete)
 
         record = None
         eval_due = held_out is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0))
