@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from test_loss_architectures import ARCHITECTURES, SMALL
 
 from raytrain_eks.train.model import fill_from_rank0, load_model, load_model_shell
 from raytrain_eks.train.sharding import apply_fsdp
@@ -179,6 +180,38 @@ def test_each_rank_reads_its_own_shard_and_a_resume_reads_no_weights_of_the_mode
         assert not [n for n in resumed[rank]["notes"] if n.startswith("model start")]
         _same(resumed[rank]["state"], expected, f"resume, rank {rank}")
         _same(resumed[rank]["buffers"], buffers, f"resume's buffers, rank {rank}")
+
+
+# Whose files transformers 5.23 converts while loading (fused experts, a renamed output layer): rank 0 reads those.
+CONVERTED_ON_LOAD = {"qwen3-moe": "mlp.experts.gate_up_proj", "gpt-neox": "lm_head.weight"}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_a_shell_gets_the_buffers_from_pretrained_makes_and_reads_by_shard_what_needs_no_conversion(
+    tmp_path: Path, arch: str
+):
+    import transformers
+
+    from raytrain_eks.train.model import load_model_shell
+    from raytrain_eks.train.start import WeightFiles, computed_buffers, weights_source
+
+    name, extra = ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**{**SMALL, **extra})).save_pretrained(
+        tmp_path
+    )
+    want = load_model(str(tmp_path), activation_checkpointing=False)
+    shell = load_model_shell(str(tmp_path), activation_checkpointing=False)
+    source = weights_source(str(tmp_path), shell)
+    buffers = computed_buffers(shell)
+    persistent = set(want.state_dict())
+    expected = {k: b for k, b in want.named_buffers() if k not in persistent}
+    assert expected, "every architecture here has rotary frequencies outside its state dict"
+    _same(buffers, expected, arch)
+    if arch in CONVERTED_ON_LOAD:
+        assert isinstance(source, str) and CONVERTED_ON_LOAD[arch] in source, source
+    else:
+        assert isinstance(source, WeightFiles), source
 
 
 if __name__ == "__main__":  # one rank: RANK WORLD STORE MODEL OUT (the rank-0 test) or RANK WORLD STORE prepare PLAN
