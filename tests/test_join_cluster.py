@@ -95,10 +95,10 @@ def _wait_for_head(proc: subprocess.Popen[bytes], env: dict[str, str], temp_dir:
 
 
 def _stop_session(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
+    if proc.poll() is None:  # a few seconds to stop its node; whatever is left in its session is killed below
         proc.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=30)
+            proc.wait(timeout=5)
     for p in procs.processes():
         if p.sid == proc.pid:  # it was started in a session of its own: only its processes are in it
             p.kill()
