@@ -9,9 +9,9 @@ moments exist, then, as ``RayContext`` does with ``training.storage_path: s3://.
 - **save** = **write** (each rank :func:`save_sharded` into a local staging folder) + **upload** (each rank copies
   its staging folder into the checkpoint's S3 prefix with ``pyarrow.fs.copy_files``, as ``ray.train.report``
   does; concurrently) + the complete marker written to S3 by rank 0 after a barrier;
-- **resume** = **download** (each rank :func:`materialize` the whole checkpoint from S3 into its own local
-  folder, as a worker's restore does) + **load** (:func:`load_sharded` into a fresh model and optimizer). The
-  restored weights and AdamW moments are checked against those saved.
+- **resume** = :func:`load_sharded` from the ``s3://`` URI into a fresh model and optimizer, as a worker's
+  restore does: each rank downloads ``.metadata``, its trainer state and the byte ranges its load plan reads (its
+  share, shown in MB), then loads. The restored weights and AdamW moments are checked against those saved.
 
 Times are from barrier to barrier (the slower rank counts). The share of a run uses a step time measured here on
 the same 2 processes (batch 1 x ``--seq-len`` tokens per rank, fp32; the median of 3 steps after the first), or
@@ -20,7 +20,7 @@ the same 2 processes (batch 1 x ``--seq-len`` tokens per rank, fp32; the median 
 
 ``--resume-sizes`` (default 25m) names the sizes whose resume is measured. Each rank writes its share as
 ``FILES_PER_RANK`` files, so the upload and download move several files at once, and a download reads 16 MiB
-ranges (``READ_RANGE_BYTES``). moto answers every ranged GET by reading the whole object and slicing it, so with
+ranges (``storage.READ_RANGE_BYTES``). moto answers every ranged GET by reading the whole object and slicing it, so with
 pyarrow's default 1 MiB ranges a download from moto cost (file size)^2 / 1 MiB of copying (186 s for the 25m
 checkpoint's two 160 MB files); that is moto's, not S3's.
 
@@ -133,21 +133,56 @@ def _rank(rank: int, spec: dict[str, Any], work: Any = None) -> None:
     os._exit(0)  # past gloo's threads, which can abort the interpreter's shutdown
 
 
+def save_to_storage(
+    remote: str,
+    staging: Path,
+    trained: tuple[Any, Any, Any],
+    rank: int,
+    *,
+    tokenizer_path: str | None,
+    position: dict[str, int] | None = None,
+) -> tuple[float, float, float]:
+    """Save a checkpoint as a run with ``training.storage_path: s3://...`` does (a collective): each rank writes
+    into ``staging`` (:func:`save_sharded`), copies it into ``remote`` as ``ray.train.report`` does, then rank 0
+    writes the complete marker after a barrier. Returns the three steps' times (write, upload, marker)."""
+    from pyarrow import fs as pafs
+
+    from raytrain_eks.train.checkpoint import mark_complete, save_sharded
+    from raytrain_eks.train.storage import filesystem
+
+    model, optimizer, scheduler = trained
+
+    def write() -> None:
+        save_sharded(
+            staging,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            step=1,
+            data_position=position or {"epoch": 0, "sample": 0},
+            rank=rank,
+            tokenizer_path=tokenizer_path,
+        )
+
+    def upload() -> None:
+        fs, base = filesystem(remote)
+        pafs.copy_files(str(staging), base, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
+
+    def marker() -> None:
+        if rank == 0:
+            mark_complete(remote, step=1, world_size=WORLD_SIZE)
+
+    times = _timed(write), _timed(upload), _timed(marker)
+    shutil.rmtree(staging)
+    return times
+
+
 def _work(rank: int, spec: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
     import transformers
-    from pyarrow import fs as pafs
 
-    from raytrain_eks.train.checkpoint import (
-        checkpoint_name,
-        join,
-        load_sharded,
-        mark_complete,
-        materialize,
-        save_sharded,
-    )
-    from raytrain_eks.train.storage import filesystem
+    from raytrain_eks.train.checkpoint import checkpoint_name, join, load_sharded
 
     transformers.utils.logging.set_verbosity_error()
     os.environ.update(spec["env"])
@@ -161,32 +196,11 @@ def _work(rank: int, spec: dict[str, Any]) -> None:
             _step(model, optimizer, scheduler, spec["seq_len"], 10 * i + rank) for i in range(4)[1:]
         )
     saved = _fingerprint(model, optimizer)
-    name = checkpoint_name(1)
-    remote = join(spec["root"], name)
-    staging = local / "staging"
-
-    def write() -> None:
-        save_sharded(
-            staging,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            step=1,
-            data_position={"epoch": 0, "sample": 0},
-            rank=rank,
-            tokenizer_path=spec["model_path"],
-        )
-
-    def upload() -> None:
-        fs, base = filesystem(remote)
-        pafs.copy_files(str(staging), base, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-
-    def marker() -> None:
-        if rank == 0:
-            mark_complete(remote, step=1, world_size=WORLD_SIZE)
-
-    res["write_s"], res["upload_s"], res["marker_s"] = _timed(write), _timed(upload), _timed(marker)
-    shutil.rmtree(staging)
+    remote = join(spec["root"], checkpoint_name(1))
+    times = save_to_storage(
+        remote, local / "staging", (model, optimizer, scheduler), rank, tokenizer_path=spec["model_path"]
+    )
+    res["write_s"], res["upload_s"], res["marker_s"] = times
     if not spec["resume"]:
         if rank == 0:
             Path(spec["result"]).write_text(json.dumps(res))
@@ -195,11 +209,11 @@ def _work(rank: int, spec: dict[str, Any]) -> None:
         return
     del model, optimizer, scheduler
     model, optimizer, scheduler = _build(spec["model_path"])
-    downloaded: list[Path] = []
-    res["download_s"] = _timed(lambda: downloaded.append(materialize(remote, local / "download")))
-    res["load_s"] = _timed(
-        lambda: load_sharded(downloaded[0], model=model, optimizer=optimizer, scheduler=scheduler, rank=rank)
+    states: list[Any] = []
+    res["resume_s"] = _timed(
+        lambda: states.append(load_sharded(remote, model=model, optimizer=optimizer, scheduler=scheduler, rank=rank))
     )
+    res["read_mb"] = states[0].read_bytes / MB
     ok = torch.tensor([1.0 if _fingerprint(model, optimizer) == saved else 0.0])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     res["restored"] = bool(ok.item() == 1.0)
@@ -265,18 +279,17 @@ def bench_size(name: str, args: argparse.Namespace, tmp: Path, env: dict[str, st
     ref = TrainingConfig()
     step_s = args.step_time_s if args.step_time_s is not None else res["step_s"]
     save = res["write_s"] + res["upload_s"] + res["marker_s"]
-    resume = res["download_s"] + res["load_s"] if "load_s" in res else None
+    resume = res.get("resume_s")
     saves = checkpoints_in_run(ref.steps, ref.checkpoint_every)
     train = ref.steps * step_s
     row = {
         "size": name,
         "parameters": n,
         "checkpoint_mb": size / MB,
-        **{k: res.get(k) for k in ("write_s", "upload_s", "marker_s", "download_s", "load_s", "restored")},
+        **{k: res.get(k) for k in ("write_s", "upload_s", "marker_s", "read_mb", "restored")},
         "save_s": save,
         "resume_s": resume,
         "upload_mb_s": size / MB / res["upload_s"],
-        "download_mb_s": size / MB / res["download_s"] if resume is not None else None,
         "step_s": step_s,
         "step_source": "--step-time-s" if args.step_time_s is not None else f"measured, 1 x {args.seq_len} fp32",
         "checkpoint_every": ref.checkpoint_every,
@@ -292,8 +305,8 @@ def bench_size(name: str, args: argparse.Namespace, tmp: Path, env: dict[str, st
         "load_average": os.getloadavg()[0],
     }
     resumed = (
-        f"resume {resume:.2f} s (download {res['download_s']:.2f} [{row['download_mb_s']:.0f} MB/s] + load "
-        f"{res['load_s']:.2f}); restored: {'yes' if res['restored'] else 'NO'}"
+        f"resume {resume:.2f} s (rank 0 read its share, {res['read_mb']:.0f} MB, and loaded it); "
+        f"restored: {'yes' if res['restored'] else 'NO'}"
         if resume is not None
         else "resume not measured (--resume-sizes)"
     )

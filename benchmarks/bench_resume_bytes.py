@@ -8,7 +8,7 @@ parameters (random weights, fp32, tied embeddings; the shape is picked in :func:
 checkpoint's prefix as ``ray.train.report`` uploads it, then :func:`mark_complete`. Then each rank resumes it twice
 into a fresh model and optimizer:
 
-- **before**: :func:`materialize` downloads the whole checkpoint folder (every rank's model and AdamW shards), then
+- **before**: the whole checkpoint folder is downloaded (every rank's model and AdamW shards, as resumes did), then
   :func:`load_sharded` loads it from that local copy (``--skip-before`` leaves this out: it then counts the
   folder's size, which is what that download copied);
 - **after**: :func:`load_sharded` from the ``s3://`` URI: ``.metadata``, the rank's trainer state and the byte
@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_checkpoint import _fingerprint, folder_bytes, free_port  # noqa: E402
-from bench_checkpoint_s3 import _rank, start_moto  # noqa: E402
+from bench_checkpoint_s3 import _rank, save_to_storage, start_moto  # noqa: E402
 
 WORLD_SIZE = 2
 MB = 1e6
@@ -99,14 +99,30 @@ def _build(shape: dict[str, int]) -> tuple[Any, Any, Any]:
     return model, optimizer, scheduler
 
 
+def _whole_folder(remote: str, into: Path) -> Path:
+    """The whole checkpoint folder copied into ``into``, as a resume downloaded it before it read only its share."""
+    from pyarrow import fs as pafs
+
+    from raytrain_eks.train.storage import READ_RANGE_BYTES, filesystem
+
+    fs, base = filesystem(remote)
+    into.mkdir(parents=True, exist_ok=True)
+    pafs.copy_files(
+        base,
+        str(into),
+        source_filesystem=fs,
+        destination_filesystem=pafs.LocalFileSystem(),
+        chunk_size=READ_RANGE_BYTES,
+    )
+    return into
+
+
 def _work(rank: int, spec: dict[str, Any]) -> None:
     """One rank (moto's endpoint and credentials come in the environment): save, then resume before and after."""
     import torch
     import torch.distributed as dist
-    from pyarrow import fs as pafs
 
-    from raytrain_eks.train.checkpoint import load_sharded, mark_complete, materialize, save_sharded
-    from raytrain_eks.train.storage import filesystem
+    from raytrain_eks.train.checkpoint import load_sharded
 
     torch.set_num_threads(1)
     address = f"tcp://127.0.0.1:{spec['port']}"
@@ -118,24 +134,10 @@ def _work(rank: int, spec: dict[str, Any]) -> None:
     optimizer.step()
     scheduler.step()
     saved = _fingerprint(model, optimizer)
-    staging = local / "staging"
     position = {"epoch": 0, "sample": 2}
-    save_sharded(
-        staging,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        step=1,
-        data_position=position,
-        rank=rank,
-        tokenizer_path=None,
+    save_to_storage(
+        remote, local / "staging", (model, optimizer, scheduler), rank, tokenizer_path=None, position=position
     )
-    fs, base = filesystem(remote)  # what ray.train.report does with a rank's staging folder
-    pafs.copy_files(str(staging), base, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)
-    shutil.rmtree(staging)
-    dist.barrier()
-    if rank == 0:
-        mark_complete(remote, step=1, world_size=WORLD_SIZE)
     dist.barrier()
     del model, optimizer, scheduler
     res: dict[str, Any] = {"rank": rank}
@@ -144,7 +146,7 @@ def _work(rank: int, spec: dict[str, Any]) -> None:
         model, optimizer, scheduler = _build(spec["shape"])
         dist.barrier()
         t = time.perf_counter()
-        whole = materialize(remote, local / "whole")
+        whole = _whole_folder(remote, local / "whole")
         res["before_download_s"] = time.perf_counter() - t
         res["before_bytes"] = folder_bytes(whole)
         t = time.perf_counter()

@@ -51,9 +51,6 @@ TEMP_PREFIX = "raytrain-eks-"
 # files in parallel (an upload or download copies several files at once) and no single object grows to a rank's
 # whole share (1.6 GB at 250 M parameters with AdamW on 2 ranks; 9 GB per rank of Qwen2.5-1.5B on 2).
 FILES_PER_RANK = 4
-# A download from object storage reads each file in ranges of this size (pyarrow's default is 1 MiB: thousands of
-# GET requests for one checkpoint file; S3's own guidance for ranged GETs is 8-16 MB).
-READ_RANGE_BYTES = 16 << 20
 # Architecture fields that must agree between a checkpoint and the model it is loaded into.
 _ARCH_KEYS = (
     "model_type",
@@ -362,25 +359,6 @@ def forget_ray_snapshot(root: str | Path) -> None:
     if _is_file(snapshot):
         fs, base = _fs(snapshot)
         fs.delete_file(base)
-
-
-def materialize(location: str | Path, into: Path) -> Path:
-    """A local folder holding the checkpoint: ``location`` itself when local, else a copy of the whole folder
-    downloaded into ``into`` (every rank's shards; a resume reads only its own, see :func:`load_sharded`)."""
-    if not is_remote(location):
-        return Path(location).expanduser().resolve()
-    from pyarrow import fs as pafs
-
-    fs, base = _fs(location)
-    into.mkdir(parents=True, exist_ok=True)
-    pafs.copy_files(
-        base,
-        str(into),
-        source_filesystem=fs,
-        destination_filesystem=pafs.LocalFileSystem(),
-        chunk_size=READ_RANGE_BYTES,
-    )
-    return into
 
 
 def _is_file(location: str | Path) -> bool:

@@ -329,9 +329,6 @@ class RayContext:
         return self._groups
 
     def _settle(self, *, wait: bool) -> None:
-        import ray.train
-        from ray.train import CheckpointUploadMode
-
         while self._pending is not None:
             flight = self._pending
             vote = torch.tensor([flight.stage()], dtype=torch.int32)
@@ -342,6 +339,9 @@ class RayContext:
                 flight.raise_failure()  # on the rank that failed; the others stop with a note of it
                 raise RuntimeError(f"another rank could not save checkpoint {flight.name}")
             if agreed >= _InFlight.WRITTEN and not flight.reported:
+                import ray.train
+                from ray.train import CheckpointUploadMode
+
                 storage = ray.train.get_context().get_storage()
                 ray.train.report(
                     flight.metrics,

@@ -204,10 +204,9 @@ def prepare_model(
     elif sharded:
         start = "own-shard"
     source: WeightFiles | None = None
-    if start != "whole":
-        shell = load_model_shell(model_path, activation_checkpointing=checkpointing)
+    model = None if start == "whole" else load_model_shell(model_path, activation_checkpointing=checkpointing)
     if start == "own-shard":
-        found = weights_source(model_path, shell)
+        found = weights_source(model_path, model)
         if _everywhere(isinstance(found, WeightFiles), device) and isinstance(found, WeightFiles):
             source = found
         else:
@@ -215,10 +214,12 @@ def prepare_model(
             why = found if isinstance(found, str) else "another rank cannot read them by shard"
             ctx.emit(Note(f"model start: rank 0 reads the whole model and sends each rank its shard ({why})"))
     reads_whole = start == "whole" or (start == "rank0" and ctx.rank == 0)
-    model = load_model(model_path, activation_checkpointing=checkpointing) if reads_whole else shell
+    if model is None or reads_whole:
+        model = load_model(model_path, activation_checkpointing=checkpointing)
     targets = apply_lora(model, cfg.lora, base=cfg.model_id) if cfg.method == "lora" else None
     adapters = initial_adapters(model, cfg.seed)  # the same on every rank, whatever its model holds
-    buffers = {} if reads_whole else computed_buffers(model)
+    # Buffers outside the state dict: computed here where nothing sends them (rank 0's start broadcasts them).
+    buffers = computed_buffers(model) if start in ("own-shard", "checkpoint") else {}
     full_state = None
     if reads_whole:
         if start == "rank0":  # what rank 0 sends, taken before sharding

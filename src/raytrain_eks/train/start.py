@@ -101,8 +101,8 @@ def weights_source(path: str, model: Any) -> WeightFiles | str:
     except Exception as exc:  # a damaged file: the whole read by from_pretrained then says what is wrong with it
         return f"its files cannot be read by shard ({str(exc).strip().splitlines()[0]})"
     tied = tied_names(model)
-    names = {key: file_name(key) for key in model.state_dict() if key not in tied and not is_adapter(key)}
     state = model.state_dict()
+    names = {key: file_name(key) for key in state if key not in tied and not is_adapter(key)}
     missing = [n for n in names.values() if n not in shapes]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""

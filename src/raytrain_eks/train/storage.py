@@ -34,10 +34,10 @@ def is_remote(location: str | Path) -> bool:
     return "://" in str(location)
 
 
-# Bytes in flight when copying out of remote storage: COPY_FILES files at once (a rank's share of a checkpoint is
-# that many files), each read in ranges of COPY_BYTES / COPY_FILES (16 MiB: S3's guidance for ranged GETs is
-# 8-16 MB), so few requests per file and little memory.
-COPY_BYTES = 64 * 2**20
+# Copying out of remote storage: COPY_FILES files at once (a rank's share of a checkpoint is that many files), each
+# read in ranges of READ_RANGE_BYTES (S3's guidance for ranged GETs is 8-16 MB; pyarrow's default of 1 MiB would be
+# thousands of GETs per file), so few requests per file and 64 MiB in flight at most.
+READ_RANGE_BYTES = 16 << 20
 COPY_FILES = 4
 
 
@@ -76,7 +76,7 @@ def copy_ranges(location: str | Path, into: Path, pieces: Iterable[tuple[str, in
 def _copy_file(fs: Any, remote: str, local: Path, ranges: list[tuple[int, int]], *, shown: str) -> int:
     from raytrain_eks.errors import UserError
 
-    step = COPY_BYTES // COPY_FILES
+    step = READ_RANGE_BYTES
     try:
         size = fs.get_file_info(remote).size
         local.parent.mkdir(parents=True, exist_ok=True)
