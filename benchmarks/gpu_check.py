@@ -4,8 +4,9 @@
    model and data): its summary (steps, losses, precision, device, peak memory).
 2. ``qwen_step``: the job's own loop (``train.torchrun_entry.run``, one rank, random data) on the Qwen2.5-1.5B
    architecture (random weights saved to a folder, nothing downloaded) in bf16 at seq 2048: tokens/s, MFU, the
-   peak allocated and reserved memory against ``train.memory``'s estimate, and the number of host-device syncs
-   the loop made (``torch.cuda.set_sync_debug_mode("warn")``; the logging steps are meant to sync).
+   peak allocated and reserved memory against ``train.memory``'s estimate, and the host-device syncs the run
+   made (``torch.cuda.set_sync_debug_mode("warn")``): in all, inside ``train_step`` (meant to be none: only the
+   logging steps, start and the end's checkpoint wait for the device) and by where they came from.
 3. ``nccl_gate``: a one-rank NCCL all-reduce with ``NCCL_DEBUG=INFO`` written to a file, read by the tool's own
    NCCL log analyzer (``fabric.nccl_log.analyze``): the verdict comes from NCCL's own lines.
 4. ``chunked_loss``: ``train.model.chunked_cross_entropy`` against the plain fp32 cross-entropy over full logits
@@ -60,6 +61,33 @@ def _one_rank(backend: str, device: Any = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
     os.environ.setdefault("LOCAL_RANK", "0")
     dist.init_process_group(backend, rank=0, world_size=1, device_id=device)
+
+
+class SyncLedger:
+    """Where the host waited for the device: each ``set_sync_debug_mode("warn")`` warning, counted by the innermost
+    frame of this project's code (and the innermost frame of all, when that is elsewhere), and how many came from
+    inside ``train_step`` (a step that does not log is meant to make none)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.in_steps = 0
+        self.sources: dict[str, int] = {}
+
+    def record(self, message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None):
+        if "synchroniz" not in str(message):
+            return
+        import traceback
+
+        frames = [f for f in traceback.extract_stack()[:-1] if Path(f.filename).name != "warnings.py"]
+        ours = [f for f in frames if "raytrain_eks" in f.filename]
+        where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in (ours[-1:] + frames[-1:]) if f]
+        key = " <- ".join(dict.fromkeys(reversed(where))) or f"{filename}:{lineno}"
+        self.total += 1
+        self.in_steps += any(f.name == "train_step" for f in ours)
+        self.sources[key] = self.sources.get(key, 0) + 1
+
+    def top(self, n: int) -> dict[str, int]:
+        return dict(sorted(self.sources.items(), key=lambda kv: -kv[1])[:n])
 
 
 def check_default_job(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -118,14 +146,15 @@ def check_qwen_step(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     )
     device = torch.device("cuda", 0) if cuda else None
     _one_rank("nccl" if cuda else "gloo", device)
-    with warnings.catch_warnings(record=True) as caught:
+    syncs = SyncLedger()
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = syncs.record
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         summary = run(cfg, work / "qwen-run")
         if cuda:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchronizing" in str(w.message) for w in caught) if cuda else None
     from transformers import AutoConfig
 
     from raytrain_eks.train.model_source import resolve_model_path
@@ -156,7 +185,9 @@ def check_qwen_step(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "estimate_gib": round(est.peak_gib, 3),
         "estimate_phase": est.phase,
         "estimate_over_reserved": round(est.peak_gib / reserved, 3) if reserved else None,
-        "host_syncs": syncs,
+        "host_syncs": syncs.total if cuda else None,
+        "host_syncs_in_steps": syncs.in_steps if cuda else None,
+        "host_sync_sources": syncs.top(8) if cuda else None,
         "logging_steps": logging_steps,
     }
 

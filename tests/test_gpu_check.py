@@ -31,3 +31,34 @@ def test_gpu_check_runs_on_a_cpu_with_tiny_shapes(tmp_path):
     assert loss["chunks"] == 9 and max(loss["loss_rel_diff"], loss["hidden_grad_rel_diff"]) < 1e-5
     assert loss["weight_grad_rel_diff"] < 1e-5
     assert "qwen_step: model=builtin tiny" in proc.stdout
+
+
+def test_sync_ledger_names_where_the_host_waited_and_counts_those_inside_a_step():
+    """The check's sync report: each CUDA sync warning counted by the innermost frame of this project's code (and
+    the frame that raised it), and how many came from inside ``train_step``; other warnings are not counted."""
+    import warnings
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from gpu_check import SyncLedger
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    source = (
+        "import warnings\n"
+        "def logged_loss():\n"
+        "    warnings.warn('called a synchronizing CUDA operation')\n"
+        "def train_step():\n"
+        "    warnings.warn('called a synchronizing CUDA operation')\n"
+        "    warnings.warn('something else entirely')\n"
+        "    logged_loss()\n"
+    )
+    space: dict = {}
+    exec(compile(source, "/site/raytrain_eks/train/loop.py", "exec"), space)
+    ledger = SyncLedger()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = ledger.record
+        space["train_step"]()
+        space["logged_loss"]()
+    assert ledger.total == 3 and ledger.in_steps == 2
+    assert ledger.top(8) == {"loop.py:5 train_step": 1, "loop.py:3 logged_loss": 2}
