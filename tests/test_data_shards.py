@@ -3,9 +3,9 @@ and the seed, not on how Ray Data cut the blocks; each epoch walks it in an orde
 which each rank takes its share; the position a checkpoint records (epoch, samples all ranks took in it) resumes
 every rank exactly, mid-epoch and in a later epoch, in a new Ray Train run too (no sample repeated, none dropped).
 
-These runs are on one Ray node. That the node does not matter either follows from the design (each rank reads the
-whole packed set, handed to it in the loop's configuration, in its fixed order and keeps its share:
-:func:`~raytrain_eks.train.data.train_datasets`), not from a test here. The data is prepared through Ray Data's
+These runs are on one Ray node; the two-host runs (tests/test_two_host.py) read the same way across a link. Each
+rank takes only the rows it trains on: a task beside each block that holds some of them returns just those
+(:meth:`~raytrain_eks.train.data.PackedSet.take`), so what reaches a rank is its share of the epoch. The data is prepared through Ray Data's
 tasks (``in_driver=False``), where blocks can be cut differently; the driver's path gives the same packed set
 (tests/test_data_pipeline.py).
 """
@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from raytrain_eks.train.builtin import sample_data_path
-from raytrain_eks.train.context import DataCursor, global_position
+from raytrain_eks.train.context import DataCursor, global_position, take_from_parts
 from raytrain_eks.train.data import epoch_order, prepare_dataset, rank_epoch_blocks, train_datasets
 
 pytestmark = pytest.mark.integration
@@ -94,8 +94,12 @@ def test_each_epoch_has_its_own_order_and_the_ranks_share_it_out():
 
 
 def _local_read(rows: np.ndarray, chunk: int):
-    return lambda: (
-        {"input_ids": rows[i : i + chunk], "labels": -rows[i : i + chunk]} for i in range(0, len(rows), chunk)
+    """A ``take`` over the rows in memory, walked in parts of ``chunk`` rows."""
+    return take_from_parts(
+        lambda: (
+            {"input_ids": rows[i : i + chunk], "labels": -rows[i : i + chunk]} for i in range(0, len(rows), chunk)
+        ),
+        len(rows),
     )
 
 
@@ -152,9 +156,11 @@ def test_the_next_epochs_share_is_read_while_this_epochs_batches_train():
         readers.append(threading.current_thread().name)
         if len(readers) == 3:
             raise OSError("the object store lost a block")
-        return _local_read(rows, 5)()
+        return ({"input_ids": rows[i : i + 5], "labels": -rows[i : i + 5]} for i in range(0, blocks, 5))
 
-    cursor = DataCursor(read, blocks=blocks, seed=3, rank=0, world_size=WORLD, batch_size=BATCH)
+    cursor = DataCursor(
+        take_from_parts(read, blocks), blocks=blocks, seed=3, rank=0, world_size=WORLD, batch_size=BATCH
+    )
     next(cursor)  # epoch 0's share is read for this batch; epoch 1's starts on its own thread
     deadline = time.monotonic() + 30
     while len(readers) < 2 and time.monotonic() < deadline:
@@ -241,3 +247,35 @@ def test_each_rank_reads_the_same_stream_every_run_per_epoch_and_after_a_restart
         mine = [set(one[r]["first"][span]) for r in range(WORLD)]
         assert not mine[0] & mine[1], "ranks read disjoint samples within an epoch"
         assert all(len(m) == per_epoch for m in mine), "no sample twice in an epoch"
+
+
+def test_a_rank_receives_only_the_rows_it_trains_on(layouts, monkeypatch):
+    """``PackedSet.take``: a task beside each block holding some of a rank's rows returns just those rows, so what
+    reaches the rank is its share of the epoch (a half here), not the whole set; the rows are those the whole set
+    holds at those positions, in the order asked."""
+    import ray
+
+    packed = train_datasets(layouts["small blocks"].dataset)["train"]
+    assert len(packed.blocks) > 4 and sum(packed.block_rows) == packed.rows == layouts["small blocks"].blocks
+    wanted = rank_epoch_blocks(packed.rows, seed=0, epoch=1, start=0, rank=1, world_size=WORLD, batch_size=BATCH)
+    received: list = []
+    real_get = ray.get
+
+    def counting_get(refs, *args, **kwargs):
+        out = real_get(refs, *args, **kwargs)
+        received.extend(out if isinstance(out, list) else [out])
+        return out
+
+    monkeypatch.setattr(ray, "get", counting_get)
+    share = packed.take(wanted)
+    monkeypatch.undo()
+    whole = take_from_parts(lambda: packed.batches(64), packed.rows)
+    expected = whole(wanted)
+    assert set(share) == set(expected) >= {"input_ids", "labels"}
+    for column in share:
+        assert share[column].dtype == np.int32 and (share[column] == expected[column]).all(), column
+    got = sum(col.nbytes for part in received for col in part.values())
+    whole_set = sum(col.nbytes for col in whole(np.arange(packed.rows)).values())
+    assert got == sum(col.nbytes for col in share.values()) <= whole_set / WORLD
+    with pytest.raises(IndexError, match="asked of a packed set"):
+        packed.take(np.array([packed.rows]))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from raytrain_eks.config import BUILTIN_MODEL, TrainingConfig
-from raytrain_eks.train.context import DataCursor, ProcessContext
+from raytrain_eks.train.context import DataCursor, ProcessContext, take_from_parts
 from raytrain_eks.train.data import IGNORE_INDEX, pack
 from raytrain_eks.train.loop import train
 from raytrain_eks.train.model import chunked_cross_entropy, forward_inputs, load_model, output_projection_deferred
@@ -114,7 +114,7 @@ class _PackedContext(ProcessContext):
 
     def data_batches(self, batch_size, position, seed):
         return DataCursor(
-            lambda: [self._set],
+            take_from_parts(lambda: [self._set], len(self._set["input_ids"])),
             blocks=len(self._set["input_ids"]),
             seed=seed,
             rank=0,

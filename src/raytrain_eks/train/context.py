@@ -99,25 +99,27 @@ def global_position(position: dict[str, int] | None, *, world_size: int, batch_s
 class DataCursor:
     """Batches of one rank's share of the packed data set, epoch after epoch, remembering the global position.
 
-    ``read()`` yields the whole packed set in its fixed order, as numpy batches of ``input_ids``, ``labels`` and
-    ``position_ids`` when packed by documents (``blocks`` rows in all). At the start of each epoch the cursor works
-    out which blocks this rank takes (:func:`~raytrain_eks.train.data.rank_epoch_blocks`: the epoch's order is
-    drawn from the seed and the epoch), walks the set once keeping those, and hands them out ``batch_size`` at a
-    time; it holds its share of the epoch in memory (as int32), not the whole set, and reads the next epoch's share
-    on a thread of its own while this epoch's batches train (two epochs' shares are held at that time).
+    ``take(rows)`` returns the packed set's rows at those positions of its fixed order, in that order, by column
+    (``input_ids``, ``labels`` and ``position_ids`` when packed by documents), ``blocks`` rows in the set; a Ray
+    worker's is :meth:`~raytrain_eks.train.data.PackedSet.take`, which reads only those rows, and
+    :func:`take_from_parts` makes one of a reader that yields the whole set. At the start of each epoch the cursor
+    works out which rows this rank takes (:func:`~raytrain_eks.train.data.rank_epoch_blocks`: the epoch's order is
+    drawn from the seed and the epoch), takes them and hands them out ``batch_size`` at a time; it holds its share
+    of the epoch in memory (as int32), not the whole set, and takes the next epoch's share on a thread of its own
+    while this epoch's batches train (two epochs' shares are held at that time).
 
     ``position`` is ``{"epoch": e, "sample": s}``: ``s`` samples of epoch ``e``'s order have been taken by all
     ranks together. Every rank's cursor is at the same position after the same number of batches, so any rank's
     position resumes every rank exactly (an earlier ``{"epoch", "batch"}`` position is converted, see
     :func:`global_position`; ``note`` then says so).
 
-    >>> cursor = DataCursor(read, blocks=64, seed=0, rank=1, world_size=2, batch_size=4, position=None)
+    >>> cursor = DataCursor(packed.take, blocks=64, seed=0, rank=1, world_size=2, batch_size=4, position=None)
     >>> next(cursor)["input_ids"].shape, cursor.position   # (torch.Size([4, seq_len]), {"epoch": 0, "sample": 8})
     """
 
     def __init__(
         self,
-        read: Callable[[], Iterable[dict[str, Any]]],
+        take: Callable[[np.ndarray], dict[str, np.ndarray]],
         *,
         blocks: int,
         seed: int,
@@ -126,7 +128,7 @@ class DataCursor:
         batch_size: int,
         position: dict[str, int] | None = None,
     ) -> None:
-        self._read = read
+        self._take = take
         self._blocks, self._seed = int(blocks), int(seed)
         self._rank, self._world, self._batch = rank, world_size, batch_size
         pos, self.note = global_position(position, world_size=world_size, batch_size=batch_size)
@@ -143,8 +145,7 @@ class DataCursor:
         return {"epoch": self.epoch, "sample": self.sample}
 
     def _share(self, epoch: int, start: int) -> dict[str, np.ndarray]:
-        """This rank's blocks of ``epoch`` from its ``start``-th sample on, in order, by column (``input_ids``,
-        ``labels`` and, where the set has them, ``position_ids``), as int32."""
+        """This rank's rows of ``epoch`` from its ``start``-th sample on, in order, by column, as int32."""
         from raytrain_eks.train.data import rank_epoch_blocks
 
         wanted = rank_epoch_blocks(
@@ -156,24 +157,9 @@ class DataCursor:
             world_size=self._world,
             batch_size=self._batch,
         )
-        slot = np.full(self._blocks, -1, dtype=np.int64)
-        slot[wanted] = np.arange(len(wanted))
-        share: dict[str, np.ndarray] = {}
-        seen = 0
-        for part in self._read():
-            n = len(part["input_ids"])
-            if seen + n > self._blocks:
-                raise RuntimeError(f"the packed data set has more than the {self._blocks} blocks it was said to have")
-            where = slot[seen : seen + n]
-            keep = where >= 0
-            if not share:
-                shape = (len(wanted), part["input_ids"].shape[1])
-                share = {k: np.empty(shape, np.int32) for k in BATCH_COLUMNS if k in part}
-            for k, held in share.items():
-                held[where[keep]] = part[k][keep]
-            seen += n
-        if seen != self._blocks or not share:
-            raise RuntimeError(f"the packed data set has {seen} blocks, not the {self._blocks} it was said to have")
+        share = self._take(wanted)
+        if not share or any(len(col) != len(wanted) for col in share.values()):
+            raise RuntimeError(f"the packed data set gave {len(next(iter(share.values()), []))} of {len(wanted)} rows")
         return share
 
     def _walk(self) -> Iterator[Batch]:
@@ -195,6 +181,35 @@ class DataCursor:
 
     def __next__(self) -> Batch:
         return next(self._it)
+
+
+def take_from_parts(
+    read: Callable[[], Iterable[dict[str, np.ndarray]]], blocks: int
+) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
+    """A ``take`` for :class:`DataCursor` over a reader that yields the whole packed set in order (``blocks`` rows, in
+    parts of any size): it walks the set once per call, keeping the rows asked for, as int32."""
+
+    def take(wanted: np.ndarray) -> dict[str, np.ndarray]:
+        slot = np.full(blocks, -1, dtype=np.int64)
+        slot[wanted] = np.arange(len(wanted))
+        share: dict[str, np.ndarray] = {}
+        seen = 0
+        for part in read():
+            n = len(part["input_ids"])
+            if seen + n > blocks:
+                raise RuntimeError(f"the packed data set has more than the {blocks} blocks it was said to have")
+            where = slot[seen : seen + n]
+            keep = where >= 0
+            if not share:
+                share = {k: np.empty((len(wanted), *part[k].shape[1:]), np.int32) for k in BATCH_COLUMNS if k in part}
+            for k, held in share.items():
+                held[where[keep]] = part[k][keep]
+            seen += n
+        if seen != blocks or not share:
+            raise RuntimeError(f"the packed data set has {seen} blocks, not the {blocks} it was said to have")
+        return share
+
+    return take
 
 
 class _Ahead:
@@ -235,7 +250,8 @@ class RayContext:
     ``checkpoint_root`` is the run's Ray storage folder, a path every worker can reach (the run folder locally, a
     shared file system) or an ``s3://`` URI; the completion marker of each checkpoint is written there once every
     rank has reported it. ``datasets`` are :func:`~raytrain_eks.train.data.train_datasets`'s packed sets (block
-    references), handed over in the loop's configuration: every rank reads them whole, in their stored order.
+    references), handed over in the loop's configuration: each rank takes the training rows it trains on, and reads
+    the held-out set whole.
     """
 
     def __init__(
@@ -266,10 +282,10 @@ class RayContext:
     def data_batches(self, batch_size: int, position: dict[str, int] | None, seed: int) -> DataCursor:
         from raytrain_eks.train.data import TRAIN_DATASET
 
-        whole = self._datasets[TRAIN_DATASET]  # every rank reads the whole set and keeps its share
+        packed = self._datasets[TRAIN_DATASET]  # each rank reads the rows it trains on, beside their blocks
         return DataCursor(
-            lambda: whole.batches(256),
-            blocks=whole.rows,
+            packed.take,
+            blocks=packed.rows,
             seed=seed,
             rank=self.rank,
             world_size=self.world_size,

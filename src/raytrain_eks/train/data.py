@@ -421,26 +421,58 @@ def _lists(column: Any) -> Iterator[np.ndarray]:
             yield values[start:end]
 
 
-TRAIN_DATASET = "train"  # the packed training set, read whole by every rank
+TRAIN_DATASET = "train"  # the packed training set, of which each rank reads the rows it trains on
 EVAL_DATASET = "eval"  # the packed held-out set, read whole by every rank
 
 
 @dataclass(frozen=True)
 class PackedSet:
-    """A materialized packed set as its blocks' object references, in their stored order, and its row count.
+    """A materialized packed set as its blocks' object references, in their stored order, each block's row count and
+    the set's row count.
 
-    What the training ranks read: each gets the blocks with ``ray.get`` (zero-copy from the object store), so no
-    Ray Data execution (nor its stats actor) starts inside a training worker. Picklable: it travels in the loop's
-    configuration; the driver that prepared the data owns the blocks for as long as the run lasts.
+    What the training ranks read: each asks for the rows it trains on (:meth:`take`), and a task beside each block
+    that holds some of them returns just those, so a rank receives its share, not the set. The held-out set is read
+    whole (:meth:`batches`, zero-copy from the object store). No Ray Data execution (nor its stats actor) starts
+    inside a training worker. Picklable: it travels in the loop's configuration; the driver that prepared the data
+    owns the blocks for as long as the run lasts.
     """
 
     blocks: tuple[Any, ...]
     rows: int
+    block_rows: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, dataset: Any) -> PackedSet:
-        """The blocks of a materialized Ray dataset (``prepare_dataset``'s), without reading them."""
-        return cls(blocks=tuple(dataset.to_arrow_refs()), rows=dataset.count())
+        """The blocks of a materialized Ray dataset (``prepare_dataset``'s) and their row counts, without moving them
+        (the counts come from a small task beside each block)."""
+        import ray
+
+        refs = tuple(dataset.to_arrow_refs())
+        counts = tuple(int(n) for n in ray.get([_remote(_block_rows).remote(ref) for ref in refs]))
+        return cls(blocks=refs, rows=sum(counts), block_rows=counts)
+
+    def take(self, wanted: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows at positions ``wanted`` of the stored order, in that order, by column, as int32: only the blocks
+        holding one of them are read, each by a task beside it that returns just those rows."""
+        import ray
+
+        wanted = np.asarray(wanted, dtype=np.int64)
+        if len(wanted) and (wanted.min() < 0 or wanted.max() >= self.rows):
+            raise IndexError(f"rows {wanted.min()}..{wanted.max()} asked of a packed set of {self.rows}")
+        edges = np.concatenate([[0], np.cumsum(self.block_rows, dtype=np.int64)])
+        block_of = np.searchsorted(edges, wanted, side="right") - 1
+        asked: list[tuple[np.ndarray, Any]] = []
+        for b in np.unique(block_of):
+            slots = np.flatnonzero(block_of == b)
+            local = wanted[slots] - edges[b]
+            asked.append((slots, _remote(_block_take).remote(self.blocks[int(b)], local)))
+        share: dict[str, np.ndarray] = {}
+        for slots, part in zip((a for a, _ in asked), ray.get([r for _, r in asked]), strict=True):
+            if not share:
+                share = {k: np.empty((len(wanted), *v.shape[1:]), np.int32) for k, v in part.items()}
+            for k, held in share.items():
+                held[slots] = part[k]
+        return share
 
     def batches(self, size: int) -> Iterator[dict[str, np.ndarray]]:
         """The whole set in order as numpy batches of ``size`` rows (the last one may be shorter), across blocks."""
@@ -461,12 +493,35 @@ class PackedSet:
             yield {k: np.concatenate([h[k] for h in held]) for k in held[0]}
 
 
+def _block_rows(block: Any) -> int:
+    from ray.data.block import BlockAccessor
+
+    return int(BlockAccessor.for_block(block).num_rows())
+
+
+def _block_take(block: Any, rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows ``rows`` of one packed block (a Ray task beside it), by column, as int32."""
+    from ray.data.block import BlockAccessor
+
+    columns = BlockAccessor.for_block(block).to_batch_format("numpy")
+    return {k: np.ascontiguousarray(v[rows], dtype=np.int32) for k, v in columns.items()}
+
+
+@functools.cache
+def _remote(fn: Callable[..., Any]) -> Any:
+    """``fn`` as a Ray task that asks for no CPU: the training workers hold every CPU a small machine has, and a
+    read beside a block must not wait for one of them to end. Ray places a task where its block argument lies."""
+    import ray
+
+    return ray.remote(num_cpus=0)(fn)
+
+
 def train_datasets(dataset: Any, eval_dataset: Any = None) -> dict[str, PackedSet]:
     """The packed sets every training rank reads whole, by name, for the loop's configuration
     (:class:`~raytrain_eks.train.context.RayContext` takes them).
 
-    ``dataset`` is the packed, materialized training set in its fixed order; it is not split: each rank walks it
-    once per epoch and keeps the blocks that :func:`rank_epoch_blocks` gives it (see
+    ``dataset`` is the packed, materialized training set in its fixed order; it is not split: each epoch, each rank
+    takes from it the rows that :func:`rank_epoch_blocks` gives it (:meth:`PackedSet.take`, see
     :class:`~raytrain_eks.train.context.DataCursor`). Only the blocks' references are handed over (the blocks stay
     in the object store): nothing is split or placed.
     """
