@@ -18,10 +18,17 @@ Each resume is checked: the weights' and AdamW moments' local shards must equal 
 own, from a barrier before. moto reads a whole object for every ranged GET and is far from S3's throughput and
 latency: the bytes are what matters here, the times show this machine's code path only.
 
+``--two-host`` (root, iproute2) runs the same on the two-host world of ``tests/twohost.py``: rank 0 on host 0
+beside moto's S3 server, rank 1 on host 1, gloo and S3 both over the link between them; each rank also reports
+its host's interface counters (``/proc/net/dev``, the host's own network namespace) around its save and its
+resume, so what crossed the link into host 1 stands beside what its resume says it read. There the whole-folder
+resume is only counted (its copy would not fit host 1's private ``/tmp``).
+
 Example::
 
     .venv/bin/python benchmarks/bench_resume_bytes.py                  # 250 M parameters, ~5 min on 2 cores
     .venv/bin/python benchmarks/bench_resume_bytes.py --params 25e6 --skip-before
+    .venv/bin/python benchmarks/bench_resume_bytes.py --two-host       # as root: across the two-host link
 """
 
 from __future__ import annotations
@@ -52,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-before", action="store_true", help="do not download the whole folder (only count it)")
     p.add_argument("--tmp-dir", type=Path, default=None, help="where staging and downloads go (default: temp)")
     p.add_argument("--json-out", type=Path, default=None, help="also write the final JSON to this file")
+    p.add_argument("--two-host", action="store_true", help="one rank on each host of the two-host world (root)")
+    p.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # a two-host rank process
+    p.add_argument("--spec", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.params < 2e6:
         p.error("--params: at least 2e6")
@@ -117,6 +127,24 @@ def _whole_folder(remote: str, into: Path) -> Path:
     return into
 
 
+def link_bytes(interface: str = "eth0") -> tuple[int, int] | None:
+    """(received, sent) bytes of ``interface`` in this process's network namespace (``/proc/net/dev``), or None
+    where it has no such interface (one host: loopback only is used)."""
+    for line in Path("/proc/net/dev").read_text().splitlines()[2:]:
+        name, _, fields = line.partition(":")
+        if name.strip() == interface:
+            values = fields.split()
+            return int(values[0]), int(values[8])
+    return None
+
+
+def _moved(before: tuple[int, int] | None) -> dict[str, int]:
+    after = link_bytes()
+    if before is None or after is None:
+        return {}
+    return {"rx": after[0] - before[0], "tx": after[1] - before[1]}
+
+
 def _work(rank: int, spec: dict[str, Any]) -> None:
     """One rank (moto's endpoint and credentials come in the environment): save, then resume before and after."""
     import torch
@@ -125,7 +153,7 @@ def _work(rank: int, spec: dict[str, Any]) -> None:
     from raytrain_eks.train.checkpoint import load_sharded
 
     torch.set_num_threads(1)
-    address = f"tcp://127.0.0.1:{spec['port']}"
+    address = f"tcp://{spec.get('master', '127.0.0.1')}:{spec['port']}"
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=WORLD_SIZE)
     local, remote = Path(spec["local"]) / f"rank{rank}", spec["remote"]
     model, optimizer, scheduler = _build(spec["shape"])
@@ -135,12 +163,14 @@ def _work(rank: int, spec: dict[str, Any]) -> None:
     scheduler.step()
     saved = _fingerprint(model, optimizer)
     position = {"epoch": 0, "sample": 2}
+    counters = link_bytes()
     save_to_storage(
         remote, local / "staging", (model, optimizer, scheduler), rank, tokenizer_path=None, position=position
     )
     dist.barrier()
+    res: dict[str, Any] = {"rank": rank, "save_link": _moved(counters)}
+    shutil.rmtree(local / "staging", ignore_errors=True)
     del model, optimizer, scheduler
-    res: dict[str, Any] = {"rank": rank}
 
     if not spec["skip_before"]:
         model, optimizer, scheduler = _build(spec["shape"])
@@ -158,30 +188,81 @@ def _work(rank: int, spec: dict[str, Any]) -> None:
 
     model, optimizer, scheduler = _build(spec["shape"])
     dist.barrier()
+    counters = link_bytes()
     t = time.perf_counter()
     state = load_sharded(remote, model=model, optimizer=optimizer, scheduler=scheduler, rank=rank)
     res["after_s"] = time.perf_counter() - t
+    res["after_link"] = _moved(counters)
     res["after_bytes"] = state.read_bytes
     res["checkpoint_bytes"] = state.checkpoint_bytes
     res["note"] = state.note
     res["after_restored"] = _fingerprint(model, optimizer) == saved and state.step == 1 and state.data == position
+    if rank == 0 and spec.get("list_objects"):  # the checkpoint's objects, read where S3 can be reached
+        import boto3
+
+        listed = boto3.client("s3").list_objects_v2(Bucket=spec["bucket"], Prefix="runs/resume/")["Contents"]
+        res["objects"] = [{"Key": o["Key"], "Size": o["Size"]} for o in listed]
     Path(spec["result"].format(rank=rank)).write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()
 
 
+def run_two_host(args: argparse.Namespace, shape: dict[str, int]) -> tuple[list[dict[str, Any]], list[dict]]:
+    """One rank on each host of the two-host world, moto's S3 on host 0; the ranks' results and S3's objects."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from twohost import BUCKET as TWOHOST_BUCKET
+    from twohost import HOST_IPS, TwoHostCluster, requirement_missing
+
+    missing = requirement_missing()
+    if missing:
+        raise SystemExit(f"--two-host: {missing}")
+    # Outside /tmp (each host's private tmpfs): both hosts see this folder; each rank writes its own part of it.
+    shared = Path(tempfile.mkdtemp(prefix="bench-resume-two-host-", dir=args.tmp_dir or "/var/tmp"))
+    try:
+        spec = {
+            "shape": shape,
+            "remote": f"s3://{TWOHOST_BUCKET}/runs/resume/ray/checkpoint_00000001",
+            "bucket": TWOHOST_BUCKET,
+            "list_objects": True,
+            "local": str(shared),
+            "master": HOST_IPS[0],
+            "port": 29517,
+            "skip_before": True,
+            "result": str(shared / "result-{rank}.json"),
+        }
+        (shared / "spec.json").write_text(json.dumps(spec))
+        with TwoHostCluster(start_ray=False, s3=True) as cluster:
+            argv = [sys.executable, str(Path(__file__).resolve()), "--spec", str(shared / "spec.json"), "--rank"]
+            procs = [
+                cluster.popen([*argv, str(r)], host=r, log=shared / f"rank{r}.log", cwd=str(shared))
+                for r in range(WORLD_SIZE)
+            ]
+            codes = [proc.wait(timeout=3600) for proc in procs]
+        if any(codes):
+            logs = "\n".join((shared / f"rank{r}.log").read_text()[-2000:] for r in range(WORLD_SIZE))
+            raise SystemExit(f"a rank failed (exit codes {codes}):\n{logs}")
+        ranks = [json.loads(Path(spec["result"].format(rank=r)).read_text()) for r in range(WORLD_SIZE)]
+        return ranks, ranks[0].pop("objects")
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    import boto3
+    if args.rank is not None:  # a rank process of --two-host, on its host
+        from bench_checkpoint_s3 import _rank as run_rank
+
+        run_rank(args.rank, json.loads(args.spec.read_text()), _work)
+        return
     import torch
-    import torch.multiprocessing as mp
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     shape = shape_for(args.params)
     with torch.device("meta"):
         n = sum(p.numel() for p in Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True)).parameters())
+    where = "one rank on each host of the two-host world, moto on host 0" if args.two_host else "moto on loopback"
     print(
-        f"benchmark: resume bytes per rank from s3:// (moto on loopback), {WORLD_SIZE} gloo processes on "
+        f"benchmark: resume bytes per rank from s3:// ({where}), {WORLD_SIZE} gloo processes on "
         f"{os.cpu_count()} CPUs, torch {torch.__version__}"
     )
     print(
@@ -189,6 +270,18 @@ def main(argv: list[str] | None = None) -> None:
         "layers, tied embeddings), fp32 weights + AdamW moments"
     )
     t = time.perf_counter()
+    if args.two_host:
+        ranks, objects = run_two_host(args, shape)
+    else:
+        ranks, objects = _run_one_host(args, shape)
+    _report(args, shape, n, ranks, objects, t)
+
+
+def _run_one_host(args: argparse.Namespace, shape: dict[str, int]) -> tuple[list[dict[str, Any]], list[dict]]:
+    """Both ranks here, moto's S3 on loopback; the ranks' results and S3's objects."""
+    import boto3
+    import torch.multiprocessing as mp
+
     server, _ = start_moto()  # its endpoint and credentials are in os.environ, which the ranks inherit
     try:
         with tempfile.TemporaryDirectory(prefix="bench-resume-bytes-", dir=args.tmp_dir) as tmp:
@@ -205,6 +298,14 @@ def main(argv: list[str] | None = None) -> None:
         objects = boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="runs/resume/")["Contents"]
     finally:
         server.stop()
+    return ranks, objects
+
+
+def _report(
+    args: argparse.Namespace, shape: dict[str, int], n: int, ranks: list[dict], objects: list[dict], t: float
+) -> None:
+    import torch
+
     total = sum(o["Size"] for o in objects)
     shards = sum(o["Size"] for o in objects if o["Key"].endswith(".distcp"))
     print(f"checkpoint: {total / MB:,.1f} MB in S3 ({len(objects)} files), of which {shards / MB:,.1f} MB DCP shards")
@@ -222,6 +323,11 @@ def main(argv: list[str] | None = None) -> None:
             f"checkpoint; {r['after_s']:.1f} s download + load, restored: {'yes' if r['after_restored'] else 'NO'})"
         )
         print(f"          {r['note']}")
+        if r.get("after_link"):
+            print(
+                f"          link: {r['after_link']['rx'] / MB:,.1f} MB received during the resume, "
+                f"{r['save_link']['tx'] / MB:,.1f} MB sent during the save"
+            )
     print(f"benchmark wall time {time.perf_counter() - t:.0f} s")
     line = json.dumps(
         {
@@ -230,6 +336,7 @@ def main(argv: list[str] | None = None) -> None:
             "checkpoint_bytes": total,
             "shard_bytes": shards,
             "ranks": ranks,
+            "two_host": args.two_host,
             "cpus": os.cpu_count(),
             "torch": torch.__version__,
         }
