@@ -232,11 +232,14 @@ def run_two_host(args: argparse.Namespace, shape: dict[str, int]) -> tuple[list[
         }
         (shared / "spec.json").write_text(json.dumps(spec))
         with TwoHostCluster(start_ray=False, s3=True) as cluster:
-            argv = [sys.executable, str(Path(__file__).resolve()), "--spec", str(shared / "spec.json"), "--rank"]
-            procs = [
-                cluster.popen([*argv, str(r)], host=r, log=shared / f"rank{r}.log", cwd=str(shared))
-                for r in range(WORLD_SIZE)
-            ]
+            script = [sys.executable, str(Path(__file__).resolve()), "--spec", str(shared / "spec.json"), "--rank"]
+            procs = []
+            for r in range(WORLD_SIZE):
+                # A rank's temporary files (its share of the checkpoint) on disk: a host's /tmp is a 4 GiB tmpfs,
+                # and on host 0 moto keeps the checkpoint's objects there.
+                (shared / f"tmp{r}").mkdir()
+                argv = ["env", f"TMPDIR={shared / f'tmp{r}'}", *script, str(r)]
+                procs.append(cluster.popen(argv, host=r, log=shared / f"rank{r}.log", cwd=str(shared)))
             codes = [proc.wait(timeout=3600) for proc in procs]
         if any(codes):
             logs = "\n".join((shared / f"rank{r}.log").read_text()[-2000:] for r in range(WORLD_SIZE))
