@@ -80,7 +80,7 @@ class SyncLedger:
 
         frames = [f for f in traceback.extract_stack()[:-1] if Path(f.filename).name != "warnings.py"]
         ours = [f for f in frames if "raytrain_eks" in f.filename]
-        where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in (ours[-1:] + frames[-1:]) if f]
+        where = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in ours[-1:] + frames[-1:]]
         key = " <- ".join(dict.fromkeys(reversed(where))) or f"{filename}:{lineno}"
         self.total += 1
         self.in_steps += any(f.name == "train_step" for f in ours)

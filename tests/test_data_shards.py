@@ -1,13 +1,13 @@
-"""Deterministic data per epoch with real Ray Data and Ray Train: the packed set's order depends only on the data
-and the seed, not on how Ray Data cut the blocks; each epoch walks it in an order drawn from (seed, epoch), of
-which each rank takes its share; the position a checkpoint records (epoch, samples all ranks took in it) resumes
-every rank exactly, mid-epoch and in a later epoch, in a new Ray Train run too (no sample repeated, none dropped).
+"""Deterministic data per epoch with real Ray Data and Ray Train: the packed set's order depends only on the data and
+the seed, not on how Ray Data cut the blocks; each epoch walks it in an order drawn from (seed, epoch), of which
+each rank takes its share; the position a checkpoint records (epoch, samples all ranks took in it) resumes every
+rank exactly, mid-epoch and in a later epoch, in a new Ray Train run too (no sample repeated, none dropped).
 
 These runs are on one Ray node; the two-host runs (tests/test_two_host.py) read the same way across a link. Each
 rank takes only the rows it trains on: a task beside each block that holds some of them returns just those
-(:meth:`~raytrain_eks.train.data.PackedSet.take`), so what reaches a rank is its share of the epoch. The data is prepared through Ray Data's
-tasks (``in_driver=False``), where blocks can be cut differently; the driver's path gives the same packed set
-(tests/test_data_pipeline.py).
+(:meth:`~raytrain_eks.train.data.PackedSet.take`), so what reaches a rank is its share of the epoch. The data is
+prepared through Ray Data's tasks (``in_driver=False``), where blocks can be cut differently; the driver's path
+gives the same packed set (tests/test_data_pipeline.py).
 """
 
 from __future__ import annotations

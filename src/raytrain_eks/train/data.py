@@ -427,8 +427,8 @@ EVAL_DATASET = "eval"  # the packed held-out set, read whole by every rank
 
 @dataclass(frozen=True)
 class PackedSet:
-    """A materialized packed set as its blocks' object references, in their stored order, each block's row count and
-    the set's row count.
+    """A materialized packed set as its blocks' object references, in their stored order, and each block's row count
+    (``rows``: the set's).
 
     What the training ranks read: each asks for the rows it trains on (:meth:`take`), and a task beside each block
     that holds some of them returns just those, so a rank receives its share, not the set. The held-out set is read
@@ -438,8 +438,11 @@ class PackedSet:
     """
 
     blocks: tuple[Any, ...]
-    rows: int
-    block_rows: tuple[int, ...] = ()
+    block_rows: tuple[int, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(self.block_rows)
 
     @classmethod
     def of(cls, dataset: Any) -> PackedSet:
@@ -449,7 +452,7 @@ class PackedSet:
 
         refs = tuple(dataset.to_arrow_refs())
         counts = tuple(int(n) for n in ray.get([_remote(_block_rows).remote(ref) for ref in refs]))
-        return cls(blocks=refs, rows=sum(counts), block_rows=counts)
+        return cls(blocks=refs, block_rows=counts)
 
     def take(self, wanted: np.ndarray) -> dict[str, np.ndarray]:
         """The rows at positions ``wanted`` of the stored order, in that order, by column, as int32: only the blocks
@@ -461,13 +464,13 @@ class PackedSet:
             raise IndexError(f"rows {wanted.min()}..{wanted.max()} asked of a packed set of {self.rows}")
         edges = np.concatenate([[0], np.cumsum(self.block_rows, dtype=np.int64)])
         block_of = np.searchsorted(edges, wanted, side="right") - 1
-        asked: list[tuple[np.ndarray, Any]] = []
-        for b in np.unique(block_of):
-            slots = np.flatnonzero(block_of == b)
-            local = wanted[slots] - edges[b]
-            asked.append((slots, _remote(_block_take).remote(self.blocks[int(b)], local)))
+        held_by = [np.flatnonzero(block_of == b) for b in np.unique(block_of)]  # slots of `wanted`, per block
+        parts = []
+        for slots in held_by:
+            b = int(block_of[slots[0]])
+            parts.append(_remote(_block_take).remote(self.blocks[b], wanted[slots] - edges[b]))
         share: dict[str, np.ndarray] = {}
-        for slots, part in zip((a for a, _ in asked), ray.get([r for _, r in asked]), strict=True):
+        for slots, part in zip(held_by, ray.get(parts), strict=True):
             if not share:
                 share = {k: np.empty((len(wanted), *v.shape[1:]), np.int32) for k, v in part.items()}
             for k, held in share.items():
