@@ -12,8 +12,9 @@ same path as ``Qwen/Qwen2.5-1.5B``. Example::
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,9 +197,49 @@ class OutputHead:
                 setattr(obj, name, value)
 
     def forward(self, model: Any, **inputs: Any) -> Any:
-        """``model(**inputs)`` with ``.logits`` the final hidden states, for the loss to project."""
-        with self.untransformed():
+        """``model(**inputs)`` with ``.logits`` the final hidden states, for the loss to project. Whether the
+        rows are packed is told from the inputs (:func:`forward_inputs` passes ``position_ids`` only then), so the
+        model never asks the device (:func:`packing_told_by_host`)."""
+        with self.untransformed(), packing_told_by_host("position_ids" in inputs):
             return model(**inputs)
+
+
+# Whether the current forward's rows are packed, as the host decided it (None: not decided; ask as transformers does).
+_HOST_PACKING: ContextVar[bool | None] = ContextVar("raytrain_eks_host_packing", default=None)
+_asked_device: Callable[[torch.Tensor], torch.Tensor | None] | None = None  # transformers' own finder, kept
+
+
+def _packed_indices_from_host(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """transformers' ``find_packed_sequence_indices`` without its question to the device. The model's mask code
+    calls it on every forward that has no padding mask: it numbers each token's row from the positions, then asks
+    whether any batch row holds more than one (a ``bool`` of a device tensor: the host waits for every queued kernel
+    on each step). Where the host has said whether the rows are packed, the answer is the same without asking: no
+    packing, no row numbers (the causal fast path); packing, the row numbers."""
+    packed = _HOST_PACKING.get()
+    if packed is None:
+        assert _asked_device is not None
+        return _asked_device(position_ids)
+    if not packed:
+        return None
+    before_first = position_ids[:, :1] - 1  # the first token starts a row
+    return (torch.diff(position_ids, prepend=before_first, dim=-1) != 1).cumsum(-1)
+
+
+@contextmanager
+def packing_told_by_host(packed: bool) -> Iterator[None]:
+    """Inside, the model's mask code takes ``packed`` (decided from host tensors) instead of asking the device
+    whether the batch's rows are packed (:func:`_packed_indices_from_host`); elsewhere it asks as before."""
+    global _asked_device
+    from transformers import masking_utils
+
+    if _asked_device is None:
+        _asked_device = masking_utils.find_packed_sequence_indices
+        masking_utils.find_packed_sequence_indices = _packed_indices_from_host
+    token = _HOST_PACKING.set(packed)
+    try:
+        yield
+    finally:
+        _HOST_PACKING.reset(token)
 
 
 def forward_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
