@@ -451,12 +451,18 @@ class PackedSet:
         import ray
 
         refs = tuple(dataset.to_arrow_refs())
-        counts = tuple(int(n) for n in ray.get([_remote(_block_rows).remote(ref) for ref in refs]))
-        return cls(blocks=refs, block_rows=counts)
+        counts = [0] * len(refs)
+        groups = _by_node(refs, range(len(refs)))
+        tasks = [_on_node(_blocks_rows, node).remote([refs[b] for b in blocks]) for node, blocks in groups.items()]
+        for blocks, got in zip(groups.values(), ray.get(tasks), strict=True):
+            for b, n in zip(blocks, got, strict=True):
+                counts[b] = int(n)
+        return cls(blocks=refs, block_rows=tuple(counts))
 
     def take(self, wanted: np.ndarray) -> dict[str, np.ndarray]:
         """The rows at positions ``wanted`` of the stored order, in that order, by column, as int32: only the blocks
-        holding one of them are read, each by a task beside it that returns just those rows."""
+        holding one of them are read, by one task on each node that stores some of them, which returns just those
+        rows (so the number of tasks, and of Ray's worker processes, follows the nodes, not the blocks)."""
         import ray
 
         wanted = np.asarray(wanted, dtype=np.int64)
@@ -464,17 +470,21 @@ class PackedSet:
             raise IndexError(f"rows {wanted.min()}..{wanted.max()} asked of a packed set of {self.rows}")
         edges = np.concatenate([[0], np.cumsum(self.block_rows, dtype=np.int64)])
         block_of = np.searchsorted(edges, wanted, side="right") - 1
-        held_by = [np.flatnonzero(block_of == b) for b in np.unique(block_of)]  # slots of `wanted`, per block
-        parts = []
-        for slots in held_by:
-            b = int(block_of[slots[0]])
-            parts.append(_remote(_block_take).remote(self.blocks[b], wanted[slots] - edges[b]))
+        slots_of = {int(b): np.flatnonzero(block_of == b) for b in np.unique(block_of)}  # slots of `wanted`
+        groups = _by_node(self.blocks, slots_of)
+        tasks = [
+            _on_node(_blocks_take, node).remote(
+                [self.blocks[b] for b in blocks], [wanted[slots_of[b]] - edges[b] for b in blocks]
+            )
+            for node, blocks in groups.items()
+        ]
         share: dict[str, np.ndarray] = {}
-        for slots, part in zip(held_by, ray.get(parts), strict=True):
-            if not share:
-                share = {k: np.empty((len(wanted), *v.shape[1:]), np.int32) for k, v in part.items()}
-            for k, held in share.items():
-                held[slots] = part[k]
+        for blocks, parts in zip(groups.values(), ray.get(tasks), strict=True):
+            for b, part in zip(blocks, parts, strict=True):
+                if not share:
+                    share = {k: np.empty((len(wanted), *v.shape[1:]), np.int32) for k, v in part.items()}
+                for k, held in share.items():
+                    held[slots_of[b]] = part[k]
         return share
 
     def batches(self, size: int) -> Iterator[dict[str, np.ndarray]]:
@@ -496,24 +506,58 @@ class PackedSet:
             yield {k: np.concatenate([h[k] for h in held]) for k in held[0]}
 
 
-def _block_rows(block: Any) -> int:
+def _blocks_rows(refs: list[Any]) -> list[int]:
+    """Each block's row count (a Ray task on the node that stores them)."""
+    import ray
     from ray.data.block import BlockAccessor
 
-    return int(BlockAccessor.for_block(block).num_rows())
+    return [int(BlockAccessor.for_block(block).num_rows()) for block in ray.get(refs)]
 
 
-def _block_take(block: Any, rows: np.ndarray) -> dict[str, np.ndarray]:
-    """Rows ``rows`` of one packed block (a Ray task beside it), by column, as int32."""
+def _blocks_take(refs: list[Any], rows: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """Rows ``rows[i]`` of each packed block ``refs[i]`` (a Ray task on the node that stores them: read there from
+    the object store without a copy), by column, as int32."""
+    import ray
     from ray.data.block import BlockAccessor
 
-    columns = BlockAccessor.for_block(block).to_batch_format("numpy")
-    return {k: np.ascontiguousarray(v[rows], dtype=np.int32) for k, v in columns.items()}
+    out = []
+    for block, these in zip(ray.get(refs), rows, strict=True):
+        columns = BlockAccessor.for_block(block).to_batch_format("numpy")
+        out.append({k: np.ascontiguousarray(v[these], dtype=np.int32) for k, v in columns.items()})
+    return out
+
+
+def _by_node(refs: Sequence[Any], blocks: Iterable[int]) -> dict[str | None, list[int]]:
+    """``blocks`` (indices into ``refs``) grouped by a node that stores them, this one first where it holds a copy;
+    ``None`` for blocks with no known place (small ones travel inside their owner's messages)."""
+    import ray
+    import ray.experimental
+
+    blocks = list(blocks)
+    here = ray.get_runtime_context().get_node_id()
+    found = ray.experimental.get_object_locations([refs[b] for b in blocks])
+    groups: dict[str | None, list[int]] = {}
+    for b in blocks:
+        nodes = found.get(refs[b], {}).get("node_ids") or [None]
+        groups.setdefault(here if here in nodes else nodes[0], []).append(b)
+    return groups
+
+
+def _on_node(fn: Callable[..., Any], node: str | None) -> Any:
+    """``fn`` as a Ray task that asks for no CPU (the training workers hold every CPU a small machine has, and a read
+    beside a block must not wait for one of them to end), placed on ``node`` while it lives (anywhere for ``None``).
+    One such task per node and read keeps Ray's worker processes few: a task per block would start one per block
+    at once, since tasks that ask for no CPU all run together."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = _remote(fn)
+    if node is None:
+        return task
+    return task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=True))
 
 
 @functools.cache
 def _remote(fn: Callable[..., Any]) -> Any:
-    """``fn`` as a Ray task that asks for no CPU: the training workers hold every CPU a small machine has, and a
-    read beside a block must not wait for one of them to end. Ray places a task where its block argument lies."""
     import ray
 
     return ray.remote(num_cpus=0)(fn)
