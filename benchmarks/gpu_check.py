@@ -170,7 +170,7 @@ def check_qwen_step(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     )
     reserved = summary.get("peak_reserved_gib")
     logging_steps = len((work / "qwen-run" / "metrics.jsonl").read_text().splitlines())  # the loop's own records
-    return {
+    found = {
         "model": "builtin tiny" if args.tiny else "Qwen2.5-1.5B architecture (random weights)",
         "seq_len": seq,
         "batch_size": batch,
@@ -190,6 +190,9 @@ def check_qwen_step(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "host_sync_sources": syncs.top(8) if cuda else None,
         "logging_steps": logging_steps,
     }
+    if cuda and syncs.in_steps:  # the step reads nothing back (tests/test_host_syncs.py shows it on the meta device)
+        found["error"] = f"{syncs.in_steps} host syncs inside train_step, where none is expected"
+    return found
 
 
 def check_nccl_gate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
