@@ -232,7 +232,8 @@ def packing_told_by_host(packed: bool) -> Iterator[None]:
     global _asked_device
     from transformers import masking_utils
 
-    if _asked_device is None:
+    # A transformers without this finder (its mask code asks nothing of the kind) is left as it is.
+    if _asked_device is None and hasattr(masking_utils, "find_packed_sequence_indices"):
         _asked_device = masking_utils.find_packed_sequence_indices
         masking_utils.find_packed_sequence_indices = _packed_indices_from_host
     token = _HOST_PACKING.set(packed)
