@@ -30,7 +30,7 @@ import contextlib
 import functools
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -447,44 +447,28 @@ class PackedSet:
     @classmethod
     def of(cls, dataset: Any) -> PackedSet:
         """The blocks of a materialized Ray dataset (``prepare_dataset``'s) and their row counts, without moving them
-        (the counts come from a small task beside each block)."""
-        import ray
-
+        (counted by one small task per node that stores some of them)."""
         refs = tuple(dataset.to_arrow_refs())
-        counts = [0] * len(refs)
-        groups = _by_node(refs, range(len(refs)))
-        tasks = [_on_node(_blocks_rows, node).remote([refs[b] for b in blocks]) for node, blocks in groups.items()]
-        for blocks, got in zip(groups.values(), ray.get(tasks), strict=True):
-            for b, n in zip(blocks, got, strict=True):
-                counts[b] = int(n)
-        return cls(blocks=refs, block_rows=tuple(counts))
+        counts = _per_block(_blocks_rows, refs, dict.fromkeys(range(len(refs))))
+        return cls(blocks=refs, block_rows=tuple(int(counts[b]) for b in range(len(refs))))
 
     def take(self, wanted: np.ndarray) -> dict[str, np.ndarray]:
         """The rows at positions ``wanted`` of the stored order, in that order, by column, as int32: only the blocks
         holding one of them are read, by one task on each node that stores some of them, which returns just those
         rows (so the number of tasks, and of Ray's worker processes, follows the nodes, not the blocks)."""
-        import ray
-
         wanted = np.asarray(wanted, dtype=np.int64)
         if len(wanted) and (wanted.min() < 0 or wanted.max() >= self.rows):
             raise IndexError(f"rows {wanted.min()}..{wanted.max()} asked of a packed set of {self.rows}")
         edges = np.concatenate([[0], np.cumsum(self.block_rows, dtype=np.int64)])
         block_of = np.searchsorted(edges, wanted, side="right") - 1
         slots_of = {int(b): np.flatnonzero(block_of == b) for b in np.unique(block_of)}  # slots of `wanted`
-        groups = _by_node(self.blocks, slots_of)
-        tasks = [
-            _on_node(_blocks_take, node).remote(
-                [self.blocks[b] for b in blocks], [wanted[slots_of[b]] - edges[b] for b in blocks]
-            )
-            for node, blocks in groups.items()
-        ]
+        parts = _per_block(_blocks_take, self.blocks, {b: wanted[slots] - edges[b] for b, slots in slots_of.items()})
         share: dict[str, np.ndarray] = {}
-        for blocks, parts in zip(groups.values(), ray.get(tasks), strict=True):
-            for b, part in zip(blocks, parts, strict=True):
-                if not share:
-                    share = {k: np.empty((len(wanted), *v.shape[1:]), np.int32) for k, v in part.items()}
-                for k, held in share.items():
-                    held[slots_of[b]] = part[k]
+        for b, part in parts.items():
+            if not share:
+                share = {k: np.empty((len(wanted), *v.shape[1:]), np.int32) for k, v in part.items()}
+            for k, held in share.items():
+                held[slots_of[b]] = part[k]
         return share
 
     def batches(self, size: int) -> Iterator[dict[str, np.ndarray]]:
@@ -506,8 +490,8 @@ class PackedSet:
             yield {k: np.concatenate([h[k] for h in held]) for k in held[0]}
 
 
-def _blocks_rows(refs: list[Any]) -> list[int]:
-    """Each block's row count (a Ray task on the node that stores them)."""
+def _blocks_rows(refs: list[Any], _: list[None]) -> list[int]:
+    """Each block's row count (a Ray task on the node that stores them; :func:`_per_block`)."""
     import ray
     from ray.data.block import BlockAccessor
 
@@ -524,6 +508,19 @@ def _blocks_take(refs: list[Any], rows: list[np.ndarray]) -> list[dict[str, np.n
     for block, these in zip(ray.get(refs), rows, strict=True):
         columns = BlockAccessor.for_block(block).to_batch_format("numpy")
         out.append({k: np.ascontiguousarray(v[these], dtype=np.int32) for k, v in columns.items()})
+    return out
+
+
+def _per_block(fn: Callable[..., list[Any]], refs: Sequence[Any], args: Mapping[int, Any]) -> dict[int, Any]:
+    """For each block that ``args`` names (an index into ``refs``), what ``fn(blocks, their args)`` returned for it,
+    run by one task per node that stores some of them (:func:`_by_node`, :func:`_on_node`)."""
+    import ray
+
+    groups = _by_node(refs, args)
+    tasks = [_on_node(fn, node).remote([refs[b] for b in bs], [args[b] for b in bs]) for node, bs in groups.items()]
+    out: dict[int, Any] = {}
+    for bs, got in zip(groups.values(), ray.get(tasks), strict=True):
+        out.update(zip(bs, got, strict=True))
     return out
 
 
