@@ -13,7 +13,8 @@ the steps' own ``applied``): a DaemonSet then runs a pod on each Ready node its 
 ``nodeSelector``, its required node affinity, and the node's ``NoSchedule``/``NoExecute`` taints against its
 tolerations, as the DaemonSet controller and the scheduler decide), a Deployment gets its replicas scheduled the
 same way, and a Ready device-plugin pod (known by its container, see ``DEVICE_PLUGINS``) makes its node advertise
-the devices the node has (``INSTANCE_DEVICES``, by the node's instance type). Example::
+the devices the node has (``INSTANCE_DEVICES``, by the node's instance type). A bare ``v1`` Pod applied is scheduled
+and started the same way, and deleting it removes it. Example::
 
     kube = FakeKube()
     kube.add_node("gpu-1", labels={"role": "gpu-worker"}, allocatable={"cpu": "47", "memory": "180Gi"})
@@ -188,7 +189,7 @@ class _FakePod:
     labels: dict[str, str]
     requests: dict[str, str]
     node_selector: dict[str, str]
-    owner: tuple[str, str] | None = None  # ("DaemonSet"|"RayCluster"|"Deployment", name)
+    owner: tuple[str, str] | None = None  # ("DaemonSet"|"RayCluster"|"Deployment"|"Pod", name)
     node: str | None = None
     phase: str = "Pending"
     ready: bool = False
@@ -219,7 +220,8 @@ class FakeKube:
     """The in-memory cluster. Tests reach into it through the helpers below; the steps only use :class:`KubeApi`.
 
     ``start_delay_s``: how long a bound pod takes to become Running. ``image_pull_error``: when set, bound
-    Ray pods never start and carry this message in a ``Failed`` event (``ImagePullBackOff``). ``exec_handler``:
+    Ray pods and bare pods (both run the Ray image) never start and carry this message in a ``Failed`` event
+    (``ImagePullBackOff``). ``exec_handler``:
     answers :meth:`exec` calls (``None`` from it means "exit 0, no output"); every call is kept in
     ``exec_calls``. ``ray_job_status``: what the dashboard of a RayJob's cluster says of a Ray job id (``None``:
     not known there), read by the RayJob controller as KubeRay reads it (``GetJobInfo``).
@@ -410,6 +412,15 @@ class FakeKube:
         self._objects[key] = doc
         if doc["kind"] == "DaemonSet" and ns is not None:
             self._daemon_set_from(ns, doc)
+        if doc["kind"] == "Pod" and ns is not None and (ns, meta["name"]) not in self._pods:
+            # A bare pod: scheduled and started as the controllers' pods are. Its spec cannot change once made
+            # (the API server refuses most updates to a pod), so applying it again changes nothing here.
+            spec = doc.get("spec") or {}
+            placement = Placement.of(spec)
+            self._pods[(ns, meta["name"])] = _FakePod(
+                dict(meta.get("labels") or {}), _pod_requests(spec), dict(placement.node_selector),
+                ("Pod", meta["name"]), placement=placement,
+            )  # fmt: skip
 
     def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         obj = self._objects.get((api_version, kind, namespace, name))
@@ -427,6 +438,8 @@ class FakeKube:
             return False
         if kind == "Deployment" and namespace is not None:
             self._drop_owned(namespace, ("Deployment", name))
+        if kind == "Pod" and namespace is not None:
+            self._pods.pop((namespace, name), None)
         if kind == "Namespace":
             for key in [k for k in self._objects if k[2] == name]:
                 del self._objects[key]
@@ -635,12 +648,12 @@ class FakeKube:
 
     def _schedule(self) -> None:
         for (ns, name), pod in self._pods.items():
-            if pod.owner is None or pod.owner[0] not in ("RayCluster", "Deployment"):
+            if pod.owner is None or pod.owner[0] not in ("RayCluster", "Deployment", "Pod"):
                 continue
             if pod.node is None:
                 self._bind(ns, name, pod)
             elif pod.phase == "Pending" and pod.bound_at is not None and self.time - pod.bound_at >= self.start_delay_s:
-                if self.image_pull_error and pod.owner[0] == "RayCluster":
+                if self.image_pull_error and pod.owner[0] in ("RayCluster", "Pod"):
                     pod.waiting_reason = "ImagePullBackOff"
                     self._event(ns, name, Event("Warning", "Failed", self.image_pull_error))
                 else:

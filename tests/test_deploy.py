@@ -34,6 +34,7 @@ import yaml
 from charts import crds, eksctl_efa_daemon_set, rendered, values_path, vendored
 from fake_eksctl_auth import FakeIamServiceAccounts, kubeconfig
 from fake_kube import CLUSTER_SCOPED, FakeKube, parse_quantity
+from packaging.utils import canonicalize_name
 from typer.testing import CliRunner
 
 from raytrain_eks.config import Config, load_config
@@ -511,7 +512,10 @@ class FakeRay:
             self.unpacked = dest
             return run_script(argv[2], [str(dest)], stdin)
         if argv[:2] == [m.IMAGE_PYTHON, "-c"] and argv[2] == shipping.IMAGE_VERSIONS:
-            return ExecResult(0, json.dumps({name: self.image.get(name) for name in argv[3:]}) + "\n")
+            # importlib.metadata.version finds a distribution by its normalized name (lower case, runs of "-_."
+            # as one), so "PyYAML" and "pyyaml" both find PyYAML.
+            have = {canonicalize_name(n): v for n, v in self.image.items()}
+            return ExecResult(0, json.dumps({name: have.get(canonicalize_name(name)) for name in argv[3:]}) + "\n")
         if argv[:2] == [m.IMAGE_PYTHON, "-c"] and argv[2] == sub._NCCL_LINES:
             index = int(pod.rsplit("-", 1)[1])
             source = self.worker_logs[index]

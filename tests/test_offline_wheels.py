@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
 import subprocess
 import sys
 import tarfile
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -171,7 +173,7 @@ def test_a_requirement_without_a_wheel_for_the_image_is_one_message_naming_it(
     assert err.value.message.startswith(
         f"--offline: rte-sdist-only>=1 has no wheel for the image's CPython {here.python}"
     )
-    assert "Nothing was uploaded or applied" in err.value.message
+    assert "Nothing was uploaded and no Ray object applied" in err.value.message
     assert (
         err.value.hint and "pip wheel 'rte-sdist-only>=1'" in err.value.hint and "without --offline" in err.value.hint
     )
@@ -342,27 +344,60 @@ def offline_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str,
     return world
 
 
-def test_submit_offline_builds_uploads_copies_and_installs_from_the_wheelhouse(offline_world: Any):
+def _probe_name(world: Any) -> str:
+    return wh.probe_pod(world.d.cfg)["metadata"]["name"]
+
+
+def _ray_objects(world: Any) -> list[dict[str, Any]]:
+    return [o for o in world.kube.applied if o["kind"] in ("RayCluster", "RayJob")]
+
+
+def test_submit_offline_asks_the_image_before_any_ray_object_then_installs_from_the_wheelhouse(offline_world: Any):
     world = offline_world
+    probe = _probe_name(world)
+    applied_at: dict[str, int] = {}
+    seen_pods: list[list[str]] = []
+    answer = world.kube.exec_handler
+
+    def handler(ns: str, pod: str, argv: list[str], stdin: str | None) -> Any:
+        # What exists in the cluster at the moment the image is asked.
+        seen_pods.append([o["kind"] for o in world.kube.applied])
+        return answer(ns, pod, argv, stdin)
+
+    world.kube.exec_handler = handler
     assert world.submit().exit_code == 0, world.said()
+    asked = [(pod, argv[2]) for _, pod, argv, _ in world.kube.exec_calls if argv[:2] == [m.IMAGE_PYTHON, "-c"]]
+    # The image's platform and packages were read from the probe pod, before any Ray object was applied.
+    assert (probe, wh.IMAGE_PLATFORM) in asked and (probe, shipping.IMAGE_VERSIONS) in asked
+    first_ask = next(i for i, (pod, _) in enumerate(asked) if pod == probe)
+    assert "RayCluster" not in seen_pods[first_ask] and "ConfigMap" not in seen_pods[first_ask]
+    for i, obj in enumerate(world.kube.applied):
+        applied_at.setdefault(obj["kind"], i)
+    assert applied_at["Pod"] < applied_at["RayCluster"]
+    # The probe pod is gone, and the state no longer lists it for `down`.
+    assert ("v1", "Pod", probe, world.d.cfg.ray.namespace) in world.kube.deleted
+    assert world.kube.get("v1", "Pod", probe, world.d.cfg.ray.namespace) is None
+    assert not [i for i in world.store.created if i.get("kind") == "Pod"]
+    # The one RayCluster applied carries the init container from the start.
+    (rc,) = [o for o in _ray_objects(world)]
     (argv,) = world.ray.submitted
     pip = json.loads(argv[argv.index("--runtime-env-json") + 1])["pip"]
     assert pip["packages"] == ["rich>=15.0.0,<16"]
     folder = pip["pip_install_options"][-1]
     digest = folder.rsplit("/", 1)[1]
     assert pip["pip_install_options"] == wh.pip_options(digest)
+    for template in m.pod_templates(rc):
+        (init,) = template["spec"]["initContainers"]
+        assert init["command"][-1] == folder
     said = world.said()
     assert "Wheelhouse for CPython" in said and "rich-15.0.0-py3-none-any.whl" in said
+    # The running pods run the same copy (a no-op where the init container did it; this fake runs no init
+    # containers, so here it copies).
     assert sorted(world.copies) == [
         "ray-train-gpu-workers-worker-0",
         "ray-train-gpu-workers-worker-1",
         "ray-train-head-0",
     ]
-    # The RayCluster applied again: pods made from now on copy the same wheelhouse first.
-    last = [o for o in world.kube.applied if o["kind"] == "RayCluster"][-1]
-    for template in m.pod_templates(last):
-        (init,) = template["spec"]["initContainers"]
-        assert init["command"][-1] == folder
     storage = apply_bucket(world)
     keys = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket=storage)["Contents"]]
     assert f"runs/{wh.STORAGE_FOLDER}/{digest}/{wh.MANIFEST}" in keys
@@ -375,9 +410,73 @@ def apply_bucket(world: Any) -> str:
     return str(path).removeprefix("s3://").split("/", 1)[0]
 
 
-def test_submit_offline_rayjob_needs_the_image_asked_before_and_applies_nothing_without(offline_world: Any):
+def test_a_job_requirement_without_a_wheel_stops_submit_before_any_ray_object_and_removes_the_probe(
+    offline_world: Any,
+):
     world = offline_world
-    with pytest.raises(wh.UserError, match="has not been asked for its Python") as err:
-        world.submit(mode="rayjob")
-    assert err.value.hint and "submit --offline" in err.value.hint
-    assert not [o for o in world.kube.applied if o["kind"] in ("RayJob", "ConfigMap", "RayCluster")]
+    lacking = shipping.requirement_name(next(r for r in shipping.job_requirements() if not r.startswith("rich")))
+    del world.ray.image[lacking]  # the local index has no such project: no wheel for the image
+    with pytest.raises(wh.NoWheel) as err:
+        world.submit()
+    assert lacking in err.value.message and "no Ray object applied" in err.value.message
+    assert not _ray_objects(world)
+    assert not [o for o in world.kube.applied if o["kind"] in ("ConfigMap", "Secret")]
+    probe = _probe_name(world)
+    assert world.kube.get("v1", "Pod", probe, world.d.cfg.ray.namespace) is None
+    assert not [i for i in world.store.created if i.get("kind") == "Pod"]
+
+
+def test_a_probe_pod_that_cannot_start_is_one_message_with_its_events_and_is_deleted(offline_world: Any):
+    world = offline_world
+    world.kube.image_pull_error = 'Failed to pull image "rayproject/ray:nope": not found'
+    with pytest.raises(wh.UserError) as err:
+        world.submit()
+    assert "did not run within" in err.value.message and "Failed to pull image" in err.value.message
+    assert err.value.hint and "ImagePullBackOff" in err.value.hint
+    assert not _ray_objects(world)
+    assert world.kube.get("v1", "Pod", _probe_name(world), world.d.cfg.ray.namespace) is None
+
+
+def test_submit_offline_rayjob_asks_through_a_probe_pod_and_then_from_what_it_remembered(offline_world: Any):
+    world = offline_world
+    probe = _probe_name(world)
+    assert world.submit(mode="rayjob").exit_code == 0, world.said()
+    (job,) = [o for o in _ray_objects(world) if o["kind"] == "RayJob"]
+    assert any(pod == probe for _, pod, _, _ in world.kube.exec_calls)
+    env = json.loads(job["spec"]["submitterPodTemplate"]["spec"]["containers"][0]["command"][3])
+    assert env["pip"]["packages"] == ["rich>=15.0.0,<16"]
+    digest = env["pip"]["pip_install_options"][-1].rsplit("/", 1)[1]
+    for template in m.pod_templates(job):
+        (init,) = template["spec"]["initContainers"]
+        assert init["command"] == wh.copy_argv(init["command"][3], digest)
+    # A second submit of the same image needs no pod: what the first read is remembered.
+    calls = len(world.kube.exec_calls)
+    world.kube.applied.clear()
+    assert world.submit(mode="rayjob").exit_code == 0, world.said()
+    assert not [c for c in world.kube.exec_calls[calls:] if c[1] == probe]
+    assert not [o for o in world.kube.applied if o["kind"] == "Pod"]
+    assert "as an earlier submit read it" in world.said()
+
+
+def test_the_probe_pod_is_a_valid_pod_placed_as_the_workers_and_asks_for_no_gpu(cfg_for):
+    cfg = cfg_for(NAMESPACE="train")
+    pod = wh.probe_pod(cfg)
+    kubernetes_validate.validate(pod, "1.33", strict=True)
+    worker = m.pod_templates(m.raycluster(cfg))[1]["spec"]
+    assert pod["spec"].get("nodeSelector") == worker.get("nodeSelector")
+    assert pod["spec"]["tolerations"] == worker["tolerations"]
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == cfg.ray.image
+    for resource in (m.GPU_RESOURCE, m.EFA_RESOURCE):
+        assert resource not in container["resources"]["requests"] and resource not in container["resources"]["limits"]
+    assert pod["spec"]["activeDeadlineSeconds"] == wh.PROBE_LIFETIME_S and pod["spec"]["restartPolicy"] == "Never"
+    assert pod["metadata"]["namespace"] == cfg.ray.namespace
+    # Its process waits, and leaves at once on SIGTERM (what deleting the pod sends).
+    proc = subprocess.Popen([sys.executable, *container["command"][1:]])
+    try:
+        time.sleep(0.5)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()

@@ -225,6 +225,19 @@ def test_steps_in_order_for_both_modes(cfg_for):
         assert step.action and (step.command is None or all(isinstance(a, str) for a in step.command))
 
 
+def test_offline_reads_the_image_and_builds_its_wheelhouse_before_any_ray_object(cfg_for):
+    cfg = load_config(environ={"NAMESPACE": "train"}, path=None, sets=["ray.offline=true"])
+    for mode, ray_step in (("raycluster", "apply-raycluster"), ("rayjob", "code-configmap")):
+        steps = build_plan(cfg, mode=mode, hf_token=True).steps
+        names = [s.name for s in steps]
+        assert names.index("namespace") < names.index("offline-wheelhouse") < names.index("hf-token-secret")
+        assert names.index("offline-wheelhouse") < names.index("job-config") < names.index(ray_step)
+        action = steps[names.index("offline-wheelhouse")].action
+        assert "train/ray-train-image-probe" in action and "before any Ray object" in action
+        assert ("Ray head pod" in action) == (mode == "raycluster")
+    assert "offline-wheelhouse" not in [s.name for s in build_plan(cfg_for()).steps]
+
+
 def test_submit_runs_inside_the_head_pod(cfg_for):
     submit = next(s for s in build_plan(cfg_for()).steps if s.name == "submit").command
     assert submit[:2] == ["kubectl", "exec"] and "service/ray-train-head-svc" in submit

@@ -1,22 +1,24 @@
-"""``submit --offline`` on the cluster: ask the image, build and upload the wheelhouse, put it into the Ray pods.
+"""``submit --offline`` on the cluster: ask the image, build and upload the wheelhouse, all before any Ray object.
 
-``--mode raycluster``: once the pods run, the head pod's python3 says its Python, platform tags and which packages it
-has (:mod:`raytrain_eks.k8s.wheelhouse` builds the wheels here and uploads them beside the checkpoints); the pods
-already running copy the wheelhouse through exec, and the RayCluster is applied again with the init container that
-copies it, so a pod KubeRay makes later (a worker replaced after a failure) has it too. What the image said is
-remembered in the state, per image. ``--mode rayjob``: its runtime_env is fixed before any pod exists, so it builds
-from what an earlier ``submit --offline`` (raycluster) remembered of that image, and refuses before anything is
-applied when there is none. Example::
+The image's Python, platform tags and installed packages are read from its own python3 before the RayCluster or
+RayJob is applied, so a requirement without a wheel for it stops the submit with nothing applied: from what an
+earlier submit remembered of this image (the state, per image), else from this deployment's Ray head pod when it
+already runs, else from a short-lived pod of the image placed as the workers are (:func:`image_pod`, deleted
+again). :mod:`raytrain_eks.k8s.wheelhouse` builds the wheels here and uploads them beside the checkpoints; the Ray
+objects are applied with the init container that copies them (:func:`raytrain_eks.k8s.wheelhouse.with_wheels`),
+and pods of an earlier RayCluster, made without it, copy them through exec (:func:`copy_into`). Example::
 
-    check(d, "raycluster")                               # before anything is applied
-    options = for_raycluster(d, head, workers, left)     # runtime_env pip_install_options, or None
+    check(d)                                             # storage the pods read, before anything is applied
+    left, house = prepare(d, job_requirements(), head=None)   # what runtime_env installs; its wheelhouse
+    copy_into(d, [head, *workers], house)                # after the pods run (idempotent)
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -24,25 +26,18 @@ from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s import wheelhouse as wh
 from raytrain_eks.k8s.cluster import Pod
-from raytrain_eks.k8s.job import IMAGE_VERSIONS
+from raytrain_eks.k8s.job import IMAGE_VERSIONS, left_to_install, requirement_name
 from raytrain_eks.k8s.runner import CommandError
-from raytrain_eks.k8s.state import Deployment
+from raytrain_eks.k8s.state import Deployment, object_item
 
 REMEMBERED = "offline_image"  # state key: {"image", "python": the IMAGE_PLATFORM report, "versions": name -> version}
 COPY_TIMEOUT_S = 1800
+EXEC_TIMEOUT_S = 120
 
 
-def check(d: Deployment, mode: str) -> None:
-    """What ``--offline`` needs, before anything is applied: storage the pods read through a URI, and for a RayJob
-    what an earlier submit read from the image."""
+def check(d: Deployment) -> None:
+    """What ``--offline`` needs before anything is applied: storage the pods read through a URI."""
     wh.storage_location(d.cfg)
-    if mode == "rayjob" and _remembered(d) is None:
-        raise UserError(
-            f"--offline --mode rayjob: the image {d.cfg.ray.image} has not been asked for its Python, platform and "
-            "packages yet (a RayJob's runtime_env is fixed before its pods exist). Nothing was applied",
-            hint="Run `raytrain-eks submit --offline` (--mode raycluster) once: it asks the head pod and remembers "
-            "the answer for this image. Then delete that RayCluster and run `submit --offline --mode rayjob`.",
-        )
 
 
 def _remembered(d: Deployment) -> dict[str, Any] | None:
@@ -50,14 +45,16 @@ def _remembered(d: Deployment) -> dict[str, Any] | None:
     return found if isinstance(found, dict) and found.get("image") == d.cfg.ray.image else None
 
 
-def _head_exec(d: Deployment, head: Pod, argv: list[str]) -> Any:
-    return d.kube.exec(head.namespace, head.name, argv, timeout=120, container="ray-head")
+def _container(pod: Pod) -> str | None:
+    """The container to exec in: the Ray head's by name; the probe pod has one."""
+    return "ray-head" if pod.labels.get("ray.io/node-type") == "head" else None
 
 
 def ask_head(d: Deployment, head: Pod, script: str, *args: str) -> tuple[dict[str, Any] | None, str]:
-    """What ``script`` (run by the head pod's python3 with ``args``) printed as a JSON object, or ``None`` and
-    what it said instead."""
-    res = _head_exec(d, head, [m.IMAGE_PYTHON, "-c", script, *args])
+    """What ``script`` (run by the pod's python3 with ``args``) printed as a JSON object, or ``None`` and what it
+    said instead."""
+    argv = [m.IMAGE_PYTHON, "-c", script, *args]
+    res = d.kube.exec(head.namespace, head.name, argv, timeout=EXEC_TIMEOUT_S, container=_container(head))
     try:
         found = json.loads(res.stdout) if res.ok else None
     except ValueError:
@@ -67,12 +64,12 @@ def ask_head(d: Deployment, head: Pod, script: str, *args: str) -> tuple[dict[st
     return found, ""
 
 
-def ask_image(d: Deployment, head: Pod) -> wh.ImagePython:
-    """The head pod's python3: its version, ABI, platform tags and markers (remembered for this image)."""
-    found, said = ask_head(d, head, wh.IMAGE_PLATFORM)
+def ask_image(d: Deployment, pod: Pod) -> wh.ImagePython:
+    """The image's python3 in ``pod``: its version, ABI, platform tags and markers (remembered for this image)."""
+    found, said = ask_head(d, pod, wh.IMAGE_PLATFORM)
     if found is None:
         raise UserError(
-            f"--offline: cannot read the image's Python and platform in {head.name}: {said[-300:]}",
+            f"--offline: cannot read the image's Python and platform in {pod.name}: {said[-300:]}. Nothing was applied",
             hint="--offline needs a CPython image whose python3 imports packaging (Ray's images do); or submit "
             "without --offline.",
         )
@@ -82,16 +79,16 @@ def ask_image(d: Deployment, head: Pod) -> wh.ImagePython:
     return image
 
 
-def _asker(d: Deployment, head: Pod | None) -> Callable[[list[str]], dict[str, str | None]]:
-    """The image's installed version of each name: asked of ``head``'s python3 (and remembered), else from what was
+def _asker(d: Deployment, pod: Pod | None) -> Callable[[list[str]], dict[str, str | None]]:
+    """The image's installed version of each name: asked of ``pod``'s python3 (and remembered), else from what was
     remembered (a name never asked counts as not installed: its wheel goes in, which is safe)."""
 
     def installed(names: list[str]) -> dict[str, str | None]:
         record = _remembered(d) or {"image": d.cfg.ray.image, "versions": {}}
         known: dict[str, str | None] = dict(record.get("versions", {}))
-        if head is None:
+        if pod is None:
             return {n: known.get(n) for n in names}
-        found, said = ask_head(d, head, IMAGE_VERSIONS, *names)
+        found, said = ask_head(d, pod, IMAGE_VERSIONS, *names)
         if found is None:
             raise UserError(f"--offline: cannot ask the image which packages it has: {said[:300]}")
         known.update(found)
@@ -101,46 +98,99 @@ def _asker(d: Deployment, head: Pod | None) -> Callable[[list[str]], dict[str, s
     return installed
 
 
-def _build_and_upload(
-    d: Deployment, image: wh.ImagePython, left: list[str], installed: Callable[[list[str]], Any]
-) -> wh.Wheelhouse | None:
-    location = wh.storage_location(d.cfg)
+class ProbeNotRunning(UserError):
+    """The image's probe pod did not run in time; the message holds its state and events."""
+
+
+@contextmanager
+def image_pod(d: Deployment) -> Iterator[Pod]:
+    """A pod of the Ray image (:func:`raytrain_eks.k8s.wheelhouse.probe_pod`), running, to be asked; it is deleted
+    (and forgotten by the state) when the block ends, whatever happened in it."""
+    doc = wh.probe_pod(d.cfg)
+    ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
+    item = object_item(doc)
+    d.state.record(item)  # `down` deletes it should this submit be cut off before the end of the block
+    d.kube.apply(doc)
+    d.say(
+        f"Started pod {ns}/{name} (the image {d.cfg.ray.image}, on a node the Ray workers use) to read the image's "
+        "Python, platform and packages before any Ray object is applied"
+    )
+
+    def running() -> tuple[Pod | None, str]:
+        found = [p for p in d.kube.pods(ns, doc["metadata"]["labels"]) if p.name == name]
+        if found and found[0].phase == "Running":
+            return found[0], "running"
+        return None, (found[0].waiting_reason or found[0].phase) if found else "not created"
+
+    def too_late(_: str, waited: float) -> Exception:
+        events = [e for e in d.kube.pod_events(ns, name) if e.type == "Warning"] or d.kube.pod_events(ns, name)
+        shown = "\n".join(f"  {e}" for e in events[-5:]) or "  (no events)"
+        return ProbeNotRunning(
+            f"--offline: the pod {ns}/{name} of the image did not run within {waited:.0f} s:\n{shown}\n"
+            "Nothing else was applied; the pod is deleted",
+            hint="Fix what the events say (FailedScheduling: no node the workers select has room for a 100m/256Mi "
+            "pod; ImagePullBackOff: the image name, or the nodes' route to its registry), then submit again.",
+        )
+
+    try:
+        yield d.wait(running, what=f"pod {name}", timeout=d.cfg.ray.job_start_deadline_s, on_timeout=too_late)
+    finally:
+        d.kube.delete("v1", "Pod", name, ns)
+        d.state.forget(item)
+        d.say(f"Deleted pod {ns}/{name}")
+
+
+def prepare(d: Deployment, wanted: list[str], *, head: Pod | None) -> tuple[list[str], wh.Wheelhouse | None]:
+    """Before the Ray objects are applied: which of ``wanted`` the image lacks, and their wheelhouse (built and
+    uploaded; ``None``: nothing to install). The image is asked through ``head`` (a Ray head pod already running),
+    else what an earlier submit remembered of it serves when it covers every name, else :func:`image_pod` is."""
+    from packaging.utils import canonicalize_name
+
+    check(d)
+    names = {r: str(canonicalize_name(requirement_name(r))) for r in wanted}
+    record = _remembered(d)
+    if head is None and record is not None and set(names.values()) <= set(record.get("versions", {})):
+        d.say(f"--offline: the image {d.cfg.ray.image} as an earlier submit read it")
+        return _left_and_house(d, wh.ImagePython.from_probe(record["python"]), names, _asker(d, None))
+    with nullcontext(head) if head is not None else image_pod(d) as pod:
+        return _left_and_house(d, ask_image(d, pod), names, _asker(d, pod))
+
+
+def _left_and_house(
+    d: Deployment, image: wh.ImagePython, names: dict[str, str], asker: Callable[[list[str]], dict[str, str | None]]
+) -> tuple[list[str], wh.Wheelhouse | None]:
+    """``names``: each requirement's canonical project name."""
+    d.say(f"--offline: the image's {image.describe()}")
+    found = asker(sorted(set(names.values())))
+    wanted = list(names)
+    left = left_to_install(wanted, {requirement_name(r): found.get(c) for r, c in names.items()})
+    kept = [f"{c} {found[c]}" for r, c in names.items() if r not in left]
+    d.say(
+        f"The image has {len(kept)} of the job's {len(wanted)} packages in range"
+        + (f" ({', '.join(kept)})" if kept else "")
+        + f"; the wheelhouse holds {', '.join(left) if left else 'nothing'} and what they need"
+    )
     if not left:
-        d.say("--offline: the image has every package the job needs in range: no wheelhouse")
-        return None
+        return left, None
     with tempfile.TemporaryDirectory(prefix="raytrain-eks-wheels-") as tmp:
-        house = wh.build_wheelhouse(left, image, Path(tmp), installed=installed)
+        house = wh.build_wheelhouse(left, image, Path(tmp), installed=asker)
         for line in house.lines():
             d.say(line)
-        wh.upload(house, location, d.say)
-    return house
+        wh.upload(house, wh.storage_location(d.cfg), d.say)
+    return left, house
 
 
 def source_of(d: Deployment, house: wh.Wheelhouse) -> str:
     return f"{wh.storage_location(d.cfg)}/{house.digest}"
 
 
-def for_raycluster(
-    d: Deployment, head: Pod, workers: list[Pod], left: list[str], *, hf_token: bool
-) -> list[str] | None:
-    """Build and upload the wheelhouse of ``left``, copy it into the running Ray pods, and apply the RayCluster again
-    (``hf_token`` as it was applied) with the init container that copies it; returns the runtime_env's
-    ``pip_install_options`` (None: nothing to install)."""
-    from packaging.utils import canonicalize_name
-
-    from raytrain_eks.k8s.job import job_requirements, requirement_name
-
-    image = ask_image(d, head)
-    asker = _asker(d, head)
-    asker([canonicalize_name(requirement_name(r)) for r in job_requirements()])  # remembered for a later RayJob
-    house = _build_and_upload(d, image, left, asker)
-    if house is None:
-        return None
+def copy_into(d: Deployment, pods: list[Pod], house: wh.Wheelhouse) -> None:
+    """The wheelhouse into every running Ray pod that lacks it (made by an earlier RayCluster, before the init
+    container); a pod whose init container copied it says so at once."""
     source = source_of(d, house)
     argv = wh.copy_argv(source, house.digest)
-    for pod in [head, *workers]:
-        container = "ray-head" if pod is head else None
-        res = d.kube.exec(pod.namespace, pod.name, argv, timeout=COPY_TIMEOUT_S, container=container)
+    for pod in pods:
+        res = d.kube.exec(pod.namespace, pod.name, argv, timeout=COPY_TIMEOUT_S, container=_container(pod))
         if not res.ok:
             raise CommandError(
                 [*argv[:2], "<copy the wheelhouse>", *argv[3:]],
@@ -150,25 +200,3 @@ def for_raycluster(
                 "account may read there.",
             )
         d.say(f"{pod.name}: {(res.stdout.strip().splitlines() or ['wheelhouse copied'])[-1]}")
-    doc = wh.with_wheels(m.raycluster(d.cfg, hf_token=hf_token), d.cfg, source, house.digest)
-    d.kube.apply(doc)
-    d.say(f"Applied RayCluster {d.cfg.ray.namespace}/{d.cfg.ray.cluster_name} again: pods made from now on copy "
-          f"wheelhouse {house.digest} in an init container")  # fmt: skip
-    return wh.pip_options(house.digest)
-
-
-def for_rayjob(d: Deployment, wanted: list[str]) -> tuple[list[str], wh.Wheelhouse | None]:
-    """From what was remembered of the image: what is left to install of ``wanted`` and its wheelhouse (built and
-    uploaded), before the RayJob is applied."""
-    from packaging.utils import canonicalize_name
-
-    from raytrain_eks.k8s.job import left_to_install, requirement_name
-
-    record = _remembered(d)
-    assert record is not None  # check() refused before
-    image = wh.ImagePython.from_probe(record["python"])
-    versions = record.get("versions", {})
-    names = {requirement_name(r): versions.get(canonicalize_name(requirement_name(r))) for r in wanted}
-    left = left_to_install(wanted, names)
-    d.say(f"--offline: the image {d.cfg.ray.image} as an earlier submit read it: {image.describe()}")
-    return left, _build_and_upload(d, image, left, _asker(d, None))

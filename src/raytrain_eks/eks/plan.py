@@ -272,8 +272,8 @@ def _steps(
             ),
             Step("wait-rayjob", "Follow the job until it succeeds or fails."),
         ]
-    if cfg.ray.offline:  # before the job's submission (raycluster) or the RayJob's apply
-        at = next(i for i, s in enumerate(steps) if s.name in ("submit", "code-configmap"))
+    if cfg.ray.offline:  # before the token's Secret, the job's ConfigMap and any Ray object
+        at = next(i for i, s in enumerate(steps) if s.name in ("hf-token-secret", "job-config"))
         steps.insert(at, Step("offline-wheelhouse", _offline_step(cfg, mode)))
     steps.append(
         Step(
@@ -297,19 +297,18 @@ def _steps(
 
 def _offline_step(cfg: Config, mode: Mode) -> str:
     """What ``submit --offline`` does; the wheels and their size are known only once the image is asked."""
-    asked = (
-        "the head pod's python3 (its version, platform tags and packages)"
-        if mode == "raycluster"
-        else "what an earlier `submit --offline` (raycluster) remembered of the image's python3"
-    )
+    asked = "the Ray head pod's python3 when this RayCluster already runs, else from " if mode == "raycluster" else ""
     return (
-        f"--offline: from {asked}, download here wheels (`pip download --no-deps --only-binary=:all:` for that "
-        "Python and platform) of those of " + ", ".join(job_files.job_requirements()) + " the image lacks in "
-        "range and of their dependencies the image does not meet; submit prints each wheel and the total size, "
-        "and stops (exit 2) naming a package without a wheel. Upload them with a manifest (names, sizes, sha256; "
-        f"written last) to {cfg.training.storage_path or 'training.storage_path'}/{wheelhouse.STORAGE_FOLDER}/"
-        f"DIGEST; every Ray pod copies them into {wheelhouse.WHEELS_DIR}/DIGEST (an init container"
-        + (", and an exec in the pods already running" if mode == "raycluster" else "")
+        f"--offline, before any Ray object: read the image's Python, platform tags and packages from {asked}what an "
+        "earlier `submit --offline` remembered of this image, else from a short-lived pod "
+        f"{cfg.ray.namespace}/{cfg.ray.cluster_name}{wheelhouse.PROBE_POD_SUFFIX} of the image on a node the workers "
+        "use (deleted again). Download here wheels (`pip download --no-deps --only-binary=:all:` for that Python "
+        "and platform) of those of " + ", ".join(job_files.job_requirements()) + " the image lacks in range and of "
+        "their dependencies the image does not meet; submit prints each wheel and the total size, and stops "
+        "(exit 2) naming a package without a wheel. Upload them with a manifest (names, sizes, sha256; written "
+        f"last) to {cfg.training.storage_path or 'training.storage_path'}/{wheelhouse.STORAGE_FOLDER}/DIGEST; every "
+        f"Ray pod copies them into {wheelhouse.WHEELS_DIR}/DIGEST (an init container"
+        + (", and an exec in pods of an earlier RayCluster" if mode == "raycluster" else "")
         + "), and the runtime_env installs with --no-index --find-links there."
     )
 

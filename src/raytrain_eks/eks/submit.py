@@ -54,8 +54,8 @@ from raytrain_eks.k8s.job import (
 from raytrain_eks.k8s.runner import CommandError
 from raytrain_eks.k8s.state import Deployment, object_item
 from raytrain_eks.k8s.wait import POLL_S
+from raytrain_eks.k8s.wheelhouse import Wheelhouse, with_wheels
 from raytrain_eks.k8s.wheelhouse import pip_options as wheel_options
-from raytrain_eks.k8s.wheelhouse import with_wheels
 from raytrain_eks.train.memory import fit_config
 
 Mode = Literal["raycluster", "rayjob"]
@@ -241,23 +241,19 @@ def submit_job(
     head: Pod,
     code_dir: str,
     *,
-    offline: bool = False,
-    workers: list[Pod] | None = None,
-    hf_token: bool = False,
+    pip: list[str] | None = None,
+    pip_options: list[str] | None = None,
 ) -> str:
-    """``ray job submit --no-wait`` in the head pod; returns the submission id. ``offline``: what the image lacks
-    comes from a wheelhouse put into the head and ``workers`` pods (:func:`raytrain_eks.eks.offline.for_raycluster`;
-    ``hf_token``: as the RayCluster was applied).
+    """``ray job submit --no-wait`` in the head pod; returns the submission id. ``pip``: what the runtime_env
+    installs (``None``: what :func:`image_lacks` finds), with ``pip_options`` (``submit --offline``'s wheelhouse).
 
     While the dashboard says its job agent is not ready, the same submission is tried again every
     :data:`AGENT_RETRY_S` for up to :data:`AGENT_WAIT_S`; a try that reached the agent after all (its status is
     known) is not submitted twice."""
     submission_id = time.strftime("raytrain-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
-    pip = image_lacks(d, head)
-    options = None
-    if offline:
-        options = offline_wheels.for_raycluster(d, head, workers or [], pip, hf_token=hf_token)
-    argv = ray_job_submit_argv(code_dir, submission_id=submission_id, wait=False, pip=pip, pip_options=options)
+    if pip is None:
+        pip = image_lacks(d, head)
+    argv = ray_job_submit_argv(code_dir, submission_id=submission_id, wait=False, pip=pip, pip_options=pip_options)
     start = d.clock()
     while True:
         res = head_exec(d, head, argv)
@@ -400,14 +396,23 @@ def refuse_raycluster_holding_gpus(d: Deployment) -> None:
     )
 
 
-def apply_job_config(d: Deployment, hf_token: str | None, env: dict[str, str] | None = None) -> None:
-    """What every job of ``d.cfg`` needs first: its namespace (unless ``default``), the Hugging Face token's Secret
-    (when a token is given) and the ConfigMap with the job's configuration, beside it the deployment record when the
-    state says ``up`` made this cluster (what prices the run and tells the probe its nodes)."""
+def apply_namespace(d: Deployment) -> None:
+    """The job's namespace, unless it is ``default``."""
+    if d.cfg.ray.namespace != "default":
+        _apply(d, m.namespace(d.cfg), f"namespace {d.cfg.ray.namespace}")
+
+
+def apply_job_config(
+    d: Deployment, hf_token: str | None, env: dict[str, str] | None = None, *, namespace: bool = True
+) -> None:
+    """What every job of ``d.cfg`` needs first: its namespace (unless ``default``, or ``namespace`` is false: applied
+    already), the Hugging Face token's Secret (when a token is given) and the ConfigMap with the job's configuration,
+    beside it the deployment record when the state says ``up`` made this cluster (what prices the run and tells the
+    probe its nodes)."""
     cfg = d.cfg
     ns = cfg.ray.namespace
-    if ns != "default":
-        _apply(d, m.namespace(cfg), f"namespace {ns}")
+    if namespace:
+        apply_namespace(d)
     if hf_token:
         _apply(d, m.hf_token_secret(cfg, hf_token), f"Secret {ns}/{cfg.ray.hf_token_secret} (the Hugging Face token)")
     if env:  # names only are said: the values go to the API and nowhere else
@@ -420,10 +425,19 @@ def apply_job_config(d: Deployment, hf_token: str | None, env: dict[str, str] | 
     _apply(d, config_map, f"ConfigMap {ns}/{m.config_map_name(cfg)} (the job's configuration)")
 
 
-def apply_raycluster(d: Deployment, *, hf_token: bool) -> None:
-    """The RayCluster rendered from ``d.cfg`` (``hf_token``: its pods read the token from the Secret)."""
+def apply_raycluster(d: Deployment, *, hf_token: bool, house: Wheelhouse | None = None) -> None:
+    """The RayCluster rendered from ``d.cfg`` (``hf_token``: its pods read the token from the Secret; ``house``:
+    each pod first copies that wheelhouse, ``submit --offline``)."""
     cfg = d.cfg
-    _apply(d, m.raycluster(cfg, hf_token=hf_token), f"RayCluster {cfg.ray.namespace}/{cfg.ray.cluster_name}")
+    doc = m.raycluster(cfg, hf_token=hf_token)
+    if house is not None:
+        doc = with_wheels(doc, cfg, offline_wheels.source_of(d, house), house.digest)
+    _apply(d, doc, f"RayCluster {cfg.ray.namespace}/{cfg.ray.cluster_name}")
+
+
+def _running_head(d: Deployment) -> Pod | None:
+    heads, _ = ray_pods(d, d.cfg.ray.namespace, d.cfg.ray.cluster_name)
+    return heads[0] if heads and is_running(heads[0]) else None
 
 
 def submit(
@@ -451,7 +465,7 @@ def submit(
     cfg.check_cluster_storage()  # checkpoints every node reaches, before any node is scaled or job submitted
     offline = cfg.ray.offline
     if offline:
-        offline_wheels.check(d, mode)  # storage the pods read; for a RayJob, what the image said before
+        offline_wheels.check(d)  # storage the pods read
     if mode == "rayjob":
         refuse_raycluster_holding_gpus(d)  # the RayJob's own cluster would wait for GPUs that one holds
     target.before_pods(d)  # the pods' service account (on EKS its IAM role's grants on the bucket), before any pod
@@ -459,13 +473,20 @@ def submit(
     _, problems = gpu_node_problems(d, target.gpu_node_spec(d))
     if problems:
         raise NodesNotReady(problems)  # at once: pods would only sit Pending
+    pip: list[str] | None = None  # None: the head pod's image is asked once it runs (not --offline)
+    options, house = None, None
+    if offline:  # the image asked, the wheelhouse built and uploaded: a requirement without a wheel stops here
+        apply_namespace(d)  # where the image's probe pod runs, if one is needed
+        running = _running_head(d) if mode == "raycluster" else None
+        pip, house = offline_wheels.prepare(d, job_requirements(), head=running)
+        options = wheel_options(house.digest) if house is not None else None
 
-    apply_job_config(d, hf_token, env)
+    apply_job_config(d, hf_token, env, namespace=not offline)
 
     previous = d.state.get("job") or {}
     rayjob_id = None  # the Ray job id KubeRay gives a RayJob
     if mode == "raycluster":
-        apply_raycluster(d, hf_token=bool(hf_token))
+        apply_raycluster(d, hf_token=bool(hf_token), house=house)
         cluster = cfg.ray.cluster_name
     else:
         old = d.kube.get("ray.io/v1", "RayJob", cfg.ray.cluster_name, ns)
@@ -474,10 +495,6 @@ def submit(
             d.kube.delete("ray.io/v1", "RayJob", cfg.ray.cluster_name, ns)
             previous = {}
         code_map, items = code_config_map(cfg, package_files())
-        pip, options, house = None, None, None
-        if offline:  # built and uploaded before the RayJob (a requirement without a wheel stops here)
-            pip, house = offline_wheels.for_rayjob(d, job_requirements())
-            options = wheel_options(house.digest) if house is not None else None
         _apply(d, code_map, f"ConfigMap {ns}/{code_map['metadata']['name']} (the raytrain_eks package)")
         doc = rayjob_manifest(
             cfg, hf_token=bool(hf_token), code_map=code_map, items=items, pip=pip, pip_options=options
@@ -488,6 +505,8 @@ def submit(
         cluster, rayjob_id = _wait_rayjob_cluster(d, cfg.ray.job_start_deadline_s)
 
     head, workers = wait_for_ray_pods(d, ns, cluster, cfg.ray.job_start_deadline_s)
+    if house is not None and mode == "raycluster":  # pods made before the init container was in the template
+        offline_wheels.copy_into(d, [head, *workers], house)
 
     submission_id = None
     if previous.get("mode") == mode and previous.get("id") and previous.get("raycluster") == cluster:
@@ -498,9 +517,7 @@ def submit(
     if submission_id is None:
         code_dir = _upload_package(d, head) if rayjob_id is None else ""
         submission_id = (
-            rayjob_id
-            if rayjob_id is not None
-            else submit_job(d, head, code_dir, offline=offline, workers=workers, hf_token=bool(hf_token))
+            rayjob_id if rayjob_id is not None else submit_job(d, head, code_dir, pip=pip, pip_options=options)
         )
     d.state.update(job={"id": submission_id, "mode": mode, "namespace": ns, "raycluster": cluster, "status": "RUNNING"})
 

@@ -162,7 +162,7 @@ def _no_wheel(stderr: str, image: ImagePython) -> NoWheel | None:
     return NoWheel(
         f"--offline: {match.group(1)} has no wheel for the image's {image.describe()}"
         + seen
-        + ". Nothing was uploaded or applied",
+        + ". Nothing was uploaded and no Ray object applied",
         hint=f"It may publish only a source distribution: build its wheel on a machine like the image "
         f"(`pip wheel '{match.group(1)}'`) into your own index, add it to the image, or submit without --offline.",
     )
@@ -397,3 +397,48 @@ def with_wheels(doc: Mapping[str, Any], cfg: Config, source: str, digest: str) -
         for container in spec["containers"]:
             container["volumeMounts"] = [*container.get("volumeMounts", []), dict(mount)]
     return out
+
+
+PROBE_POD_SUFFIX = "-image-probe"
+PROBE_LIFETIME_S = 3600  # activeDeadlineSeconds: a probe pod left behind (its submit interrupted) ends on its own
+# The probe pod's only process: it waits to be asked (exec) and leaves at once when the pod is deleted (a bare
+# `sleep` as PID 1 ignores SIGTERM and would hold the pod for its whole grace period).
+_PROBE_WAIT = (
+    f"import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\ntime.sleep({PROBE_LIFETIME_S})\n"
+)
+
+
+def probe_pod(cfg: Config) -> dict[str, Any]:
+    """A short-lived ``v1`` Pod of the Ray image, placed as the Ray workers are (their node selector and
+    tolerations, so the image is pulled where the workers need it anyway), that only waits: ``submit --offline``
+    asks its python3 (:data:`IMAGE_PLATFORM`, the installed versions) before any Ray object exists, then deletes
+    it. It requests no GPU and sees none."""
+    worker = m.pod_templates(m.raycluster(cfg))[1]["spec"]
+    small = {"cpu": "100m", "memory": "256Mi"}
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "activeDeadlineSeconds": PROBE_LIFETIME_S,
+        "terminationGracePeriodSeconds": 5,
+        **({"nodeSelector": dict(worker["nodeSelector"])} if worker.get("nodeSelector") else {}),
+        "tolerations": copy.deepcopy(worker.get("tolerations", [])),
+        "containers": [
+            {
+                "name": "image-probe",
+                "image": cfg.ray.image,
+                "imagePullPolicy": "IfNotPresent",
+                "command": [m.IMAGE_PYTHON, "-c", _PROBE_WAIT],
+                "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}],
+                "resources": {"requests": dict(small), "limits": dict(small)},
+            }
+        ],
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": f"{cfg.ray.cluster_name}{PROBE_POD_SUFFIX}",
+            "namespace": cfg.ray.namespace,
+            "labels": {**m.labels(cfg), "app.kubernetes.io/component": "image-probe"},
+        },
+        "spec": spec,
+    }
