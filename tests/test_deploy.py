@@ -536,7 +536,7 @@ class FakeRay:
 
 def run_script(code: str, args: list[str], stdin: str | None = None) -> ExecResult:
     """Run a ``python -c`` script the steps send into a pod, here and in-process (a subprocess costs 0.2 s)."""
-    out = io.StringIO()
+    out, err = io.StringIO(), io.StringIO()
     saved = sys.argv, sys.stdin
     sys.argv, sys.stdin = ["-c", *args], io.StringIO(stdin or "")
     code_ = 0
@@ -545,9 +545,11 @@ def run_script(code: str, args: list[str], stdin: str | None = None) -> ExecResu
             exec(compile(code, "<pod>", "exec"), {"__name__": "__main__"})
     except SystemExit as exc:
         code_ = exc.code if isinstance(exc.code, int) else 1
+        if exc.code is not None and not isinstance(exc.code, int):  # sys.exit("why"): Python prints it to stderr
+            err.write(f"{exc.code}\n")
     finally:
         sys.argv, sys.stdin = saved
-    return ExecResult(code_, out.getvalue())
+    return ExecResult(code_, out.getvalue(), err.getvalue())
 
 
 class World:

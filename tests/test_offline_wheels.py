@@ -255,11 +255,94 @@ def test_the_copy_refuses_a_wheel_that_differs_from_the_manifest(
     assert not (tmp_path / "pod" / house.digest).exists()  # nothing complete was left behind
 
 
-def test_offline_needs_storage_the_pods_read_through_a_uri():
+def _on_volume_cfg(*sets: str) -> Any:
+    from raytrain_eks.k8s.state import with_shared_volume
+
+    return with_shared_volume(load_config(environ={}, path=None, sets=["ray.shared_volume=shared-fs", *sets]))
+
+
+def test_offline_needs_storage_every_ray_pod_reads():
     cfg = load_config(environ={}, path=None, sets=["training.storage_path=/mnt/local", "training.storage_shared=true"])
-    with pytest.raises(wh.UserError, match="not storage the Ray pods read through a URI") as err:
+    with pytest.raises(wh.UserError, match="neither storage the Ray pods read through a URI nor a folder of") as err:
         wh.storage_location(cfg)
-    assert err.value.hint and "s3://" in err.value.hint
+    assert err.value.hint and "s3://" in err.value.hint and "ray.shared_volume" in err.value.hint
+    # A folder of the shared volume (where its checkpoints go) is storage every Ray pod reads.
+    cfg = _on_volume_cfg()
+    assert wh.on_volume(cfg) and wh.storage_location(cfg) == f"/mnt/shared/runs/{wh.STORAGE_FOLDER}"
+    # The volume set, but the checkpoints on a node's own disk: refused as before.
+    local = load_config(environ={}, path=None, sets=["ray.shared_volume=shared-fs", "training.storage_path=/data/x"])
+    assert not wh.on_volume(local)
+    with pytest.raises(wh.UserError, match="neither storage"):
+        wh.storage_location(local)
+
+
+def _pod_runs(volume: Path) -> Any:
+    """Exec in a pod that mounts the shared volume at /mnt/shared: the scripts themselves, with the volume's paths
+    mapped onto ``volume``."""
+    from test_deploy import run_script
+
+    def run(argv: list[str], stdin: str | None) -> Any:
+        assert argv[:2] == [m.IMAGE_PYTHON, "-c"]
+        args = [a.replace("/mnt/shared", str(volume)) for a in argv[3:]]
+        return run_script(argv[2], args, stdin)
+
+    return run
+
+
+def test_written_onto_the_shared_volume_through_a_pod_in_pieces_and_installed_from_there_with_no_index(
+    pip_reads: Path, here: wh.ImagePython, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    nothing = {"rte-image-dep": None}
+    house = wh.build_wheelhouse(
+        ["rte-offline-top>=1"], here, tmp_path / "house", installed=lambda names: {n: nothing.get(n) for n in names}
+    )
+    cfg = _on_volume_cfg("ray.offline=true")
+    location = wh.storage_location(cfg)
+    volume = tmp_path / "volume"
+    volume.mkdir()  # the claim's file system, which the volume's provisioner makes
+    monkeypatch.setattr(wh, "PIECE_BYTES", 700)  # each wheel in several exec calls
+    calls: list[list[str]] = []
+    runs = _pod_runs(volume)
+
+    def counted(argv: list[str], stdin: str | None) -> Any:
+        calls.append(argv)
+        return runs(argv, stdin)
+
+    said: list[str] = []
+    folder = wh.write_through(house, location, counted, said.append)
+    assert folder == f"/mnt/shared/runs/{wh.STORAGE_FOLDER}/{house.digest}" and "on the shared volume" in said[-1]
+    pieces = [c for c in calls if "new" in c or "more" in c]
+    assert len(pieces) > len(house.wheels)  # split, as a wheel larger than one piece is
+    local = volume / folder.removeprefix("/mnt/shared/")
+    assert sorted(p.name for p in local.iterdir()) == sorted([wh.MANIFEST, *(w.name for w in house.wheels)])
+    for w in house.wheels:
+        assert hashlib.sha256((local / w.name).read_bytes()).hexdigest() == w.sha256
+    assert [p.name for p in local.parent.iterdir()] == [house.digest]  # no partial folder left
+    calls.clear()
+    assert wh.write_through(house, location, counted, said.append) == folder and "already at" in said[-1]
+    assert len(calls) == 1
+    # The Ray pods need no init container: the runtime_env's pip reads the volume's folder itself.
+    monkeypatch.delenv("PIP_FIND_LINKS")
+    options = wh.pip_options(house.digest, folder)
+    assert options[-2:] == ["--find-links", folder]
+    options[-1] = str(local)
+    target = tmp_path / "site"
+    install = [sys.executable, "-m", "pip", "install", "--target", str(target), *options, "rte-offline-top>=1"]
+    subprocess.run(install, check=True, capture_output=True, timeout=300)
+    assert (target / "rte_offline_top" / "__init__.py").is_file() and (target / "rte_offline_dep").is_dir()
+
+
+def test_a_wheel_that_arrives_damaged_on_the_volume_is_refused_and_nothing_is_left(
+    pip_reads: Path, here: wh.ImagePython, tmp_path: Path
+):
+    house = wh.build_wheelhouse(["rte-offline-dep>=1,<2"], here, tmp_path / "house", installed=_image_has([]))
+    (house.folder / house.wheels[0].name).write_bytes(b"not the wheel the manifest names")
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    with pytest.raises(wh.UserError, match="the manifest says") as err:
+        wh.write_through(house, f"/mnt/shared/runs/{wh.STORAGE_FOLDER}", _pod_runs(volume))
+    assert house.wheels[0].sha256 in err.value.message
+    assert not list((volume / "runs" / wh.STORAGE_FOLDER).iterdir())  # no folder, complete or partial
 
 
 def _schema(name: str) -> jsonschema.Draft7Validator:
@@ -480,3 +563,57 @@ def test_the_probe_pod_is_a_valid_pod_placed_as_the_workers_and_asks_for_no_gpu(
         assert proc.wait(timeout=10) == 0
     finally:
         proc.kill()
+
+
+def test_submit_offline_on_a_shared_volume_writes_the_wheels_through_the_probe_pod_and_needs_no_init_container(
+    tmp_path: Path, real_tools: Any, pip_reads: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from test_deploy import run_script
+    from test_kubernetes_target import GPU_LABELS, GPU_TAINT, Cluster, _claim
+
+    from raytrain_eks.eks import submit as sub
+
+    monkeypatch.chdir(tmp_path)
+    sets = ("cluster.gpu_node_selector={pool: gpu}", "ray.shared_volume=checkpoints", "ray.offline=true")
+    c = Cluster(tmp_path, real_tools, *sets, storage=None)
+    c.kube.add_node("cpu-0", labels={"pool": "general"}, allocatable={"cpu": "7910m", "memory": "29Gi"})
+    for i in range(2):
+        c.kube.add_node(
+            f"gpu-{i}", labels=GPU_LABELS, allocatable={"cpu": "11", "memory": "80Gi"}, taints=[GPU_TAINT],
+            devices={m.GPU_RESOURCE: "4"},
+        )  # fmt: skip
+    _claim(c, ["ReadWriteMany"])
+    c.target.up(c.d(), confirm=c.ask())
+    c.ray.image = {shipping.requirement_name(r): r.split(">=")[1].split(",")[0] for r in shipping.job_requirements()}
+    del c.ray.image["rich"]
+    volume = tmp_path / "volume"  # the claim's file system, as every pod that mounts it sees it
+    volume.mkdir()
+    probe = wh.probe_pod(c.d().cfg)["metadata"]["name"]
+    written_by: set[str] = set()
+
+    def handler(ns: str, pod: str, argv: list[str], stdin: str | None) -> Any:
+        if argv[:2] == [m.IMAGE_PYTHON, "-c"] and argv[2] == wh.IMAGE_PLATFORM:
+            return run_script(argv[2], [])
+        if argv[:2] == [m.IMAGE_PYTHON, "-c"] and argv[2] in (wh._HAVE, wh._PUT_PIECE, wh._SEAL):
+            written_by.add(pod)
+            return run_script(argv[2], [a.replace("/mnt/shared", str(volume)) for a in argv[3:]], stdin)
+        return c.ray(ns, pod, argv, stdin)
+
+    c.kube.exec_handler = handler
+    assert sub.submit(c.d()).exit_code == 0, c.said()
+    assert written_by == {probe}
+    (pod,) = [o for o in c.kube.applied if o["kind"] == "Pod"]
+    assert pod["spec"]["nodeSelector"] == {"pool": "gpu"}
+    assert {"name": m.SHARED_VOLUME, "persistentVolumeClaim": {"claimName": "checkpoints"}} in pod["spec"]["volumes"]
+    (cluster,) = [o for o in c.kube.applied if o["kind"] == "RayCluster"]
+    for template in m.pod_templates(cluster):
+        assert "initContainers" not in template["spec"]
+    (argv,) = c.ray.submitted
+    pip = json.loads(argv[argv.index("--runtime-env-json") + 1])["pip"]
+    assert pip["packages"] == ["rich>=15.0.0,<16"]
+    folder = pip["pip_install_options"][-1]
+    assert folder.startswith(f"/mnt/shared/runs/{wh.STORAGE_FOLDER}/")
+    local = volume / folder.removeprefix("/mnt/shared/")
+    assert sorted(p.name for p in local.iterdir()) == sorted([wh.MANIFEST, "rich-15.0.0-py3-none-any.whl"])
+    assert not [i for i in c.store.created if i.get("kind") == "Pod"]
+    assert "on the shared volume" in c.said()

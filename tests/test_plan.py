@@ -236,6 +236,16 @@ def test_offline_reads_the_image_and_builds_its_wheelhouse_before_any_ray_object
         assert "train/ray-train-image-probe" in action and "before any Ray object" in action
         assert ("Ray head pod" in action) == (mode == "raycluster")
     assert "offline-wheelhouse" not in [s.name for s in build_plan(cfg_for()).steps]
+    assert "remembered" in action and "init container" in action
+    # On a shared volume: written there through the pod (always asked), read there by pip, no init container.
+    from raytrain_eks.k8s.state import with_shared_volume
+
+    on_volume = with_shared_volume(
+        load_config(environ={}, path=None, sets=["ray.offline=true", "ray.shared_volume=team-fs"])
+    )
+    step = next(s for s in build_plan(on_volume, mode="rayjob").steps if s.name == "offline-wheelhouse")
+    assert "onto ray.shared_volume team-fs at /mnt/shared/runs/.raytrain-eks-wheelhouse/DIGEST" in step.action
+    assert "remembered" not in step.action and "init container" not in step.action
 
 
 def test_submit_runs_inside_the_head_pod(cfg_for):

@@ -19,9 +19,11 @@ import json
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from raytrain_eks.config import Config
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s import wheelhouse as wh
@@ -140,26 +142,51 @@ def image_pod(d: Deployment) -> Iterator[Pod]:
         d.say(f"Deleted pod {ns}/{name}")
 
 
-def prepare(d: Deployment, wanted: list[str], *, head: Pod | None) -> tuple[list[str], wh.Wheelhouse | None]:
+@dataclass(frozen=True)
+class Wheels:
+    """A wheelhouse where the Ray pods find it: ``folder`` is ``s3://.../DIGEST`` (each pod copies it into its own
+    emptyDir first) or a folder of the shared volume every Ray pod mounts (read there directly)."""
+
+    house: wh.Wheelhouse
+    folder: str
+    on_volume: bool
+
+    def pip_options(self) -> list[str]:
+        return wh.pip_options(self.house.digest, self.folder if self.on_volume else None)
+
+    def into(self, doc: dict[str, Any], cfg: Config) -> dict[str, Any]:
+        """``doc`` (a RayCluster or RayJob) with what its pods need to find the wheels: the init container that
+        copies them, or nothing when they are on the shared volume."""
+        return doc if self.on_volume else wh.with_wheels(doc, cfg, self.folder, self.house.digest)
+
+
+def prepare(d: Deployment, wanted: list[str], *, head: Pod | None) -> tuple[list[str], Wheels | None]:
     """Before the Ray objects are applied: which of ``wanted`` the image lacks, and their wheelhouse (built and
-    uploaded; ``None``: nothing to install). The image is asked through ``head`` (a Ray head pod already running),
-    else what an earlier submit remembered of it serves when it covers every name, else :func:`image_pod` is."""
+    stored; ``None``: nothing to install). The image is asked through ``head`` (a Ray head pod already running),
+    else what an earlier submit remembered of it serves when it covers every name (and the wheels go to ``s3://``),
+    else :func:`image_pod` is; a wheelhouse for the shared volume is written through that pod."""
     from packaging.utils import canonicalize_name
 
     check(d)
     names = {r: str(canonicalize_name(requirement_name(r))) for r in wanted}
     record = _remembered(d)
-    if head is None and record is not None and set(names.values()) <= set(record.get("versions", {})):
+    known = record is not None and set(names.values()) <= set(record.get("versions", {}))
+    if head is None and record is not None and known and not wh.on_volume(d.cfg):
         d.say(f"--offline: the image {d.cfg.ray.image} as an earlier submit read it")
-        return _left_and_house(d, wh.ImagePython.from_probe(record["python"]), names, _asker(d, None))
+        return _left_and_house(d, wh.ImagePython.from_probe(record["python"]), names, _asker(d, None), None)
     with nullcontext(head) if head is not None else image_pod(d) as pod:
-        return _left_and_house(d, ask_image(d, pod), names, _asker(d, pod))
+        return _left_and_house(d, ask_image(d, pod), names, _asker(d, pod), pod)
 
 
 def _left_and_house(
-    d: Deployment, image: wh.ImagePython, names: dict[str, str], asker: Callable[[list[str]], dict[str, str | None]]
-) -> tuple[list[str], wh.Wheelhouse | None]:
-    """``names``: each requirement's canonical project name."""
+    d: Deployment,
+    image: wh.ImagePython,
+    names: dict[str, str],
+    asker: Callable[[list[str]], dict[str, str | None]],
+    pod: Pod | None,
+) -> tuple[list[str], Wheels | None]:
+    """``names``: each requirement's canonical project name; ``pod``: one that mounts the shared volume (where the
+    wheels go when the storage is there)."""
     d.say(f"--offline: the image's {image.describe()}")
     found = asker(sorted(set(names.values())))
     wanted = list(names)
@@ -172,23 +199,37 @@ def _left_and_house(
     )
     if not left:
         return left, None
+    location = wh.storage_location(d.cfg)
     with tempfile.TemporaryDirectory(prefix="raytrain-eks-wheels-") as tmp:
         house = wh.build_wheelhouse(left, image, Path(tmp), installed=asker)
         for line in house.lines():
             d.say(line)
-        wh.upload(house, wh.storage_location(d.cfg), d.say)
-    return left, house
+        if not wh.on_volume(d.cfg):
+            return left, Wheels(house, wh.upload(house, location, d.say), on_volume=False)
+        if pod is None:  # prepare() asks through a pod whenever the storage is on the volume
+            raise AssertionError("a wheelhouse for the shared volume needs a pod that mounts it")
+        through = pod
+
+        def run(argv: list[str], stdin: str | None) -> Any:
+            return d.kube.exec(
+                through.namespace,
+                through.name,
+                argv,
+                timeout=COPY_TIMEOUT_S,
+                stdin=stdin,
+                container=_container(through),
+            )
+
+        return left, Wheels(house, wh.write_through(house, location, run, d.say), on_volume=True)
 
 
-def source_of(d: Deployment, house: wh.Wheelhouse) -> str:
-    return f"{wh.storage_location(d.cfg)}/{house.digest}"
-
-
-def copy_into(d: Deployment, pods: list[Pod], house: wh.Wheelhouse) -> None:
+def copy_into(d: Deployment, pods: list[Pod], wheels: Wheels) -> None:
     """The wheelhouse into every running Ray pod that lacks it (made by an earlier RayCluster, before the init
-    container); a pod whose init container copied it says so at once."""
-    source = source_of(d, house)
-    argv = wh.copy_argv(source, house.digest)
+    container); a pod whose init container copied it says so at once. Nothing to do when it is on the volume."""
+    if wheels.on_volume:
+        return
+    source = wheels.folder
+    argv = wh.copy_argv(source, wheels.house.digest)
     for pod in pods:
         res = d.kube.exec(pod.namespace, pod.name, argv, timeout=COPY_TIMEOUT_S, container=_container(pod))
         if not res.ok:

@@ -297,19 +297,31 @@ def _steps(
 
 def _offline_step(cfg: Config, mode: Mode) -> str:
     """What ``submit --offline`` does; the wheels and their size are known only once the image is asked."""
-    asked = "the Ray head pod's python3 when this RayCluster already runs, else from " if mode == "raycluster" else ""
+    sources = ["the Ray head pod's python3 when this RayCluster already runs"] if mode == "raycluster" else []
+    if not wheelhouse.on_volume(cfg):  # a wheelhouse for the volume is written through a pod: one is always asked
+        sources.append("what an earlier `submit --offline` remembered of this image")
+    sources.append(
+        f"a short-lived pod {cfg.ray.namespace}/{cfg.ray.cluster_name}{wheelhouse.PROBE_POD_SUFFIX} of the image on a "
+        "node the workers use (deleted again)"
+    )
     return (
-        f"--offline, before any Ray object: read the image's Python, platform tags and packages from {asked}what an "
-        "earlier `submit --offline` remembered of this image, else from a short-lived pod "
-        f"{cfg.ray.namespace}/{cfg.ray.cluster_name}{wheelhouse.PROBE_POD_SUFFIX} of the image on a node the workers "
-        "use (deleted again). Download here wheels (`pip download --no-deps --only-binary=:all:` for that Python "
+        "--offline, before any Ray object: read the image's Python, platform tags and packages from "
+        + ", else from ".join(sources)
+        + ". Download here wheels (`pip download --no-deps --only-binary=:all:` for that Python "
         "and platform) of those of " + ", ".join(job_files.job_requirements()) + " the image lacks in range and of "
         "their dependencies the image does not meet; submit prints each wheel and the total size, and stops "
-        "(exit 2) naming a package without a wheel. Upload them with a manifest (names, sizes, sha256; written "
-        f"last) to {cfg.training.storage_path or 'training.storage_path'}/{wheelhouse.STORAGE_FOLDER}/DIGEST; every "
-        f"Ray pod copies them into {wheelhouse.WHEELS_DIR}/DIGEST (an init container"
-        + (", and an exec in pods of an earlier RayCluster" if mode == "raycluster" else "")
-        + "), and the runtime_env installs with --no-index --find-links there."
+        "(exit 2) naming a package without a wheel. "
+        + (
+            f"Write them through that pod onto ray.shared_volume {cfg.ray.shared_volume} at "
+            f"{wheelhouse.storage_location(cfg)}/DIGEST (in pieces, each file checked against the manifest, which is "
+            "written last); every Ray pod mounts it, and the runtime_env installs with --no-index --find-links there."
+            if wheelhouse.on_volume(cfg)
+            else "Upload them with a manifest (names, sizes, sha256; written last) to "
+            f"{cfg.training.storage_path or 'training.storage_path'}/{wheelhouse.STORAGE_FOLDER}/DIGEST; every Ray "
+            f"pod copies them into {wheelhouse.WHEELS_DIR}/DIGEST (an init container"
+            + (", and an exec in pods of an earlier RayCluster" if mode == "raycluster" else "")
+            + "), and the runtime_env installs with --no-index --find-links there."
+        )
     )
 
 

@@ -54,8 +54,6 @@ from raytrain_eks.k8s.job import (
 from raytrain_eks.k8s.runner import CommandError
 from raytrain_eks.k8s.state import Deployment, object_item
 from raytrain_eks.k8s.wait import POLL_S
-from raytrain_eks.k8s.wheelhouse import Wheelhouse, with_wheels
-from raytrain_eks.k8s.wheelhouse import pip_options as wheel_options
 from raytrain_eks.train.memory import fit_config
 
 Mode = Literal["raycluster", "rayjob"]
@@ -425,13 +423,13 @@ def apply_job_config(
     _apply(d, config_map, f"ConfigMap {ns}/{m.config_map_name(cfg)} (the job's configuration)")
 
 
-def apply_raycluster(d: Deployment, *, hf_token: bool, house: Wheelhouse | None = None) -> None:
-    """The RayCluster rendered from ``d.cfg`` (``hf_token``: its pods read the token from the Secret; ``house``:
-    each pod first copies that wheelhouse, ``submit --offline``)."""
+def apply_raycluster(d: Deployment, *, hf_token: bool, wheels: offline_wheels.Wheels | None = None) -> None:
+    """The RayCluster rendered from ``d.cfg`` (``hf_token``: its pods read the token from the Secret; ``wheels``:
+    where its pods find ``submit --offline``'s wheelhouse)."""
     cfg = d.cfg
     doc = m.raycluster(cfg, hf_token=hf_token)
-    if house is not None:
-        doc = with_wheels(doc, cfg, offline_wheels.source_of(d, house), house.digest)
+    if wheels is not None:
+        doc = wheels.into(doc, cfg)
     _apply(d, doc, f"RayCluster {cfg.ray.namespace}/{cfg.ray.cluster_name}")
 
 
@@ -474,19 +472,19 @@ def submit(
     if problems:
         raise NodesNotReady(problems)  # at once: pods would only sit Pending
     pip: list[str] | None = None  # None: the head pod's image is asked once it runs (not --offline)
-    options, house = None, None
-    if offline:  # the image asked, the wheelhouse built and uploaded: a requirement without a wheel stops here
+    options, wheels = None, None
+    if offline:  # the image asked, the wheelhouse built and stored: a requirement without a wheel stops here
         apply_namespace(d)  # where the image's probe pod runs, if one is needed
         running = _running_head(d) if mode == "raycluster" else None
-        pip, house = offline_wheels.prepare(d, job_requirements(), head=running)
-        options = wheel_options(house.digest) if house is not None else None
+        pip, wheels = offline_wheels.prepare(d, job_requirements(), head=running)
+        options = wheels.pip_options() if wheels is not None else None
 
     apply_job_config(d, hf_token, env, namespace=not offline)
 
     previous = d.state.get("job") or {}
     rayjob_id = None  # the Ray job id KubeRay gives a RayJob
     if mode == "raycluster":
-        apply_raycluster(d, hf_token=bool(hf_token), house=house)
+        apply_raycluster(d, hf_token=bool(hf_token), wheels=wheels)
         cluster = cfg.ray.cluster_name
     else:
         old = d.kube.get("ray.io/v1", "RayJob", cfg.ray.cluster_name, ns)
@@ -499,14 +497,14 @@ def submit(
         doc = rayjob_manifest(
             cfg, hf_token=bool(hf_token), code_map=code_map, items=items, pip=pip, pip_options=options
         )
-        if house is not None:
-            doc = with_wheels(doc, cfg, offline_wheels.source_of(d, house), house.digest)
+        if wheels is not None:
+            doc = wheels.into(doc, cfg)
         _apply(d, doc, f"RayJob {ns}/{cfg.ray.cluster_name}")
         cluster, rayjob_id = _wait_rayjob_cluster(d, cfg.ray.job_start_deadline_s)
 
     head, workers = wait_for_ray_pods(d, ns, cluster, cfg.ray.job_start_deadline_s)
-    if house is not None and mode == "raycluster":  # pods made before the init container was in the template
-        offline_wheels.copy_into(d, [head, *workers], house)
+    if wheels is not None and mode == "raycluster":  # pods made before the init container was in the template
+        offline_wheels.copy_into(d, [head, *workers], wheels)
 
     submission_id = None
     if previous.get("mode") == mode and previous.get("id") and previous.get("raycluster") == cluster:

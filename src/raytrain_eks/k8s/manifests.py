@@ -228,7 +228,7 @@ def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
     env: list[dict[str, Any]] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
     if hf_token:
         env.append(hf_token_env(cfg))
-    mounts, volumes = _shared_volume(cfg)
+    mounts, volumes = shared_volume(cfg)
     container = {
         "name": "ray-head",
         "image": cfg.ray.image,
@@ -273,7 +273,7 @@ def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
     if efa:  # requested only where the nodes have EFA (the request would keep the pods Pending elsewhere)
         # Without the EFA request the device plugin mounts no EFA device and NCCL silently falls back to sockets.
         resources[EFA_RESOURCE] = str(efa)
-    mounts, volumes = _shared_volume(cfg)
+    mounts, volumes = shared_volume(cfg)
     container = {
         "name": "ray-worker",
         "image": cfg.ray.image,
@@ -309,7 +309,7 @@ def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
 SHARED_VOLUME = "shared"
 
 
-def _shared_volume(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def shared_volume(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The mount and the volume of ``ray.shared_volume`` in every Ray pod (none when it is not set)."""
     if not cfg.ray.shared_volume:
         return [], []

@@ -8,7 +8,9 @@ wheels and their manifest (:data:`MANIFEST`: names, sizes, sha256; written last)
 ``training.storage_path/.raytrain-eks-wheelhouse/DIGEST``. Every Ray pod gets an init container (:func:`with_wheels`)
 that runs :data:`_COPY` under the image's python3 (pyarrow, the pod's IRSA credentials): the wheels into an emptyDir
 at :data:`WHEELS_DIR`, each checked against the manifest; the job's runtime_env then installs with ``--no-index
---find-links`` there (:func:`pip_options`). Example::
+--find-links`` there (:func:`pip_options`). When the storage is a folder of ``ray.shared_volume`` (:func:`on_volume`),
+:func:`write_through` writes the wheelhouse there instead, through exec in a pod that mounts the volume, and pip reads
+it on the volume (no init container). Example::
 
     image = ImagePython.from_probe(json.loads(probe_output))
     house = build_wheelhouse(["peft>=0.21.2,<0.22"], image, Path(tmp), installed=ask_image)
@@ -270,18 +272,25 @@ def build_wheelhouse(
     return house
 
 
+def on_volume(cfg: Config) -> bool:
+    """Whether ``training.storage_path`` lies on ``ray.shared_volume`` (a folder of its mount in every Ray pod)."""
+    path, mount = cfg.training.storage_path or "", cfg.ray.shared_volume_path
+    return bool(cfg.ray.shared_volume) and (path == mount or path.startswith(mount + "/"))
+
+
 def storage_location(cfg: Config) -> str:
-    """Where the wheelhouses of ``cfg``'s jobs go: a folder of ``training.storage_path``, which must be a URI every
-    pod reads with its own credentials (``s3://``)."""
+    """Where the wheelhouses of ``cfg``'s jobs go, beside the checkpoints: a folder of ``training.storage_path``,
+    which must be a URI every pod reads with its own credentials (``s3://``) or a folder of ``ray.shared_volume``,
+    which every Ray pod mounts."""
     path = cfg.training.storage_path
-    if not path or "://" not in path:
+    if not on_volume(cfg) and (not path or "://" not in path):
         raise UserError(
-            f"--offline: training.storage_path = {path!r} is not storage the Ray pods read through a URI; the "
-            "wheelhouse goes beside the checkpoints, and every pod copies it from there before Ray starts",
-            hint="Set training.storage_path to an s3:// prefix the Ray pods may read (on EKS `up` makes one), or "
-            "submit without --offline.",
+            f"--offline: training.storage_path = {path!r} is neither storage the Ray pods read through a URI nor a "
+            "folder of ray.shared_volume; the wheelhouse goes beside the checkpoints, where every Ray pod reads it",
+            hint="Set training.storage_path to an s3:// prefix the Ray pods may read (on EKS `up` makes one), or set "
+            "ray.shared_volume (a ReadWriteMany claim; the checkpoints go there too), or submit without --offline.",
         )
-    return f"{path.rstrip('/')}/{STORAGE_FOLDER}"
+    return f"{str(path).rstrip('/')}/{STORAGE_FOLDER}"
 
 
 def upload(house: Wheelhouse, location: str, say: Callable[[str], None] = lambda _: None) -> str:
@@ -370,10 +379,11 @@ def copy_argv(source: str, digest: str) -> list[str]:
     return [m.IMAGE_PYTHON, "-c", _COPY, source, local_folder(digest)]
 
 
-def pip_options(digest: str) -> list[str]:
+def pip_options(digest: str, folder: str | None = None) -> list[str]:
     """runtime_env ``pip_install_options``: Ray's two defaults (which a list given replaces), then the wheelhouse
-    as the only place pip looks."""
-    return ["--disable-pip-version-check", "--no-cache-dir", "--no-index", "--find-links", local_folder(digest)]
+    (in ``folder``, default each pod's own copy of ``digest``) as the only place pip looks."""
+    where = folder or local_folder(digest)
+    return ["--disable-pip-version-check", "--no-cache-dir", "--no-index", "--find-links", where]
 
 
 def with_wheels(doc: Mapping[str, Any], cfg: Config, source: str, digest: str) -> dict[str, Any]:
@@ -411,10 +421,12 @@ _PROBE_WAIT = (
 def probe_pod(cfg: Config) -> dict[str, Any]:
     """A short-lived ``v1`` Pod of the Ray image, placed as the Ray workers are (their node selector and
     tolerations, so the image is pulled where the workers need it anyway), that only waits: ``submit --offline``
-    asks its python3 (:data:`IMAGE_PLATFORM`, the installed versions) before any Ray object exists, then deletes
-    it. It requests no GPU and sees none."""
+    asks its python3 (:data:`IMAGE_PLATFORM`, the installed versions) before any Ray object exists, and writes
+    through it the wheelhouse onto ``ray.shared_volume`` (mounted as in the Ray pods), then deletes it. It requests
+    no GPU and sees none."""
     worker = m.pod_templates(m.raycluster(cfg))[1]["spec"]
     small = {"cpu": "100m", "memory": "256Mi"}
+    mounts, volumes = m.shared_volume(cfg)  # the wheelhouse is written there when the storage is on it
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "activeDeadlineSeconds": PROBE_LIFETIME_S,
@@ -429,8 +441,10 @@ def probe_pod(cfg: Config) -> dict[str, Any]:
                 "command": [m.IMAGE_PYTHON, "-c", _PROBE_WAIT],
                 "env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}],
                 "resources": {"requests": dict(small), "limits": dict(small)},
+                **({"volumeMounts": mounts} if mounts else {}),
             }
         ],
+        **({"volumes": volumes} if volumes else {}),
     }
     return {
         "apiVersion": "v1",
@@ -442,3 +456,99 @@ def probe_pod(cfg: Config) -> dict[str, Any]:
         },
         "spec": spec,
     }
+
+
+# Writing a wheelhouse onto the shared volume through a pod that mounts it (the Ray head, or the image's probe pod):
+# the wheels go in pieces through exec's stdin (base64 text) into a partial folder; the last call checks every file
+# against the manifest, writes the manifest and renames the folder into place. All three run under the image's
+# python3 and write nothing outside the folders given.
+PIECE_BYTES = 4 << 20  # raw bytes of one exec call (about 5.3 MB of base64 on the wire)
+
+# argv: the complete folder. Exit 0 when it already holds a manifest (the same digest is the same wheels).
+_HAVE = """\
+import os, sys
+sys.exit(0 if os.path.isfile(os.path.join(sys.argv[1], "raytrain-eks-wheelhouse.json")) else 1)
+"""
+
+# argv: the partial folder, a wheel file name, "new" or "more"; stdin: base64 of the next piece of that file.
+_PUT_PIECE = """\
+import base64, os, sys
+folder, name, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+if "/" in name or name.startswith(".") or not name.endswith(".whl"):
+    sys.exit("refusing to write %r: not a wheel file name" % name)
+os.makedirs(folder, exist_ok=True)
+with open(os.path.join(folder, name), "wb" if mode == "new" else "ab") as out:
+    out.write(base64.b64decode(sys.stdin.read()))
+"""
+
+# argv: the partial folder, the complete folder; stdin: the manifest. Every file checked, the manifest written
+# last, the folder renamed into place (a folder another submit completed first is kept).
+_SEAL = """\
+import hashlib, json, os, shutil, sys
+partial, dest = sys.argv[1].rstrip("/"), sys.argv[2].rstrip("/")
+raw = sys.stdin.read()
+manifest = json.loads(raw)
+for entry in manifest["files"]:
+    digest, size = hashlib.sha256(), 0
+    with open(os.path.join(partial, entry["name"]), "rb") as f:
+        while True:
+            chunk = f.read(8 << 20)
+            if not chunk:
+                break
+            digest.update(chunk)
+            size += len(chunk)
+    if size != entry["bytes"] or digest.hexdigest() != entry["sha256"]:
+        shutil.rmtree(partial, ignore_errors=True)
+        sys.exit("%s: %d bytes, sha256 %s; the manifest says %d bytes, %s"
+                 % (entry["name"], size, digest.hexdigest(), entry["bytes"], entry["sha256"]))
+with open(os.path.join(partial, "raytrain-eks-wheelhouse.json"), "w") as out:
+    out.write(raw)
+try:
+    os.rename(partial, dest)
+except OSError:
+    if not os.path.isfile(os.path.join(dest, "raytrain-eks-wheelhouse.json")):
+        raise
+    shutil.rmtree(partial, ignore_errors=True)
+print("wheelhouse of %d wheels in %s" % (len(manifest["files"]), dest), flush=True)
+"""
+
+PodRun = Callable[[list[str], "str | None"], Any]  # (argv, stdin) -> an ExecResult in a pod that mounts the volume
+
+
+def write_through(house: Wheelhouse, location: str, run: PodRun, say: Callable[[str], None] = lambda _: None) -> str:
+    """The wheels, checked, then the manifest, into ``location/DIGEST`` on the shared volume, through ``run`` (exec
+    in a pod that mounts it); returns that folder. A folder whose manifest is already there is used as it is."""
+    import base64
+    import secrets
+
+    target = f"{location.rstrip('/')}/{house.digest}"
+    if run([m.IMAGE_PYTHON, "-c", _HAVE, target], None).ok:
+        say(f"Wheelhouse {house.digest} is already at {target}")
+        return target
+    partial = f"{target}.partial-{secrets.token_hex(4)}"
+
+    def checked(argv: list[str], stdin: str | None, what: str) -> Any:
+        res = run(argv, stdin)
+        if not res.ok:
+            raise UserError(
+                f"--offline: cannot write the wheelhouse to {target} ({what}): "
+                + (res.stderr or res.stdout).strip()[-300:],
+                hint="A file that differs from the manifest was damaged on the way: submit again. A permission error: "
+                "the shared volume must be writable by the Ray pods (its access modes and file permissions).",
+            )
+        return res
+
+    for wheel in house.wheels:
+        with (house.folder / wheel.name).open("rb") as src:
+            mode = "new"
+            while True:
+                piece = src.read(PIECE_BYTES)
+                if not piece and mode == "more":
+                    break
+                text = base64.b64encode(piece).decode("ascii")
+                checked([m.IMAGE_PYTHON, "-c", _PUT_PIECE, partial, wheel.name, mode], text, wheel.name)
+                mode = "more"
+    manifest = json.dumps(house.manifest(), indent=2) + "\n"
+    checked([m.IMAGE_PYTHON, "-c", _SEAL, partial, target], manifest, "the manifest")
+    say(f"Wrote wheelhouse {house.digest} to {target} on the shared volume ({house.total_bytes / 2**20:,.1f} MiB)")
+    return target
