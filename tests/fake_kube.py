@@ -238,6 +238,8 @@ class FakeKube:
         self.applied: list[dict[str, Any]] = []
         self.deleted: list[tuple[str, str, str, str | None]] = []
         self.crashing: set[tuple[str, str]] = set()  # (namespace, DaemonSet): its pods never become ready
+        # (namespace, bare pod): its container exits at once with status 1 (restartPolicy Never: the pod is Failed)
+        self.exiting: set[tuple[str, str]] = set()
         self._nodes: dict[str, _FakeNode] = {}
         self._daemon_sets: dict[tuple[str, str], _FakeDaemonSet] = {}
         self._pods: dict[tuple[str, str], _FakePod] = {}
@@ -656,6 +658,9 @@ class FakeKube:
                 if self.image_pull_error and pod.owner[0] in ("RayCluster", "Pod"):
                     pod.waiting_reason = "ImagePullBackOff"
                     self._event(ns, name, Event("Warning", "Failed", self.image_pull_error))
+                elif pod.owner[0] == "Pod" and (ns, name) in self.exiting:
+                    pod.phase, pod.ready = "Failed", False
+                    self._event(ns, name, Event("Warning", "BackOff", "container exited with status 1 (Error)"))
                 else:
                     pod.phase, pod.ready, pod.waiting_reason = "Running", True, None
 

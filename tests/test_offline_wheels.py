@@ -518,6 +518,17 @@ def test_a_probe_pod_that_cannot_start_is_one_message_with_its_events_and_is_del
     assert err.value.hint and "ImagePullBackOff" in err.value.hint
     assert not _ray_objects(world)
     assert world.kube.get("v1", "Pod", _probe_name(world), world.d.cfg.ray.namespace) is None
+    assert world.kube.time >= world.d.cfg.ray.job_start_deadline_s  # it waited, as an image pull may take long
+    # A probe whose process ends (an image without python3) is told at once, not after the deadline.
+    world.kube.image_pull_error = None
+    world.kube.exiting.add((world.d.cfg.ray.namespace, _probe_name(world)))
+    started = world.kube.time
+    with pytest.raises(wh.UserError) as err:
+        world.submit()
+    assert "ended Failed instead of waiting" in err.value.message and "exited with status 1" in err.value.message
+    assert world.kube.time - started < 60
+    assert not _ray_objects(world)
+    assert world.kube.get("v1", "Pod", _probe_name(world), world.d.cfg.ray.namespace) is None
 
 
 def test_submit_offline_rayjob_asks_through_a_probe_pod_and_then_from_what_it_remembered(offline_world: Any):

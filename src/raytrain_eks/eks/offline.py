@@ -122,20 +122,29 @@ def image_pod(d: Deployment) -> Iterator[Pod]:
         found = [p for p in d.kube.pods(ns, doc["metadata"]["labels"]) if p.name == name]
         if found and found[0].phase == "Running":
             return found[0], "running"
+        if found and found[0].phase in ("Failed", "Succeeded"):  # its one process ended: it never will run
+            raise not_running(f"ended {found[0].phase} instead of waiting")
         return None, (found[0].waiting_reason or found[0].phase) if found else "not created"
 
-    def too_late(_: str, waited: float) -> Exception:
+    def not_running(why: str) -> ProbeNotRunning:
         events = [e for e in d.kube.pod_events(ns, name) if e.type == "Warning"] or d.kube.pod_events(ns, name)
         shown = "\n".join(f"  {e}" for e in events[-5:]) or "  (no events)"
         return ProbeNotRunning(
-            f"--offline: the pod {ns}/{name} of the image did not run within {waited:.0f} s:\n{shown}\n"
-            "Nothing else was applied; the pod is deleted",
+            f"--offline: the pod {ns}/{name} of the image {why}:\n{shown}\nNothing else was applied; the pod is "
+            "deleted",
             hint="Fix what the events say (FailedScheduling: no node the workers select has room for a 100m/256Mi "
-            "pod; ImagePullBackOff: the image name, or the nodes' route to its registry), then submit again.",
+            "pod; ImagePullBackOff: the image name, or the nodes' route to its registry; an ended pod: the image "
+            f"has no {m.IMAGE_PYTHON}), then submit again.",
         )
 
     try:
-        yield d.wait(running, what=f"pod {name}", timeout=d.cfg.ray.job_start_deadline_s, on_timeout=too_late)
+        deadline = d.cfg.ray.job_start_deadline_s
+        yield d.wait(
+            running,
+            what=f"pod {name}",
+            timeout=deadline,
+            on_timeout=lambda _, waited: not_running(f"did not run within {waited:.0f} s"),
+        )
     finally:
         d.kube.delete("v1", "Pod", name, ns)
         d.state.forget(item)
