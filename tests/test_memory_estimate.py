@@ -54,7 +54,7 @@ def _tracked_peak(config, mesh, *, seq_len: int, checkpointing: bool, lora=None)
     from transformers import AutoModelForCausalLM
 
     from raytrain_eks.train.lora import apply_lora
-    from raytrain_eks.train.model import chunked_cross_entropy, output_projection_deferred
+    from raytrain_eks.train.model import checkpoint_activations, chunked_cross_entropy, output_projection_deferred
     from raytrain_eks.train.sharding import apply_fsdp
 
     adapted = None
@@ -72,7 +72,7 @@ def _tracked_peak(config, mesh, *, seq_len: int, checkpointing: bool, lora=None)
             assert model.lm_head.weight is model.model.embed_tokens.weight
         model.config.use_cache = False
         if checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            checkpoint_activations(model)
         model.train()
         apply_fsdp(model, precision="bf16", mesh=mesh)
         weight = output_projection_deferred(model)

@@ -25,6 +25,16 @@ from raytrain_eks.errors import UserError
 from raytrain_eks.train.memory import GRAD_PIECE_ELEMENTS
 
 
+def checkpoint_activations(model: Any) -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant). transformers 5.23 names this
+    ``activation_checkpointing_enable``; releases before it (the 5.13 of AWS's Ray DLC) only
+    ``gradient_checkpointing_enable``."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def load_model(path: str, *, activation_checkpointing: bool) -> Any:
     """The causal LM in fp32 master weights (FSDP's policy casts for compute), ready to shard."""
     from transformers import AutoModelForCausalLM
@@ -32,7 +42,7 @@ def load_model(path: str, *, activation_checkpointing: bool) -> Any:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = False
     if activation_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     return model
 
 
@@ -45,7 +55,7 @@ def load_model_shell(path: str, *, activation_checkpointing: bool) -> Any:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
     model.config.use_cache = False
     if activation_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     return model
 
 
@@ -125,12 +135,16 @@ def logit_transform(model: Any) -> LogitTransform | None:
     except (OSError, TypeError):
         source = ""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    # The projection's own attribute: lm_head in most models, embed_out in GPT-NeoX before transformers renamed it.
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    projections = ["lm_head", "get_output_embeddings"]
+    projections += [f"self.{name}(" for name, child in model.named_children() if head is not None and child is head]
     unknown = []
     for line in _LOGITS_REASSIGNED.findall(source):
         line = line.split("#")[0].strip()
         if line.endswith(","):  # logits=logits, a keyword of the output being built
             continue
-        if "lm_head" in line or "get_output_embeddings" in line or line.startswith("outputs"):
+        if any(p in line for p in projections) or line.startswith("outputs"):
             continue  # the projection itself
         if line == "torch.tanh(logits)" or any(field in line for field in KNOWN_LOGIT_FIELDS):
             continue
