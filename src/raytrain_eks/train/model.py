@@ -387,7 +387,10 @@ def chunked_cross_entropy(
     """
     hidden, labels = hidden.reshape(-1, hidden.size(-1)), labels.reshape(-1)
     rows = max(1, max_logits // weight.size(0))
-    if rows >= labels.numel():  # one chunk: nothing to save by recomputing
+    # One chunk on a GPU: nothing to save by recomputing, and its bf16 product sums every token in fp32 and rounds once.
+    # A CPU's need not (oneDNN on AVX512-BF16 without AMX rounds the projection's gradient otherwise), so there the
+    # gradient is always the fp32 sum of _ChunkedLoss, and the training is the same however the tokens are cut.
+    if rows >= labels.numel() and (hidden.is_cuda or weight.dtype == torch.float32):
         logits = F.linear(hidden, weight).float()
         if transform is not None:
             logits = transform(logits)
