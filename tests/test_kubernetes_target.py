@@ -357,15 +357,23 @@ def test_a_read_write_many_volume_is_mounted_into_every_ray_pod_and_holds_the_ch
 
 def test_runtime_env_installs_only_what_the_image_lacks_in_range(plain: Cluster):
     # As an image's python3 would report them: some in range, some older or newer than the job takes.
-    plain.ray.image = {"transformers": "5.13.0", "PyYAML": "6.0.3", "rich": "15.1.0", "tokenizers": "0.24.0"}
+    plain.ray.image = {"transformers": "5.12.0", "PyYAML": "6.0.3", "rich": "15.1.0", "tokenizers": "0.24.0"}
     plain.target.up(plain.d(), confirm=plain.ask())
     assert sub.submit(plain.d()).exit_code == 0
     (argv,) = plain.ray.submitted
     pip = json.loads(argv[argv.index("--runtime-env-json") + 1])["pip"]
     names = [p.split(">")[0] for p in pip]
-    assert "transformers>=5.23.0,<6" in pip and "tokenizers>=0.23.3,<0.24" in pip  # 5.13 too old, 0.24 too new
+    assert "transformers>=5.13.0,<6" in pip and "tokenizers>=0.22.2,<0.24" in pip  # 5.12 too old, 0.24 too new
     assert "PyYAML" not in names and "rich" not in names and "torch" not in names and "ray" not in names
     assert "The image has 2 of the job's" in plain.said() and "PyYAML 6.0.3" in plain.said()
+    # The DLC's own transformers 5.13 with its tokenizers: in range, nothing of theirs installed.
+    plain.ray.image = {"transformers": "5.13.0", "tokenizers": "0.22.2"}
+    plain.ray.submitted.clear()
+    plain.kube.delete("ray.io/v1", "RayCluster", plain.cfg.ray.cluster_name, plain.cfg.ray.namespace)
+    assert sub.submit(plain.d()).exit_code == 0, plain.said()
+    (argv,) = plain.ray.submitted
+    names = [p.split(">")[0] for p in json.loads(argv[argv.index("--runtime-env-json") + 1])["pip"]]
+    assert "transformers" not in names and "tokenizers" not in names and "rich" in names
 
 
 def test_the_image_version_probe_reports_what_an_interpreter_has():

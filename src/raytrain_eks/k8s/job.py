@@ -150,23 +150,32 @@ def image_missing_requirements() -> list[str]:
     return out
 
 
-def _range(version: str) -> str:
-    """The versions of a dependency the job takes on the cluster: from the one pinned (and tested) here up to its
-    next major (next minor for a 0.x version), so a copy the image has in that range is used as it is.
-    Example: ``_range("5.23.0") == ">=5.23.0,<6"``, ``_range("0.23.3") == ">=0.23.3,<0.24"``."""
+# Older releases the job is also checked with, so that an image holding them needs nothing installed: AWS's Ray
+# Train DLC ships transformers 5.13 (with the tokenizers it takes, <=0.23.0). `scripts/check_oldest.sh` runs the
+# training tests against exactly these (every other package as pinned); the suite runs the pinned ones.
+OLDEST_CHECKED: dict[str, str] = {"transformers": "5.13.0", "tokenizers": "0.22.2"}
+
+
+def _range(version: str, oldest: str | None = None) -> str:
+    """The versions of a dependency the job takes on the cluster: from the one pinned (and tested) here, or the
+    older ``oldest`` also checked, up to the pinned one's next major (next minor for a 0.x version), so a copy the
+    image has in that range is used as it is. Example: ``_range("5.23.0") == ">=5.23.0,<6"``,
+    ``_range("0.23.3", "0.22.2") == ">=0.22.2,<0.24"``."""
     parts = [int(x) if x.isdigit() else 0 for x in version.split(".")[:2]] + [0]
     upper = f"{parts[0] + 1}" if parts[0] else f"0.{parts[1] + 1}"
-    return f">={version},<{upper}"
+    return f">={oldest or version},<{upper}"
 
 
 def job_requirements() -> list[str]:
     """What the job needs beyond the image's Ray and PyTorch, as ranges (:func:`_range`) of the pinned versions.
 
-    Example (reference): ``["transformers>=5.23.0,<6", "tokenizers>=0.23.3,<0.24", ...]``."""
+    Example (reference): ``["transformers>=5.13.0,<6", "tokenizers>=0.22.2,<0.24", "safetensors>=0.8.0,<0.9", ...]``.
+    """
     out = []
     for spec in image_missing_requirements():
         name, _, version = spec.partition("==")
-        out.append(f"{name}{_range(version)}" if version and "," not in version else spec)
+        oldest = OLDEST_CHECKED.get(name.lower())
+        out.append(f"{name}{_range(version, oldest)}" if version and "," not in version else spec)
     return out
 
 
