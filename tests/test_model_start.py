@@ -232,3 +232,16 @@ if __name__ == "__main__":  # one rank: RANK WORLD STORE MODEL OUT (the rank-0 t
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # as the torchrun entry does: no interpreter shutdown racing gloo's threads (SIGABRT at exit)
+
+
+def test_activation_checkpointing_is_switched_on_non_reentrant_in_every_decoder_layer(builtin_model: str):
+    # Under whichever name the installed transformers has (5.23: activation_checkpointing_enable; the DLC's 5.13:
+    # gradient_checkpointing_enable only): the suite runs the first, scripts/check_oldest.sh the second.
+    model = load_model_shell(builtin_model, activation_checkpointing=True)
+    layers = list(model.model.layers)
+    assert len(layers) == model.config.num_hidden_layers
+    for layer in layers:
+        assert layer.gradient_checkpointing is True
+        assert layer._gradient_checkpointing_func.keywords.get("use_reentrant") is False
+    plain = load_model_shell(builtin_model, activation_checkpointing=False)
+    assert not [m for m in plain.model.layers if getattr(m, "gradient_checkpointing", False)]
