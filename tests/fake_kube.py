@@ -196,6 +196,7 @@ class _FakePod:
     waiting_reason: str | None = None
     bound_at: float | None = None
     placement: Placement | None = None  # None: only node_selector counts, every taint tolerated
+    ended: str | None = None  # its container's state.terminated, as the real API's Pod carries it
 
 
 def device_plugin_resource(pod_spec: Mapping[str, Any]) -> str | None:
@@ -238,7 +239,8 @@ class FakeKube:
         self.applied: list[dict[str, Any]] = []
         self.deleted: list[tuple[str, str, str, str | None]] = []
         self.crashing: set[tuple[str, str]] = set()  # (namespace, DaemonSet): its pods never become ready
-        # (namespace, bare pod): its container exits at once with status 1 (restartPolicy Never: the pod is Failed)
+        # (namespace, bare pod): its container exits at once with status 1 (restartPolicy Never: the pod is Failed,
+        # its container's state terminated with exitCode 1, reason Error, as the kubelet reports it; no event)
         self.exiting: set[tuple[str, str]] = set()
         self._nodes: dict[str, _FakeNode] = {}
         self._daemon_sets: dict[tuple[str, str], _FakeDaemonSet] = {}
@@ -377,7 +379,7 @@ class FakeKube:
 
     def pods(self, namespace: str, selector: Mapping[str, str] | None = None) -> list[Pod]:
         return [
-            Pod(name, ns, p.phase, dict(p.labels), p.node, p.ready, p.waiting_reason)
+            Pod(name, ns, p.phase, dict(p.labels), p.node, p.ready, p.waiting_reason, p.ended)
             for (ns, name), p in self._pods.items()
             if ns == namespace and matches(p.labels, selector)
         ]
@@ -659,8 +661,7 @@ class FakeKube:
                     pod.waiting_reason = "ImagePullBackOff"
                     self._event(ns, name, Event("Warning", "Failed", self.image_pull_error))
                 elif pod.owner[0] == "Pod" and (ns, name) in self.exiting:
-                    pod.phase, pod.ready = "Failed", False
-                    self._event(ns, name, Event("Warning", "BackOff", "container exited with status 1 (Error)"))
+                    pod.phase, pod.ready, pod.ended = "Failed", False, "exited with status 1 (Error)"
                 else:
                     pod.phase, pod.ready, pod.waiting_reason = "Running", True, None
 

@@ -563,6 +563,21 @@ def test_pods_send_the_label_selector_and_read_phase_node_and_waiting_reason(
     ]  # fmt: skip
 
 
+def test_pods_read_how_an_ended_container_ended(kube: KubernetesApi, server: FakeApiServer) -> None:
+    ended = pod("probe-0", "probe", {"app": "probe"}, node_name="ip-10-0-2-21.us-west-2.compute.internal", waiting=None)
+    ended["status"]["phase"] = "Failed"
+    ended["status"]["conditions"][0]["status"] = "False"
+    ended["status"]["containerStatuses"][0]["ready"] = False
+    ended["status"]["containerStatuses"][0]["state"] = {
+        "terminated": {"exitCode": 127, "reason": "Error", "startedAt": CREATED, "finishedAt": CREATED}
+    }
+    server.seed("v1", "pods", ended)
+    (found,) = kube.pods("probe")
+    assert (found.phase, found.ready, found.waiting_reason) == ("Failed", False, None)
+    assert found.ended == "exited with status 127 (Error)"
+    assert all(p.ended is None for p in kube.pods("default"))  # running or waiting: not ended
+
+
 def test_pod_events_send_the_involved_object_field_selector(kube: KubernetesApi, server: FakeApiServer) -> None:
     events = kube.pod_events("default", WORKER)
 

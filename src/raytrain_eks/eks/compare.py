@@ -459,12 +459,13 @@ def restore_raycluster(d: Deployment, *, hf_token: bool) -> None:
     and ``fabric.require``): delete the last run's cluster, wait for its pods to go, then apply the namespace, the
     job's ConfigMap and the RayCluster, as :func:`raytrain_eks.eks.submit.submit` does. Its new pods start on their own.
     """
-    from raytrain_eks.eks.submit import apply_job_config, apply_raycluster, restart_raycluster
+    from raytrain_eks.eks.submit import apply_job_config, apply_namespace, apply_raycluster, restart_raycluster
 
     cfg = d.cfg
     ns, name = cfg.ray.namespace, cfg.ray.cluster_name
     try:
         restart_raycluster(d)
+        apply_namespace(d)
         apply_job_config(d, None)  # the token's Secret, when there is one, is still there from the runs
         apply_raycluster(d, hf_token=hf_token)
     except UserError as exc:

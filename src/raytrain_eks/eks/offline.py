@@ -1,16 +1,18 @@
 """``submit --offline`` on the cluster: ask the image, build and upload the wheelhouse, all before any Ray object.
 
 The image's Python, platform tags and installed packages are read from its own python3 before the RayCluster or
-RayJob is applied, so a requirement without a wheel for it stops the submit with nothing applied: from what an
-earlier submit remembered of this image (the state, per image), else from this deployment's Ray head pod when it
-already runs, else from a short-lived pod of the image placed as the workers are (:func:`image_pod`, deleted
-again). :mod:`raytrain_eks.k8s.wheelhouse` builds the wheels here and uploads them beside the checkpoints; the Ray
-objects are applied with the init container that copies them (:func:`raytrain_eks.k8s.wheelhouse.with_wheels`),
-and pods of an earlier RayCluster, made without it, copy them through exec (:func:`copy_into`). Example::
+RayJob is applied, so a requirement without a wheel for it stops the submit with nothing applied but the namespace:
+from this deployment's Ray head pod when it already runs, else from what an earlier submit remembered of this image
+(the state, per image), else from a short-lived pod of the image placed as the workers are (:func:`image_pod`,
+deleted again). :mod:`raytrain_eks.k8s.wheelhouse` builds the wheels here and stores them beside the checkpoints:
+on ``s3://`` the Ray objects get the init container that copies them (:meth:`Wheels.into`) and pods of an earlier
+RayCluster, made without it, copy them through exec (:func:`copy_into`); on the shared volume they are written
+through the pod asked, and pip reads them there. Example::
 
-    check(d)                                             # storage the pods read, before anything is applied
-    left, house = prepare(d, job_requirements(), head=None)   # what runtime_env installs; its wheelhouse
-    copy_into(d, [head, *workers], house)                # after the pods run (idempotent)
+    check(d)                                              # storage the pods read, before anything is applied
+    left, wheels = prepare(d, job_requirements(), head=None)   # what runtime_env installs; where its wheels are
+    doc = wheels.into(raycluster_doc, cfg)                # then, once the pods run:
+    copy_into(d, [head, *workers], wheels)                # idempotent; nothing to do on the volume
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s import wheelhouse as wh
 from raytrain_eks.k8s.cluster import Pod
-from raytrain_eks.k8s.job import IMAGE_VERSIONS, left_to_install, requirement_name
+from raytrain_eks.k8s.job import IMAGE_VERSIONS, requirement_name, what_the_image_has
 from raytrain_eks.k8s.runner import CommandError
 from raytrain_eks.k8s.state import Deployment, object_item
 
@@ -52,11 +54,11 @@ def _container(pod: Pod) -> str | None:
     return "ray-head" if pod.labels.get("ray.io/node-type") == "head" else None
 
 
-def ask_head(d: Deployment, head: Pod, script: str, *args: str) -> tuple[dict[str, Any] | None, str]:
+def ask_pod(d: Deployment, pod: Pod, script: str, *args: str) -> tuple[dict[str, Any] | None, str]:
     """What ``script`` (run by the pod's python3 with ``args``) printed as a JSON object, or ``None`` and what it
     said instead."""
     argv = [m.IMAGE_PYTHON, "-c", script, *args]
-    res = d.kube.exec(head.namespace, head.name, argv, timeout=EXEC_TIMEOUT_S, container=_container(head))
+    res = d.kube.exec(pod.namespace, pod.name, argv, timeout=EXEC_TIMEOUT_S, container=_container(pod))
     try:
         found = json.loads(res.stdout) if res.ok else None
     except ValueError:
@@ -68,7 +70,7 @@ def ask_head(d: Deployment, head: Pod, script: str, *args: str) -> tuple[dict[st
 
 def ask_image(d: Deployment, pod: Pod) -> wh.ImagePython:
     """The image's python3 in ``pod``: its version, ABI, platform tags and markers (remembered for this image)."""
-    found, said = ask_head(d, pod, wh.IMAGE_PLATFORM)
+    found, said = ask_pod(d, pod, wh.IMAGE_PLATFORM)
     if found is None:
         raise UserError(
             f"--offline: cannot read the image's Python and platform in {pod.name}: {said[-300:]}. Nothing was applied",
@@ -90,7 +92,7 @@ def _asker(d: Deployment, pod: Pod | None) -> Callable[[list[str]], dict[str, st
         known: dict[str, str | None] = dict(record.get("versions", {}))
         if pod is None:
             return {n: known.get(n) for n in names}
-        found, said = ask_head(d, pod, IMAGE_VERSIONS, *names)
+        found, said = ask_pod(d, pod, IMAGE_VERSIONS, *names)
         if found is None:
             raise UserError(f"--offline: cannot ask the image which packages it has: {said[:300]}")
         known.update(found)
@@ -123,7 +125,8 @@ def image_pod(d: Deployment) -> Iterator[Pod]:
         if found and found[0].phase == "Running":
             return found[0], "running"
         if found and found[0].phase in ("Failed", "Succeeded"):  # its one process ended: it never will run
-            raise not_running(f"ended {found[0].phase} instead of waiting")
+            ended = found[0].ended or "gave no status"
+            raise not_running(f"ended {found[0].phase} instead of waiting (its container {ended})")
         return None, (found[0].waiting_reason or found[0].phase) if found else "not created"
 
     def not_running(why: str) -> ProbeNotRunning:
@@ -176,11 +179,9 @@ def prepare(d: Deployment, wanted: list[str], *, head: Pod | None) -> tuple[list
     else :func:`image_pod` is; a wheelhouse for the shared volume is written through that pod."""
     from packaging.utils import canonicalize_name
 
-    check(d)
     names = {r: str(canonicalize_name(requirement_name(r))) for r in wanted}
     record = _remembered(d)
-    known = record is not None and set(names.values()) <= set(record.get("versions", {}))
-    if head is None and record is not None and known and not wh.on_volume(d.cfg):
+    if head is None and record and set(names.values()) <= set(record.get("versions", {})) and not wh.on_volume(d.cfg):
         d.say(f"--offline: the image {d.cfg.ray.image} as an earlier submit read it")
         return _left_and_house(d, wh.ImagePython.from_probe(record["python"]), names, _asker(d, None), None)
     with nullcontext(head) if head is not None else image_pod(d) as pod:
@@ -198,14 +199,8 @@ def _left_and_house(
     wheels go when the storage is there)."""
     d.say(f"--offline: the image's {image.describe()}")
     found = asker(sorted(set(names.values())))
-    wanted = list(names)
-    left = left_to_install(wanted, {requirement_name(r): found.get(c) for r, c in names.items()})
-    kept = [f"{c} {found[c]}" for r, c in names.items() if r not in left]
-    d.say(
-        f"The image has {len(kept)} of the job's {len(wanted)} packages in range"
-        + (f" ({', '.join(kept)})" if kept else "")
-        + f"; the wheelhouse holds {', '.join(left) if left else 'nothing'} and what they need"
-    )
+    left, has = what_the_image_has(list(names), {requirement_name(r): found.get(c) for r, c in names.items()})
+    d.say(f"{has}; the wheelhouse holds {', '.join(left) if left else 'nothing'} and what they need")
     if not left:
         return left, None
     location = wh.storage_location(d.cfg)

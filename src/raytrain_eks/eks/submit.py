@@ -43,13 +43,13 @@ from raytrain_eks.k8s.job import (
     code_config_map,
     head_code_dir,
     job_requirements,
-    left_to_install,
     package_archive,
     package_files,
     ray_job_submit_argv,
     rayjob_manifest,
     requirement_name,
     unpack_argv,
+    what_the_image_has,
 )
 from raytrain_eks.k8s.runner import CommandError
 from raytrain_eks.k8s.state import Deployment, object_item
@@ -220,17 +220,12 @@ def image_lacks(d: Deployment, head: Pod) -> list[str]:
     pod's image already has in range (asked of its python3); all of them when the image cannot be asked."""
     wanted = job_requirements()
     names = [requirement_name(r) for r in wanted]
-    installed, said = offline_wheels.ask_head(d, head, IMAGE_VERSIONS, *names)
+    installed, said = offline_wheels.ask_pod(d, head, IMAGE_VERSIONS, *names)
     if installed is None:
         d.say(f"Could not ask the image which packages it has ({said[:200]}): runtime_env installs all of them")
         return wanted
-    left = left_to_install(wanted, installed)
-    kept = [f"{n} {installed[n]}" for n, r in zip(names, wanted, strict=True) if r not in left]
-    d.say(
-        f"The image has {len(kept)} of the job's {len(wanted)} packages in range"
-        + (f" ({', '.join(kept)})" if kept else "")
-        + f"; runtime_env installs {', '.join(left) if left else 'nothing'}"
-    )
+    left, has = what_the_image_has(wanted, installed)
+    d.say(f"{has}; runtime_env installs {', '.join(left) if left else 'nothing'}")
     return left
 
 
@@ -395,22 +390,18 @@ def refuse_raycluster_holding_gpus(d: Deployment) -> None:
 
 
 def apply_namespace(d: Deployment) -> None:
-    """The job's namespace, unless it is ``default``."""
+    """The job's namespace, unless it is ``default``: the first object a job needs (before the image's probe pod of
+    ``submit --offline`` and :func:`apply_job_config`)."""
     if d.cfg.ray.namespace != "default":
         _apply(d, m.namespace(d.cfg), f"namespace {d.cfg.ray.namespace}")
 
 
-def apply_job_config(
-    d: Deployment, hf_token: str | None, env: dict[str, str] | None = None, *, namespace: bool = True
-) -> None:
-    """What every job of ``d.cfg`` needs first: its namespace (unless ``default``, or ``namespace`` is false: applied
-    already), the Hugging Face token's Secret (when a token is given) and the ConfigMap with the job's configuration,
-    beside it the deployment record when the state says ``up`` made this cluster (what prices the run and tells the
-    probe its nodes)."""
+def apply_job_config(d: Deployment, hf_token: str | None, env: dict[str, str] | None = None) -> None:
+    """What every job of ``d.cfg`` needs in its namespace (:func:`apply_namespace`) first: the Hugging Face token's
+    Secret (when a token is given) and the ConfigMap with the job's configuration, beside it the deployment record
+    when the state says ``up`` made this cluster (what prices the run and tells the probe its nodes)."""
     cfg = d.cfg
     ns = cfg.ray.namespace
-    if namespace:
-        apply_namespace(d)
     if hf_token:
         _apply(d, m.hf_token_secret(cfg, hf_token), f"Secret {ns}/{cfg.ray.hf_token_secret} (the Hugging Face token)")
     if env:  # names only are said: the values go to the API and nowhere else
@@ -471,15 +462,15 @@ def submit(
     _, problems = gpu_node_problems(d, target.gpu_node_spec(d))
     if problems:
         raise NodesNotReady(problems)  # at once: pods would only sit Pending
+    apply_namespace(d)
     pip: list[str] | None = None  # None: the head pod's image is asked once it runs (not --offline)
     options, wheels = None, None
     if offline:  # the image asked, the wheelhouse built and stored: a requirement without a wheel stops here
-        apply_namespace(d)  # where the image's probe pod runs, if one is needed
         running = _running_head(d) if mode == "raycluster" else None
         pip, wheels = offline_wheels.prepare(d, job_requirements(), head=running)
         options = wheels.pip_options() if wheels is not None else None
 
-    apply_job_config(d, hf_token, env, namespace=not offline)
+    apply_job_config(d, hf_token, env)
 
     previous = d.state.get("job") or {}
     rayjob_id = None  # the Ray job id KubeRay gives a RayJob

@@ -42,8 +42,9 @@ class Node:
 
 @dataclass(frozen=True)
 class Pod:
-    """A pod: phase (``Pending``, ``Running``, ``Succeeded``, ``Failed``, ``Unknown``), node, readiness, and the
-    reason a container is waiting when there is one (``ImagePullBackOff``, ``CrashLoopBackOff``, ...)."""
+    """A pod: phase (``Pending``, ``Running``, ``Succeeded``, ``Failed``, ``Unknown``), node, readiness, the
+    reason a container is waiting when there is one (``ImagePullBackOff``, ``CrashLoopBackOff``, ...), and how a
+    container that has ended ended (``exited with status 1 (Error)``, its ``state.terminated``)."""
 
     name: str
     namespace: str
@@ -52,6 +53,7 @@ class Pod:
     node_name: str | None = None
     ready: bool = False
     waiting_reason: str | None = None
+    ended: str | None = None
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,8 @@ class KubernetesApi:
         for p in items:
             statuses = p.status.container_statuses or []
             waiting = next((s.state.waiting.reason for s in statuses if s.state and s.state.waiting), None)
+            done = next((s.state.terminated for s in statuses if s.state and s.state.terminated), None)
+            ended = None if done is None else f"exited with status {done.exit_code} ({done.reason or 'no reason'})"
             conditions = p.status.conditions or []
             out.append(
                 Pod(
@@ -262,6 +266,7 @@ class KubernetesApi:
                     node_name=p.spec.node_name,
                     ready=any(c.type == "Ready" and c.status == "True" for c in conditions),
                     waiting_reason=waiting,
+                    ended=ended,
                 )
             )
         return out

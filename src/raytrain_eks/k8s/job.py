@@ -214,6 +214,16 @@ def left_to_install(requirements: list[str], installed: Mapping[str, str | None]
     return out
 
 
+def what_the_image_has(wanted: list[str], installed: Mapping[str, str | None]) -> tuple[list[str], str]:
+    """:func:`left_to_install` of ``wanted`` (``installed``: by each requirement's name), and a sentence saying
+    which of them the image has in range: ``"The image has 2 of the job's 11 packages in range (PyYAML 6.0.3,
+    rich 15.1.0)"``."""
+    left = left_to_install(wanted, installed)
+    kept = [f"{requirement_name(r)} {installed[requirement_name(r)]}" for r in wanted if r not in left]
+    said = f"The image has {len(kept)} of the job's {len(wanted)} packages in range"
+    return left, said + (f" ({', '.join(kept)})" if kept else "")
+
+
 def package_files(root: Path | None = None) -> dict[str, str]:
     """Relative path -> text of every source and data file of the ``raytrain_eks`` package (no caches)."""
     base = Path(root) if root is not None else Path(raytrain_eks.__file__).parent
