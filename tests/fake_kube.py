@@ -217,12 +217,31 @@ def _pod_requests(pod_spec: Mapping[str, Any]) -> dict[str, str]:
     return {**(resources.get("limits") or {}), **(resources.get("requests") or {})}
 
 
+#: kubelet's event for an image the registry does not have, as recorded on EKS (containerd) in
+#: https://github.com/aquasecurity/starboard/issues/1161 (the ``Failed`` event of ``kubectl describe pod``).
+PULL_NOT_FOUND = (
+    'Failed to pull image "public.ecr.aws/aquasecurity/starboard-operator:0.15.4": rpc error: code = NotFound '
+    'desc = failed to pull and unpack image "public.ecr.aws/aquasecurity/starboard-operator:0.15.4": failed to '
+    'resolve reference "public.ecr.aws/aquasecurity/starboard-operator:0.15.4": '
+    "public.ecr.aws/aquasecurity/starboard-operator:0.15.4: not found"
+)
+#: kubelet's event for a pull from ECR that failed for want of credentials, and passed later (a kubelet restart),
+#: as recorded on EKS in https://github.com/kubernetes/kubernetes/issues/83348 (account and region masked there).
+PULL_NO_CREDENTIALS = (
+    'Failed to pull image "XXXXXXXX.dkr.ecr.ap-XXXXXX.amazonaws.com/isam:9.0.7.0": rpc error: code = Unknown '
+    "desc = Error response from daemon: Get https://XXXXXXX.dkr.ecr.ap-XXXXX.amazonaws.com/v2/ndi-spcp-isam/"
+    "manifests/9.0.7.0: no basic auth credentials"
+)
+
+
 class FakeKube:
     """The in-memory cluster. Tests reach into it through the helpers below; the steps only use :class:`KubeApi`.
 
     ``start_delay_s``: how long a bound pod takes to become Running. ``image_pull_error``: when set, bound
-    Ray pods and bare pods (both run the Ray image) never start and carry this message in a ``Failed`` event
-    (``ImagePullBackOff``). ``exec_handler``:
+    Ray pods and bare pods (both run the Ray image) never start: their container waits with ``ImagePullBackOff``
+    and the pod has this message in a ``Warning Failed`` event, as kubelet's image manager records a failed pull
+    (``Failed to pull image "IMAGE": ERROR``; :data:`PULL_NOT_FOUND` and :data:`PULL_NO_CREDENTIALS` are
+    recorded ones). ``exec_handler``:
     answers :meth:`exec` calls (``None`` from it means "exit 0, no output"); every call is kept in
     ``exec_calls``. ``ray_job_status``: what the dashboard of a RayJob's cluster says of a Ray job id (``None``:
     not known there), read by the RayJob controller as KubeRay reads it (``GetJobInfo``).

@@ -33,7 +33,7 @@ import typer
 import yaml
 from charts import crds, eksctl_efa_daemon_set, rendered, values_path, vendored
 from fake_eksctl_auth import FakeIamServiceAccounts, kubeconfig
-from fake_kube import CLUSTER_SCOPED, FakeKube, parse_quantity
+from fake_kube import CLUSTER_SCOPED, PULL_NO_CREDENTIALS, PULL_NOT_FOUND, FakeKube, parse_quantity
 from packaging.utils import canonicalize_name
 from typer.testing import CliRunner
 
@@ -1060,11 +1060,24 @@ def test_pending_pods_time_out_with_the_events_that_explain_them(ready: World):
     assert "workers 0/2 running" in ready.said()  # progress while waiting
 
 
-def test_image_pull_errors_are_shown_on_timeout(ready: World):
-    ready.kube.image_pull_error = 'Failed to pull image "public.ecr.aws/...": not found'
+def test_image_pull_errors_that_may_pass_are_waited_for_and_shown_on_timeout(ready: World):
+    ready.kube.image_pull_error = PULL_NO_CREDENTIALS
     with pytest.raises(sub.PodsNotReady) as err:
         ready.submit()
-    assert "ImagePullBackOff" in str(err.value) and "Failed to pull image" in str(err.value)
+    assert "ImagePullBackOff" in str(err.value) and "no basic auth credentials" in str(err.value)
+    assert ready.kube.time >= ready.d.cfg.ray.job_start_deadline_s  # kubelet tries again; it may pass
+
+
+def test_an_image_the_registry_does_not_have_stops_submit_at_once_with_the_registry_answer(ready: World):
+    ready.kube.image_pull_error = PULL_NOT_FOUND
+    started = ready.kube.time
+    with pytest.raises(sub.PodsNotReady) as err:
+        ready.submit()
+    text = str(err.value)
+    assert "will not start: the registry has no such image" in text and "code = NotFound" in text
+    assert "ray-train-head-0: ImagePullBackOff" in text
+    assert err.value.hint and "ray.image" in err.value.hint and "down" in err.value.hint
+    assert ready.kube.time - started < 120  # not the 1800 s deadline, with the GPU nodes billing
 
 
 def test_efa_missing_from_the_nccl_lines_gives_a_non_zero_exit(ready: World):

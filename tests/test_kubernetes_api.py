@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import json
 import re
 import tempfile
@@ -35,7 +36,7 @@ import pytest
 from websocket import WebSocketConnectionClosedException
 
 from raytrain_eks.k8s import manifests as m
-from raytrain_eks.k8s.cluster import DaemonSet, Event, KubeApiError, KubernetesApi, Node, Pod
+from raytrain_eks.k8s.cluster import DaemonSet, Event, KubeApiError, KubernetesApi, Node, Pod, image_never_pulls
 
 TOKEN = "dummy-bearer-token"
 CREATED = "2025-06-01T12:00:00Z"
@@ -587,6 +588,23 @@ def test_pod_events_send_the_involved_object_field_selector(kube: KubernetesApi,
         Event("Warning", "FailedScheduling", "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.", 4)
     ]
     assert str(events[0]) == "Warning FailedScheduling: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu. (x4)"
+
+
+def test_only_an_image_the_registry_lacks_or_a_name_kubelet_cannot_parse_is_told_never_to_pull() -> None:
+    from fake_kube import PULL_NO_CREDENTIALS, PULL_NOT_FOUND
+
+    backing_off = Pod(WORKER, "default", "Pending", waiting_reason="ImagePullBackOff")
+    not_found = Event("Warning", "Failed", PULL_NOT_FOUND, 3)
+    why = image_never_pulls(backing_off, [Event("Normal", "Pulling", "Pulling image"), not_found])
+    assert why and "no such image" in why and "starboard-operator:0.15.4: not found" in why
+    assert image_never_pulls(dataclasses.replace(backing_off, waiting_reason="ErrImagePull"), [not_found])
+    # kubelet tries again, and these may pass: no credentials yet, no answer, still pulling, another reason
+    assert image_never_pulls(backing_off, [Event("Warning", "Failed", PULL_NO_CREDENTIALS)]) is None
+    assert image_never_pulls(backing_off, [Event("Normal", "BackOff", 'Back-off pulling image "x"')]) is None
+    assert image_never_pulls(backing_off, []) is None
+    assert image_never_pulls(dataclasses.replace(backing_off, waiting_reason="ContainerCreating"), [not_found]) is None
+    unparsable = dataclasses.replace(backing_off, waiting_reason="InvalidImageName")
+    assert image_never_pulls(unparsable, []) == "its image name cannot be parsed (InvalidImageName)"
 
 
 def test_daemon_sets_send_the_label_selector_and_read_readiness_and_pod_selector(

@@ -21,6 +21,7 @@ import boto3
 import jsonschema
 import kubernetes_validate
 import pytest
+from fake_kube import PULL_NO_CREDENTIALS, PULL_NOT_FOUND
 from schema_errors import schema_errors
 
 import raytrain_eks
@@ -511,14 +512,23 @@ def test_a_job_requirement_without_a_wheel_stops_submit_before_any_ray_object_an
 
 def test_a_probe_pod_that_cannot_start_is_one_message_with_its_events_and_is_deleted(offline_world: Any):
     world = offline_world
-    world.kube.image_pull_error = 'Failed to pull image "rayproject/ray:nope": not found'
+    world.kube.image_pull_error = PULL_NO_CREDENTIALS
     with pytest.raises(wh.UserError) as err:
         world.submit()
-    assert "did not run within" in err.value.message and "Failed to pull image" in err.value.message
+    assert "did not run within" in err.value.message and "no basic auth credentials" in err.value.message
     assert err.value.hint and "ImagePullBackOff" in err.value.hint
     assert not _ray_objects(world)
     assert world.kube.get("v1", "Pod", _probe_name(world), world.d.cfg.ray.namespace) is None
-    assert world.kube.time >= world.d.cfg.ray.job_start_deadline_s  # it waited, as an image pull may take long
+    assert world.kube.time >= world.d.cfg.ray.job_start_deadline_s  # it waited: kubelet tries again, it may pass
+    # An image the registry does not have is told at once, with the registry's answer.
+    world.kube.image_pull_error = PULL_NOT_FOUND
+    started = world.kube.time
+    with pytest.raises(wh.UserError) as err:
+        world.submit()
+    assert "will not start: the registry has no such image" in err.value.message
+    assert "code = NotFound" in err.value.message and world.kube.time - started < 60
+    assert not _ray_objects(world)
+    assert world.kube.get("v1", "Pod", _probe_name(world), world.d.cfg.ray.namespace) is None
     # A probe whose process ends (an image without python3) is told at once, not after the deadline.
     world.kube.image_pull_error = None
     world.kube.exiting.add((world.d.cfg.ray.namespace, _probe_name(world)))

@@ -29,7 +29,7 @@ from raytrain_eks.config import Config
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s import wheelhouse as wh
-from raytrain_eks.k8s.cluster import Pod
+from raytrain_eks.k8s.cluster import Pod, image_never_pulls
 from raytrain_eks.k8s.job import IMAGE_VERSIONS, requirement_name, what_the_image_has
 from raytrain_eks.k8s.runner import CommandError
 from raytrain_eks.k8s.state import Deployment, object_item
@@ -127,6 +127,10 @@ def image_pod(d: Deployment) -> Iterator[Pod]:
         if found and found[0].phase in ("Failed", "Succeeded"):  # its one process ended: it never will run
             ended = found[0].ended or "gave no status"
             raise not_running(f"ended {found[0].phase} instead of waiting (its container {ended})")
+        if found and found[0].waiting_reason:
+            why = image_never_pulls(found[0], d.kube.pod_events(ns, name))
+            if why:
+                raise not_running(f"will not start: {why}")
         return None, (found[0].waiting_reason or found[0].phase) if found else "not created"
 
     def not_running(why: str) -> ProbeNotRunning:

@@ -36,7 +36,7 @@ from raytrain_eks.fabric.nccl_lines import NCCL_LOG_PREFIX
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import NodesNotReady, gpu_node_problems
-from raytrain_eks.k8s.cluster import ExecResult, KubeApiError, Pod
+from raytrain_eks.k8s.cluster import ExecResult, KubeApiError, Pod, image_never_pulls
 from raytrain_eks.k8s.job import (
     DASHBOARD,
     IMAGE_VERSIONS,
@@ -124,7 +124,9 @@ def is_running(p: Pod) -> bool:
 
 
 def wait_for_ray_pods(d: Deployment, ns: str, cluster: str, timeout: float) -> tuple[Pod, list[Pod]]:
-    """Wait until the head and every worker pod run; on timeout raise :class:`PodsNotReady` with their events."""
+    """Wait until the head and every worker pod run; on timeout raise :class:`PodsNotReady` with their events, and
+    at once when a pod's image never pulls (:func:`raytrain_eks.k8s.cluster.image_never_pulls`: the GPU nodes would
+    bill for the whole deadline otherwise)."""
     want = d.cfg.cluster.gpu_node_count
     seen: list[Pod] = []
 
@@ -134,15 +136,19 @@ def wait_for_ray_pods(d: Deployment, ns: str, cluster: str, timeout: float) -> t
         up_workers = [w for w in workers if is_running(w)]
         if heads and is_running(heads[0]) and len(up_workers) >= want:
             return (heads[0], up_workers), "running"
+        for pod in seen:
+            why = image_never_pulls(pod, d.kube.pod_events(ns, pod.name)) if pod.waiting_reason else None
+            if why:
+                first = f"the Ray pod {pod.name} will not start: {why}. Not waiting for the deadline:"
+                raise PodsNotReady(_pods_report(d, ns, seen, want, first), hint=_IMAGE_HINT)
         head_state = (heads[0].waiting_reason or heads[0].phase) if heads else "not created"
         return None, f"head {head_state}, workers {len(up_workers)}/{want} running"
 
-    head, up_workers = d.wait(
-        probe,
-        what="Ray pods",
-        timeout=timeout,
-        on_timeout=lambda _, waited: PodsNotReady(_pods_report(d, ns, seen, want, timeout), hint=_PODS_HINT),
-    )
+    def late(_: str, waited: float) -> PodsNotReady:
+        first = f"the Ray pods were not all running after {timeout:.0f} s (want 1 head and {want} workers):"
+        return PodsNotReady(_pods_report(d, ns, seen, want, first), hint=_PODS_HINT)
+
+    head, up_workers = d.wait(probe, what="Ray pods", timeout=timeout, on_timeout=late)
     d.say(f"Ray pods running: head {head.name}, {len(up_workers)} workers")
     return head, up_workers
 
@@ -153,8 +159,15 @@ _PODS_HINT = (
 )
 
 
-def _pods_report(d: Deployment, ns: str, pods: list[Pod], want: int, timeout: float) -> str:
-    lines = [f"the Ray pods were not all running after {timeout:.0f} s (want 1 head and {want} workers):"]
+_IMAGE_HINT = (
+    "Set ray.image to an image the registry has (in the config file, or `DLC_IMAGE`; the AWS Deep Learning "
+    "Containers' tags are listed at https://github.com/aws/deep-learning-containers/blob/master/available_images.md), "
+    "then run `raytrain-eks submit` again. `raytrain-eks down` stops the billing."
+)
+
+
+def _pods_report(d: Deployment, ns: str, pods: list[Pod], want: int, first: str) -> str:
+    lines = [first]
     if not pods:
         lines.append("  no Ray pod was created: is the KubeRay operator running? (`raytrain-eks status`)")
     for pod in pods:

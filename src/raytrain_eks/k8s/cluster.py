@@ -70,6 +70,31 @@ class Event:
         return f"{self.type} {self.reason}: {self.message}{times}"
 
 
+#: The reasons kubelet gives a container whose image it failed to pull and will try again
+#: (``ErrImagePull``, then ``ImagePullBackOff`` between tries; kubernetes pkg/kubelet/images/types.go).
+PULL_RETRYING = frozenset({"ErrImagePull", "ImagePullBackOff"})
+
+
+def image_never_pulls(pod: Pod, events: Sequence[Event]) -> str | None:
+    """Why waiting cannot start ``pod``'s image, or ``None`` while it may still come.
+
+    kubelet tries a failed pull again for as long as the pod lives, backing off up to 5 minutes, which is right for
+    a registry that is slow, throttled or briefly unreachable; but a name the registry does not know never pulls. Its
+    ``Warning Failed`` event says which: ``Failed to pull image "IMAGE": ERROR`` (kubelet's image manager), where
+    containerd's ERROR for a reference the registry does not have is ``rpc error: code = NotFound desc = failed to
+    pull and unpack image ...: not found`` (the gRPC status of its not-found error). ``InvalidImageName`` (a
+    reference kubelet cannot parse) never pulls either.
+    """
+    if pod.waiting_reason == "InvalidImageName":
+        return "its image name cannot be parsed (InvalidImageName)"
+    if pod.waiting_reason not in PULL_RETRYING:
+        return None
+    for e in events:
+        if e.type == "Warning" and e.message.startswith("Failed to pull image") and "code = NotFound" in e.message:
+            return f"the registry has no such image ({e.message})"
+    return None
+
+
 @dataclass(frozen=True)
 class DaemonSet:
     """A DaemonSet: how many pods it should run, how many are Ready, and the labels that select its pods."""
