@@ -6,11 +6,16 @@
    architecture (random weights saved to a folder, nothing downloaded) in bf16 at seq 2048: tokens/s, MFU, the
    peak allocated and reserved memory against ``train.memory``'s estimate, and the host-device syncs the run
    made (``torch.cuda.set_sync_debug_mode("warn")``): in all, inside ``train_step`` (meant to be none: only the
-   logging steps, start and the end's checkpoint wait for the device) and by where they came from.
-3. ``nccl_gate``: a one-rank NCCL all-reduce with ``NCCL_DEBUG=INFO`` written to a file, read by the tool's own
-   NCCL log analyzer (``fabric.nccl_log.analyze``): the verdict comes from NCCL's own lines.
+   logging steps, start and the end's checkpoint wait for the device) and by where they came from. It fails when
+   a sync happens inside ``train_step``, when the estimate is more than 15% off the allocated peak, or when the
+   allocator reserved more than the fit rule's margin over the estimate (:func:`judge_memory`).
+3. ``nccl_gate``: a one-rank NCCL all-reduce with the job's own NCCL environment (``train.fabric_gate.nccl_env``:
+   ``NCCL_DEBUG=INFO`` into the file the in-job gate reads), its lines read by the gate's reader and judged by
+   the gate (``check_transport``; a one-node job must go on) and by the tool's analyzer (verdict and basis). It
+   fails when NCCL wrote no line there or the gate would stop.
 4. ``chunked_loss``: ``train.model.chunked_cross_entropy`` against the plain fp32 cross-entropy over full logits
-   on the device, in bf16 at the real vocabulary: the loss and both gradients, largest relative difference.
+   on the device, in bf16 at the real vocabulary: the loss and both gradients, largest relative difference; it
+   fails beyond rounding (:data:`CHUNKED_LIMITS`).
 
 ``--tiny`` runs the same checks on a CPU with small shapes (the built-in model, fp32 where a CPU lacks bf16, the
 NCCL check skipped with its reason), so the script itself is tested without a GPU. Example::
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -190,9 +196,35 @@ def check_qwen_step(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "host_sync_sources": syncs.top(8) if cuda else None,
         "logging_steps": logging_steps,
     }
+    problems = [judge_memory(est.peak_gib, summary.get("peak_memory_gib"), reserved)]
     if cuda and syncs.in_steps:  # the step reads nothing back (tests/test_host_syncs.py shows it on the meta device)
-        found["error"] = f"{syncs.in_steps} host syncs inside train_step, where none is expected"
+        problems.append(f"{syncs.in_steps} host syncs inside train_step, where none is expected")
+    if any(problems):
+        found["error"] = "; ".join(p for p in problems if p)
     return found
+
+
+def judge_memory(estimate_gib: float, allocated_gib: float | None, reserved_gib: float | None) -> str | None:
+    """What is wrong with the memory estimate against a run's measured peaks (``None``: nothing, or no GPU figures).
+
+    The estimate is of allocated memory and must be within 15% of the measured peak; the run is admitted when the
+    estimate is within ``HEADROOM`` of the device, so the allocator's reserve over the estimate must stay within
+    ``1 / HEADROOM``, else a device the estimate just fits could still run out."""
+    from raytrain_eks.train.memory import HEADROOM
+
+    problems = []
+    if allocated_gib:
+        off = estimate_gib / allocated_gib - 1
+        if abs(off) > 0.15:
+            problems.append(
+                f"the estimate {estimate_gib:.2f} GiB is {off:+.0%} off the allocated peak {allocated_gib:.2f} GiB"
+            )
+    if reserved_gib and reserved_gib > estimate_gib / HEADROOM:
+        problems.append(
+            f"the allocator reserved {reserved_gib:.2f} GiB, {reserved_gib / estimate_gib:.2f} x the estimate: "
+            f"more than the {1 / HEADROOM:.2f} x the {HEADROOM:.0%} fit rule leaves"
+        )
+    return "; ".join(problems) or None
 
 
 def check_nccl_gate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -204,20 +236,28 @@ def check_nccl_gate(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch.distributed as dist
 
     from raytrain_eks.fabric.nccl_log import analyze
+    from raytrain_eks.train.fabric_gate import check_transport, nccl_env, own_nccl_lines
 
-    log = work / "nccl.log"
-    os.environ.update(NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET", NCCL_DEBUG_FILE=str(log))
+    # The job's own environment (the file where the gate looks) and the gate's own reader and decision.
+    os.environ.update(nccl_env(f"gpu-check-{os.getpid()}"), NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="INIT,NET")
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     _one_rank("nccl", device)
     t = torch.ones(1 << 20, device=device)
     dist.all_reduce(t)
     torch.cuda.synchronize()
+    decision, _ = check_transport("efa", rank=0, world_size=1, node=socket.gethostname(), last_look=True)
     dist.destroy_process_group()
-    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
-    report = analyze(lines, source=str(log))
+    lines = own_nccl_lines()
+    report = analyze(lines, source=os.environ["NCCL_DEBUG_FILE"])
     verdict = {k: getattr(report, k) for k in ("verdict", "reason", "basis", "nccl_version", "world_size")}
-    return {"nccl_lines": len(lines), "all_reduce_ok": bool(t[0].item() == 1.0), **verdict}
+    found = {"nccl_lines": len(lines), "all_reduce_ok": bool(t[0].item() == 1.0), **verdict}
+    found |= {"gate_action": decision["action"], "gate_met": decision["met"]}
+    if not lines:
+        found["error"] = "NCCL wrote no line where the in-job gate reads them"
+    elif decision["action"] != "continue" or not found["all_reduce_ok"]:
+        found["error"] = f"the gate would {decision['action']} a one-node job: {decision['note']}"
+    return found
 
 
 def check_chunked_loss(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -249,7 +289,7 @@ def check_chunked_loss(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     def rel(a, b):
         return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
-    return {
+    found: dict[str, Any] = {
         "tokens": tokens,
         "vocab": vocab,
         "dtype": str(dtype).removeprefix("torch."),
@@ -258,6 +298,24 @@ def check_chunked_loss(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "hidden_grad_rel_diff": rel(chunked[1], plain[1]),
         "weight_grad_rel_diff": rel(chunked[2], plain[2]),
     }
+    wrong = judge_chunked(found)
+    return found | ({"error": wrong} if wrong else {})
+
+
+#: How far the chunked loss may be from the plain one, relatively: rounding only (bf16 keeps 8 bits of mantissa;
+#: the H200 run gave 0.0 for the loss, 4.7e-3 and 2.4e-3 for the gradients).
+CHUNKED_LIMITS = {"float32": {"loss": 1e-5, "grad": 1e-5}, "bfloat16": {"loss": 1e-3, "grad": 2e-2}}
+
+
+def judge_chunked(found: dict[str, Any]) -> str | None:
+    """What is wrong with :func:`check_chunked_loss`'s differences (``None``: within :data:`CHUNKED_LIMITS`)."""
+    limits = CHUNKED_LIMITS[found["dtype"]]
+    over = [
+        f"{key} {found[key]:.1e} > {limits[kind]:.0e}"
+        for key, kind in (("loss_rel_diff", "loss"), ("hidden_grad_rel_diff", "grad"), ("weight_grad_rel_diff", "grad"))
+        if not found[key] <= limits[kind]
+    ]
+    return "the chunked loss is off the plain one: " + ", ".join(over) if over else None
 
 
 RUNNERS = {

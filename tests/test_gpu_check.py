@@ -62,3 +62,35 @@ def test_sync_ledger_names_where_the_host_waited_and_counts_those_inside_a_step(
         space["logged_loss"]()
     assert ledger.total == 3 and ledger.in_steps == 2
     assert ledger.top(8) == {"loop.py:5 train_step": 1, "loop.py:3 logged_loss": 2}
+
+
+def _gpu_check_module():
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return gpu_check
+
+
+def test_the_gpu_check_fails_an_estimate_off_the_peak_or_a_reserve_beyond_the_fit_rule_margin():
+    """With the H200 run's figures (estimate 30.89 GiB, 30.38 allocated, 37.63 reserved) the loop check fails: the
+    allocator held 1.22 x the estimate, more than the 85% fit rule leaves; within the margin it passes."""
+    judge = _gpu_check_module().judge_memory
+    assert judge(30.89, 30.38, 34.0) is None
+    assert judge(1.0, None, None) is None  # a CPU: no device figures to judge
+    held = judge(30.89, 30.38, 37.63)
+    assert held and "reserved 37.63 GiB, 1.22 x the estimate" in held and "1.18 x" in held
+    off = judge(40.0, 30.38, 34.0)
+    assert off and "+32% off the allocated peak 30.38 GiB" in off
+
+
+def test_the_gpu_check_fails_a_chunked_loss_beyond_rounding():
+    g = _gpu_check_module()
+    h200 = {"dtype": "bfloat16", "loss_rel_diff": 0.0, "hidden_grad_rel_diff": 4.7e-3, "weight_grad_rel_diff": 2.4e-3}
+    assert g.judge_chunked(h200) is None
+    wrong = g.judge_chunked(h200 | {"weight_grad_rel_diff": 0.3})
+    assert wrong and "weight_grad_rel_diff 3.0e-01 > 2e-02" in wrong and "hidden" not in wrong
+    assert g.judge_chunked(
+        {"dtype": "float32", "loss_rel_diff": 1e-4, "hidden_grad_rel_diff": 0.0, "weight_grad_rel_diff": float("nan")}
+    )
