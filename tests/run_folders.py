@@ -23,6 +23,7 @@ def write_run(folder: Path, *, steps: int = 30, fabric: dict | None = None, cost
     ]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     summary = {"steps": steps, "first_loss": 5.0, "final_loss": 5.0 / steps, "checkpoints": [10, 30]}
+    summary |= {"checkpoint_s": 2.5, "checkpoint_s_per_save": 1.25, "checkpoint_share": 0.045}  # train/loop.py's keys
     summary |= {"fabric": fabric} if fabric else {}
     summary |= {"cost": cost} if cost else {}
     (folder / "summary.json").write_text(json.dumps(summary))

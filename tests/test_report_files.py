@@ -31,6 +31,7 @@ def test_report_shows_fabric_evidence_cost_checkpoints_and_samples(tmp_path, cap
     assert "NET/OFI Selected Provider is efa" in page and "transport: EFA" in page
     assert "$0.25 per million tokens" in page and "$1.50 at $9.00/h" in page
     assert "10, 30" in page  # checkpoints
+    assert "<th>checkpoint time (s per save, share of the loop)</th><td>1.25 s, 4.5%</td>" in page
     assert "Say &lt;hi&gt;" in page and "hi &amp; bye" in page  # samples, escaped
     plots = sorted(p.name for p in (run / "plots").glob("*.png"))
     assert plots == sorted(
@@ -45,7 +46,9 @@ def test_report_draws_only_what_the_metrics_have(tmp_path):
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0}) + "\n")
     main(["report", str(run)])
     assert [p.name for p in (run / "plots").glob("*.png")] == ["loss.png"]
-    assert "No samples" in (run / "report.html").read_text()
+    page = (run / "report.html").read_text()
+    assert "No samples" in page
+    assert "<th>checkpoint time (s per save, share of the loop)</th><td>—</td>" in page  # no summary: no figure
 
 
 @pytest.mark.parametrize(
