@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import random
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -254,6 +255,7 @@ class FakeKube:
         self.exec_handler: ExecHandler | None = None
         self.ray_job_status: Callable[[str], str | None] | None = None
         self._rayjob_ended: dict[tuple[str, str], float] = {}  # a RayJob's status.endTime, in this clock
+        self._random = random.Random(0)  # the RayJob controller's generated names, the same in every run
         self.exec_calls: list[tuple[str, str, list[str], str | None]] = []
         self.applied: list[dict[str, Any]] = []
         self.deleted: list[tuple[str, str, str, str | None]] = []
@@ -599,12 +601,10 @@ class FakeKube:
                 continue
             status = job.get("status", {})
             if not status.get("rayClusterName"):
-                cluster = f"{name}-raycluster"
-                job["status"] = {
-                    "rayClusterName": cluster,
-                    "jobDeploymentStatus": "Initializing",
-                    "jobId": f"{name}-job",
-                }
+                # utils.GenerateRayClusterName and GenerateRayJobId (fixtures/kuberay/.../utils/util.go): the name
+                # and "-" and five characters of apimachinery's rand.String, whose alphabet this is.
+                cluster, job_id = (f"{name}-{self._rand5()}" for _ in range(2))
+                job["status"] = {"rayClusterName": cluster, "jobDeploymentStatus": "Initializing", "jobId": job_id}
                 self._rayjob_ended.pop((ns, name), None)
                 self._objects[(api, "RayCluster", ns, cluster)] = {
                     "apiVersion": api,
@@ -626,6 +626,9 @@ class FakeKube:
                 ttl = job["spec"].get("ttlSecondsAfterFinished", 0)
                 if self.time >= self._rayjob_ended[(ns, name)] + ttl:
                     self._objects.pop((api, "RayCluster", ns, status["rayClusterName"]), None)
+
+    def _rand5(self) -> str:
+        return "".join(self._random.choice("bcdfghjklmnpqrstvwxz2456789") for _ in range(5))
 
     def _run_rayclusters(self) -> None:
         wanted: dict[tuple[str, str], _FakePod] = {}

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import re
 import shlex
 import sys
 from collections.abc import Callable
@@ -1171,7 +1172,8 @@ def test_rayjob_mode_renders_a_rayjob_that_ships_the_code(ready: World):
     assert items == [{"key": shipping.ARCHIVE_KEY, "path": shipping.ARCHIVE_KEY}]
     assert set(code["binaryData"]) == {shipping.ARCHIVE_KEY}
     assert not ready.ray.submitted, "KubeRay's submitter submits a RayJob, not raytrain-eks"
-    assert ready.store.get("job")["id"] == "ray-train-job"
+    job_id = ready.kube.get("ray.io/v1", "RayJob", "ray-train", "default")["status"]["jobId"]
+    assert ready.store.get("job")["id"] == job_id  # KubeRay's own id for it, remembered for `logs` and `status`
 
 
 def _after_dashdash(argv: list[str]) -> list[str]:
@@ -1718,11 +1720,14 @@ def test_rayjob_evidence_is_read_before_its_cluster_is_deleted(ready: World):
     assert result.report is not None and result.report.verdict == "efa"
     assert result.efa_provider is True and result.versions == {"driver": "570.172.08", "cuda": "13.0"}
     # Then submit deletes the cluster itself, before the GPU nodes go.
-    assert ("ray.io/v1", "RayCluster", "ray-train-raycluster", "default") in ready.kube.deleted
-    assert not ready.kube.pods("default", {"ray.io/cluster": "ray-train-raycluster"})
-    assert ready.kube.get("ray.io/v1", "RayJob", "ray-train", "default")["status"]["jobDeploymentStatus"] == "Complete"
+    status = ready.kube.get("ray.io/v1", "RayJob", "ray-train", "default")["status"]
+    cluster = status["rayClusterName"]  # KubeRay's: the RayJob's name and five random characters
+    assert re.fullmatch(r"ray-train-[a-z0-9]{5}", cluster)
+    assert ("ray.io/v1", "RayCluster", cluster, "default") in ready.kube.deleted
+    assert not ready.kube.pods("default", {"ray.io/cluster": cluster})
+    assert status["jobDeploymentStatus"] == "Complete"
     said = ready.said()
-    assert said.index("Deleted RayCluster default/ray-train-raycluster") < said.index("scaling GPU node group")
+    assert said.index(f"Deleted RayCluster default/{cluster}") < said.index("scaling GPU node group")
 
 
 KUBERAY_CONTROLLER = Path(__file__).parent / "fixtures/kuberay/ray-operator/controllers/ray/rayjob_controller.go"
