@@ -391,3 +391,61 @@ def test_the_example_recipes_load_as_they_are(name, tmp_path, monkeypatch):
         assert cfg.training.method == "lora" and cfg.training.lora.rank == 16
     if name == "full-finetune-local.yaml":
         assert cfg.training.method == "full" and cfg.training.data.startswith("hf:")
+
+
+def test_one_lora_module_named_alone_is_the_list_of_that_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "raytrain-eks.yaml").write_text("training:\n  lora:\n    target_modules: q_proj\n")
+    assert load_config(environ={}).training.lora.target_modules == ["q_proj"]
+    cfg = load_config(environ={}, sets=["training.lora.target_modules=v_proj"])
+    assert cfg.training.lora.target_modules == ["v_proj"]
+    assert load_config(environ={}, sets=["training.lora.target_modules=all-linear"]).training.lora.target_modules == (
+        "all-linear"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={}, sets=["training.lora.target_modules=[q_proj, 3]"])
+    assert info.value.problems == [
+        "training.lora.target_modules = ['q_proj', 3] (from --set training.lora.target_modules): 3: a layer's name, "
+        "such as q_proj"
+    ]
+
+
+def test_errors_show_the_given_value_and_its_source_at_any_depth(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "raytrain-eks.yaml").write_text(
+        "training:\n  lora:\n    rank: 0\n    target_modules: 7\n  sample_prompts: [Hi, 5]\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={})
+    text = "\n".join(info.value.problems)
+    assert len(info.value.problems) == 3, text
+    assert "training.lora.rank = 0 (from raytrain-eks.yaml): Input should be greater than or equal to 1" in text
+    assert "training.lora.target_modules = 7 (from raytrain-eks.yaml): give a layer's name (q_proj)" in text
+    assert "training.sample_prompts.1 = 5 (from raytrain-eks.yaml): Input should be a valid string" in text
+    # A later layer that replaces a whole section takes the source of everything under it.
+    (tmp_path / "raytrain-eks.yaml").write_text("training:\n  lora:\n    rank: 3\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={}, sets=["training.lora={rank: -1}"])
+    assert info.value.problems == [
+        "training.lora.rank = -1 (from --set training.lora): Input should be greater than or equal to 1"
+    ]
+
+
+def test_a_union_members_refusals_are_one_line_with_the_value_given():
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    from raytrain_eks.config import _format_errors
+
+    class Section(BaseModel):
+        modules: list[str] | Literal["all-linear"]
+
+    tree = {"training": {"modules": "q_proj"}}
+    with pytest.raises(ValidationError) as info:
+        Section.model_validate(tree["training"])
+    errors = [{**e, "loc": ("training", *e["loc"])} for e in info.value.errors()]
+    assert len(errors) == 2 and any("list[str]" in map(str, e["loc"]) for e in errors)  # pydantic names the members
+    assert _format_errors(errors, {("training",): "x.yaml"}, tree) == [
+        "training.modules = 'q_proj' (from x.yaml): Input should be a valid list; or Input should be 'all-linear'"
+    ]

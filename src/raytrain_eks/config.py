@@ -433,6 +433,19 @@ class LoraSettings(_Section):
         "all-linear = every one of them",
     )
 
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _one_name(cls, v: Any) -> Any:
+        """One layer's name (``target_modules: q_proj``) is the list of that one: ``[q_proj]``."""
+        if isinstance(v, str) and v != LORA_ALL_LINEAR:
+            return [v]
+        if not isinstance(v, str | list):
+            raise ValueError("give a layer's name (q_proj), a list of them ([q_proj, v_proj]) or all-linear")
+        bad = [n for n in v if not isinstance(n, str)]
+        if bad:
+            raise ValueError(f"{', '.join(repr(n) for n in bad)}: a layer's name, such as q_proj")
+        return v
+
     @field_validator("target_modules")
     @classmethod
     def _names(cls, v: list[str] | str) -> list[str] | str:
@@ -783,8 +796,60 @@ def _set(tree: dict[str, Any], section: str, field: str, value: Any) -> None:
     tree.setdefault(section, {})[field] = value
 
 
-def _format_error(err: dict[str, Any], sources: dict[tuple[str, ...], str], tree: dict[str, Any]) -> str:
-    loc = tuple(str(p) for p in err["loc"])
+def _record(sources: dict[tuple[str, ...], str], path: tuple[str, ...], origin: str) -> None:
+    """Note that the setting at ``path`` (and everything under it) now comes from ``origin``."""
+    for key in [k for k in sources if k[: len(path)] == path]:
+        del sources[key]
+    sources[path] = origin
+
+
+def _record_file(sources: dict[tuple[str, ...], str], path: tuple[str, ...], value: Any, origin: str) -> None:
+    """Record ``origin`` for ``path`` and for every setting under it, however deep (``training.lora.rank``)."""
+    sources[path] = origin
+    if isinstance(value, Mapping):
+        for key, inner in value.items():
+            _record_file(sources, (*path, str(key)), inner, origin)
+
+
+_NOT_GIVEN = object()
+
+
+def _given(tree: Any, loc: Sequence[Any]) -> tuple[tuple[Any, ...], Any]:
+    """The place ``loc`` names in ``tree`` and the value given there (:data:`_NOT_GIVEN` when none was).
+
+    pydantic puts the name of a union's member (``list[str]``, ``literal['all-linear']``) into the location of
+    the member's error; those names are no place in the settings and are left out.
+    """
+    path: list[Any] = []
+    value: Any = tree
+    for i, part in enumerate(loc):
+        if isinstance(value, dict) and (part in value or str(part) in value):
+            value = value[part] if part in value else value[str(part)]
+        elif isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+            value = value[part]
+        elif isinstance(part, str) and not isinstance(value, dict):
+            continue  # a union member's name
+        else:
+            path.append(part)
+            value = _NOT_GIVEN
+            path.extend(loc[i + 1 :])
+            break
+        path.append(part)
+    return tuple(path), value
+
+
+def _source(sources: dict[tuple[str, ...], str], path: tuple[str, ...]) -> str:
+    """Where the setting at ``path`` came from: its own record, else the nearest setting above it."""
+    for end in range(len(path), 0, -1):
+        if path[:end] in sources:
+            return sources[path[:end]]
+    return ""
+
+
+def _describe(err: Mapping[str, Any], sources: dict[tuple[str, ...], str], tree: dict[str, Any]) -> tuple[str, str]:
+    """An error as (the setting, its value and source; what is wrong)."""
+    place, value = _given(tree, err["loc"])
+    loc = tuple(str(p) for p in place)
     path = ".".join(loc) if loc else "(top level)"
     msg = str(err["msg"]).removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
@@ -795,16 +860,25 @@ def _format_error(err: dict[str, Any], sources: dict[tuple[str, ...], str], tree
             if isinstance(annotation, type) and issubclass(annotation, BaseModel):
                 parent = annotation
         msg = f"unknown setting; allowed here: {', '.join(parent.model_fields)}"
-    src = sources.get(loc) or ""
+    src = _source(sources, loc)
     if len(loc) == 1:  # a check across fields of one section: name where the fields it mentions came from
         src = ", ".join(sorted({v for k, v in sources.items() if len(k) == 2 and k[0] == loc[0] and k[1] in msg}))
     origin = f" (from {src})" if src else ""
-    if len(loc) >= 2 and err["type"] != "extra_forbidden":
-        value: Any = tree
-        for part in loc:
-            value = value.get(part) if isinstance(value, dict) else None
-        return f"{path} = {value!r}{origin}: {msg}"
-    return f"{path}{origin}: {msg}"
+    if len(loc) >= 2 and err["type"] != "extra_forbidden" and value is not _NOT_GIVEN:
+        return f"{path} = {value!r}{origin}", msg
+    return f"{path}{origin}", msg
+
+
+def _format_errors(
+    errors: Sequence[Mapping[str, Any]], sources: dict[tuple[str, ...], str], tree: dict[str, Any]
+) -> list[str]:
+    """One line per setting in error: the members of a union that each refused the value share one line."""
+    found: dict[str, list[str]] = {}
+    for err in errors:
+        head, msg = _describe(err, sources, tree)
+        if msg not in found.setdefault(head, []):
+            found[head].append(msg)
+    return [f"{head}: {'; or '.join(msgs)}" for head, msgs in found.items()]
 
 
 def _set_value(raw: str) -> Any:
@@ -843,10 +917,7 @@ def load_config(
         data = _read_yaml(file)
         tree = _merge(tree, data)
         for section, values in data.items():
-            if isinstance(values, dict):
-                for field in values:
-                    sources[(section, str(field))] = str(file)
-            sources[(section,)] = str(file)
+            _record_file(sources, (str(section),), values, str(file))
 
     env = os.environ if environ is None else environ
     for name, (section, field) in ENV_VARS.items():
@@ -855,13 +926,13 @@ def load_config(
             model = Config.model_fields[section].annotation
             optional = isinstance(model, type) and model.model_fields[field].default is None
             _set(tree, section, field, None if optional and env[name] == "" else env[name])
-            sources[(section, field)] = f"environment variable {name}"
+            _record(sources, (section, field), f"environment variable {name}")
 
     for section, values in (overrides or {}).items():
         for field, value in values.items():
             if value is not None:
                 _set(tree, section, field, value)
-                sources[(section, field)] = f"flag --{field.replace('_', '-')}"
+                _record(sources, (section, field), f"flag --{field.replace('_', '-')}")
 
     bad_sets = []
     for item in sets or ():
@@ -878,14 +949,14 @@ def load_config(
                 break
         else:
             node[parts[-1]] = _set_value(raw)
-            sources[parts] = f"--set {key.strip()}"
+            _record(sources, parts, f"--set {key.strip()}")
     if bad_sets:
         raise ConfigError(bad_sets)
 
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
-        problems = [_format_error(e, sources, tree) for e in exc.errors()]
+        problems = _format_errors(exc.errors(), sources, tree)
         raise ConfigError(problems) from None
 
 
