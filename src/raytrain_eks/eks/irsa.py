@@ -96,6 +96,10 @@ def stack_name(d: Deployment) -> str:
 
 
 def delete_argv(d: Deployment) -> list[str]:
+    """Delete the Ray pods' role (its CloudFormation stack) and the service account eksctl labelled as its own
+    (eksctl v0.230.0, pkg/cfn/manager/delete_tasks.go ``NewTasksToDeleteIAMServiceAccounts``). ``--approve``: without
+    it eksctl only prints its plan (``Plan`` is on by default, pkg/ctl/cmdutils/cmd.go); ``--wait``: off by default
+    for this command (pkg/ctl/delete/iamserviceaccount.go), so eksctl would return before the stack is gone."""
     c = d.cfg.cluster
     return [
         "eksctl",
@@ -109,7 +113,43 @@ def delete_argv(d: Deployment) -> list[str]:
         d.cfg.ray.namespace,
         "--name",
         m.RAY_SERVICE_ACCOUNT,
+        "--approve",
+        "--wait",
+        *eksctl.wait_flag(WAIT_MIN),
     ]
+
+
+def created_item(d: Deployment) -> dict[str, Any]:
+    """What the state file records of the role and service account ``eksctl create iamserviceaccount`` makes, so
+    that ``down`` deletes them (:func:`delete_created`)."""
+    return {
+        "type": "iamserviceaccount",
+        "kind": "IAM role and service account",
+        "namespace": d.cfg.ray.namespace,
+        "name": m.RAY_SERVICE_ACCOUNT,
+    }
+
+
+def delete_created(d: Deployment, cluster_exists: bool) -> bool:
+    """``down``: delete the role and service account ``up`` made with eksctl (:func:`delete_argv`); ``True`` when
+    eksctl ran. eksctl needs the cluster for it (its OIDC provider, the ServiceAccount); without it, the stack may be
+    left, and the line said names the command that deletes it."""
+    c = d.cfg.cluster
+    if not cluster_exists:
+        d.say(
+            f"EKS has no cluster {c.name}, so eksctl cannot delete the Ray pods' IAM role: if CloudFormation still "
+            f"has the stack {stack_name(d)}, delete it with "
+            f"`{shlex.join(['aws', 'cloudformation', 'delete-stack', '--stack-name', stack_name(d), '--region', c.region])}`"
+        )
+        return False
+    d.run(
+        delete_argv(d),
+        timeout=TIMEOUT_S,
+        on_output=d.say,
+        hint=f"Run `raytrain-eks down` again; the CloudFormation console shows why the stack {stack_name(d)} could "
+        "not be deleted.",
+    )
+    return True
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -263,6 +303,7 @@ def ensure_service_account(d: Deployment) -> None:
         d.say(f"Creating service account {ns}/{name} and its IAM role ({found.problems[0]})")
         d.run(oidc_argv(str(path)), timeout=TIMEOUT_S, on_output=d.say, hint=hint)
         argv = create_argv(str(path))
+        d.state.record(created_item(d))  # before eksctl makes it: down deletes even a half-made stack
     d.run(argv, timeout=TIMEOUT_S, on_output=d.say, hint=hint)
     after = look(d, bucket, kms_key)
     if after.problems:

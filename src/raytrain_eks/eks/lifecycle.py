@@ -29,6 +29,7 @@ from raytrain_eks.config import Config
 from raytrain_eks.eks.buckets import bucket_exists, bucket_objects, delete_bucket, ensure_bucket, kept_note
 from raytrain_eks.eks.irsa import CONFIG_FILE as SERVICE_ACCOUNT_FILE
 from raytrain_eks.eks.irsa import create_argv as create_service_account_argv
+from raytrain_eks.eks.irsa import delete_created as delete_service_account
 from raytrain_eks.eks.irsa import ensure_service_account
 from raytrain_eks.eks.nodegroups import (
     CLUSTER_TIMEOUT_S,
@@ -261,6 +262,8 @@ def _delete(d: Deployment, item: dict[str, Any], cluster_exists: bool) -> bool:
             return False
         delete_bucket(d, item["name"])
         return True
+    if kind == "iamserviceaccount":  # made by `eksctl create iamserviceaccount` (on a cluster up did not create)
+        return delete_service_account(d, cluster_exists)
     if kind in ("object", "helm"):
         return cluster_exists and delete_recorded(d, item)
     if kind == "nodegroup":
