@@ -195,3 +195,32 @@ def test_training_chat_template_replaces_the_tokenizers_own(tmp_path, ray_local,
     assert tokenizer.chat_template != template, "the shared tokenizer keeps its own template"
     with pytest.raises(DataError, match="cannot read the template file"):
         chat_template_text(str(tmp_path / "missing.jinja"))
+
+
+def test_a_row_the_template_refuses_among_the_first_gives_no_prompt_and_is_counted(
+    tmp_path, ray_local, builtin_model, with_template
+):
+    # Gemma 2 has no system role: the first row is refused, by training and by the sample prompts alike; the run's
+    # prompts come from the rows after it, and the data's summary counts it with the template's reason.
+    from raytrain_eks.train.prompts import sample_prompts
+
+    path = tmp_path / "train.jsonl"
+    rows = [{"messages": SYSTEM_TWO_TURNS}, {"messages": ONE}, {"messages": ONE}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = with_template(GEMMA2)
+    shown, rendered = sample_prompts(None, ([str(path)], "json"), "chat", "text", tokenizer, count=1)
+    assert shown == ["Add 2 and 3."]
+    assert rendered == [tokenizer.apply_chat_template(ONE[:1], tokenize=False, add_generation_prompt=True)]
+    prepared = prepare_dataset(
+        data=str(path),
+        data_format="chat",
+        text_field="text",
+        tokenizer_path=builtin_model,
+        seq_len=64,
+        seed=0,
+        min_blocks=1,
+        chat_template=tokenizer.chat_template,
+        in_driver=True,
+    )
+    assert prepared.malformed == {"the chat template refuses the row: System role not supported": 1}
+    assert "skipped 1 malformed rows: 1 x the chat template refuses the row" in prepared.describe(str(path), 64)

@@ -100,14 +100,17 @@ def sample_prompts(
         return [], []
     shown, rendered = [], []
     for row in first_rows(*listed, count):
+        # A row the format or the chat template refuses (Gemma 2 has no system role) is skipped here as training
+        # skips it; the data's summary counts it with its reason.
         try:
             text, before = _prompt_of(row, data_format, text_field, columns)
+            if not text:
+                continue
+            prompt = text if before is None else render(before, tokenizer)
         except (MalformedRow, StopIteration):
             continue
-        if not text:
-            continue
         shown.append(text)
-        rendered.append(text if before is None else render(before, tokenizer))
+        rendered.append(prompt)
         if len(shown) == count:
             break
     return shown, rendered
