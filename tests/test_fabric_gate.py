@@ -7,6 +7,7 @@ that NCCL, given the job's own ``nccl_env``, writes (NCCL's file handling reprod
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import os
 import socket
@@ -17,8 +18,9 @@ from typing import TextIO
 import pytest
 import torch.distributed as dist
 
+from raytrain_eks.eks.submit import POD_NCCL_LOGS
 from raytrain_eks.fabric import analyze, analyze_paths
-from raytrain_eks.train.fabric_gate import check_transport, gate_decision, nccl_env, own_nccl_lines
+from raytrain_eks.train.fabric_gate import check_transport, gate_decision, nccl_env, nccl_log_path, own_nccl_lines
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
 REAL = FIXTURES / "real"
@@ -53,11 +55,10 @@ def nccl_debug_init(stdout: TextIO) -> TextIO:
 
 @pytest.fixture
 def worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A worker as the job sets it up: its temporary directory (this test's own, standing in for the pod's /tmp),
+    """A worker as the job sets it up: its /tmp (this test's own folder standing in for it),
     a host name with dots, and the environment ``nccl_env`` gives it. Nothing else is created."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(socket, "gethostname", lambda: DOTTED_HOST)
-    for name, value in nccl_env("run-20260101-120000-4242").items():
+    for name, value in nccl_env("run-20260101-120000-4242", folder=str(tmp_path)).items():
         monkeypatch.setenv(name, value)
     return tmp_path
 
@@ -81,11 +82,23 @@ def test_nccl_writes_its_lines_where_the_gate_reads_them(worker: Path):
     assert written.name == f"raytrain-eks-nccl.run-20260101-120000-4242.ip-10-0-1-5.{os.getpid()}.log"
 
 
-def test_characters_nccl_would_expand_never_reach_its_pattern(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    pattern = nccl_env("100%/done %h")["NCCL_DEBUG_FILE"]
+def test_characters_nccl_would_expand_never_reach_its_pattern(tmp_path: Path):
+    pattern = nccl_env("100%/done %h", folder=str(tmp_path))["NCCL_DEBUG_FILE"]
     assert Path(pattern).parent == tmp_path
     assert Path(pattern).name == "raytrain-eks-nccl.100--done--h.%h.%p.log"
+
+
+def test_the_workers_nccl_file_is_in_tmp_whatever_temporary_directory_the_driver_has(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
+    """The driver sets the workers' NCCL_DEBUG_FILE: a TMPDIR of its own (a laptop's, a CI runner's) must not reach
+    the workers, which lack that folder (NCCL would log to stdout unseen), nor hide the files from `submit`'s read."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # tempfile reads TMPDIR again
+    assert tempfile.gettempdir() == str(tmp_path)
+    pattern = nccl_env("run-1")["NCCL_DEBUG_FILE"]
+    assert pattern == "/tmp/raytrain-eks-nccl.run-1.%h.%p.log"
+    assert fnmatch.fnmatch(nccl_log_path(pattern, DOTTED_HOST, 7).as_posix(), POD_NCCL_LOGS)
 
 
 def two_hosts(*, channels: bool, net: str = "Libfabric", provider: str = "efa") -> list[str]:

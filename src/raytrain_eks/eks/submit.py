@@ -32,7 +32,7 @@ from raytrain_eks.eks.target import target_for
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.decision import gate_decision
 from raytrain_eks.fabric.deployment import DEPLOYMENT_RECORD
-from raytrain_eks.fabric.nccl_lines import NCCL_LOG_PREFIX
+from raytrain_eks.fabric.nccl_lines import NCCL_LOG_DIR, NCCL_LOG_PREFIX
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import NodesNotReady, gpu_node_problems
@@ -59,8 +59,8 @@ from raytrain_eks.train.memory import fit_config
 Mode = Literal["raycluster", "rayjob"]
 
 RAY_SESSION_LOGS = f"{m.RAY_LOG_DIR}/session_latest/logs"
-# The transport gate's NCCL_DEBUG_FILE files as the worker pods see them: directly in their tempdir, /tmp.
-POD_NCCL_LOGS = f"/tmp/{NCCL_LOG_PREFIX}*.log"
+# The transport gate's NCCL_DEBUG_FILE files as the worker pods have them.
+POD_NCCL_LOGS = f"{NCCL_LOG_DIR}/{NCCL_LOG_PREFIX}*.log"
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 EXEC_TIMEOUT_S = 120
 

@@ -28,10 +28,13 @@ from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_report import LineRef, PluginInfo
 
 # How the training job names each worker's NCCL debug file (NCCL_DEBUG_FILE):
-# "raytrain-eks-nccl.<token>.<host>.<pid>.log", directly in the worker's temporary directory (its own disk: workers
+# "raytrain-eks-nccl.<token>.<host>.<pid>.log", directly in the worker's /tmp (its own disk: workers
 # may not share the run folder). Not in a folder of its own: NCCL opens the file with a bare fopen and logs to stdout
 # when that fails, and nothing creates a folder before NCCL starts.
 NCCL_LOG_PREFIX = "raytrain-eks-nccl."
+# Where those files lie: /tmp, which every Linux worker has, whatever TMPDIR the driver that sets NCCL_DEBUG_FILE
+# has (a driver's own temporary directory may not exist on the workers, and NCCL would then log to stdout unseen).
+NCCL_LOG_DIR = "/tmp"
 
 # Reading: 4 MiB chunks keep the per-call overhead low; a "line" longer than 1 MiB (binary data, a log without
 # newlines) is cut so memory stays bounded whatever the input.

@@ -9,8 +9,8 @@ links, the gate looks once more after step 2.
 
 Where the file lies matters: NCCL opens it with a bare ``fopen(path, "w")`` and, when that fails, logs to stdout
 without a word (``ncclDebugInit`` in NCCL's src/debug.cc), and the training function cannot make a folder for it in
-time (Ray Train sets up the process group before that function runs). So the file lies directly in the temporary
-directory, which exists, with the run's token in its name::
+time (Ray Train sets up the process group before that function runs). So the file lies directly in ``/tmp``, which
+exists on every worker, with the run's token in its name::
 
     /tmp/raytrain-eks-nccl.<token>.<host>.<pid>.log      # <host>: the host name up to its first '.'
 """
@@ -20,31 +20,28 @@ from __future__ import annotations
 import os
 import re
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from raytrain_eks.fabric import analyze
 from raytrain_eks.fabric.decision import gate_decision
-from raytrain_eks.fabric.nccl_lines import NCCL_LOG_PREFIX
+from raytrain_eks.fabric.nccl_lines import NCCL_LOG_DIR, NCCL_LOG_PREFIX
 
 __all__ = ["check_transport", "gate_decision", "nccl_env", "nccl_log_path", "own_nccl_lines"]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
-def nccl_env(token: str) -> dict[str, str]:
+def nccl_env(token: str, folder: str = NCCL_LOG_DIR) -> dict[str, str]:
     """The worker environment that makes NCCL log its set-up to one file per process (%h host, %p pid).
 
     The file is named after ``token`` (characters other than letters, digits, ``.``, ``_`` and ``-`` become ``-``,
-    so that no ``%`` or ``/`` of it reaches NCCL's pattern) and lies directly in the temporary directory. Example:
-    ``nccl_env("run-1")["NCCL_DEBUG_FILE"] == "/tmp/raytrain-eks-nccl.run-1.%h.%p.log"``.
+    so that no ``%`` or ``/`` of it reaches NCCL's pattern) and lies directly in ``folder``: by default ``/tmp``,
+    which every worker has, not this process's temporary directory (``TMPDIR`` here may name a folder the workers
+    lack). Example: ``nccl_env("run-1")["NCCL_DEBUG_FILE"] == "/tmp/raytrain-eks-nccl.run-1.%h.%p.log"``.
     """
     name = f"{NCCL_LOG_PREFIX}{_UNSAFE.sub('-', token)}.%h.%p.log"
-    return {
-        "NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "INFO"),
-        "NCCL_DEBUG_FILE": str(Path(tempfile.gettempdir(), name)),
-    }
+    return {"NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "INFO"), "NCCL_DEBUG_FILE": str(Path(folder, name))}
 
 
 def nccl_log_path(pattern: str, hostname: str, pid: int) -> Path:
