@@ -449,3 +449,39 @@ def test_a_union_members_refusals_are_one_line_with_the_value_given():
     assert _format_errors(errors, {("training",): "x.yaml"}, tree) == [
         "training.modules = 'q_proj' (from x.yaml): Input should be a valid list; or Input should be 'all-linear'"
     ]
+
+
+def test_gpu_tolerations_are_kubernetes_tolerations_passed_on_as_written(tmp_path, monkeypatch):
+    from raytrain_eks.k8s import manifests
+
+    monkeypatch.chdir(tmp_path)
+    # A toleration as kubectl and the core/v1 schema take it: tolerationSeconds is an integer.
+    (tmp_path / "raytrain-eks.yaml").write_text(
+        "cluster:\n  gpu_tolerations:\n"
+        "  - {key: nvidia.com/gpu, operator: Exists, effect: NoExecute, tolerationSeconds: 300}\n"
+        "  - {key: team, value: ml, effect: NoSchedule}\n"
+    )
+    cfg = load_config(environ={})
+    given = [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300},
+        {"key": "team", "value": "ml", "effect": "NoSchedule"},
+    ]
+    assert manifests.gpu_tolerations(cfg) == given
+    assert [list(t) for t in manifests.gpu_tolerations(cfg)] == [list(t) for t in given]  # the order written
+    (tmp_path / "raytrain-eks.yaml").write_text(
+        "cluster:\n  gpu_tolerations:\n"
+        "  - {key: nvidia.com/gpu, operater: Exists, effect: NoSchedule}\n"
+        "  - {key: a, operator: exists}\n"
+        "  - {key: b, operator: Exists, effect: NoSchedule, tolerationSeconds: 60}\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={})
+    (problem,) = info.value.problems
+    assert problem.startswith("cluster.gpu_tolerations = [{'key': 'nvidia.com/gpu', 'operater': 'Exists'")
+    assert "(from raytrain-eks.yaml): toleration 1: 'operater' is not a field of a toleration (its fields: key, " in (
+        problem
+    )
+    assert "toleration 2: operator = 'exists': Input should be 'Exists' or 'Equal'" in problem
+    assert "toleration 3: tolerationSeconds applies to effect NoExecute only" in problem
+    with pytest.raises(ConfigError, match="toleration 1: an empty key .every taint. needs operator Exists"):
+        load_config(environ={}, sets=["cluster.gpu_tolerations=[{value: x}]"])

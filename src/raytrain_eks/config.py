@@ -82,6 +82,44 @@ AMI_FAMILIES: tuple[str, ...] = get_args(AmiFamily)
 _LAST_AL2_K8S = (1, 32)
 
 
+class _Toleration(_Section):
+    """A pod's toleration as Kubernetes defines it (core/v1 Toleration; the pod template of the KubeRay CRDs in
+    tests/schemas/kuberay carries the same five fields). Example: ``{key: nvidia.com/gpu, operator: Exists,
+    effect: NoExecute, tolerationSeconds: 300}``."""
+
+    key: str = ""
+    operator: Literal["Exists", "Equal"] = "Equal"
+    value: str = ""
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] = ""
+    tolerationSeconds: int | None = None  # noqa: N815  (Kubernetes' own name)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> _Toleration:
+        # The rules of the API reference's field descriptions: the API server refuses the first two, and ignores
+        # tolerationSeconds on any effect but NoExecute.
+        if self.key and not _LABEL_KEY.match(self.key):
+            raise ValueError(f"key {self.key!r} is not a taint key, such as nvidia.com/gpu")
+        if not self.key and self.operator != "Exists":
+            raise ValueError("an empty key (every taint) needs operator Exists")
+        if self.operator == "Exists" and self.value:
+            raise ValueError(f"operator Exists matches any value: leave value ({self.value!r}) out, or use Equal")
+        if self.value and not _LABEL_VALUE.match(self.value):
+            raise ValueError(f"value {self.value!r}: letters, digits, '-', '_' and '.' (63 at most)")
+        if self.tolerationSeconds is not None and self.effect != "NoExecute":
+            raise ValueError(
+                f"tolerationSeconds applies to effect NoExecute only (Kubernetes ignores it with effect "
+                f"{self.effect or 'empty'}): set effect: NoExecute, or leave tolerationSeconds out"
+            )
+        return self
+
+
+def _toleration_problem(err: Mapping[str, Any]) -> str:
+    if err["type"] == "extra_forbidden":
+        return f"{err['loc'][0]!r} is not a field of a toleration (its fields: {', '.join(_Toleration.model_fields)})"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    return f"{err['loc'][0]} = {err['input']!r}: {msg}" if err["loc"] else msg
+
+
 class ClusterConfig(_Section):
     """The cluster: EKS with its node groups (reference: two g6.12xlarge GPU nodes, one m7i.xlarge system node), or
     an existing Kubernetes cluster (``target: kubernetes``) whose GPU nodes are found by their labels."""
@@ -107,8 +145,12 @@ class ClusterConfig(_Section):
     head_node_selector: dict[str, str] | None = Field(
         None, description="labels of the node the Ray head runs on; empty = the system node group (eks), any node"
     )
-    gpu_tolerations: list[dict[str, str]] | None = Field(
-        None, description="the worker pods' tolerations; empty = the nvidia.com/gpu NoSchedule taint"
+    gpu_tolerations: list[dict[str, Any]] | None = Field(
+        None,
+        description=(
+            "the worker pods' tolerations as Kubernetes writes them (key, operator, value, effect, "
+            "tolerationSeconds); empty = the nvidia.com/gpu NoSchedule taint"
+        ),
     )
     efa_per_node: int | None = Field(
         None,
@@ -189,6 +231,22 @@ class ClusterConfig(_Section):
             if value:
                 _check(_LABEL_VALUE, value, "label values of letters, digits, '-', '_' and '.' (63 at most)")
         return v
+
+    @field_validator("gpu_tolerations")
+    @classmethod
+    def _tolerations(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """Each toleration checked as Kubernetes would, and kept as written (the fields given, in their order)."""
+        problems, kept = [], []
+        for i, toleration in enumerate(v or [], start=1):
+            try:
+                checked = _Toleration.model_validate(toleration).model_dump()
+            except ValidationError as exc:
+                problems.extend(f"toleration {i}: {_toleration_problem(e)}" for e in exc.errors())
+                continue
+            kept.append({k: checked[k] for k in toleration})
+        if problems:
+            raise ValueError("; ".join(problems))
+        return None if v is None else kept
 
     @field_validator("name", "gpu_nodegroup_name")
     @classmethod
