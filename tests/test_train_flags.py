@@ -81,3 +81,21 @@ def test_ray_address_in_the_environment_is_the_cluster_a_run_joins(tmp_path, mon
     assert f"ray: joining the cluster RAY_ADDRESS names (127.0.0.1:{port})" in err
     assert f"cannot connect to the Ray cluster at 127.0.0.1:{port}" in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_probe_joins_the_cluster_ray_address_names_as_train_does(tmp_path, monkeypatch, capsys):
+    """`raytrain-eks probe` in a Ray cluster's pod measures that cluster, not a Ray of its own on the head: with
+    RAY_ADDRESS naming a port nobody listens on, it says it joins it and stops at once, starting no Ray."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["probe", "--num-workers", "2"])
+    assert info.value.code == 1
+    err = capsys.readouterr().err
+    assert f"ray: joining the cluster RAY_ADDRESS names (127.0.0.1:{port})" in err
+    assert f"cannot connect to the Ray cluster at 127.0.0.1:{port}" in err and "Traceback" not in err

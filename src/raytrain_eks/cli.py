@@ -110,7 +110,7 @@ def train(
     verbose: VerboseOpt = False,
 ) -> None:
     """Fine-tune a causal LM with Ray Train + FSDP2. With no arguments: a local run of the built-in tiny model."""
-    from raytrain_eks.ray_session import address_from_environment
+    from raytrain_eks.ray_session import joined_address
     from raytrain_eks.train.launch import run_training
 
     flags: dict[str, Any] = {
@@ -132,11 +132,7 @@ def train(
         "compile": compile_layers,
         "output_dir": str(output_dir) if output_dir else None,
     }
-    address, origin = address_from_environment(address)
-    if origin == "RAY_ADDRESS":
-        err.print(
-            f"ray: joining the cluster RAY_ADDRESS names ({address}); unset it to train on a Ray of this run's own"
-        )
+    address = joined_address(address, err.print)
     if resume is not None:
         if output_dir is not None:
             raise UserError("--resume continues the run in its own folder; leave out --output-dir")

@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from raytrain_eks.errors import UserError
@@ -186,6 +186,15 @@ def address_from_environment(address: str | None, environ: Any = None) -> tuple[
         return address, "--address"
     found = (os.environ if environ is None else environ).get("RAY_ADDRESS", "").strip()
     return (found, "RAY_ADDRESS") if found else (None, "")
+
+
+def joined_address(address: str | None, say: Callable[[str], None]) -> str | None:
+    """:func:`address_from_environment`'s address, saying so when it comes from ``RAY_ADDRESS`` (a run that joins a
+    cluster the user did not name on its command line says which, and how not to)."""
+    found, origin = address_from_environment(address)
+    if origin == "RAY_ADDRESS":
+        say(f"ray: joining the cluster RAY_ADDRESS names ({found}); unset it to run on a Ray of this command's own")
+    return found
 
 
 def _check_reachable(address: str) -> None:

@@ -38,6 +38,7 @@ from raytrain_eks.fabric.probe import (
     run_probe,
 )
 from raytrain_eks.options import AddressOpt, ConfigOpt, JsonOpt, PresetOpt, VerboseOpt
+from raytrain_eks.ray_session import joined_address
 
 
 class Require(StrEnum):
@@ -149,8 +150,9 @@ def probe(
         iters=iters,
         warmup=warmup,
     )
-    cfg = load_config(preset=presets.choose(preset, address=address), path=config)
     err = Console(stderr=True, highlight=False)
+    address = joined_address(address, err.print)  # inside a Ray cluster's pod, that cluster (as `train` does)
+    cfg = load_config(preset=presets.choose(preset, address=address), path=config)
     report = run_probe(
         cfg,
         spec,
