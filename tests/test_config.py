@@ -485,3 +485,32 @@ def test_gpu_tolerations_are_kubernetes_tolerations_passed_on_as_written(tmp_pat
     assert "toleration 3: tolerationSeconds applies to effect NoExecute only" in problem
     with pytest.raises(ConfigError, match="toleration 1: an empty key .every taint. needs operator Exists"):
         load_config(environ={}, sets=["cluster.gpu_tolerations=[{value: x}]"])
+
+
+def test_a_setting_the_target_would_ignore_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "raytrain-eks.yaml").write_text("cluster:\n  target: kubernetes\n  existing: true\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={})
+    assert info.value.problems == [
+        "cluster (from raytrain-eks.yaml): cluster.existing applies to target eks (an EKS cluster up did not "
+        "create); with target kubernetes the cluster is always yours and is never created or deleted: leave "
+        "existing out (or false)"
+    ]
+    assert load_config(environ={}, sets=["cluster.target=eks"]).cluster.existing
+    (tmp_path / "raytrain-eks.yaml").write_text("cluster:\n  kubeconfig: ~/.kube/other\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={}, sets=["cluster.context=gpu"])
+    (problem,) = info.value.problems
+    assert problem.startswith("cluster (from --set cluster.context, raytrain-eks.yaml): cluster.kubeconfig and ")
+    assert "cluster.context apply to target kubernetes; with target eks every step reaches the EKS cluster" in problem
+    assert "set cluster.target to kubernetes" in problem
+    cfg = load_config(environ={}, sets=["cluster.target=kubernetes"])
+    assert (cfg.cluster.target, cfg.cluster.kubeconfig) == ("kubernetes", "~/.kube/other")
+    # The command line's --kubeconfig is the same setting: refused on target eks before anything is made.
+    (tmp_path / "raytrain-eks.yaml").unlink()
+    with pytest.raises(SystemExit) as done:
+        main(["status", "--kubeconfig", str(tmp_path / "kubeconfig")])
+    assert done.value.code == 2
+    assert "cluster.kubeconfig applies to target kubernetes" in capsys.readouterr().err
+    assert not (tmp_path / ".raytrain-eks").exists()

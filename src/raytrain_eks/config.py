@@ -293,6 +293,25 @@ class ClusterConfig(_Section):
         return v
 
     @model_validator(mode="after")
+    def _settings_of_the_target(self) -> ClusterConfig:
+        """Refuse a setting the chosen target would ignore, rather than leave the user believing it applies."""
+        if self.target == "kubernetes" and self.existing:
+            raise ValueError(
+                "cluster.existing applies to target eks (an EKS cluster up did not create); with target kubernetes "
+                "the cluster is always yours and is never created or deleted: leave existing out (or false)"
+            )
+        given = [name for name in ("kubeconfig", "context") if getattr(self, name)]
+        if self.target == "eks" and given:
+            settings = " and ".join(f"cluster.{name}" for name in given)
+            raise ValueError(
+                f"{settings} {'apply' if len(given) > 1 else 'applies'} to target kubernetes; with target eks "
+                "every step reaches the EKS cluster through the kubeconfig up writes into the state folder "
+                "(.raytrain-eks/kubeconfig by default): set cluster.target to kubernetes to use your kubeconfig's "
+                f"cluster, or leave {settings} empty (and --kubeconfig, --context off the command line)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _az_in_region(self) -> ClusterConfig:
         if self.gpu_az and not self.gpu_az.startswith(self.region):
             raise ValueError(f"gpu_az {self.gpu_az!r} is not in region {self.region!r}; pick a zone of that region")
