@@ -5,6 +5,7 @@ data by Ray Data's tasks: the tests that read rows run both ways (``where``), an
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -241,3 +242,47 @@ def test_a_hugging_face_dataset_is_read_offline_from_the_cache(tmp_path, ray_loc
         list_data_files("hf:acme/sums:validation")
     with pytest.raises(DataError, match="'acme/missing' is neither reachable on the Hub nor in the Hugging Face"):
         list_data_files("hf:acme/missing")
+
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_every_example_recipe_reads_its_data(recipe, ray_local, builtin_model, monkeypatch):
+    # Each shipped recipe's data prepared as `train` prepares it (data, format, columns, template, the blocks one
+    # step takes on this machine's CPU workers), from the repository's folder where its comments run it. The
+    # tokenizer is the built-in model's: a Hub model may not be in the cache here, and the rows' use does not
+    # depend on it.
+    from raytrain_eks.config import BUILTIN_DATA, load_config
+    from raytrain_eks.ray_session import LOCAL_CPU_WORKERS
+    from raytrain_eks.train.encoding import chat_template_text
+    from raytrain_eks.train.sources import list_data_files
+
+    monkeypatch.chdir(recipe.parents[1])
+    training = load_config(path=recipe, environ={}).training
+    if training.uses_random_data:
+        pytest.skip("random token ids: the recipe reads no data")
+    data = str(sample_data_path()) if training.data == BUILTIN_DATA else training.data
+    if data.startswith("hf:"):
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # tests reach no network: the Hugging Face cache only
+        try:
+            listed = list_data_files(data)
+        except DataError as exc:
+            pytest.skip(f"{data} is not in the Hugging Face cache; download it once (HF_HOME) to check it: {exc}")
+    else:
+        listed = list_data_files(data)
+    prepared = prepare_dataset(
+        data=data,
+        listed=listed,
+        data_format=training.data_format,
+        text_field=training.text_field,
+        columns=training.columns or None,
+        packing=training.packing,
+        chat_template=chat_template_text(training.chat_template),
+        tokenizer_path=builtin_model,
+        seq_len=training.seq_len,
+        seed=training.seed,
+        min_blocks=(training.num_workers or LOCAL_CPU_WORKERS) * training.batch_size * training.grad_accum_steps,
+        eval_fraction=training.effective_eval_fraction,
+    )
+    assert prepared.usable_rows == prepared.rows > 0, prepared.describe(data, training.seq_len)
