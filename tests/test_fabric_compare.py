@@ -359,6 +359,13 @@ def test_compare_fabric_on_eks_through_the_fakes(eks: World):
     assert len(eks.ray.submitted) == 3
 
 
+def test_compare_fabric_takes_set_as_the_other_commands_do_and_checks_it_before_any_run(eks: World):
+    applied = len(eks.kube.applied)
+    out = compare_on_eks("--set", "training.learning_rate=-1", "-y")
+    assert out.exit_code != 0 and "training.learning_rate = -1 (from --set" in str(out.exception)
+    assert len(eks.kube.applied) == applied and not eks.ray.submitted[1:]  # nothing run, nothing applied
+
+
 def test_compare_fabric_json_through_the_console_entry_is_only_json(eks: World, capsys, monkeypatch):
     # The folder remembers zone us-east-1a and the configuration names none: the notice that says so, and every
     # progress line, go to stderr; stdout is the JSON alone. ASSUME_YES=1 answers the confirmation, as -y does.

@@ -401,7 +401,7 @@ def test_the_commands_say_what_is_missing_before_touching_anything(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     config = tmp_path / "raytrain-eks.yaml"
     config.write_text("cluster:\n  target: kubernetes\n")
-    for command in ("up", "status", "down"):
+    for command in ("up", "status", "down", "compare-fabric"):
         yes = [] if command == "status" else ["-y"]
         with pytest.raises(SystemExit) as done:
             main([command, "--config", str(config), "--kubeconfig", str(tmp_path / "nope"), *yes])

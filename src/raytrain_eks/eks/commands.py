@@ -28,7 +28,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 from rich.console import Console
@@ -157,14 +157,16 @@ def _load(
     sets: list[str] | None = None,
     kubeconfig: Path | None = None,
     context: str | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> Config:
-    """The configuration; ``--kubeconfig`` and ``--context`` set ``cluster.kubeconfig`` and ``cluster.context``."""
+    """The configuration; ``--kubeconfig`` and ``--context`` set ``cluster.kubeconfig`` and ``cluster.context``;
+    ``overrides`` are a command's own flags (below ``--set``)."""
     given = [*(sets or [])]
     if kubeconfig is not None:
         given.append(f"cluster.kubeconfig={kubeconfig}")
     if context is not None:
         given.append(f"cluster.context={context}")
-    return load_config(preset=presets.choose(preset), path=config, sets=given or None)
+    return load_config(preset=presets.choose(preset), path=config, overrides=overrides, sets=given or None)
 
 
 def remembered_config(cfg: Config, store: StateStore, say: Callable[[str], None]) -> Config:
@@ -391,6 +393,9 @@ def compare_fabric(
     json_output: JsonOpt = False,
     yes: YesOpt = False,
     state_dir: StateDirOpt = Path(".raytrain-eks"),
+    sets: SetOpt = None,
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
 ) -> None:
     """Run the training job on EKS twice, over EFA then over TCP (NCCL_NET=Socket FI_PROVIDER=tcp), and print the
     speed-up of EFA in steps/s after warm-up.
@@ -410,10 +415,10 @@ def compare_fabric(
     def say(line: str) -> None:  # progress on stderr, so that stdout holds only the result (--json)
         err.print(line, markup=False)
 
-    cfg = load_config(preset=presets.choose(preset), path=config)
+    cfg = _load(config, preset, sets, kubeconfig, context)
     steps = steps or cfg.fabric.compare_steps
     if steps is not None:  # checked as any setting is (warmup_steps within the steps); only the two runs take it
-        load_config(preset=presets.choose(preset), path=config, overrides={"training": {"steps": steps}})
+        _load(config, preset, sets, kubeconfig, context, overrides={"training": {"steps": steps}})
     warmup_steps = cfg.fabric.compare_warmup_steps if warmup_steps is None else warmup_steps
     # The default is a name not yet taken: a comparison is never written over, even one made in the same second.
     out = out or new_folder(Path("runs"), f"compare-fabric-{datetime.now(UTC):%Y%m%d-%H%M%S}", create=False)
