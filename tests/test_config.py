@@ -429,6 +429,10 @@ def test_errors_show_the_given_value_and_its_source_at_any_depth(tmp_path, monke
     assert info.value.problems == [
         "training.lora.rank = -1 (from --set training.lora): Input should be greater than or equal to 1"
     ]
+    # A mapping's key that is refused is the value shown.
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={}, sets=["network.env={1: x}"])
+    assert info.value.problems == ["network.env.1 = 1 (from --set network.env): Input should be a valid string"]
 
 
 def test_a_union_members_refusals_are_one_line_with_the_value_given():

@@ -895,7 +895,8 @@ def _given(tree: Any, loc: Sequence[Any]) -> tuple[tuple[Any, ...], Any]:
     """The place ``loc`` names in ``tree`` and the value given there (:data:`_NOT_GIVEN` when none was).
 
     pydantic puts the name of a union's member (``list[str]``, ``literal['all-linear']``) into the location of
-    the member's error; those names are no place in the settings and are left out.
+    the member's error, and ``[key]`` after a mapping's key it refused; those are no place in the settings and
+    are left out (for ``[key]`` the value shown is the key).
     """
     path: list[Any] = []
     value: Any = tree
@@ -904,12 +905,14 @@ def _given(tree: Any, loc: Sequence[Any]) -> tuple[tuple[Any, ...], Any]:
             value = value[part] if part in value else value[str(part)]
         elif isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
             value = value[part]
+        elif part == "[key]" and path:
+            value = path[-1]  # the key itself is what was refused
+            continue
         elif isinstance(part, str) and not isinstance(value, dict):
             continue  # a union member's name
-        else:
-            path.append(part)
+        else:  # not given (a required setting left out): name the place, show no value
+            path.extend(loc[i:])
             value = _NOT_GIVEN
-            path.extend(loc[i + 1 :])
             break
         path.append(part)
     return tuple(path), value
