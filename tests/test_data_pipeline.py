@@ -33,12 +33,24 @@ def prep(path, builtin_model, fmt="instruction", seq_len=32, min_blocks=1, where
         in_driver=None if where is None else where == "driver",
         columns=kw.get("columns"),
         listed=kw.get("listed"),
+        chat_template=kw.get("chat_template"),
     )
 
 
 @pytest.fixture(params=["driver", "ray"])
 def where(request):
     return request.param
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def trained_and_whole(tokenizer, prepared) -> tuple[str, str]:
+    """The text of every trained token of the packed blocks, in order, and the text of all their tokens."""
+    rows = prepared.dataset.take_all()
+    ids = np.concatenate([r["input_ids"] for r in rows])
+    labels = np.concatenate([r["labels"] for r in rows])
+    return tokenizer.decode(labels[labels != IGNORE_INDEX].tolist()), tokenizer.decode(ids.tolist())
 
 
 def blocks(dataset) -> np.ndarray:
@@ -286,3 +298,45 @@ def test_every_example_recipe_reads_its_data(recipe, ray_local, builtin_model, m
         eval_fraction=training.effective_eval_fraction,
     )
     assert prepared.usable_rows == prepared.rows > 0, prepared.describe(data, training.seq_len)
+
+
+def test_openai_rows_with_tool_calls_are_prepared(ray_local, builtin_model, tokenizer):
+    # OpenAI's fine-tuning rows, rendered with Qwen2.5's template (it writes tool calls and tool definitions): the
+    # tool call and the answers are trained; the tool's result, its definition and the prompts are context.
+    template = (FIXTURES / "chat_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
+    path = FIXTURES / "data" / "openai.jsonl"
+    prepared = prep(path, builtin_model, fmt="openai", seq_len=512, where="driver", chat_template=template)
+    assert (prepared.rows, prepared.usable_rows) == (3, 2)
+    assert prepared.malformed == {"a message's role is 'function', not one of system, user, assistant, tool": 1}
+    trained, whole = trained_and_whole(tokenizer, prepared)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>' in trained
+    assert "It is 18 degrees and cloudy in Paris.<|im_end|>" in trained
+    assert "100 degrees Celsius.<|im_end|>" in trained
+    assert "18, " not in trained and "temperature_c" in whole  # the tool's result: read, not trained
+    assert "Current weather in a city" in whole and "Current weather" not in trained
+    assert "What is the weather in Paris?" in whole and "Paris?" not in trained
+    labels = np.concatenate([r["labels"] for r in prepared.dataset.take_all()])
+    assert int((labels != IGNORE_INDEX).sum()) == prepared.trained_tokens  # what the data's summary line says
+
+
+def test_sharegpt_speakers_and_renamed_columns_from_files(ray_local, builtin_model, tokenizer):
+    sharegpt = prep(FIXTURES / "data" / "sharegpt.jsonl", builtin_model, fmt="sharegpt", seq_len=256, where="driver")
+    assert (sharegpt.rows, sharegpt.usable_rows) == (4, 3)
+    assert sharegpt.malformed == {"a turn is from 'bing', not one of human, user, gpt, assistant, system": 1}
+    trained, whole = trained_and_whole(tokenizer, sharegpt)
+    for answer in ("Red.", "Cold.", "Eight.", "Six."):  # gpt, assistant and GPT all answer; each answer is trained
+        assert f"{answer}<|im_end|>" in trained
+    assert "<|im_start|>system\nAnswer in one word.<|im_end|>" in whole and "one word" not in trained
+    assert "<|im_start|>user\nHow many legs has a spider?<|im_end|>" in whole and "spider" not in trained
+    qa = prep(
+        FIXTURES / "data" / "qa-columns.jsonl",
+        builtin_model,
+        where="driver",
+        columns={"instruction": "question", "input": "context", "output": "answer"},
+    )
+    assert (qa.rows, qa.usable_rows) == (3, 2)
+    assert qa.malformed == {"missing field 'output'": 1}
+    trained, whole = trained_and_whole(tokenizer, qa)
+    assert "Jupiter.<|im_end|>" in trained and "danke<|im_end|>" in trained
+    assert "<|im_start|>user\nTranslate to German:\n\nthank you<|im_end|>" in whole and "thank" not in trained
+    assert "astronomy" not in whole  # a column no field reads is left out
