@@ -211,6 +211,27 @@ def test_an_efa_cluster_gets_efa_requested_and_required(efa: Cluster):
     assert "memory estimate is left out" not in efa.said()  # the nodes' EC2 type is known: it was made
 
 
+def test_on_an_efa_cluster_logs_status_and_down_read_and_remove_only_this_tools_part(efa: Cluster):
+    efa.target.up(efa.d(), confirm=efa.ask())
+    result = sub.submit(efa.d())
+    assert result.exit_code == 0, efa.said()
+    efa.lines.clear()
+    assert sub.logs(efa.d()) == 0
+    assert "step 20 loss 1.87" in efa.said()  # the job's output, read in the head pod
+    (head,) = [c for c in efa.kube.exec_calls if c[2][:3] == ["ray", "job", "logs"]][-1:]
+    assert head[1].startswith(f"{efa.cfg.ray.cluster_name}-head") and head[2][-1] == result.submission_id
+    lines = efa.target.status(efa.d())
+    gpu_lines = [line for line in lines if line.startswith("GPU node ip-10-0-1-")]
+    assert len(gpu_lines) == 2 and all(f"{m.EFA_RESOURCE}=1 Ready" in line for line in gpu_lines)
+    assert not [line for line in lines if "problem:" in line]
+    efa.target.down(efa.d(), confirm=efa.ask())
+    assert not efa.tools.commands("helm", "uninstall")  # it installed no chart here
+    deleted = {(k, n) for _, k, n, _ in efa.kube.deleted}
+    assert {("RayCluster", "ray-train"), ("ServiceAccount", "raytrain-eks-ray")} <= deleted
+    assert efa.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", "rayclusters.ray.io") is not None
+    assert len(efa.kube.nodes()) == 3 and not efa.store.path.exists()
+
+
 def test_efa_the_nodes_do_not_have_is_refused_or_installed(efa: Cluster, plain: Cluster):
     wants = Cluster(efa.kubeconfig.parent / "more", None, "cluster.efa_per_node=2")
     wants.kube, wants.tools = efa.kube, efa.tools
