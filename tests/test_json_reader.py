@@ -77,3 +77,22 @@ def test_one_row_nested_too_deeply_is_one_malformed_row_and_the_others_are_kept(
     assert len(got) == 52 and got[20] == {"json": "", "error": TOO_DEEP}
     assert json.loads(got[21]["json"]) == {"s": "[[[", "t": "\\"}
     assert [json.loads(r["json"]) for r in got if not r["error"]][20:] == [{"s": "[[[", "t": "\\"}, *good[20:]]
+
+
+def test_sample_prompts_come_from_the_first_rows_of_a_large_file(tmp_path, tokenizer):
+    # The sample prompts read the first data file as training does: a JSON array of 480 KB, and JSON lines whose
+    # first row alone is 300 KB, give their first rows' prompts.
+    from raytrain_eks.train.prompts import sample_prompts
+
+    rows = [{"instruction": f"Question {i}?", "output": f"Answer {i}. " + "word " * 30} for i in range(2500)]
+    array = tmp_path / "big.json"
+    array.write_text(json.dumps(rows))
+    assert array.stat().st_size > 256 << 10
+    shown, rendered = sample_prompts(None, ([str(array)], "json"), "instruction", "text", tokenizer, count=3)
+    assert shown == ["Question 0?", "Question 1?", "Question 2?"]
+    assert rendered[0] == "<|im_start|>user\nQuestion 0?<|im_end|>\n<|im_start|>assistant\n"
+    lines = tmp_path / "long-first-row.jsonl"
+    long_row = {"instruction": "Summarise this.", "input": "word " * 60_000, "output": "Words."}
+    lines.write_text("\n".join(json.dumps(r) for r in [long_row, *rows[:2]]) + "\n")
+    shown, _ = sample_prompts(None, ([str(lines)], "json"), "instruction", "text", tokenizer, count=2)
+    assert shown == [f"Summarise this.\n\n{long_row['input']}", "Question 0?"]

@@ -15,12 +15,13 @@ from typing import Any
 
 from raytrain_eks.formats import MalformedRow, renamed
 from raytrain_eks.formats import data_format as registered_format
+from raytrain_eks.train.data import json_rows
 from raytrain_eks.train.encoding import _segments
 from raytrain_eks.train.storage import filesystem
 
 DEFAULT_COUNT = 3
 SAMPLES_FILE = "samples.jsonl"
-_HEAD_BYTES = 1 << 18  # the first 256 KiB of the first file hold the first prompts
+_CHUNK_BYTES = 1 << 16  # the first data file is read this much at a time, until its first rows are in
 
 
 def render(messages: list[dict[str, str]], tokenizer: Any) -> str:
@@ -49,32 +50,30 @@ def _prompt_of(
 
 
 def first_rows(files: list[str], kind: str, count: int) -> list[dict[str, Any]]:
-    """Up to ``count`` rows from the start of the first data file (local or ``s3://``)."""
+    """Up to ``count`` rows (and a few more, for rows that turn out malformed) from the start of the first data file
+    (local or ``s3://``), read as training reads it (:func:`~raytrain_eks.train.data.json_rows`): chunk by chunk, a
+    JSON array item by item, so however large the file or its first rows, only what they need is read."""
+    wanted = count * 4
     fs, path = filesystem(files[0])
     if kind == "parquet":
         import pyarrow.parquet as pq
 
         with fs.open_input_file(path) as f:
             pf = pq.ParquetFile(f)
-            return pf.read_row_group(0).slice(0, count * 4).to_pylist() if pf.num_row_groups else []
+            return pf.read_row_group(0).slice(0, wanted).to_pylist() if pf.num_row_groups else []
+    rows: list[dict[str, Any]] = []
     with fs.open_input_stream(path) as f:
-        head = f.read(_HEAD_BYTES).decode("utf-8", errors="replace")
-    stripped = head.lstrip()
-    if stripped.startswith("["):
-        try:
-            return json.loads(stripped)[: count * 4]
-        except (json.JSONDecodeError, RecursionError):  # broken, or nested too deeply: no prompts from it
-            return []
-    rows = []
-    for line in head.splitlines()[:-1] if len(head) == _HEAD_BYTES else head.splitlines():
-        try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, RecursionError):  # a malformed row (one nested too deeply, too) is skipped
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-        if len(rows) >= count * 4:
-            break
+        for item in json_rows(iter(lambda: f.read(_CHUNK_BYTES), b"")):
+            if item["error"]:  # a malformed row (one nested too deeply, too) is skipped
+                continue
+            try:
+                row = json.loads(item["json"])
+            except RecursionError:  # decoded by the reader a few frames higher up the stack
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+            if len(rows) >= wanted:
+                break
     return rows
 
 
