@@ -265,3 +265,38 @@ def test_columns_read_the_formats_fields_from_the_datas_own(tokenizer):
         "fields are instruction, input, output",
     ):
         TrainingConfig(data_format="instruction", columns={"prompt": "question"})
+
+
+@pytest.mark.parametrize(
+    ("row", "fmt", "columns", "reason"),
+    [
+        (
+            {"query": "What is 2 plus 3?", "answer": "5."},
+            "instruction",
+            {"instruction": "question", "output": "answer"},
+            "missing field 'question' (training.columns: {instruction: question})",
+        ),
+        (
+            {"question": "Q", "answer": 5},
+            "instruction",
+            {"instruction": "question", "output": "answer"},
+            "field 'answer' (training.columns: {output: answer}) is not a string",
+        ),
+        (
+            {"question": "Q"},  # a field the mapping leaves alone keeps the format's name
+            "instruction",
+            {"instruction": "question"},
+            "missing field 'output'",
+        ),
+        (
+            {"conversations": []},
+            "sharegpt",
+            {"conversations": "dialog"},
+            "missing field 'dialog' (training.columns: {conversations: dialog}) (a list of {from, value})",
+        ),
+    ],
+)
+def test_a_mapped_column_that_is_missing_is_named_as_the_data_names_it(tokenizer, row, fmt, columns, reason):
+    with pytest.raises(MalformedRow) as info:
+        encode_row(row, fmt, tokenizer, columns=columns)
+    assert str(info.value) == reason

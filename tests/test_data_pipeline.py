@@ -335,7 +335,7 @@ def test_sharegpt_speakers_and_renamed_columns_from_files(ray_local, builtin_mod
         columns={"instruction": "question", "input": "context", "output": "answer"},
     )
     assert (qa.rows, qa.usable_rows) == (3, 2)
-    assert qa.malformed == {"missing field 'output'": 1}
+    assert qa.malformed == {"missing field 'answer' (training.columns: {output: answer})": 1}
     trained, whole = trained_and_whole(tokenizer, qa)
     assert "Jupiter.<|im_end|>" in trained and "danke<|im_end|>" in trained
     assert "<|im_start|>user\nTranslate to German:\n\nthank you<|im_end|>" in whole and "thank" not in trained

@@ -13,6 +13,7 @@ validation, the CLI's help and the error hints all read :data:`FORMATS`. Example
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +75,23 @@ def renamed(row: Mapping[str, Any], columns: Mapping[str, str] | None) -> Mappin
         if column in row:
             out[fmt_field] = row[column]
     return out
+
+
+def column_reason(reason: str, columns: Mapping[str, str] | None) -> str:
+    """A :class:`MalformedRow` reason with each format field that ``columns`` maps named as the data's column, and
+    the mapping: ``missing field 'instruction'`` -> ``missing field 'question' (training.columns: {instruction:
+    question})``."""
+    if not columns:
+        return reason
+
+    def named(match: re.Match[str]) -> str:
+        fmt_field = match.group(1)
+        column = columns.get(fmt_field)
+        if column is None or column == fmt_field:
+            return match.group(0)
+        return f"field '{column}' (training.columns: {{{fmt_field}: {column}}})"
+
+    return re.sub(r"field '([^']*)'", named, reason)
 
 
 def field_text(row: Mapping[str, Any], key: str, *, required: bool) -> str:

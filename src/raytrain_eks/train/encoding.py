@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_eks.errors import DataError
-from raytrain_eks.formats import MalformedRow, field_text, renamed
+from raytrain_eks.formats import MalformedRow, column_reason, field_text, renamed
 from raytrain_eks.formats import data_format as registered_format
 
 IGNORE_INDEX = -100
@@ -194,13 +194,16 @@ def encode_row(
         raise MalformedRow("the row is not a JSON object")
     fmt = registered_format(data_format)
     fields = renamed(row, columns)
-    if fmt.conversation is None:
-        text = field_text(fields, text_field, required=True)
+    try:  # a field read from a column of training.columns is named as the data names it
+        conversation = None if fmt.conversation is None else fmt.conversation(fields)
+        text = field_text(fields, text_field, required=True) if conversation is None else ""
+    except MalformedRow as exc:
+        raise MalformedRow(column_reason(str(exc), columns)) from None
+    if conversation is None:
         tokens: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
         if tokenizer.eos_token_id is not None:
             tokens = tokens + [tokenizer.eos_token_id]
         return tokens, list(tokens)
-    conversation = fmt.conversation(fields)
     if _GENERATION_BLOCK.search(getattr(tokenizer, "chat_template", None) or ""):
         return _masked_by_template(conversation.messages, tokenizer, conversation.tools)
     ids: list[int] = []
