@@ -156,6 +156,21 @@ class Placement:
 _ANYWHERE = Placement(tolerations=({"operator": "Exists"},))
 
 
+@dataclass(frozen=True)
+class NodePool:
+    """GPU nodes an autoscaler adds on demand, as Karpenter does (https://karpenter.sh/docs/: it watches for pods
+    the scheduler has marked unschedulable, evaluates their requests, node selectors, affinities and tolerations,
+    and provisions a node that meets them): here one node of this shape per unschedulable pod that fits it,
+    joining ``launch_s`` after the pod was found unschedulable. The node advertises its GPUs and EFA interfaces
+    itself (a node image whose device plugins come with it)."""
+
+    name: str
+    labels: dict[str, str]
+    allocatable: dict[str, str]
+    taints: tuple[dict[str, Any], ...] = ()
+    launch_s: float = 90.0
+
+
 @dataclass
 class _FakeNode:
     labels: dict[str, str]
@@ -264,6 +279,8 @@ class FakeKube:
         # its container's state terminated with exitCode 1, reason Error, as the kubelet reports it; no event)
         self.exiting: set[tuple[str, str]] = set()
         self._nodes: dict[str, _FakeNode] = {}
+        self.node_pool: NodePool | None = None
+        self._launching: dict[tuple[str, str], tuple[float, str]] = {}  # pod -> (when its node joins, node name)
         self._daemon_sets: dict[tuple[str, str], _FakeDaemonSet] = {}
         self._pods: dict[tuple[str, str], _FakePod] = {}
         self._events: dict[tuple[str, str], list[Event]] = {}
@@ -673,6 +690,13 @@ class FakeKube:
         return free
 
     def _schedule(self) -> None:
+        pool = self.node_pool
+        for key, (joins, node_name) in list(self._launching.items()):
+            if pool is not None and joins <= self.time:
+                self.add_node(
+                    node_name, labels=pool.labels, allocatable=pool.allocatable, taints=pool.taints, devices={}
+                )
+                del self._launching[key]
         for (ns, name), pod in self._pods.items():
             if pod.owner is None or pod.owner[0] not in ("RayCluster", "Deployment", "Pod"):
                 continue
@@ -710,6 +734,15 @@ class FakeKube:
         detail = ", ".join(f"{n} {why}" for why, n in sorted(reasons.items()))
         message = f"0/{len(self._nodes)} nodes are available: {detail}." if detail else "0/0 nodes are available."
         self._event(ns, name, Event("Warning", "FailedScheduling", message))
+        pool = self.node_pool
+        if pool is None or (ns, name) in self._launching:
+            return
+        placement = pod.placement or Placement(pod.node_selector, tolerations=_ANYWHERE.tolerations)
+        room = {k: parse_quantity(v) for k, v in pool.allocatable.items()}
+        fits = all(room.get(res, 0.0) >= parse_quantity(qty) for res, qty in pod.requests.items())
+        if fits and placement.refusal(pool.labels, list(pool.taints)) is None:
+            launched = len(self._launching) + sum(1 for n in self._nodes if n.startswith(f"{pool.name}-"))
+            self._launching[(ns, name)] = (self.time + pool.launch_s, f"{pool.name}-{launched}")
 
     def _event(self, ns: str, pod: str, event: Event) -> None:
         events = self._events.setdefault((ns, pod), [])

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 from charts import vendored
-from fake_kube import FakeKube
+from fake_kube import FakeKube, NodePool
 from test_charts import UNREACHABLE_KUBECONFIG
 from test_command_lines import Collector, chart_repo, check  # noqa: F401 - chart_repo: the fixture
 from test_deploy import TOKEN, FakeRay, FakeTools
@@ -25,7 +25,7 @@ from test_deploy import TOKEN, FakeRay, FakeTools
 from raytrain_eks.config import load_config
 from raytrain_eks.eks import submit as sub
 from raytrain_eks.eks.target import target_for
-from raytrain_eks.errors import UserError
+from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.k8s import existing
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.state import Cancelled, Deployment, StateStore
@@ -128,6 +128,65 @@ def efa(tmp_path: Path, real_tools: Any, monkeypatch: pytest.MonkeyPatch) -> Clu
     crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition"}
     c.kube.put({**crd, "metadata": {"name": "rayclusters.ray.io"}})
     return c
+
+
+@pytest.fixture
+def on_demand(tmp_path: Path, real_tools: Any, monkeypatch: pytest.MonkeyPatch) -> Cluster:
+    """An EKS cluster with Karpenter: a CPU node now, and a GPU node pool whose nodes (EFA, the NVIDIA and EFA
+    plugins in their image) are launched only for worker pods that cannot be scheduled; no KubeRay yet."""
+    monkeypatch.chdir(tmp_path)
+    c = Cluster(
+        tmp_path,
+        real_tools,
+        "cluster.gpu_nodes_on_demand=true",
+        "cluster.gpu_node_selector={karpenter.sh/nodepool: gpu}",
+        "cluster.efa_per_node=1",
+        "ray.worker_cpu=39",
+        "ray.worker_memory_gib=154",
+    )
+    c.kube.add_node("ip-10-0-2-9", labels={}, allocatable={"cpu": "7910m", "memory": "29Gi"})
+    c.kube.node_pool = NodePool(
+        "gpu",
+        labels={"karpenter.sh/nodepool": "gpu", existing.INSTANCE_TYPE_LABEL: "g6.12xlarge"},
+        allocatable={"cpu": "47", "memory": "185Gi", m.GPU_RESOURCE: "4", m.EFA_RESOURCE: "1"},
+        taints=({"key": "nvidia.com/gpu", "effect": "NoSchedule"},),
+    )
+    return c
+
+
+def test_gpu_nodes_on_demand_are_not_required_at_up_and_come_with_the_worker_pods(on_demand: Cluster):
+    c = on_demand
+    c.target.up(c.d(), confirm=c.ask())
+    (question,) = c.questions
+    assert "kuberay-operator" in question and "device-plugin" not in question  # the nodes' image brings them
+    assert "GPU nodes on demand (cluster.gpu_nodes_on_demand), 0 there now" in c.said()
+    assert "come when the worker pods ask for them" in c.said() and len(c.kube.nodes()) == 1
+    started = c.kube.time
+    result = sub.submit(c.d())
+    assert result.exit_code == 0 and result.report is not None and result.report.verdict == "efa", c.said()
+    (group,) = _workers(c)
+    (container,) = group["template"]["spec"]["containers"]
+    limits = container["resources"]["limits"]
+    assert (limits[m.GPU_RESOURCE], limits[m.EFA_RESOURCE], limits["cpu"], limits["memory"]) == (
+        "4",
+        "1",
+        "39",
+        "154Gi",
+    )
+    assert group["template"]["spec"]["nodeSelector"] == {"karpenter.sh/nodepool": "gpu"}
+    pods = c.kube.pods("default", {"ray.io/cluster": c.cfg.ray.cluster_name})
+    assert sorted(p.node_name for p in pods if "worker" in p.name) == ["gpu-0", "gpu-1"]  # launched for them
+    assert c.kube.time - started >= 90  # submit waited while the pool's nodes joined
+
+
+def test_gpu_nodes_on_demand_need_their_shape_in_the_settings_and_target_kubernetes(tmp_path: Path):
+    base = ["cluster.target=kubernetes", "cluster.gpu_nodes_on_demand=true"]
+    with pytest.raises(ConfigError, match="set cluster.efa_per_node to the EFA interfaces each GPU node will have"):
+        load_config(environ={}, path=None, sets=base)
+    with pytest.raises(ConfigError, match="set ray.worker_cpu and ray.worker_memory_gib"):
+        load_config(environ={}, path=None, sets=[*base, "cluster.efa_per_node=0"])
+    with pytest.raises(ConfigError, match="applies to target kubernetes"):
+        load_config(environ={}, path=None, sets=["cluster.gpu_nodes_on_demand=true"])
 
 
 def _workers(c: Cluster) -> list[dict[str, Any]]:

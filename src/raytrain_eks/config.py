@@ -161,6 +161,15 @@ class ClusterConfig(_Section):
             "nodes advertise at up (kubernetes)"
         ),
     )
+    gpu_nodes_on_demand: bool = Field(
+        False,
+        description=(
+            "kubernetes: the GPU nodes are added when the worker pods ask for them (Karpenter, a cluster "
+            "autoscaler), so up does not find them: it takes their GPUs, EFA interfaces and the worker pod size from "
+            "gpus_per_node, efa_per_node, ray.worker_cpu and ray.worker_memory_gib, and the node image brings the "
+            "device plugins"
+        ),
+    )
     existing: bool = Field(
         False,
         description=(
@@ -299,6 +308,16 @@ class ClusterConfig(_Section):
             raise ValueError(
                 "cluster.existing applies to target eks (an EKS cluster up did not create); with target kubernetes "
                 "the cluster is always yours and is never created or deleted: leave existing out (or false)"
+            )
+        if self.gpu_nodes_on_demand and self.target != "kubernetes":
+            raise ValueError(
+                "cluster.gpu_nodes_on_demand applies to target kubernetes (nodes an autoscaler adds); with target eks "
+                "up creates the GPU node group itself: leave it out, or set cluster.target to kubernetes"
+            )
+        if self.gpu_nodes_on_demand and self.efa_per_node is None:
+            raise ValueError(
+                "cluster.gpu_nodes_on_demand: set cluster.efa_per_node to the EFA interfaces each GPU node will have "
+                "(0 for none): nodes that do not exist yet cannot be read for it"
             )
         given = [name for name in ("kubeconfig", "context") if getattr(self, name)]
         if self.target == "eks" and given:
@@ -777,6 +796,16 @@ class Config(_Section):
             workers_per_node=per_node,
             worker_nodes=-(-world // per_node) if per_node else 0,
         )
+
+    @model_validator(mode="after")
+    def _on_demand_pod_size(self) -> Config:
+        missing = [f"ray.{k}" for k in ("worker_cpu", "worker_memory_gib") if getattr(self.ray, k) is None]
+        if self.cluster.gpu_nodes_on_demand and missing:
+            raise ValueError(
+                f"cluster.gpu_nodes_on_demand: set {' and '.join(missing)} (what each worker pod requests, within "
+                "what one GPU node of the pool offers): nodes that do not exist yet cannot be read for it"
+            )
+        return self
 
     def check_cluster_storage(self) -> None:
         """:func:`check_storage_for_nodes` for this configuration's own cluster (its GPU nodes the ranks span).

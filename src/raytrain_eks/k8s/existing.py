@@ -96,6 +96,8 @@ def look(d: Deployment) -> Found:
     nodes = (
         d.kube.nodes(selector) if selector else [n for n in everything if quantity(n.allocatable.get(m.GPU_RESOURCE))]
     )
+    if c.gpu_nodes_on_demand:
+        return _look_on_demand(d, nodes, {rel.name: rel for rel in helm_releases(cfg)})
     if not nodes:
         which = f"matches the labels {selector}" if selector else f"advertises {m.GPU_RESOURCE}"
         raise UserError(
@@ -153,6 +155,29 @@ def look(d: Deployment) -> Found:
     return found
 
 
+def _look_on_demand(d: Deployment, nodes: list[Node], releases: dict[str, HelmRelease]) -> Found:
+    """:func:`look` for GPU nodes an autoscaler adds when the worker pods ask for them
+    (``cluster.gpu_nodes_on_demand``): none need exist now, so the GPUs, EFA interfaces and the worker pod size are
+    the settings' (the configuration requires them), no device plugin is installed (the pool's node image brings
+    its own: on nodes that do not exist there is nothing to check), and ``submit`` waits for the pods, which make
+    the nodes come."""
+    cfg, c = d.cfg, d.cfg.cluster
+    assert c.efa_per_node is not None and cfg.ray.worker_cpu and cfg.ray.worker_memory_gib  # the configuration's
+    found = Found(nodes, c.gpus_per_node, c.efa_per_node, cfg.ray.worker_cpu, cfg.ray.worker_memory_gib, None)
+    types = {n.labels.get(INSTANCE_TYPE_LABEL) for n in nodes}
+    if len(types) == 1 and (only := types.pop()) in INSTANCE_TYPES:
+        found.gpu_node_type = only
+    check_shared_volume(d)
+    if d.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", RAYCLUSTER_CRD) is None:
+        found.install.append(releases[KUBERAY_RELEASE])
+    ns = cfg.ray.namespace
+    if ns != "default" and d.kube.get("v1", "Namespace", ns) is None:
+        found.create.append(m.namespace(cfg))
+    if d.kube.get("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, ns) is None:
+        found.create.append(service_account(cfg))
+    return found
+
+
 def check_shared_volume(d: Deployment) -> None:
     """A :class:`UserError` unless ``ray.shared_volume`` (when set) is a claim of the Ray namespace that every pod
     can mount at once (``ReadWriteMany``): the checkpoints of every rank go there."""
@@ -189,7 +214,7 @@ def gpu_node_spec(cfg: Config, state: StateStore) -> GpuNodeSpec:
     ours = {i["name"] for i in state.created if i["type"] == "helm"}
     return GpuNodeSpec(
         selector=m.gpu_node_selector(cfg),
-        count=cfg.cluster.gpu_node_count,
+        count=0 if cfg.cluster.gpu_nodes_on_demand else cfg.cluster.gpu_node_count,  # none yet: the pods bring them
         gpus=cfg.derived.ray_gpus_per_worker_pod,
         efa=m.efa_per_pod(cfg),
         plugins=tuple(p for p in DEVICE_PLUGIN_RELEASES if p in ours),
@@ -240,11 +265,19 @@ def up(d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
     _check_state_matches(d)
     found = look(d)
     efa = f", {m.EFA_RESOURCE}={found.efa}" if found.efa else f", no EFA (fabric.require {d.cfg.fabric.require})"
-    d.say(
-        f"{_where(d)}: {len(found.gpu_nodes)} GPU nodes ({', '.join(n.name for n in found.gpu_nodes)}) with "
-        f"{m.GPU_RESOURCE}={found.gpus}{efa}; worker pods of {found.worker_cpu} CPU and {found.worker_memory_gib} "
-        "GiB" + (f" on {found.gpu_node_type}" if found.gpu_node_type else "")
-    )
+    pods = f"worker pods of {found.worker_cpu} CPU and {found.worker_memory_gib} GiB"
+    if d.cfg.cluster.gpu_nodes_on_demand:
+        d.say(
+            f"{_where(d)}: GPU nodes on demand (cluster.gpu_nodes_on_demand), {len(found.gpu_nodes)} there now; as "
+            f"configured, each with {m.GPU_RESOURCE}={found.gpus}{efa}; {pods}; the device plugins come with the "
+            "nodes' image (none is installed here)"
+        )
+    else:
+        d.say(
+            f"{_where(d)}: {len(found.gpu_nodes)} GPU nodes ({', '.join(n.name for n in found.gpu_nodes)}) with "
+            f"{m.GPU_RESOURCE}={found.gpus}{efa}; {pods}"
+            + (f" on {found.gpu_node_type}" if found.gpu_node_type else "")
+        )
     if found.install or found.create:
         if found.install:
             d.require_tool("helm")  # before the question: a missing helm is named with how to install it
@@ -284,7 +317,13 @@ def up(d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
             "The GPU nodes carry neither an EC2 instance type raytrain-eks knows nor GPU feature discovery's "
             f"{GPU_MEMORY_LABEL} label: submit leaves out the memory estimate."
         )
-    d.say(f"Ready: {len(nodes)} GPU nodes of {_where(d)}. Next: `raytrain-eks submit`.")
+    if d.cfg.cluster.gpu_nodes_on_demand:
+        d.say(
+            f"Ready: the GPU nodes of {_where(d)} come when the worker pods ask for them (submit waits up to "
+            f"ray.job_start_deadline_s = {d.cfg.ray.job_start_deadline_s:.0f} s). Next: `raytrain-eks submit`."
+        )
+    else:
+        d.say(f"Ready: {len(nodes)} GPU nodes of {_where(d)}. Next: `raytrain-eks submit`.")
     return [n.name for n in nodes]
 
 
