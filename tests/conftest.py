@@ -12,6 +12,7 @@ import logging
 import os
 import secrets
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -22,6 +23,15 @@ from typing import Any
 
 import procs
 import pytest
+
+# Ray's auto-init (ray/_private/auto_init_hook.py) makes ray.put, ray.get, ray.remote and so every Ray Data call run
+# a bare ray.init() when no Ray is initialized, which joins the newest Ray of this machine (its temp dir's
+# ray_current_cluster) even with RAY_ADDRESS unset. It reads RAY_ENABLE_AUTO_CONNECT once, when Ray is imported: "0"
+# turns it off, here before any test module imports Ray, and in every process a test starts. Such a call then fails
+# with "Ray has not been started yet" instead of joining or starting a Ray.
+if "ray" in sys.modules:
+    raise RuntimeError("Ray was imported before tests/conftest.py could turn its auto-connect off")
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 SESSION_MARK = "RAYTRAIN_EKS_TEST_SESSION"
 LEFTOVER_GRACE_S = 20.0  # a Ray worker notices its raylet is gone within a few seconds
@@ -143,7 +153,8 @@ def same_second(monkeypatch):
 def no_foreign_ray_address() -> Iterator[None]:
     """No test joins a Ray it did not start: the ``RAY_ADDRESS`` of the shell that ran the suite, which
     ``ray.init()``, ``--address auto`` and the ``ray`` CLI would follow (here and in every process a test starts),
-    is unset for the session. A test that means to join a cluster passes its address itself."""
+    is unset for the session, and Ray's auto-init is off (``RAY_ENABLE_AUTO_CONNECT``, set above). A test that means
+    to join a cluster passes its address itself."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("RAY_ADDRESS", raising=False)
         yield

@@ -140,8 +140,10 @@ def test_an_unreachable_cluster_is_one_clear_error(tmp_path):
 # A throw-away suite with this suite's conftest.py, run while another Ray runs on this machine (RAY_ADDRESS names
 # it, and it is the newest cluster in the default temp dir). The shared Ray fixture must start a Ray of its own.
 # The local run path asks Ray for the same ("local", recorded here rather than started: one Ray start less), and
-# the fixture's real start shows what "local" gets with that cluster there.
+# the fixture's real start shows what "local" gets with that cluster there. A Ray Data call before any ray.init()
+# (Ray's auto-init) must join nothing.
 OWN_RAY_SUITE = """
+import contextlib
 import os
 
 import ray
@@ -162,6 +164,17 @@ def test_the_local_run_path_asks_for_a_ray_of_its_own(monkeypatch):
     assert [kwargs["address"] for kwargs in asked] == ["local"]
 
 
+def test_ray_data_before_any_ray_init_joins_no_cluster():
+    # Ray Data's first task runs Ray's auto-init (a bare ray.init()), which would join the foreign cluster.
+    import ray.data
+
+    with contextlib.suppress(ray.exceptions.RaySystemError):  # "Ray has not been started yet"
+        ray.data.range(1).take(1)
+    joined = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+    ray.shutdown()
+    assert joined is None, f"Ray Data's auto-init joined {joined} (the foreign cluster: {joined == FOREIGN})"
+
+
 def test_the_shared_fixture_starts_its_own_ray(ray_local):
     assert ray_local.get_runtime_context().gcs_address != FOREIGN
     assert ray_local.cluster_resources()["CPU"] == 4
@@ -177,7 +190,7 @@ def test_the_suites_ray_never_joins_a_cluster_it_did_not_start(tmp_path, ray_hea
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_own_ray.py"]
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "2 passed" in proc.stdout
+    assert "3 passed" in proc.stdout
 
 
 def test_every_ray_init_names_its_address():
