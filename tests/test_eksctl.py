@@ -5,6 +5,8 @@
 - Every eksctl command line ``up``, ``status``, ``submit --mode rayjob``, ``down`` and the plan build is one eksctl
   accepts: the command exists, each flag is defined for it, none it refuses with (or without) a config file, none
   deprecated; every create, delete and scale waits (``--timeout``) less than the runner lets it run.
+- Every eksctl command line a message or hint quotes for the user to run is one eksctl accepts, with a
+  ``--timeout`` where it waits; the missing-program message names the helm commands ``up`` and ``down`` run.
 - eksctl's own wait ending is a launch failure of that zone (the next zone is tried); a stack a failed create left
   is removed by ``up`` and by ``down``; zones EKS cannot take a cluster in are never passed; ``create cluster``
   writes only this folder's kubeconfig.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +33,10 @@ from test_deploy import ZONES, World
 from raytrain_eks.aws import eksctl, stacks
 from raytrain_eks.aws.services import Services
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.eks import lifecycle, nodegroups
+from raytrain_eks.eks import lifecycle, nodegroups, programs
 from raytrain_eks.eks.plan import write_plan
 from raytrain_eks.errors import ConfigError, UserError
-from raytrain_eks.k8s.runner import CommandError
+from raytrain_eks.k8s.runner import CommandError, MissingToolsError
 from raytrain_eks.k8s.state import StateStore
 
 REGION = "us-east-1"
@@ -49,7 +52,8 @@ COMMANDS = {
     ("utils", "write-kubeconfig"),
 }
 WAITING = {("create", "cluster"), ("create", "nodegroup"), ("delete", "cluster"), ("delete", "nodegroup")}
-WAITING |= {("scale", "nodegroup")}
+WAITING |= {("scale", "nodegroup"), ("create", "iamserviceaccount"), ("update", "iamserviceaccount")}
+WAITING |= {("delete", "iamserviceaccount")}
 
 
 @pytest.fixture
@@ -60,6 +64,11 @@ def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str) -> Worl
 
 def eksctl_calls(w: World) -> list[tuple[list[str], float]]:
     return [(argv, limit) for argv, limit in zip(w.tools.calls, w.tools.timeouts, strict=True) if argv[0] == "eksctl"]
+
+
+def quoted_eksctl(text: str) -> list[list[str]]:
+    """Every eksctl command line ``text`` quotes for the user to run (between backticks), split as a shell would."""
+    return [shlex.split(q) for q in re.findall(r"`(eksctl [^`]*)`", text)]
 
 
 def check_argv(argv: list[str]) -> tuple[eksctl_source.Command, dict[str, Any]]:
@@ -134,10 +143,14 @@ def test_every_eksctl_command_the_tool_builds_is_one_eksctl_accepts(world: World
     # A cluster EKS never made, whose stack is left: down deletes it with eksctl.
     w2 = World(tmp_path / "failed", w.d.cfg)
     w2.tools.cluster_fails = "ROLLBACK_COMPLETE"
-    with pytest.raises(CommandError):
+    with pytest.raises(CommandError) as failed:
         w2.up()
     lifecycle.down(w2.d, confirm=lambda q: True)
     run = eksctl_calls(w) + eksctl_calls(w2)
+    # What the user is told to run: every line said, the failure's message and hint, up --plan's words.
+    told = [w.said(), w2.said(), str(failed.value), failed.value.hint or ""]
+    told += [a.what for a in lifecycle.planned_actions(w.d.cfg)]
+    told.append(nodegroups.gpu_node_spec(w.d.cfg, ZONES[0]).missing_hint)
     default = eksctl_source.go_constant("pkg/apis/eksctl.io/v1alpha5/types.go", "DefaultWaitTimeout")
     assert default == "25 * time.Minute"
     waiting = 0
@@ -156,6 +169,13 @@ def test_every_eksctl_command_the_tool_builds_is_one_eksctl_accepts(world: World
     steps = json.loads((plan_dir / "plan.json").read_text())["steps"]
     built += [s["command"] for s in steps if s.get("command") and s["command"][0] == "eksctl"]
 
+    quoted = [argv for text in told for argv in quoted_eksctl(text)]
+    assert quoted, "the messages quote eksctl commands"
+    for argv in quoted:  # a command named alone (`eksctl update iamserviceaccount`) is a name, not one to run
+        cmd, given = check_argv(argv)
+        if (cmd.verb, cmd.resource) in WAITING and len(argv) > 3:
+            assert "timeout" in given, f"`{' '.join(argv)}` (quoted to the user) waits eksctl's default {default}"
+
     seen = set()
     for argv in built:
         cmd, given = check_argv(argv)
@@ -164,6 +184,19 @@ def test_every_eksctl_command_the_tool_builds_is_one_eksctl_accepts(world: World
             assert not {"cluster", "name", "region"} & set(given), argv
     assert seen >= COMMANDS, f"not exercised: {sorted(COMMANDS - seen)}"
     assert any("--force" in a for a in built if a[1:3] == ["delete", "cluster"])
+
+
+def test_the_missing_helm_message_names_the_helm_commands_up_and_down_run(world: World):
+    world.up()
+    world.tools.missing = {"helm"}
+    with pytest.raises(MissingToolsError) as err:
+        programs.require_programs(world.d, "up", "down")
+    named = re.search(r"\(helm ([^)]*)\)", err.value.message)
+    assert named is not None, err.value.message
+    world.tools.missing = set()
+    lifecycle.down(world.d, confirm=lambda q: True)
+    ran = {" ".join(c[1:3]) if c[1] == "get" else c[1] for c in world.tools.commands("helm")}
+    assert set(named.group(1).split("/")) == ran == {"get metadata", "upgrade", "uninstall"}
 
 
 # ------------------------------------------------------------------------------------------------------------------

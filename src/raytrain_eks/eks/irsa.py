@@ -97,9 +97,11 @@ def stack_name(d: Deployment) -> str:
 
 def delete_argv(d: Deployment) -> list[str]:
     """Delete the Ray pods' role (its CloudFormation stack) and the service account eksctl labelled as its own
-    (eksctl v0.230.0, pkg/cfn/manager/delete_tasks.go ``NewTasksToDeleteIAMServiceAccounts``). ``--approve``: without
-    it eksctl only prints its plan (``Plan`` is on by default, pkg/ctl/cmdutils/cmd.go); ``--wait``: off by default
-    for this command (pkg/ctl/delete/iamserviceaccount.go), so eksctl would return before the stack is gone."""
+    (eksctl v0.230.0, pkg/cfn/manager/delete_tasks.go ``NewTasksToDeleteIAMServiceAccounts``). Named by flags, not a
+    config file, it is no plan: eksctl's loader turns plan mode off and refuses ``--approve``
+    (pkg/ctl/cmdutils/configfile.go ``NewDeleteIAMServiceAccountLoader``). ``--wait`` is off by default for this
+    command (pkg/ctl/delete/iamserviceaccount.go): without it eksctl returns while the stack is still being deleted,
+    and a ``create iamserviceaccount`` right after leaves the service account out (its stack exists)."""
     c = d.cfg.cluster
     return [
         "eksctl",
@@ -113,7 +115,6 @@ def delete_argv(d: Deployment) -> list[str]:
         d.cfg.ray.namespace,
         "--name",
         m.RAY_SERVICE_ACCOUNT,
-        "--approve",
         "--wait",
         *eksctl.wait_flag(WAIT_MIN),
     ]
@@ -136,10 +137,10 @@ def delete_created(d: Deployment, cluster_exists: bool) -> bool:
     left, and the line said names the command that deletes it."""
     c = d.cfg.cluster
     if not cluster_exists:
+        delete_stack = ["aws", "cloudformation", "delete-stack", "--stack-name", stack_name(d), "--region", c.region]
         d.say(
             f"EKS has no cluster {c.name}, so eksctl cannot delete the Ray pods' IAM role: if CloudFormation still "
-            f"has the stack {stack_name(d)}, delete it with "
-            f"`{shlex.join(['aws', 'cloudformation', 'delete-stack', '--stack-name', stack_name(d), '--region', c.region])}`"
+            f"has the stack {stack_name(d)}, delete it with `{shlex.join(delete_stack)}`"
         )
         return False
     d.run(

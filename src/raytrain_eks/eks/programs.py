@@ -47,7 +47,10 @@ STEPS: dict[str, Step] = {
     "iam-service-account": Step(
         "the Ray pods' service account and its IAM role (eksctl create/update iamserviceaccount)", (EKSCTL, KUBERNETES)
     ),
-    "helm-releases": Step("the device plugins and KubeRay (helm list/upgrade/uninstall)", (HELM, KUBERNETES)),
+    "iam-service-account-delete": Step(
+        "the Ray pods' service account and its IAM role (eksctl delete iamserviceaccount)", (EKSCTL,)
+    ),
+    "helm-releases": Step("the device plugins and KubeRay (helm get metadata/upgrade/uninstall)", (HELM, KUBERNETES)),
     "kubernetes": Step("the nodes, the Ray pods and jobs (the Kubernetes API)", (KUBERNETES,)),
 }
 
@@ -61,7 +64,7 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "down": ("cluster",),  # it asks eksctl whether the cluster exists; then DELETE_STEPS of what is recorded
 }
 # Steps of the EKS target only (the kubernetes target's up checks helm itself, once it knows it installs something).
-EKS_ONLY_STEPS = ("cluster", "node-groups", "iam-service-account")
+EKS_ONLY_STEPS = ("cluster", "node-groups", "iam-service-account", "iam-service-account-delete")
 # What down takes to delete each kind of item the state file records.
 DELETE_STEPS: dict[str, tuple[str, ...]] = {
     "bucket": (),
@@ -69,6 +72,7 @@ DELETE_STEPS: dict[str, tuple[str, ...]] = {
     "helm": ("helm-releases",),
     "nodegroup": ("node-groups",),
     "cluster": ("cluster",),
+    "iamserviceaccount": ("iam-service-account-delete",),
 }
 
 

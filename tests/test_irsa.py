@@ -1,0 +1,151 @@
+"""The Ray pods' IAM role and service account that ``up`` makes with ``eksctl create iamserviceaccount``: ``down``
+deletes them, and the delete command ``up`` names when they stay unusable is one that deletes them.
+
+Against test_deploy.py's World (FakeTools, whose eksctl makes service accounts and their roles in moto's IAM, see
+fake_eksctl_auth.py), with ``eksctl delete iamserviceaccount`` added below as eksctl v0.230.0 runs it; every eksctl
+command line run or quoted is checked against eksctl's vendored source (test_eksctl.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import boto3
+import eksctl_source
+import fake_eksctl_stacks as cfn
+import pytest
+from fake_eksctl_auth import MANAGED_BY
+from test_deploy import ZONES, FakeTools, World
+from test_eksctl import check_argv, eksctl_calls, quoted_eksctl
+
+from raytrain_eks.config import load_config
+from raytrain_eks.eks import irsa, lifecycle
+from raytrain_eks.errors import UserError
+from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.runner import MissingToolsError
+
+NS = "default"
+
+
+def delete_iamserviceaccount(tools: FakeTools, argv: list[str]) -> tuple[int, str, str]:
+    """``eksctl delete iamserviceaccount --cluster C --region R --namespace NS --name N`` as eksctl v0.230.0 runs it.
+
+    Named by flags it is no plan (pkg/ctl/cmdutils/configfile.go ``NewDeleteIAMServiceAccountLoader``: ``l.Plan =
+    false``, and ``--approve`` refused, as eksctl_source.parse_argv refuses it). pkg/ctl/delete/iamserviceaccount.go:
+    the cluster must exist (``NewProviderForExistingCluster``) and have an IAM OIDC provider. Then
+    pkg/actions/irsa/delete.go runs pkg/cfn/manager/delete_tasks.go ``NewTasksToDeleteIAMServiceAccounts``: the
+    service account's stack (its role), deleted and waited for with ``--wait`` (``DeleteStackBySpecSync``), only
+    started without it (``DeleteStackBySpec``: the stack is still there when eksctl returns); then the
+    ServiceAccount, which pkg/kubernetes/serviceaccount.go ``MaybeDeleteServiceAccount`` deletes only when it
+    carries eksctl's managed-by label. (delete.go and delete_tasks.go are read at tag v0.230.0 upstream.)"""
+    cmd, given = eksctl_source.parse_argv(argv)
+    assert "config-file" not in given, "a delete by config file (plan mode unless --approve) is not modelled"
+    cluster, region = str(given["cluster"]), str(given["region"])
+    ns, name = str(cmd.value(given, "namespace")).strip('"'), str(given["name"])  # its default: "default"
+    if tools.cluster is None or tools.cluster["name"] != cluster:
+        return 1, "", cfn.no_cluster(cluster, wrap="unable to describe cluster control plane")
+    if cluster in tools.iam.without_oidc:
+        return 1, "", "Error: unable to delete iamserviceaccount(s) without IAM OIDC provider enabled\n"
+    stack = tools.iam.stack_name(cluster, ns, name)
+    log = [f'delete IAM role for serviceaccount "{ns}/{name}"'] if stack in tools.iam.stacks else []
+    if stack in tools.iam.stacks and cmd.value(given, "wait") is True:
+        role = tools.iam.stacks.pop(stack)
+        iam = boto3.client("iam", region_name=region)
+        for policy in iam.list_role_policies(RoleName=role)["PolicyNames"]:
+            iam.delete_role_policy(RoleName=role, PolicyName=policy)
+        iam.delete_role(RoleName=role)
+    account = tools.kube.get("v1", "ServiceAccount", name, ns)
+    if account is not None and (account["metadata"].get("labels") or {}).get(MANAGED_BY[0]) == MANAGED_BY[1]:
+        tools.kube.delete("v1", "ServiceAccount", name, ns)
+        log.append(f'deleted serviceaccount "{ns}/{name}"')
+    return 0, "", "\n".join(log) + "\n"
+
+
+def with_eksctl_delete(w: World) -> World:
+    """``w`` whose FakeTools also runs ``eksctl delete iamserviceaccount`` (:func:`delete_iamserviceaccount`)."""
+    dispatch: Callable[[list[str]], tuple[int, str, str]] = w.tools._dispatch
+
+    def run(argv: list[str]) -> tuple[int, str, str]:
+        if argv[:3] == ["eksctl", "delete", "iamserviceaccount"]:
+            return delete_iamserviceaccount(w.tools, argv)
+        return dispatch(argv)
+
+    w.tools._dispatch = run  # type: ignore[method-assign]
+    return w
+
+
+@pytest.fixture
+def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str) -> World:
+    monkeypatch.chdir(tmp_path)  # no raytrain-eks.yaml of the repository is read
+    return with_eksctl_delete(World(tmp_path, load_config(environ={}, path=None)))
+
+
+def _roles() -> list[str]:
+    return [r["RoleName"] for r in boto3.client("iam", region_name="us-east-1").list_roles()["Roles"]]
+
+
+def _existing_cluster(w: World) -> None:
+    """A cluster made elsewhere: EKS has it, without an IAM OIDC provider or the Ray pods' service account."""
+    w.tools.cluster = {"name": "ray-train-eks", "azs": ZONES}
+    w.tools.iam.without_oidc.add("ray-train-eks")
+
+
+def test_down_deletes_the_role_and_service_account_up_made_on_a_cluster_it_did_not_create(world: World):
+    _existing_cluster(world)
+    world.up()
+    (created,) = world.tools.commands("eksctl", "create", "iamserviceaccount")
+    role = world.kube.get("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, NS)["metadata"]["annotations"]
+    assert len(_roles()) == 1 and role[irsa.ROLE_ARN_ANNOTATION].endswith(_roles()[0])
+    world.tools.missing = {"eksctl"}
+    with pytest.raises(MissingToolsError) as missing:
+        lifecycle.down(world.d, confirm=lambda q: pytest.fail("asked before the programs were checked"))
+    assert "(eksctl delete iamserviceaccount)" in missing.value.message
+    world.tools.missing = set()
+    questions: list[str] = []
+    lifecycle.down(world.d, confirm=lambda q: questions.append(q) or True)
+    assert f"IAM role and service account {NS}/{m.RAY_SERVICE_ACCOUNT}" in questions[0]
+    (delete,) = world.tools.commands("eksctl", "delete", "iamserviceaccount")
+    cmd, given = check_argv(delete)
+    assert given["name"] == m.RAY_SERVICE_ACCOUNT and given["namespace"] == NS and given["cluster"] == "ray-train-eks"
+    limit = next(t for a, t in eksctl_calls(world) if a == delete)
+    assert "timeout" in given and eksctl_source.wait_seconds(cmd, given) < limit
+    assert _roles() == [], "the IAM role is gone"
+    assert not world.tools.iam.stacks, "and its CloudFormation stack"
+    assert world.kube.get("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, NS) is None
+    assert world.tools.cluster is not None and not world.tools.commands("eksctl", "delete", "cluster")
+    assert not world.store.path.exists(), "nothing is left recorded"
+
+
+def test_down_deletes_the_service_account_before_the_cluster_it_runs_on(world: World):
+    # An up resumed after `eksctl create cluster` was stopped before its service-account task: up makes it itself.
+    world.tools.fail_once["eksctl create cluster"] = "Error: context canceled"
+    with pytest.raises(Exception, match="context canceled"):
+        world.up()
+    _existing_cluster(world)
+    world.up()
+    lifecycle.down(world.d, confirm=lambda q: True)
+    deletes = [c[:3] for c in world.tools.commands("eksctl", "delete")]
+    assert deletes.index(["eksctl", "delete", "iamserviceaccount"]) < deletes.index(["eksctl", "delete", "cluster"])
+    assert _roles() == [] and world.tools.cluster is None
+
+
+def test_up_stopped_by_an_unusable_service_account_names_a_delete_that_ends_it(world: World):
+    world.up()  # a fresh cluster: eksctl create cluster made the service account and its role
+    world.kube.delete("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, NS)  # someone removed it; its stack is left
+    with pytest.raises(UserError) as err:
+        world.up()
+    assert "still not usable" in err.value.message
+    quoted = quoted_eksctl(f"{err.value.message}\n{err.value.hint}")
+    assert [c[:3] for c in quoted] == [
+        ["eksctl", "create", "iamserviceaccount"],
+        ["eksctl", "delete", "iamserviceaccount"],
+    ]
+    for argv in quoted:
+        cmd, given = check_argv(argv)
+        if cmd.verb == "delete":
+            assert "timeout" in given and eksctl_source.wait_seconds(cmd, given) < irsa.TIMEOUT_S
+    # The user runs the delete the hint names, then up again: the service account is made anew and usable.
+    world.tools(quoted[1], timeout=irsa.TIMEOUT_S)
+    world.up()
+    assert world.kube.get("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, NS) is not None
+    assert world.submit().exit_code == 0
