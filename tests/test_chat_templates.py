@@ -224,3 +224,28 @@ def test_a_row_the_template_refuses_among_the_first_gives_no_prompt_and_is_count
     )
     assert prepared.malformed == {"the chat template refuses the row: System role not supported": 1}
     assert "skipped 1 malformed rows: 1 x the chat template refuses the row" in prepared.describe(str(path), 64)
+
+
+def test_rows_whose_earlier_answers_a_template_rewrites_are_counted(tmp_path, ray_local, builtin_model):
+    # Qwen3 rewrites earlier turns: of the two multi-turn rows, only the last answer is trained, and the data's
+    # summary says how many rows that is; a row of one answer loses nothing and is not counted.
+    path = tmp_path / "train.jsonl"
+    rows = [{"messages": SYSTEM_TWO_TURNS}, {"messages": REASONING}, {"messages": ONE}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = {
+        "data": str(path),
+        "data_format": "chat",
+        "text_field": "text",
+        "tokenizer_path": builtin_model,
+        "seq_len": 64,
+        "seed": 0,
+        "min_blocks": 1,
+        "in_driver": True,
+    }
+    qwen3 = prepare_dataset(**settings, chat_template=(TEMPLATES / f"{QWEN3}.jinja").read_text())
+    assert (qwen3.usable_rows, qwen3.last_answer_only) == (3, 2)
+    assert "\n  trained on the last answer only: 2 rows (the chat template rewrites earlier turns" in qwen3.describe(
+        str(path), 64
+    )
+    qwen25 = prepare_dataset(**settings, chat_template=(TEMPLATES / f"{QWEN25}.jinja").read_text())
+    assert qwen25.last_answer_only == 0 and "last answer only" not in qwen25.describe(str(path), 64)

@@ -39,7 +39,13 @@ import numpy as np
 from raytrain_eks.config import PACKING_MODES
 from raytrain_eks.errors import DataError
 from raytrain_eks.formats import FORMAT_NAMES, MalformedRow
-from raytrain_eks.train.encoding import IGNORE_INDEX, encode_row, encoding_tokenizer, load_tokenizer
+from raytrain_eks.train.encoding import (
+    IGNORE_INDEX,
+    encode,
+    encode_row,  # noqa: F401  (callers import it from here, with the rest of the data API)
+    encoding_tokenizer,
+    load_tokenizer,
+)
 from raytrain_eks.train.sources import list_data_files, root_cause
 
 PACK_ROWS = 1024  # rows packed together: only the last block of each group is padded
@@ -341,18 +347,21 @@ def _encode_batch(
 
     tokenizer = encoding_tokenizer(tokenizer_path, chat_template)
     rows = batch.to_pylist()
-    ids_out, labels_out, reasons = [], [], []
+    ids_out, labels_out, reasons, last_only = [], [], [], []
     for row in rows:
         try:
             if "json" in row:
                 if row.get("error"):
                     raise MalformedRow(row["error"])
                 row = json.loads(row["json"])
-            ids, labels = encode_row(row, data_format, tokenizer, text_field, columns)
+            encoded = encode(row, data_format, tokenizer, text_field, columns)
+            ids, labels = encoded.ids, encoded.labels
             reasons.append("")
+            last_only.append(encoded.last_answer_only)
         except MalformedRow as exc:
             ids, labels = [], []
             reasons.append(str(exc))
+            last_only.append(False)
         ids_out.append(ids)
         labels_out.append(labels)
     tokens = pa.list_(pa.int32())  # half of int64's bytes through the sort and the object store; ids < 2**31
@@ -364,6 +373,8 @@ def _encode_batch(
             "tokens": pa.array([len(i) for i in ids_out], pa.int64()),
             # a row's first token is predicted by nothing of the row (packed by documents, by nothing at all)
             "trained": pa.array([sum(t != IGNORE_INDEX for t in lab[1:]) for lab in labels_out], pa.int64()),
+            # the chat template rewrote earlier turns: of several answers, only the last one is trained
+            "last_only": pa.array(last_only, pa.bool_()),
         }
     )
 
@@ -386,6 +397,7 @@ class PreparedData:
     trained_tokens: int = 0
     eval_dataset: Any = None  # the held-out rows, packed like the training set (``eval_fraction``)
     eval_rows: int = 0
+    last_answer_only: int = 0  # usable rows of several answers of which only the last is trained (:func:`encode`)
 
     def describe(self, data: str, seq_len: int) -> str:
         line = (
@@ -395,6 +407,11 @@ class PreparedData:
         if self.malformed:
             reasons = "; ".join(f"{n} x {why}" for why, n in sorted(self.malformed.items(), key=lambda kv: -kv[1]))
             line += f"\n  skipped {sum(self.malformed.values())} malformed rows: {reasons}"
+        if self.last_answer_only:
+            line += (
+                f"\n  trained on the last answer only: {self.last_answer_only} rows (the chat template rewrites "
+                "earlier turns; their answers are context)"
+            )
         return line
 
 
@@ -773,8 +790,8 @@ def prepare_dataset(
     except Exception as exc:  # Ray wraps reader errors; show the root cause, not Ray's traceback.
         raise DataError(f"{option} {data!r}: cannot be read: {root_cause(exc)}") from None
 
-    counted = ["reason", "tokens", "trained"]
-    reasons, tokens, trained = _tally(
+    counted = ["reason", "tokens", "trained", "last_only"]
+    reasons, tokens, trained, last_only = _tally(
         [encoded.select(counted)]
         if in_driver
         else encoded.select_columns(counted).iter_batches(batch_size=None, batch_format="pyarrow")
@@ -796,7 +813,7 @@ def prepare_dataset(
     if in_driver:
         import pyarrow.compute as pc
 
-        kept = encoded.filter(pc.equal(encoded["reason"], "")).drop_columns(["reason", "tokens", "trained"])
+        kept = encoded.filter(pc.equal(encoded["reason"], "")).drop_columns(counted)
         rows = _shuffle_key(kept, seed=seed).sort_by("order").drop_columns(["order"])
         if eval_rows:
             eval_dataset = _packed_in_driver(rows.slice(0, eval_rows), seq_len, pad_id, packing)
@@ -804,7 +821,7 @@ def prepare_dataset(
     else:
         rows = (
             encoded.filter(expr=col("reason") == "")
-            .drop_columns(["reason", "tokens", "trained"])
+            .drop_columns(counted)
             .map_batches(_shuffle_key, batch_format="pyarrow", fn_kwargs={"seed": seed})
             .sort("order")
             .drop_columns(["order"])
@@ -832,6 +849,7 @@ def prepare_dataset(
         trained_tokens=trained,
         eval_dataset=eval_dataset,
         eval_rows=eval_rows,
+        last_answer_only=last_only,
     )
 
 
@@ -848,18 +866,20 @@ def _reads_here(files: Sequence[str]) -> dict[str, Any]:
     return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
 
 
-def _tally(tables: Iterable[Any]) -> tuple[Counter[str], int, int]:
-    """Rows by reason (``""``: usable), tokens and trained tokens of encoded tables (counted column-wise)."""
+def _tally(tables: Iterable[Any]) -> tuple[Counter[str], int, int, int]:
+    """Rows by reason (``""``: usable), tokens, trained tokens and rows trained on their last answer only, of encoded
+    tables (counted column-wise)."""
     import pyarrow.compute as pc
 
     reasons: Counter[str] = Counter()
-    tokens = trained = 0
+    tokens = trained = last_only = 0
     for table in tables:
         for pair in pc.value_counts(table.column("reason")).to_pylist():
             reasons[pair["values"]] += pair["counts"]
         tokens += pc.sum(table.column("tokens")).as_py() or 0
         trained += pc.sum(table.column("trained")).as_py() or 0
-    return reasons, tokens, trained
+        last_only += pc.sum(table.column("last_only")).as_py() or 0
+    return reasons, tokens, trained, last_only
 
 
 def _packed(rows: Any, count: int, seq_len: int, pad_id: int, packing: str) -> Any:

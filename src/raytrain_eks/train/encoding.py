@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,15 @@ def _masked_by_template(
 def _segments(
     messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None
 ) -> list[tuple[str, bool]]:
-    """Split a conversation into (text, trained) pieces; only assistant answers are trained.
+    """Split a conversation into (text, trained) pieces; only assistant answers are trained (:func:`_split`)."""
+    return _split(messages, tokenizer, tools)[0]
+
+
+def _split(
+    messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None
+) -> tuple[list[tuple[str, bool]], bool]:
+    """A conversation as (text, trained) pieces, only assistant answers trained, and whether the template rewrote
+    earlier turns, so that only the last answer is trained.
 
     With a chat template, each piece is the difference between renderings of growing prefixes of the
     conversation, so the pieces add up to exactly the template's rendering. A template that rewrites earlier
@@ -122,15 +131,15 @@ def _segments(
                 prompt = _render(tokenizer, messages[:i], tools, gen=True)
                 full = _render(tokenizer, messages[: i + 1], tools)
                 if not prompt.startswith(done) or not full.startswith(prompt):
-                    return _last_answer(messages, tokenizer, tools)
+                    return _last_answer(messages, tokenizer, tools), True
                 pieces += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
             else:
                 full = _render(tokenizer, messages[: i + 1], tools)
                 if not full.startswith(done):
-                    return _last_answer(messages, tokenizer, tools)
+                    return _last_answer(messages, tokenizer, tools), True
                 pieces.append((full[len(done) :], False))
             done = full
-        return pieces
+        return pieces, False
     eos = tokenizer.eos_token or ""
     pieces = []
     for msg in messages:
@@ -141,7 +150,7 @@ def _segments(
             pieces += [("assistant: ", False), (content + eos + "\n", True)]
         else:
             pieces.append((f"{msg['role']}: {content}\n", False))
-    return pieces
+    return pieces, False
 
 
 _ANSWER_MARK = "\u27e6raytrain-eks answer\u27e7"  # stands in for the last answer's text (see _last_answer)
@@ -177,6 +186,16 @@ def _last_answer(
     raise MalformedRow("the tokenizer's chat template does not render the last answer where it can be found")
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """One encoded row: token ids, labels (:data:`IGNORE_INDEX` where no loss is taken), and whether the chat
+    template rewrote earlier turns, so that of several answers only the last is trained (:func:`_last_answer`)."""
+
+    ids: list[int]
+    labels: list[int]
+    last_answer_only: bool = False
+
+
 def encode_row(
     row: dict[str, Any],
     data_format: str,
@@ -190,6 +209,18 @@ def encode_row(
     The format comes from :mod:`raytrain_eks.formats`; ``columns`` maps its fields to the row's. Raises
     :class:`MalformedRow` when the row does not fit the format.
     """
+    encoded = encode(row, data_format, tokenizer, text_field, columns)
+    return encoded.ids, encoded.labels
+
+
+def encode(
+    row: dict[str, Any],
+    data_format: str,
+    tokenizer: Any,
+    text_field: str = "text",
+    columns: dict[str, str] | None = None,
+) -> Encoded:
+    """:func:`encode_row`'s ids and labels, and whether earlier answers were left untrained (:class:`Encoded`)."""
     if not isinstance(row, dict):
         raise MalformedRow("the row is not a JSON object")
     fmt = registered_format(data_format)
@@ -203,15 +234,17 @@ def encode_row(
         tokens: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
         if tokenizer.eos_token_id is not None:
             tokens = tokens + [tokenizer.eos_token_id]
-        return tokens, list(tokens)
+        return Encoded(tokens, list(tokens))
     if _GENERATION_BLOCK.search(getattr(tokenizer, "chat_template", None) or ""):
-        return _masked_by_template(conversation.messages, tokenizer, conversation.tools)
+        return Encoded(*_masked_by_template(conversation.messages, tokenizer, conversation.tools))
     ids: list[int] = []
     labels: list[int] = []
-    for text, trained in _segments(conversation.messages, tokenizer, conversation.tools):
-        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+    pieces, rewritten = _split(conversation.messages, tokenizer, conversation.tools)
+    for piece_text, trained in pieces:
+        piece = tokenizer(piece_text, add_special_tokens=False)["input_ids"]
         ids += piece
         labels += piece if trained else [IGNORE_INDEX] * len(piece)
     if not ids:
         raise MalformedRow("the row has no tokens")
-    return ids, labels
+    answers = sum(m["role"] == "assistant" for m in conversation.messages)
+    return Encoded(ids, labels, last_answer_only=rewritten and answers > 1)
