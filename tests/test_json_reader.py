@@ -96,3 +96,29 @@ def test_sample_prompts_come_from_the_first_rows_of_a_large_file(tmp_path, token
     lines.write_text("\n".join(json.dumps(r) for r in [long_row, *rows[:2]]) + "\n")
     shown, _ = sample_prompts(None, ([str(lines)], "json"), "instruction", "text", tokenizer, count=2)
     assert shown == [f"Summarise this.\n\n{long_row['input']}", "Question 0?"]
+
+
+def test_a_row_the_reader_decodes_but_a_deeper_stack_cannot_is_one_malformed_row(builtin_model):
+    # A row 950 brackets deep decodes where the reader runs, but the tokenize step decodes it again deeper in its
+    # stack (under Ray's task frames): there the decoder's RecursionError costs that row only, counted as too deep.
+    import inspect
+    import sys
+
+    from raytrain_eks.train.data import _encode_batch, _rows_block
+    from raytrain_eks.train.encoding import encoding_tokenizer
+
+    deep = '{"instruction": "Q", "output": "A", "extra": ' + "[" * 950 + "]" * 950 + "}"
+    good = json.dumps({"instruction": "What is 2 plus 3?", "output": "5."})
+    rows = list(json_rows([f"{good}\n{deep}\n".encode()]))
+    assert [r["error"] for r in rows] == ["", ""], "the reader passes both rows"
+    encoding_tokenizer(builtin_model)  # loaded before the stack is cut short
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(len(inspect.stack()) + 600)  # 600 frames left: a task's stack, Ray's frames above it
+    try:
+        out = _encode_batch(
+            _rows_block(rows), tokenizer_path=builtin_model, data_format="instruction", text_field="text"
+        )
+    finally:
+        sys.setrecursionlimit(before)
+    assert out.column("reason").to_pylist() == ["", TOO_DEEP]
+    assert out.column("tokens").to_pylist()[0] > 0 and out.column("tokens").to_pylist()[1] == 0

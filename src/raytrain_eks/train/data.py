@@ -349,21 +349,21 @@ def _encode_batch(
     rows = batch.to_pylist()
     ids_out, labels_out, reasons, last_only = [], [], [], []
     for row in rows:
+        encoded, reason = None, ""
         try:
             if "json" in row:
                 if row.get("error"):
                     raise MalformedRow(row["error"])
                 row = json.loads(row["json"])
             encoded = encode(row, data_format, tokenizer, text_field, columns)
-            ids, labels = encoded.ids, encoded.labels
-            reasons.append("")
-            last_only.append(encoded.last_answer_only)
         except MalformedRow as exc:
-            ids, labels = [], []
-            reasons.append(str(exc))
-            last_only.append(False)
-        ids_out.append(ids)
-        labels_out.append(labels)
+            reason = str(exc)
+        except RecursionError:  # the reader decoded it higher up its stack; this task runs deeper (Ray's frames)
+            reason = TOO_DEEP
+        ids_out.append(encoded.ids if encoded else [])
+        labels_out.append(encoded.labels if encoded else [])
+        reasons.append(reason)
+        last_only.append(encoded is not None and encoded.last_answer_only)
     tokens = pa.list_(pa.int32())  # half of int64's bytes through the sort and the object store; ids < 2**31
     return pa.table(
         {
