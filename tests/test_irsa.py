@@ -149,3 +149,17 @@ def test_up_stopped_by_an_unusable_service_account_names_a_delete_that_ends_it(w
     world.up()
     assert world.kube.get("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, NS) is not None
     assert world.submit().exit_code == 0
+
+
+def test_down_after_the_cluster_is_gone_names_the_stack_it_cannot_delete(world: World):
+    _existing_cluster(world)
+    world.up()
+    world.tools.cluster = None  # deleted elsewhere; the role's stack may be left
+    lifecycle.down(world.d, confirm=lambda q: True)
+    assert not world.tools.commands("eksctl", "delete", "iamserviceaccount"), "eksctl needs the cluster for it"
+    stack = irsa.stack_name(world.d)
+    assert (
+        f"if CloudFormation still has the stack {stack}, delete it with `aws cloudformation delete-stack "
+        f"--stack-name {stack} --region us-east-1`" in world.said()
+    )
+    assert not world.store.path.exists()
