@@ -13,12 +13,15 @@ failure resumes and ``down`` finds even what a crash left half made. Example::
 ``up``: the cluster (eksctl, private subnets behind one NAT gateway), the system node group, the EFA GPU node group
 in one zone (the next zone when one cannot launch the instances, after removing the failed group), the pinned
 device-plugin and KubeRay charts (helm), and then the proof: the plugins' DaemonSets Ready on every GPU node and
-every GPU node advertising ``nvidia.com/gpu`` and ``vpc.amazonaws.com/efa``, not merely helm's exit status.
+every GPU node advertising ``nvidia.com/gpu`` and ``vpc.amazonaws.com/efa``, not merely helm's exit status. On an
+existing cluster (``cluster.existing``) the device plugins and KubeRay it already runs are kept, and only what it
+lacks is installed and recorded, so ``down`` removes only that (:func:`kept_addons`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,12 +41,15 @@ from raytrain_eks.eks.nodegroups import (
     choose_zones,
     cluster_status,
     create_nodegroup_argv,
+    created_gpu_node_labels,
     delete_cluster_argv,
     delete_nodegroup_argv,
+    eksctl_copies,
     ensure_cluster,
     ensure_gpu_nodegroup,
     ensure_system_nodegroup,
     gpu_node_spec,
+    gpu_node_taints,
     kubeconfig_argv,
     leftover_cluster_stack,
     no_existing_cluster,
@@ -55,11 +61,15 @@ from raytrain_eks.eks.programs import declared_programs, require_programs
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import (
+    KUBERAY_RELEASE,
+    RAYCLUSTER_CRD,
     delete_recorded,
     ensure_release,
     gpu_node_lines,
     helm_releases,
     install_argv,
+    placement_refusal,
+    running_plugins,
     wait_gpu_nodes,
     wait_kuberay,
 )
@@ -170,6 +180,56 @@ def planned_actions(cfg: Config) -> list[Action]:
     return actions
 
 
+def kept_addons(d: Deployment) -> dict[str, str]:
+    """On an existing cluster: the add-ons it already runs, which ``up`` keeps and does not install (release name ->
+    what was found); ``{}`` on a cluster this folder creates. A :class:`UserError`, before anything is made, when
+    a kept device plugin's pods would not run on the GPU node group's nodes.
+
+    A device plugin counts as there when a DaemonSet of its image runs in kube-system, nvidia-device-plugin or
+    gpu-operator (a Helm release of any name, eksctl's manifest, the GPU operator); KubeRay when the RayCluster CRD
+    exists (the ``kubernetes`` target's rule). What this folder installed itself, and eksctl's copy applied for its
+    own node group (:func:`~raytrain_eks.eks.nodegroups.eksctl_copies`), does not count. Whether a plugin's pods
+    would run on the new nodes is read from its node selector, required node affinity and tolerations against the
+    labels and taints the node group gives its nodes.
+    """
+    cfg = d.cfg
+    if not cfg.cluster.existing:
+        return {}
+    ours = {i["name"] for i in d.state.created if i["type"] == "helm"}
+    releases = helm_releases(cfg)
+    ignore = {(r.namespace, r.workload[1]) for r in releases if r.name in ours}
+    ignore |= {("kube-system", name) for name in eksctl_copies(d)}
+    found = running_plugins(d, ignore)
+    labels, taints = created_gpu_node_labels(cfg), gpu_node_taints(cfg)
+    kept: dict[str, str] = {}
+    problems: list[str] = []
+    for rel in releases:
+        if rel.name in ours:
+            continue
+        if rel.name == KUBERAY_RELEASE:
+            if d.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", RAYCLUSTER_CRD) is not None:
+                kept[rel.name] = f"KubeRay (CRD {RAYCLUSTER_CRD})"
+            continue
+        plugins = found.get(rel.name, [])
+        if not plugins:
+            continue
+        kept[rel.name] = ", ".join(p.where for p in plugins)
+        refusals = [(p, placement_refusal(p.pod_spec, labels, taints)) for p in plugins]
+        if all(why is not None for _, why in refusals):
+            problems += [f"{p.where} (the cluster's {rel.name}): {why}" for p, why in refusals]
+    if problems:
+        shown = ", ".join(f"{k}={v}" for k, v in m.GPU_NODE_LABELS.items())
+        taint = ", ".join(f"{t['key']}={t['value']}:{t['effect']}" for t in taints)
+        raise UserError(
+            f"cluster {cfg.cluster.name} already runs device plugins whose pods would not run on the new GPU nodes "
+            f"(labels {shown}, taint {taint}); nothing was created:\n" + "\n".join(f"  - {p}" for p in problems),
+            hint="Let that DaemonSet select those nodes and tolerate that taint (its chart's values: nodeSelector or "
+            "affinity, tolerations), then run `raytrain-eks up` again; up keeps the cluster's plugins and installs "
+            "only what the cluster lacks.",
+        )
+    return kept
+
+
 @contextlib.contextmanager
 def _say_state_when_interrupted(d: Deployment) -> Iterator[None]:
     """An :class:`~raytrain_eks.k8s.runner.Interrupted` (Ctrl-C or SIGTERM during eksctl or helm) leaves with what the
@@ -213,6 +273,7 @@ def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callabl
     _check_state_matches(d)
     if c.existing and cluster_status(d) is None:
         raise no_existing_cluster(cfg)  # before anything is asked or made (the bucket comes first)
+    kept = kept_addons(d)
     plan = choose_zones(cfg, d.state, offered_zones)
     cost = cost_per_hour(cfg, gpu, system)["total_usd"]
     where = f"cluster {c.name} in {c.region}"
@@ -220,7 +281,9 @@ def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callabl
     question = (
         (f"Use existing {where}, adding" if c.existing else f"Create (or resume) {where}:")
         + f" {c.gpu_node_count} x {gpu.name} in {' or '.join(plan.candidates)}, {c.system_node_count} x "
-        f"{system.name}{nat}; about ${cost:.2f} per hour until `raytrain-eks down`. Continue?"
+        f"{system.name}{nat}; about ${cost:.2f} per hour until `raytrain-eks down`."
+        + "".join(f" Keeping the cluster's {rel} ({what})." for rel, what in kept.items())
+        + " Continue?"
     )
     if not confirm(question):
         raise Cancelled("cancelled: nothing was created")
@@ -234,9 +297,14 @@ def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callabl
     az = ensure_gpu_nodegroup(d, plan)
     remove_eksctl_device_plugins(d)
     for rel in helm_releases(cfg):
-        ensure_release(d, rel)
-    nodes = wait_gpu_nodes(d, gpu_node_spec(cfg, az))
-    wait_kuberay(d)
+        if rel.name in kept:
+            d.say(f"Keeping the cluster's {rel.name}: {kept[rel.name]}")
+        else:
+            ensure_release(d, rel)
+    spec = gpu_node_spec(cfg, az)  # the kept plugins are proven by what the nodes advertise
+    nodes = wait_gpu_nodes(d, dataclasses.replace(spec, plugins=tuple(p for p in spec.plugins if p not in kept)))
+    if KUBERAY_RELEASE not in kept:
+        wait_kuberay(d)
     d.state.update(phase="up")
     d.say(f"Ready: cluster {c.name} in {c.region}, GPU nodes in {az}. Next: `raytrain-eks submit`.")
     return UpResult(gpu_az=az, gpu_nodes=[n.name for n in nodes], created=[describe(i) for i in d.state.created])

@@ -34,6 +34,9 @@ from raytrain_eks.k8s.state import Deployment, StateStore, UnreadableAnswer, clu
 CLUSTER_TIMEOUT_S = (eksctl.CLUSTER_WAIT_MIN + 10) * 60
 NODEGROUP_TIMEOUT_S = (eksctl.NODEGROUP_WAIT_MIN + 5) * 60
 GPU_NODE_SELECTOR = {"role": m.GPU_NODE_LABELS["role"]}
+EKSCTL_PLUGIN_DAEMONSETS = (eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET, eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET)
+# The state file's record of which of those an existing cluster had before this folder's GPU node group was made.
+PLUGINS_BEFORE_KEY = "eksctl_plugins_before"
 
 
 def gpu_node_spec(cfg: Config, zone: str | None) -> GpuNodeSpec:
@@ -48,6 +51,25 @@ def gpu_node_spec(cfg: Config, zone: str | None) -> GpuNodeSpec:
         missing_hint=f"check node group {c.gpu_nodegroup_name} with `eksctl get nodegroup --cluster {c.name} "
         f"--region {c.region}`",
     )
+
+
+def created_gpu_node_labels(cfg: Config) -> dict[str, str]:
+    """The labels every node of the GPU node group carries: the group's own (eksctl's config) and those EKS and
+    eksctl give a managed node group's nodes (its name twice, its instance type, its OS). Labels that a controller
+    adds later (node feature discovery, the GPU operator) are not among them."""
+    c = cfg.cluster
+    return {
+        **m.GPU_NODE_LABELS,
+        "eks.amazonaws.com/nodegroup": c.gpu_nodegroup_name,
+        "alpha.eksctl.io/nodegroup-name": c.gpu_nodegroup_name,
+        "node.kubernetes.io/instance-type": c.gpu_node_type,
+        "kubernetes.io/os": "linux",
+    }
+
+
+def gpu_node_taints(cfg: Config) -> list[dict[str, Any]]:
+    """The taints of the GPU node group's nodes, as eksctl's config gives them."""
+    return [dict(m.GPU_TAINT)]
 
 
 BUSY_POLL_S = 30.0  # a CloudFormation stack changes state in minutes
@@ -542,6 +564,10 @@ def ensure_gpu_nodegroup(d: Deployment, plan: ZonePlan) -> str:
         d.say(f"Node group {name} is {status} from an earlier run: removing it first")
         d.run(delete_nodegroup_argv(d.cfg, name), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say)
     failures: dict[str, str] = dict(d.state.get("zone_failures") or {})
+    if c.existing and d.state.get(PLUGINS_BEFORE_KEY) is None:
+        # Before eksctl first creates the group here: what it applies afterwards under these names is its copy.
+        present = [n for n in EKSCTL_PLUGIN_DAEMONSETS if d.kube.get("apps/v1", "DaemonSet", n, "kube-system")]
+        d.state.update(**{PLUGINS_BEFORE_KEY: present})
     for i, az in enumerate(plan.candidates):
         path = write_eksctl_config(d, plan, az, name)
         d.state.record(nodegroup_item(name))
@@ -590,15 +616,34 @@ def scale_gpu_nodes(d: Deployment, nodes: int) -> None:
     d.state.update(gpu_scaled_to=nodes)
 
 
+def eksctl_copies(d: Deployment) -> list[str]:
+    """The plugin DaemonSets in kube-system that are eksctl's copies applied for this folder's GPU node group.
+
+    On a cluster this folder created, every DaemonSet of eksctl's names is. On an existing cluster only one eksctl
+    applied when it created the GPU node group from this folder: the names present in kube-system right before the
+    first ``eksctl create nodegroup`` of that group are recorded in the state file (``eksctl_plugins_before``),
+    and a DaemonSet of another of eksctl's names found later is eksctl's. With nothing recorded (the group was not
+    created from this folder) none is. The cluster's own DaemonSets of those names stay whatever eksctl did to them:
+    eksctl replaces one of its EFA name when it creates any EFA node group, and it is the cluster's plugin still.
+    """
+    if not d.cfg.cluster.existing:
+        return list(EKSCTL_PLUGIN_DAEMONSETS)
+    before = d.state.get(PLUGINS_BEFORE_KEY)
+    if before is None:
+        return []
+    return [n for n in EKSCTL_PLUGIN_DAEMONSETS if n not in before]
+
+
 def remove_eksctl_device_plugins(d: Deployment) -> None:
-    """Delete the plugin DaemonSets eksctl applies by itself: only the pinned charts may advertise GPUs and EFA.
+    """Delete the plugin DaemonSets eksctl applies by itself for the GPU node group (:func:`eksctl_copies`): only
+    the pinned charts, or the plugins an existing cluster already ran, may advertise GPUs and EFA.
 
     eksctl's EFA DaemonSet has the name of the EFA chart's own, so a DaemonSet of that name is deleted only while
     it lacks the release's Helm ownership metadata: that is eksctl's copy (just applied, or applied over the
     chart's when a node group was created again), and Helm would refuse to install the chart over it.
     """
     owners = {rel.workload: rel for rel in helm_releases(d.cfg) if rel.namespace == "kube-system"}
-    for name in (eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET, eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET):
+    for name in eksctl_copies(d):
         found = d.kube.get("apps/v1", "DaemonSet", name, "kube-system")
         if found is None:
             continue

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -303,6 +303,112 @@ class GpuNodeSpec:
     @property
     def wants(self) -> str:
         return m.GPU_RESOURCE + (f" and {m.EFA_RESOURCE}" if self.efa else "")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The device plugins a cluster already runs, and whether their pods would run on given nodes
+# ----------------------------------------------------------------------------------------------------------------
+
+# Each plugin release's kind of plugin, known by its first container's image (the last part of its repository name)
+# and the command that is the plugin (None: any). NVIDIA's chart, the GPU operator and eksctl's static manifest all
+# run nvcr.io/nvidia/k8s-device-plugin; the same image's mps-control-daemon (the chart's MPS DaemonSet) is no plugin.
+PLUGIN_IMAGES: dict[str, tuple[str, str | None]] = {
+    "nvidia-device-plugin": ("k8s-device-plugin", "nvidia-device-plugin"),
+    "aws-efa-k8s-device-plugin": ("aws-efa-k8s-device-plugin", None),
+}
+# Where the plugins are installed: kube-system (eksctl, AWS's EFA docs, this tool), the namespace of NVIDIA's chart
+# README (`helm upgrade -i nvdp ... --namespace nvidia-device-plugin`) and the GPU operator's.
+PLUGIN_NAMESPACES = ("kube-system", "nvidia-device-plugin", "gpu-operator")
+
+
+@dataclass(frozen=True)
+class RunningPlugin:
+    """A device-plugin DaemonSet found in the cluster: which plugin release it stands for, where, its pod spec."""
+
+    release: str
+    namespace: str
+    name: str
+    pod_spec: dict[str, Any]
+
+    @property
+    def where(self) -> str:
+        return f"DaemonSet {self.namespace}/{self.name}"
+
+
+def plugin_kind(pod_spec: dict[str, Any]) -> str | None:
+    """The plugin release (of :data:`DEVICE_PLUGIN_RELEASES`) a pod template's first container is, or ``None``."""
+    container = (pod_spec.get("containers") or [{}])[0]
+    image = str(container.get("image", "")).rsplit("/", 1)[-1].split(":", 1)[0]
+    for release, (name, command) in PLUGIN_IMAGES.items():
+        given = container.get("command") or []
+        if image == name and (command is None or not given or given[0] == command):
+            return release
+    return None
+
+
+def running_plugins(d: Deployment, ignore: Collection[tuple[str, str]] = ()) -> dict[str, list[RunningPlugin]]:
+    """The device-plugin DaemonSets of :data:`PLUGIN_NAMESPACES`, by plugin release; ``ignore``: (namespace, name)
+    of DaemonSets that are this tool's own."""
+    found: dict[str, list[RunningPlugin]] = {}
+    for ns in PLUGIN_NAMESPACES:
+        for ds in d.kube.daemon_sets(ns):
+            if (ns, ds.name) in ignore:
+                continue
+            obj = d.kube.get("apps/v1", "DaemonSet", ds.name, ns) or {}
+            spec = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
+            kind = plugin_kind(spec)
+            if kind is not None:
+                found.setdefault(kind, []).append(RunningPlugin(kind, ns, ds.name, spec))
+    return found
+
+
+def _expression_holds(labels: dict[str, str], expr: dict[str, Any]) -> bool:
+    key, op, values = expr.get("key", ""), expr.get("operator"), [str(v) for v in expr.get("values") or []]
+    if op == "In":
+        return labels.get(key) in values
+    if op == "NotIn":
+        return labels.get(key) not in values
+    if op == "Exists":
+        return key in labels
+    if op == "DoesNotExist":
+        return key not in labels
+    if op in ("Gt", "Lt") and labels.get(key, "").isdigit() and values and values[0].lstrip("-").isdigit():
+        return int(labels[key]) > int(values[0]) if op == "Gt" else int(labels[key]) < int(values[0])
+    return False
+
+
+def _tolerates(toleration: dict[str, Any], taint: dict[str, Any]) -> bool:
+    """Kubernetes' Toleration.ToleratesTaint (k8s.io/api/core/v1/toleration.go): the effect and key, when given,
+    must match; ``Exists`` tolerates any value, ``Equal`` (the default) only the taint's."""
+    if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
+        return False
+    if toleration.get("key") and toleration["key"] != taint.get("key"):
+        return False
+    if toleration.get("operator") == "Exists":
+        return True
+    return bool(toleration.get("key")) and str(toleration.get("value", "")) == str(taint.get("value", ""))
+
+
+def placement_refusal(pod_spec: dict[str, Any], labels: dict[str, str], taints: list[dict[str, Any]]) -> str | None:
+    """Why a pod of ``pod_spec`` could not run on a node with these labels and taints (its ``nodeSelector``, its
+    required node affinity, a ``NoSchedule``/``NoExecute`` taint it does not tolerate), as the scheduler says it;
+    ``None``: it could. Labels not given are taken as absent."""
+    required = ((pod_spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    terms = required.get("nodeSelectorTerms")
+    selector = pod_spec.get("nodeSelector") or {}
+    if any(labels.get(k) != v for k, v in selector.items()) or (
+        terms is not None
+        and not any(all(_expression_holds(labels, e) for e in t.get("matchExpressions") or []) for t in terms)
+    ):
+        return "it does not select them (nodeSelector or required node affinity)"
+    for taint in taints:
+        if taint.get("effect") in ("NoSchedule", "NoExecute") and not any(
+            _tolerates(t, taint) for t in pod_spec.get("tolerations") or []
+        ):
+            return f"it does not tolerate their taint {taint['key']}={taint.get('value', '')}:{taint['effect']}"
+    return None
 
 
 def _count(value: str | None) -> int:
