@@ -109,6 +109,9 @@ def test_a_cluster_without_plugins_gets_the_pinned_ones_and_down_removes_them(ex
     assert _plugin_installs(existing) == ["nvidia-device-plugin", "aws-efa-k8s-device-plugin", "kuberay-operator"]
     for node in existing.kube.nodes({"role": "gpu-worker"}):
         assert _advertised(existing, node.name) == ("4", "1")
+    # up again: the charts it installed are its own, not the cluster's; nothing is installed or kept anew.
+    _up(existing)
+    assert len(_plugin_installs(existing)) == 3 and "Keeping the cluster's" not in existing.said()
     _down(existing)
     assert not existing.tools.releases
     assert not [n for n in ("nvidia-device-plugin", "aws-efa-k8s-device-plugin")
