@@ -135,3 +135,18 @@ def test_a_plugin_that_would_not_run_on_the_new_nodes_is_named_before_anything_i
     assert questions == [] and not existing.store.created and not existing.tools.commands("eksctl", "create")
     assert not boto3.client("s3").list_buckets()["Buckets"]
     assert existing.kube.get("apps/v1", "DaemonSet", "aws-efa-k8s-device-plugin", "kube-system") is not None
+
+
+def test_eksctls_efa_daemonset_tolerating_the_gpu_taint_is_still_named_for_eksctl_replaces_it(existing: World):
+    # Made to tolerate nvidia.com/gpu by the user, it would cover the new nodes, but eksctl applies its own manifest
+    # over it when it creates the GPU node group (fixtures/eksctl/pkg/addons/device_plugin.go CreateOrReplace).
+    existing.kube.put(_eksctl_nvidia_plugin())
+    patched = eksctl_efa_daemon_set()
+    patched["spec"]["template"]["spec"]["tolerations"].append(dict(m.GPU_TOLERATION))
+    existing.kube.put(patched)
+    with pytest.raises(UserError) as err:
+        _up(existing)
+    assert "kube-system/aws-efa-k8s-device-plugin" in err.value.message
+    assert "once eksctl has applied its own EFA manifest over it" in err.value.message
+    assert "another release name" in (err.value.hint or "")
+    assert not existing.tools.commands("eksctl", "create")

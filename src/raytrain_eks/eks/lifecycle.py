@@ -38,6 +38,7 @@ from raytrain_eks.eks.nodegroups import (
     CLUSTER_TIMEOUT_S,
     NODEGROUP_TIMEOUT_S,
     Placement,
+    as_after_gpu_nodegroup,
     choose_zones,
     cluster_status,
     create_nodegroup_argv,
@@ -214,7 +215,13 @@ def kept_addons(d: Deployment) -> dict[str, str]:
         if not plugins:
             continue
         kept[rel.name] = ", ".join(p.where for p in plugins)
-        refusals = [(p, placement_refusal(p.pod_spec, labels, taints)) for p in plugins]
+        refusals = []
+        for p in plugins:
+            after = as_after_gpu_nodegroup(d, p.namespace, p.name, p.pod_spec)
+            why = placement_refusal(after, labels, taints)
+            if why is not None and after is not p.pod_spec:
+                why += " once eksctl has applied its own EFA manifest over it, as it does for every EFA node group"
+            refusals.append((p, why))
         if all(why is not None for _, why in refusals):
             problems += [f"{p.where} (the cluster's {rel.name}): {why}" for p, why in refusals]
     if problems:
@@ -224,8 +231,9 @@ def kept_addons(d: Deployment) -> dict[str, str]:
             f"cluster {cfg.cluster.name} already runs device plugins whose pods would not run on the new GPU nodes "
             f"(labels {shown}, taint {taint}); nothing was created:\n" + "\n".join(f"  - {p}" for p in problems),
             hint="Let that DaemonSet select those nodes and tolerate that taint (its chart's values: nodeSelector or "
-            "affinity, tolerations), then run `raytrain-eks up` again; up keeps the cluster's plugins and installs "
-            "only what the cluster lacks.",
+            "affinity, tolerations); for eksctl's EFA DaemonSet, which eksctl replaces, run AWS's EFA chart under "
+            "another release name instead (tolerating the taint) and delete eksctl's. Then run `raytrain-eks up` "
+            "again: it keeps the cluster's plugins and installs only what the cluster lacks.",
         )
     return kept
 

@@ -37,6 +37,22 @@ GPU_NODE_SELECTOR = {"role": m.GPU_NODE_LABELS["role"]}
 EKSCTL_PLUGIN_DAEMONSETS = (eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET, eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET)
 # The state file's record of which of those an existing cluster had before this folder's GPU node group was made.
 PLUGINS_BEFORE_KEY = "eksctl_plugins_before"
+# The tolerations of the EFA DaemonSet eksctl applies (create or replace) whenever it creates an EFA node group
+# (pkg/addons/assets/efa-device-plugin.yaml, v0.230.0; its SetTolerations adds none): not the GPU nodes' taint.
+EKSCTL_EFA_PLUGIN_TOLERATIONS = (
+    {"key": "CriticalAddonsOnly", "operator": "Exists"},
+    {"key": "aws.amazon.com/efa", "operator": "Exists", "effect": "NoSchedule"},
+)
+
+
+def as_after_gpu_nodegroup(d: Deployment, namespace: str, name: str, pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """A cluster's DaemonSet's pod spec as it will be once eksctl has created the GPU node group from this folder:
+    eksctl replaces a kube-system DaemonSet of its EFA name with its own manifest, whose tolerations are
+    :data:`EKSCTL_EFA_PLUGIN_TOLERATIONS`; any other is left as it is, as is every one once the group was made."""
+    made = d.state.get(PLUGINS_BEFORE_KEY) is not None
+    if made or (namespace, name) != ("kube-system", eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET):
+        return pod_spec
+    return {**pod_spec, "tolerations": [dict(t) for t in EKSCTL_EFA_PLUGIN_TOLERATIONS]}
 
 
 def gpu_node_spec(cfg: Config, zone: str | None) -> GpuNodeSpec:
