@@ -198,3 +198,28 @@ class FakeIamServiceAccounts:
             )
             log.append(f"updating policies for IAMServiceAccount {ns}/{name}")
         return 0, "", "\n".join(log) + "\n"
+
+    def delete(self, cluster: str, region: str, ns: str, name: str, *, wait: bool) -> tuple[int, str, str]:
+        """``eksctl delete iamserviceaccount --cluster C --namespace NS --name N`` (pkg/ctl/delete/iamserviceaccount.go;
+        named by flags it is no plan: pkg/ctl/cmdutils/configfile.go ``NewDeleteIAMServiceAccountLoader`` sets
+        ``l.Plan = false``). A cluster without an IAM OIDC provider is an error. Then pkg/actions/irsa/delete.go runs
+        pkg/cfn/manager/delete_tasks.go ``NewTasksToDeleteIAMServiceAccounts`` (both read at tag v0.230.0 upstream):
+        the service account's stack (its role), deleted and waited for with ``--wait`` (``DeleteStackBySpecSync``),
+        only started without it (``DeleteStackBySpec``: the stack is still there when eksctl returns); then the
+        ServiceAccount, which pkg/kubernetes/serviceaccount.go ``MaybeDeleteServiceAccount`` deletes only when it
+        carries eksctl's managed-by label."""
+        if cluster in self.without_oidc:
+            return 1, "", "Error: unable to delete iamserviceaccount(s) without IAM OIDC provider enabled\n"
+        stack = self.stack_name(cluster, ns, name)
+        log = [f'delete IAM role for serviceaccount "{ns}/{name}"'] if stack in self.stacks else []
+        if stack in self.stacks and wait:
+            role = self.stacks.pop(stack)
+            iam = self._iam(region)
+            for policy in iam.list_role_policies(RoleName=role)["PolicyNames"]:
+                iam.delete_role_policy(RoleName=role, PolicyName=policy)
+            iam.delete_role(RoleName=role)
+        account = self.kube.get("v1", "ServiceAccount", name, ns)
+        if account is not None and (account["metadata"].get("labels") or {}).get(MANAGED_BY[0]) == MANAGED_BY[1]:
+            self.kube.delete("v1", "ServiceAccount", name, ns)
+            log.append(f'deleted serviceaccount "{ns}/{name}"')
+        return 0, "", "\n".join(log) + "\n"

@@ -194,6 +194,15 @@ class FakeTools:
             include = self._opt(argv, "--include").split(",") if "--include" in argv else []
             override = "--override-existing-serviceaccounts" in argv
             return self.iam.create(name, region, doc, approve="--approve" in argv, override=override, include=include)
+        if verb == ("eksctl", "delete", "iamserviceaccount"):
+            cmd, given = eksctl_source.parse_argv(argv)
+            assert "config-file" not in given, "a delete by config file (a plan unless --approve) is not modelled"
+            name = str(given["cluster"])
+            if self.cluster is None or self.cluster["name"] != name:  # NewProviderForExistingCluster
+                return 1, "", cfn.no_cluster(name, wrap="unable to describe cluster control plane")
+            ns = str(cmd.value(given, "namespace")).strip('"')  # its default: "default"
+            wait = cmd.value(given, "wait") is True
+            return self.iam.delete(name, str(given["region"]), ns, str(given["name"]), wait=wait)
         if verb == ("eksctl", "get", "nodegroup"):
             if self.cluster is None:  # pkg/ctl/get/nodegroup.go: NewProviderForExistingCluster
                 name = self._opt(argv, "--cluster")

@@ -19,7 +19,6 @@ import pytest
 import yaml
 from charts import FIXTURES, eksctl_efa_daemon_set, rendered
 from test_deploy import ALLOCATABLE, ZONES, World
-from test_irsa import with_eksctl_delete
 
 from raytrain_eks.config import load_config
 from raytrain_eks.eks import lifecycle, nodegroups
@@ -36,7 +35,7 @@ def existing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str) -> W
     monkeypatch.chdir(tmp_path)
     cfg = load_config(environ={}, path=None)
     cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"existing": True})})
-    w = with_eksctl_delete(World(tmp_path, cfg))
+    w = World(tmp_path, cfg)
     w.tools.cluster = {"name": cfg.cluster.name, "azs": ZONES}
     w.kube.add_node("their-gpu-0", labels=THEIR_NODES, allocatable=ALLOCATABLE["g6.12xlarge"], taints=[m.GPU_TAINT])
     return w

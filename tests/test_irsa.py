@@ -1,21 +1,18 @@
 """The Ray pods' IAM role and service account that ``up`` makes with ``eksctl create iamserviceaccount``: ``down``
 deletes them, and the delete command ``up`` names when they stay unusable is one that deletes them.
 
-Against test_deploy.py's World (FakeTools, whose eksctl makes service accounts and their roles in moto's IAM, see
-fake_eksctl_auth.py), with ``eksctl delete iamserviceaccount`` added below as eksctl v0.230.0 runs it; every eksctl
-command line run or quoted is checked against eksctl's vendored source (test_eksctl.py)."""
+Against test_deploy.py's World (FakeTools, whose eksctl makes and deletes service accounts and their roles in moto's
+IAM, see fake_eksctl_auth.py); every eksctl command line run or quoted is checked against eksctl's vendored source
+(test_eksctl.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import boto3
 import eksctl_source
-import fake_eksctl_stacks as cfn
 import pytest
-from fake_eksctl_auth import MANAGED_BY
-from test_deploy import ZONES, FakeTools, World
+from test_deploy import ZONES, World
 from test_eksctl import check_argv, eksctl_calls, quoted_eksctl
 
 from raytrain_eks.config import load_config
@@ -27,57 +24,10 @@ from raytrain_eks.k8s.runner import MissingToolsError
 NS = "default"
 
 
-def delete_iamserviceaccount(tools: FakeTools, argv: list[str]) -> tuple[int, str, str]:
-    """``eksctl delete iamserviceaccount --cluster C --region R --namespace NS --name N`` as eksctl v0.230.0 runs it.
-
-    Named by flags it is no plan (pkg/ctl/cmdutils/configfile.go ``NewDeleteIAMServiceAccountLoader``: ``l.Plan =
-    false``, and ``--approve`` refused, as eksctl_source.parse_argv refuses it). pkg/ctl/delete/iamserviceaccount.go:
-    the cluster must exist (``NewProviderForExistingCluster``) and have an IAM OIDC provider. Then
-    pkg/actions/irsa/delete.go runs pkg/cfn/manager/delete_tasks.go ``NewTasksToDeleteIAMServiceAccounts``: the
-    service account's stack (its role), deleted and waited for with ``--wait`` (``DeleteStackBySpecSync``), only
-    started without it (``DeleteStackBySpec``: the stack is still there when eksctl returns); then the
-    ServiceAccount, which pkg/kubernetes/serviceaccount.go ``MaybeDeleteServiceAccount`` deletes only when it
-    carries eksctl's managed-by label. (delete.go and delete_tasks.go are read at tag v0.230.0 upstream.)"""
-    cmd, given = eksctl_source.parse_argv(argv)
-    assert "config-file" not in given, "a delete by config file (plan mode unless --approve) is not modelled"
-    cluster, region = str(given["cluster"]), str(given["region"])
-    ns, name = str(cmd.value(given, "namespace")).strip('"'), str(given["name"])  # its default: "default"
-    if tools.cluster is None or tools.cluster["name"] != cluster:
-        return 1, "", cfn.no_cluster(cluster, wrap="unable to describe cluster control plane")
-    if cluster in tools.iam.without_oidc:
-        return 1, "", "Error: unable to delete iamserviceaccount(s) without IAM OIDC provider enabled\n"
-    stack = tools.iam.stack_name(cluster, ns, name)
-    log = [f'delete IAM role for serviceaccount "{ns}/{name}"'] if stack in tools.iam.stacks else []
-    if stack in tools.iam.stacks and cmd.value(given, "wait") is True:
-        role = tools.iam.stacks.pop(stack)
-        iam = boto3.client("iam", region_name=region)
-        for policy in iam.list_role_policies(RoleName=role)["PolicyNames"]:
-            iam.delete_role_policy(RoleName=role, PolicyName=policy)
-        iam.delete_role(RoleName=role)
-    account = tools.kube.get("v1", "ServiceAccount", name, ns)
-    if account is not None and (account["metadata"].get("labels") or {}).get(MANAGED_BY[0]) == MANAGED_BY[1]:
-        tools.kube.delete("v1", "ServiceAccount", name, ns)
-        log.append(f'deleted serviceaccount "{ns}/{name}"')
-    return 0, "", "\n".join(log) + "\n"
-
-
-def with_eksctl_delete(w: World) -> World:
-    """``w`` whose FakeTools also runs ``eksctl delete iamserviceaccount`` (:func:`delete_iamserviceaccount`)."""
-    dispatch: Callable[[list[str]], tuple[int, str, str]] = w.tools._dispatch
-
-    def run(argv: list[str]) -> tuple[int, str, str]:
-        if argv[:3] == ["eksctl", "delete", "iamserviceaccount"]:
-            return delete_iamserviceaccount(w.tools, argv)
-        return dispatch(argv)
-
-    w.tools._dispatch = run  # type: ignore[method-assign]
-    return w
-
-
 @pytest.fixture
 def world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str) -> World:
     monkeypatch.chdir(tmp_path)  # no raytrain-eks.yaml of the repository is read
-    return with_eksctl_delete(World(tmp_path, load_config(environ={}, path=None)))
+    return World(tmp_path, load_config(environ={}, path=None))
 
 
 def _roles() -> list[str]:
