@@ -203,7 +203,7 @@ class FakeIamServiceAccounts:
         """``eksctl delete iamserviceaccount --cluster C --namespace NS --name N`` (pkg/ctl/delete/iamserviceaccount.go;
         named by flags it is no plan: pkg/ctl/cmdutils/configfile.go ``NewDeleteIAMServiceAccountLoader`` sets
         ``l.Plan = false``). A cluster without an IAM OIDC provider is an error. Then pkg/actions/irsa/delete.go runs
-        pkg/cfn/manager/delete_tasks.go ``NewTasksToDeleteIAMServiceAccounts`` (both read at tag v0.230.0 upstream):
+        pkg/cfn/manager/delete_tasks.go ``NewTasksToDeleteIAMServiceAccounts`` (both vendored in fixtures/eksctl):
         the service account's stack (its role), deleted and waited for with ``--wait`` (``DeleteStackBySpecSync``),
         only started without it (``DeleteStackBySpec``: the stack is still there when eksctl returns); then the
         ServiceAccount, which pkg/kubernetes/serviceaccount.go ``MaybeDeleteServiceAccount`` deletes only when it
