@@ -1,9 +1,10 @@
 """The job's loss is each model's own: for the architectures people fine-tune, the loss as the training loop computes
 it (the output projection deferred, the loss in several chunks, the model sharded by FSDP) equals
 ``model(input_ids, labels=labels).loss`` of the same weights in fp32, and so do the gradients. Tiny random models
-built from transformers' own config classes, no network. Gemma's final-logit soft-capping, Granite's and Cohere's
-logit scaling and a mixture of experts' router load-balancing term are the model's way; a model that changes its
-logits in a way the loss does not know is refused."""
+built from transformers' own config classes, no network, Gemma 3's multimodal checkpoints among them. Gemma's
+final-logit soft-capping, Granite's, HyperCLOVAX's and Cohere's logit scaling (each in its own direction) and a
+mixture of experts' router load-balancing term are the model's way; a model that changes its logits in a way the
+loss does not know, or computes a loss of its own, is refused."""
 
 from __future__ import annotations
 
@@ -58,9 +59,43 @@ ARCHITECTURES = {
     "phi3": ("Phi3Config", {}),
     "olmo2": ("Olmo2Config", {}),
     "gpt-neox": ("GPTNeoXConfig", {}),
-    "granite": ("GraniteConfig", {"logits_scaling": 4.0}),
+    "granite": ("GraniteConfig", {"logits_scaling": 4.0}),  # divides by it
+    "hyperclovax": ("HyperCLOVAXConfig", {"logits_scaling": 4.0}),  # multiplies by it
     "cohere": ("CohereConfig", {"logit_scale": 0.25}),
 }
+# Composite configs, the small sizes their text model's. Gemma 3's 4B/12B/27B checkpoints load as
+# Gemma3ForConditionalGeneration, trained on text through its own forward (which, in transformers 5.23, leaves the
+# text config's soft-capping out); its vision tower gets no gradient. Sharding finds decoder layers at
+# ``model.model.layers``, not under a conditional-generation model's ``model.model.language_model``, so these run
+# unsharded here.
+MULTIMODAL = {
+    "gemma3-multimodal": (
+        "Gemma3Config",
+        {
+            "text_config": {"head_dim": 16, "final_logit_softcapping": 5.0},
+            "vision_config": {
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "image_size": 28,
+                "patch_size": 14,
+            },
+            "mm_tokens_per_image": 4,
+            "boi_token_id": 253,
+            "eoi_token_id": 254,
+            "image_token_id": 255,
+        },
+    ),
+}
+
+
+def _config(arch):
+    if arch in MULTIMODAL:
+        name, extra = MULTIMODAL[arch]
+        return getattr(transformers, name)(**{**extra, "text_config": {**SMALL, **extra["text_config"]}})
+    name, extra = ARCHITECTURES[arch]
+    return getattr(transformers, name)(**{**SMALL, **extra})
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +124,9 @@ def _grads(model):
     return out
 
 
-@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+@pytest.mark.parametrize("arch", [*ARCHITECTURES, *MULTIMODAL])
 def test_the_jobs_loss_and_gradients_are_the_models_own(one_rank, arch):
-    name, extra = ARCHITECTURES[arch]
-    config = getattr(transformers, name)(**{**SMALL, **extra})
+    config = _config(arch)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config.use_cache = False
@@ -107,7 +141,8 @@ def test_the_jobs_loss_and_gradients_are_the_models_own(one_rank, arch):
     model.train()
     reference.train()
     head = output_projection_deferred(model)
-    apply_fsdp(model, precision="fp32")
+    if arch not in MULTIMODAL:
+        apply_fsdp(model, precision="fp32")
     outputs = head.forward(model, input_ids=ids)
     count = int((labels[:, 1:] != -100).sum())
     token_loss = chunked_cross_entropy(
@@ -141,6 +176,7 @@ def test_the_transforms_are_read_from_the_models_own_config():
     assert logit_transform(build("Gemma2Config", head_dim=16, final_logit_softcapping=None)) is None
     assert logit_transform(build("GraniteConfig", logits_scaling=8.0)).scale == 1 / 8
     assert logit_transform(build("GraniteConfig", logits_scaling=1.0)) is None
+    assert logit_transform(build("HyperCLOVAXConfig", logits_scaling=8.0)).scale == 8
     assert logit_transform(build("CohereConfig", logit_scale=0.5)).scale == 0.5
     # While the loss applies it, the model's own transform is off; its config is its own again after.
     model = build("GraniteConfig", logits_scaling=8.0)
@@ -151,14 +187,39 @@ def test_the_transforms_are_read_from_the_models_own_config():
 
 
 class _CroppedLogits(transformers.LlamaForCausalLM):
-    def forward(self, input_ids=None, **kwargs):
+    def forward(self, input_ids=None, labels=None, **kwargs):
         hidden = self.model(input_ids=input_ids).last_hidden_state
         logits = self.lm_head(hidden)
         logits = logits[..., :100]  # a change the chunked loss does not know
-        return transformers.modeling_outputs.CausalLMOutputWithPast(logits=logits)
+        loss = self.loss_function(logits=logits, labels=labels, vocab_size=100, **kwargs)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
 
 
 def test_a_model_that_changes_its_logits_in_an_unknown_way_is_refused():
     model = _CroppedLogits(transformers.LlamaConfig(**SMALL))
     with pytest.raises(UserError, match=r"_CroppedLogits changes its logits .*logits = logits\[\.\.\., :100\]"):
         output_projection_deferred(model)
+
+
+class _ShiftedProjection(transformers.LlamaForCausalLM):
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids).last_hidden_state
+        logits = self.lm_head(hidden) + 1.0  # the projection's own line, and more
+        loss = self.loss_function(logits, labels, self.vocab_size)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class _OwnCrossEntropy(transformers.LlamaForCausalLM):
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())  # labels not shifted
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_a_projection_that_does_more_or_a_loss_of_its_own_is_refused():
+    with pytest.raises(
+        UserError, match=r"_ShiftedProjection changes its logits .*logits = self\.lm_head\(hidden\) \+ 1\.0"
+    ):
+        output_projection_deferred(_ShiftedProjection(transformers.LlamaConfig(**SMALL)))
+    with pytest.raises(UserError, match=r"_OwnCrossEntropy computes its loss in its own way"):
+        output_projection_deferred(_OwnCrossEntropy(transformers.LlamaConfig(**SMALL)))

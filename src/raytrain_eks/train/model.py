@@ -11,7 +11,6 @@ same path as ``Qwen/Qwen2.5-1.5B``. Example::
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -96,12 +95,15 @@ def compile_layers(model: Any) -> int:
     return len(layers)
 
 
-# What a causal LM may do to its logits after the output projection, by the config field that says so: the chunked
-# loss does the same to each chunk. Read from transformers 5.23's modeling files: Gemma 2/3 (and others)
-# ``logits = tanh(logits / cap) * cap`` with ``final_logit_softcapping``; Granite ``logits / logits_scaling``;
-# Cohere ``logits * logit_scale``.
-KNOWN_LOGIT_FIELDS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
-_LOGITS_REASSIGNED = re.compile(r"^\s*logits\s*=\s*(.+)$", re.MULTILINE)
+# What a causal LM may do to its logits after the output projection, by the attribute that holds the number: the
+# chunked loss does the same to each chunk. Read from transformers 5.23's modeling files: Gemma 2/3 (and others)
+# ``logits = tanh(logits / cap) * cap`` with ``final_logit_softcapping``; Granite ``logits / logits_scaling`` and
+# HyperCLOVAX ``logits * logits_scaling`` (the same field, the other way); Cohere ``logits * logit_scale``; Falcon-H1
+# ``logits * lm_head_multiplier``. Each of these fields does nothing but that, so setting it to its identity while
+# the loss applies it changes nothing else.
+KNOWN_LOGIT_FIELDS = ("final_logit_softcapping", "logits_scaling", "logit_scale", "lm_head_multiplier")
+_CASTS = ("float", "to", "contiguous")  # the loss computes in fp32 in any case
+_TANH = ("torch.tanh", "nn.functional.tanh", "torch.nn.functional.tanh", "F.tanh")
 
 
 @dataclass(frozen=True)
@@ -121,58 +123,232 @@ class LogitTransform:
         return logits
 
 
-def logit_transform(model: Any) -> LogitTransform | None:
-    """What ``model``'s own forward does to its logits after the output projection, or ``None`` for nothing.
+class _Unknown(Exception):
+    """A statement of the forward that the loss cannot reproduce; its text is the message."""
 
-    The forward's source is read: every line that assigns ``logits`` again after the projection must be one of the
-    known transforms (:data:`KNOWN_LOGIT_FIELDS`, read from the config), else the model is refused (a
-    :class:`UserError`) rather than trained on a different objective than its own.
+
+@dataclass(frozen=True)
+class _Step:
+    """One operation on the logits: ``*`` or ``/`` by the number in ``owner.name``, or ``tanh``."""
+
+    op: str  # "*", "/" or "tanh"
+    owner: Any = None
+    name: str = ""
+    guarded: bool = False  # inside ``if <the number> is not None:``, so ``None`` turns it off
+
+    @property
+    def value(self) -> Any:
+        return getattr(self.owner, self.name) if self.owner is not None else None
+
+
+class _ForwardReader:
+    """The forward's source as a syntax tree: which variable its loss is computed from, and every assignment to it
+    after the output projection, as :class:`_Step` s. Keyword arguments of a call (``logits=logits``) assign
+    nothing; any statement on that variable that is not the projection, a cast or a known step is :class:`_Unknown`.
     """
-    import inspect
 
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        source = ""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    # The projection's own attribute: lm_head in most models, embed_out in GPT-NeoX before transformers renamed it.
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    projections = ["lm_head", "get_output_embeddings"]
-    projections += [f"self.{name}(" for name, child in model.named_children() if head is not None and child is head]
-    unknown = []
-    for line in _LOGITS_REASSIGNED.findall(source):
-        line = line.split("#")[0].strip()
-        if line.endswith(","):  # logits=logits, a keyword of the output being built
-            continue
-        if any(p in line for p in projections) or line.startswith("outputs"):
-            continue  # the projection itself
-        if line == "torch.tanh(logits)" or any(field in line for field in KNOWN_LOGIT_FIELDS):
-            continue
-        if line.startswith(("logits.float()", "logits.to(")) or line == "None":
-            continue
-        unknown.append(line)
-    if unknown:
-        raise UserError(
-            f"model {type(model).__name__} changes its logits after the output projection in a way the chunked loss "
-            f"does not know ({'; '.join(f'logits = {u}' for u in unknown)}), so its loss would differ from the "
-            "model's own",
-            hint="Fine-tune a causal LM whose logits are the output projection's, or scaled or soft-capped through "
-            f"one of the config fields {', '.join(KNOWN_LOGIT_FIELDS)} (Llama, Qwen, Mistral, Gemma, Granite, ...).",
-        )
+    def __init__(self, model: Any, source: str) -> None:
+        import ast
+        import textwrap
+
+        self.ast, self.model = ast, model
+        self.tree = ast.parse(textwrap.dedent(source))
+        self.parents = {child: node for node in ast.walk(self.tree) for child in ast.iter_child_nodes(node)}
+        # Local names bound to an attribute of the model or its config (``cap = self.config.logits_soft_cap``).
+        self.aliases: dict[str, Any] = {}
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                self.aliases[node.targets[0].id] = node.value
+            elif isinstance(node, ast.NamedExpr):
+                self.aliases[node.target.id] = node.value
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.heads = {"lm_head"} | {name for name, child in model.named_children() if child is head}
+
+    def loss_variable(self) -> str | None:
+        """The name of the logits the forward hands to ``self.loss_function``, or ``None`` where it computes its
+        loss some other way (its own ``CrossEntropyLoss``, unshifted labels, ...)."""
+        ast = self.ast
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "self.loss_function":
+                given = [k.value for k in node.keywords if k.arg == "logits"] or node.args[:1]
+                if given and isinstance(given[0], ast.Name):
+                    return given[0].id
+        return None
+
+    def steps(self, variable: str) -> list[_Step]:
+        ast = self.ast
+        found: list[tuple[int, Any]] = []
+        for node in ast.walk(self.tree):
+            if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    stored = [n for n in ast.walk(target) if isinstance(n, ast.Name) and n.id == variable]
+                    if stored and not isinstance(target, ast.Name):  # logits[...] = ..., a, logits = ...
+                        raise _Unknown(ast.unparse(node))
+                    if stored:
+                        found.append((node.lineno, node))
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and ast.unparse(node.func.value) == variable
+                and node.func.attr.endswith("_")
+            ):  # logits.mul_(...)
+                raise _Unknown(ast.unparse(node))
+        steps: list[_Step] = []
+        for _, node in sorted(found, key=lambda pair: pair[0]):
+            if node.value is None or (isinstance(node.value, ast.Constant) and node.value.value is None):
+                continue
+            value = node.value
+            if isinstance(node, ast.AugAssign):
+                value = ast.BinOp(left=ast.Name(id=variable), op=node.op, right=node.value)
+            try:
+                base, ops = self._expression(value, variable)
+            except _Unknown:
+                raise _Unknown(ast.unparse(node)) from None
+            if base == "projection":
+                steps = ops
+            elif base == variable:
+                steps += ops
+            else:
+                raise _Unknown(ast.unparse(node))
+        return steps
+
+    def _expression(self, node: Any, variable: str) -> tuple[str, list[_Step]]:
+        """What ``node`` is: (``"projection"`` or the variable, the steps applied to it)."""
+        ast = self.ast
+        if isinstance(node, ast.Name) and node.id == variable:
+            return variable, []
+        if isinstance(node, ast.Call):
+            func = ast.unparse(node.func)
+            if func in {f"self.{h}" for h in self.heads} or func == "self.get_output_embeddings()":
+                return "projection", []
+            if func in _TANH and len(node.args) == 1 and not node.keywords:
+                base, ops = self._expression(node.args[0], variable)
+                return base, [*ops, _Step("tanh")]
+            if isinstance(node.func, ast.Attribute) and node.func.attr in _CASTS:
+                return self._expression(node.func.value, variable)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult | ast.Div):
+            op = "*" if isinstance(node.op, ast.Mult) else "/"
+            for inner, number in ((node.left, node.right), (node.right, node.left)):
+                if op == "/" and inner is node.right:
+                    break  # number / logits is no scaling
+                try:
+                    base, ops = self._expression(inner, variable)
+                except _Unknown:
+                    continue
+                owner, name = self._number(number)
+                return base, [*ops, _Step(op, owner, name, self._guarded(node, owner, name))]
+        raise _Unknown(ast.unparse(node))
+
+    def _number(self, node: Any) -> tuple[Any, str]:
+        """The (object, attribute) a known field is read from: ``self.config.x``, ``self.model.x``,
+        ``self.config.get_text_config().x``, or a local name bound to one of these."""
+        ast = self.ast
+        if isinstance(node, ast.Name) and node.id in self.aliases:
+            node = self.aliases[node.id]
+        if not (isinstance(node, ast.Attribute) and node.attr in KNOWN_LOGIT_FIELDS):
+            raise _Unknown(ast.unparse(node))
+        owner = self._object(node.value)
+        value = getattr(owner, node.attr, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise _Unknown(ast.unparse(node))  # a learned scale (a parameter) or something else
+        return owner, node.attr
+
+    def _object(self, node: Any) -> Any:
+        ast = self.ast
+        if isinstance(node, ast.Name) and node.id == "self":
+            return self.model
+        if isinstance(node, ast.Attribute) and hasattr(owner := self._object(node.value), node.attr):
+            return getattr(owner, node.attr)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get_text_config":
+            return self._object(node.func.value).get_text_config()
+        raise _Unknown(ast.unparse(node))
+
+    def _guarded(self, node: Any, owner: Any, name: str) -> bool:
+        """Whether ``node`` runs only under ``if <owner.name> is not None:``."""
+        ast = self.ast
+        while node in self.parents:
+            node = self.parents[node]
+            if isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
+                test = node.test
+                left = test.left.value if isinstance(test.left, ast.NamedExpr) else test.left
+                is_not_none = [type(o) for o in test.ops] == [ast.IsNot] and ast.unparse(test.comparators[0]) == "None"
+                try:
+                    read = self._number(left) if is_not_none else None
+                    if read is not None and read[0] is owner and read[1] == name:
+                        return True
+                except _Unknown:
+                    pass
+        return False
+
+
+def _compose(steps: list[_Step]) -> LogitTransform | None:
+    """The steps as one :class:`LogitTransform`: scalings first, then at most one soft-cap (``/ c``, ``tanh``,
+    ``* c`` by the same number), which must be turned off by ``None``; anything else raises :class:`_Unknown`."""
     scale, softcap = 1.0, None
     neutral: list[tuple[Any, str, float | None]] = []  # (object, attribute, the value that turns it off)
-    if "logits_scaling" in source and getattr(config, "logits_scaling", None) not in (None, 1, 1.0):
-        scale /= float(config.logits_scaling)
-        neutral.append((config, "logits_scaling", 1.0))
-    if "self.logit_scale" in source and getattr(model, "logit_scale", None) not in (None, 1, 1.0):
-        scale *= float(model.logit_scale)
-        neutral.append((model, "logit_scale", 1.0))
-    if "final_logit_softcapping" in source and getattr(config, "final_logit_softcapping", None) is not None:
-        softcap = float(config.final_logit_softcapping)
-        neutral.append((config, "final_logit_softcapping", None))
+    i = 0
+    while i < len(steps):
+        step = steps[i]
+        if step.op == "tanh" or (i + 2 < len(steps) and steps[i + 1].op == "tanh"):
+            cap = steps[i : i + 3]
+            same = len(cap) == 3 and cap[0].op == "/" and cap[2].op == "*"
+            same = same and cap[0].owner is cap[2].owner and cap[0].name == cap[2].name
+            if not same or softcap is not None or i + 3 != len(steps):
+                raise _Unknown("a tanh that is not the last step's soft-cap by one number")
+            if cap[0].value is not None:
+                if not (cap[0].guarded and cap[2].guarded):
+                    raise _Unknown(f"a soft-cap by {cap[0].name} that nothing turns off")
+                softcap = float(cap[0].value)
+                neutral.append((cap[0].owner, cap[0].name, None))
+            i += 3
+            continue
+        if step.value is not None and float(step.value) != 1.0:
+            scale = scale * float(step.value) if step.op == "*" else scale / float(step.value)
+            neutral.append((step.owner, step.name, 1.0))
+        i += 1
     if not neutral:
         return None
     return LogitTransform(scale=scale, softcap=softcap, neutral=tuple(neutral))
+
+
+def logit_transform(model: Any) -> LogitTransform | None:
+    """What ``model``'s own forward does to its logits after the output projection, or ``None`` for nothing.
+
+    The forward's source is read: its loss must be ``self.loss_function`` of one logits variable (the causal-LM
+    cross-entropy of the next token), and every statement that changes that variable after the projection must be
+    multiplying or dividing by one of :data:`KNOWN_LOGIT_FIELDS` or a soft-cap by one, the numbers read from the
+    model and its config. Anything else is refused (a :class:`UserError`) rather than trained on a different
+    objective than the model's own. Example: a Granite config's ``logits_scaling=4`` gives ``scale == 0.25``, a
+    HyperCLOVAX config's ``scale == 4``.
+    """
+    import inspect
+
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    name = type(model).__name__
+    try:
+        reader = _ForwardReader(model, inspect.getsource(type(model).forward))
+    except (OSError, TypeError, SyntaxError):
+        raise _refusal(name, "its forward's source cannot be read") from None
+    variable = reader.loss_variable()
+    if variable is None or getattr(model, "loss_function", None) is not ForCausalLMLoss:
+        raise _refusal(name, "computes its loss in its own way, not as the next token's cross-entropy")
+    try:
+        return _compose(reader.steps(variable))
+    except _Unknown as unknown:
+        raise _refusal(
+            name, f"changes its logits after the output projection in a way the chunked loss does not know ({unknown})"
+        ) from None
+
+
+def _refusal(name: str, what: str) -> UserError:
+    return UserError(
+        f"model {name} {what}, so the job's loss would differ from the model's own",
+        hint="Fine-tune a causal LM whose loss is the next token's cross-entropy of the output projection's logits, "
+        f"scaled or soft-capped through one of the fields {', '.join(KNOWN_LOGIT_FIELDS)} at most (Llama, Qwen, "
+        "Mistral, Gemma, Granite, ...).",
+    )
 
 
 def router_aux_loss(model: Any, outputs: Any) -> torch.Tensor | None:
