@@ -223,3 +223,44 @@ def test_a_projection_that_does_more_or_a_loss_of_its_own_is_refused():
         output_projection_deferred(_ShiftedProjection(transformers.LlamaConfig(**SMALL)))
     with pytest.raises(UserError, match=r"_OwnCrossEntropy computes its loss in its own way"):
         output_projection_deferred(_OwnCrossEntropy(transformers.LlamaConfig(**SMALL)))
+
+
+class _WalrusSoftcap(transformers.LlamaForCausalLM):
+    """Soft-capped as Gemma 3n's and Gemma 4's conditional-generation forwards write it (transformers 5.23)."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        hidden_states = self.model(input_ids=input_ids).last_hidden_state
+        logits = self.lm_head(hidden_states)
+        if (final_logit_softcapping := self.config.get_text_config().final_logit_softcapping) is not None:
+            logits = logits / final_logit_softcapping
+            logits = torch.tanh(logits)
+            logits = logits * final_logit_softcapping
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.config.get_text_config().vocab_size, **kwargs)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+class _UnguardedSoftcap(transformers.LlamaForCausalLM):
+    """Soft-capped as RecurrentGemma writes it: no value of the cap turns it off while the loss applies it."""
+
+    def forward(self, input_ids=None, labels=None, **kwargs):
+        logits = self.lm_head(self.model(input_ids=input_ids).last_hidden_state)
+        cap = self.config.final_logit_softcapping
+        logits = torch.nn.functional.tanh(logits / cap) * cap
+        loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_a_soft_cap_read_through_a_local_name_is_applied_and_one_that_cannot_be_turned_off_is_refused():
+    torch.manual_seed(0)
+    model = _WalrusSoftcap(transformers.LlamaConfig(**SMALL, final_logit_softcapping=3.0))
+    ids, labels = _batch(seed=3)
+    own = model(input_ids=ids, labels=labels).loss
+    head = output_projection_deferred(model)
+    assert head.transform.softcap == 3.0
+    hidden = head.forward(model, input_ids=ids).logits
+    loss = chunked_cross_entropy(hidden[:, :-1], head(), labels[:, 1:], max_logits=VOCAB * 5, transform=head.transform)
+    torch.testing.assert_close(loss / int((labels[:, 1:] != -100).sum()), own, rtol=1e-5, atol=1e-6)
+    with pytest.raises(UserError, match=r"_UnguardedSoftcap changes its logits .*soft-cap by final_logit_softcapping"):
+        output_projection_deferred(_UnguardedSoftcap(transformers.LlamaConfig(**SMALL, final_logit_softcapping=3.0)))
