@@ -65,9 +65,8 @@ ARCHITECTURES = {
 }
 # Composite configs, the small sizes their text model's. Gemma 3's 4B/12B/27B checkpoints load as
 # Gemma3ForConditionalGeneration, trained on text through its own forward (which, in transformers 5.23, leaves the
-# text config's soft-capping out); its vision tower gets no gradient. Sharding finds decoder layers at
-# ``model.model.layers``, not under a conditional-generation model's ``model.model.language_model``, so these run
-# unsharded here.
+# text config's soft-capping out); its vision tower gets no gradient. Sharding wraps its text decoder's layers
+# (``model.model.language_model.layers``).
 MULTIMODAL = {
     "gemma3-multimodal": (
         "Gemma3Config",
@@ -141,8 +140,7 @@ def test_the_jobs_loss_and_gradients_are_the_models_own(one_rank, arch):
     model.train()
     reference.train()
     head = output_projection_deferred(model)
-    if arch not in MULTIMODAL:
-        apply_fsdp(model, precision="fp32")
+    apply_fsdp(model, precision="fp32")
     outputs = head.forward(model, input_ids=ids)
     count = int((labels[:, 1:] != -100).sum())
     token_loss = chunked_cross_entropy(

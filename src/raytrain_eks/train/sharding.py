@@ -152,9 +152,14 @@ def build_mesh(layout: Layout, device_type: str) -> Any:
 
 
 def decoder_layers(model: Any) -> list[torch.nn.Module]:
-    """The transformer blocks of a Hugging Face causal LM (``model.model.layers`` for Llama/Qwen2 families)."""
+    """The transformer blocks of a Hugging Face causal LM (``model.model.layers`` for Llama/Qwen2 families; a
+    multimodal model's text decoder, ``model.model.language_model.layers`` for Gemma 3's conditional generation)."""
     base = getattr(model, "model", None) or getattr(model, model.base_model_prefix, None)
-    layers = getattr(base, "layers", None) or getattr(base, "h", None)
+    layers = None
+    for holder in (base, getattr(base, "language_model", None)):
+        layers = getattr(holder, "layers", None) or getattr(holder, "h", None)
+        if layers is not None:
+            break
     if layers is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
     return list(layers)
