@@ -23,12 +23,13 @@ from typer.testing import CliRunner
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import AMI_FAMILIES, load_config
 from raytrain_eks.eks.commands import register
-from raytrain_eks.eks.plan import CODE_CONFIG_MAP_FILE, PACKAGE_ARCHIVE_FILE, build_plan, write_plan
+from raytrain_eks.eks.plan import CODE_CONFIG_MAP_FILE, JOB_CONFIG_FILE, PACKAGE_ARCHIVE_FILE, build_plan, write_plan
 from raytrain_eks.eks.pricing import cost_per_hour, run_cost
-from raytrain_eks.errors import ConfigError
+from raytrain_eks.errors import ConfigError, DataError, UserError
 from raytrain_eks.instances import instance_type
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import helm_releases
+from raytrain_eks.k8s.state import StateStore, apply_state
 
 SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md
 INSTANCES = [("g6.12xlarge", 4, 1), ("g5.48xlarge", 8, 1), ("p4d.24xlarge", 8, 4), ("p5.48xlarge", 8, 32)]
@@ -226,7 +227,8 @@ def test_steps_in_order_for_both_modes(cfg_for):
 
 
 def test_offline_reads_the_image_and_builds_its_wheelhouse_before_any_ray_object(cfg_for):
-    cfg = load_config(environ={"NAMESPACE": "train"}, path=None, sets=["ray.offline=true"])
+    staged = "training.model_id=s3://team-models/Qwen2.5-1.5B"  # --offline: no node downloads from the Hub
+    cfg = load_config(environ={"NAMESPACE": "train"}, path=None, sets=["ray.offline=true", staged])
     for mode, ray_step in (("raycluster", "apply-raycluster"), ("rayjob", "code-configmap")):
         steps = build_plan(cfg, mode=mode, hf_token=True).steps
         names = [s.name for s in steps]
@@ -241,7 +243,7 @@ def test_offline_reads_the_image_and_builds_its_wheelhouse_before_any_ray_object
     from raytrain_eks.k8s.state import with_shared_volume
 
     on_volume = with_shared_volume(
-        load_config(environ={}, path=None, sets=["ray.offline=true", "ray.shared_volume=team-fs"])
+        load_config(environ={}, path=None, sets=["ray.offline=true", "ray.shared_volume=team-fs", staged])
     )
     step = next(s for s in build_plan(on_volume, mode="rayjob").steps if s.name == "offline-wheelhouse")
     assert "onto ray.shared_volume team-fs at /mnt/shared/runs/.raytrain-eks-wheelhouse/DIGEST" in step.action
@@ -541,3 +543,43 @@ def test_a_configured_price_that_is_not_a_positive_number_is_one_config_error(tm
     with pytest.raises(ConfigError) as info:
         load_config(path=config)
     assert "cluster.usd_per_hour" in str(info.value)
+
+
+def test_the_plans_job_config_carries_the_chat_templates_text_and_refuses_an_unreadable_file(tmp_path: Path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "chat.jinja").write_text(template)
+    cfg = load_config(environ={}, path=None, sets=[f"training.chat_template={tmp_path / 'chat.jinja'}"])
+    (job_config,) = build_plan(cfg).files[JOB_CONFIG_FILE]
+    assert yaml.safe_load(job_config["data"][m.CONFIG_FILE])["training"]["chat_template"] == template
+    gone = load_config(environ={}, path=None, sets=[f"training.chat_template={tmp_path / 'gone.jinja'}"])
+    with pytest.raises(DataError, match="gone.jinja'?: cannot read the template file"):
+        write_plan(gone, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_refuses_lora_layers_the_model_lacks_naming_those_it_has():
+    sets = ["training.method=lora", "training.lora.target_modules=[q_proj, query_key_value]"]
+    with pytest.raises(UserError, match="'query_key_value' matches no linear layer of Qwen/Qwen2.5-1.5B") as err:
+        build_plan(load_config(environ={}, path=None, sets=sets))
+    assert "its linear layers are: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj" in str(err.value)
+    fine = ["training.method=lora", "training.lora.target_modules=[q_proj, v_proj]"]
+    assert build_plan(load_config(environ={}, path=None, sets=fine)).summary["memory_per_gpu"]["settings"]["method"]
+
+
+def test_plan_refuses_a_hub_model_under_offline():
+    with pytest.raises(UserError, match="training.model_id 'Qwen/Qwen2.5-1.5B' is a Hub model") as err:
+        build_plan(load_config(environ={}, path=None, sets=["ray.offline=true"]))
+    assert "raytrain-eks stage-model" in (err.value.hint or "")
+
+
+def test_with_a_shared_volume_the_plan_puts_checkpoints_where_submit_does(tmp_path: Path):
+    cfg = load_config(environ={}, path=None, sets=["ray.shared_volume=team-fs"])
+    store = StateStore(tmp_path / ".raytrain-eks")
+    store.update(cluster=cfg.cluster.name, bucket="raytrain-ckpt-abcdefgh")  # what up remembers
+    submitted = apply_state(cfg, store).training  # what submit's job config holds
+    plan = build_plan(cfg)
+    (job_config,) = plan.files[JOB_CONFIG_FILE]
+    planned = yaml.safe_load(job_config["data"][m.CONFIG_FILE])["training"]
+    assert planned["storage_path"] == submitted.storage_path == "/mnt/shared/runs"
+    assert planned["storage_shared"] is submitted.storage_shared is True
+    assert plan.summary["checkpoints"] == "/mnt/shared/runs" and "team-fs" in plan.summary["checkpoint_role"]

@@ -24,6 +24,7 @@ from raytrain_eks.config import Config
 from raytrain_eks.eks import irsa
 from raytrain_eks.eks.buckets import planned_bucket, storage_estimate
 from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
+from raytrain_eks.eks.submit import job_config
 from raytrain_eks.errors import UserError
 from raytrain_eks.instances import (
     QUOTA_CODES,
@@ -35,7 +36,7 @@ from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s import wheelhouse
 from raytrain_eks.k8s.addons import HelmRelease, helm_releases
 from raytrain_eks.k8s.manifests import to_yaml
-from raytrain_eks.k8s.state import with_bucket_storage
+from raytrain_eks.k8s.state import with_bucket_storage, with_shared_volume
 from raytrain_eks.train.memory import fit_config, unknown_shape_note
 
 Mode = Literal["raycluster", "rayjob"]
@@ -332,10 +333,12 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
     if mode not in MODES:
         raise UserError(f"--mode {mode!r} is not known", hint=f"Choose one of: {', '.join(MODES)}.")
     gpu, system = check_deployable(cfg)
+    cfg = job_config(cfg)  # what submit checks and ships: LoRA layers, --offline's model and data, the chat template
     cfg, memory = fit_config(cfg, gpu)  # DoesNotFit before anything; activation checkpointing on where it must be
-    # The job's checkpoints go to the cluster's bucket unless storage_path says otherwise: every node reaches them.
+    # The job's checkpoints go where submit puts them (apply_state): on ray.shared_volume when one is mounted, else
+    # in the cluster's bucket unless storage_path says otherwise. Every node reaches either.
     bucket = planned_bucket(cfg, suffix=BUCKET_SUFFIX_PLACEHOLDER)
-    cfg = with_bucket_storage(cfg, bucket)
+    cfg = with_bucket_storage(with_shared_volume(cfg), bucket)
     cfg.check_cluster_storage()
     zones = eksctl.planned_zones(cfg)
     releases = helm_releases(cfg)
@@ -379,6 +382,9 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
         assumptions.append(unknown_shape_note(cfg.training.model_id))
     cpu, mem = m.worker_pod_size(cfg)
     d = cfg.derived
+    stored = cfg.training.storage_path or ""
+    mount = cfg.ray.shared_volume_path
+    on_volume = bool(cfg.ray.shared_volume) and (stored == mount or stored.startswith(f"{mount}/"))
     summary = {
         "cluster": cfg.cluster.name,
         "region": cfg.cluster.region,
@@ -394,8 +400,12 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
         "hf_token_secret": cfg.ray.hf_token_secret if hf_token else None,
         "checkpoint_bucket": bucket,
         "checkpoints": cfg.training.storage_path,
-        "checkpoint_role": f"IAM role of service account {cfg.ray.namespace}/{m.RAY_SERVICE_ACCOUNT}, this bucket only",
-        "checkpoint_storage": storage_estimate(cfg),
+        "checkpoint_role": (
+            f"ray.shared_volume {cfg.ray.shared_volume}, mounted at {mount} in every Ray pod"
+            if on_volume
+            else f"IAM role of service account {cfg.ray.namespace}/{m.RAY_SERVICE_ACCOUNT}, this bucket only"
+        ),
+        "checkpoint_storage": None if on_volume else storage_estimate(cfg),  # what they take and cost in S3
         "memory_per_gpu": memory.to_dict() if memory else None,
     }
     return Plan(

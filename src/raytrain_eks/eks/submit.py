@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from raytrain_eks.config import BUILTIN_MODEL, Config
 from raytrain_eks.eks import offline as offline_wheels
 from raytrain_eks.eks.pricing import deployment_record
 from raytrain_eks.eks.target import target_for
@@ -54,7 +55,10 @@ from raytrain_eks.k8s.job import (
 from raytrain_eks.k8s.runner import CommandError
 from raytrain_eks.k8s.state import Deployment, object_item
 from raytrain_eks.k8s.wait import POLL_S
-from raytrain_eks.train.memory import fit_config
+from raytrain_eks.train.launch import with_chat_template_text
+from raytrain_eks.train.memory import check_lora_targets, fit_config
+from raytrain_eks.train.sources import HF_PREFIX
+from raytrain_eks.train.staged import is_staged_location
 
 Mode = Literal["raycluster", "rayjob"]
 
@@ -357,6 +361,54 @@ def gpu_versions(d: Deployment, worker: Pod) -> dict[str, str]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def job_config(cfg: Config) -> Config:
+    """The configuration the job's ConfigMap carries, checked for what the job would otherwise find only once nodes
+    and pods exist (``submit`` and ``plan`` call it before anything else): LoRA layers the model does not have
+    (:func:`~raytrain_eks.train.memory.check_lora_targets`), under ``--offline`` a model or data only the Hub has
+    (:func:`refuse_hub_when_offline`), and a ``training.chat_template`` file, whose text takes its place (the head
+    pod has no copy of the file; a file that cannot be read stops here). Example:
+    ``job_config(cfg).training.chat_template`` is the Jinja text of the file the config names."""
+    check_lora_targets(cfg)
+    refuse_hub_when_offline(cfg)
+    return with_chat_template_text(cfg)
+
+
+def _from_hub(model_id: str) -> bool:
+    """Whether the job would download ``model_id`` from the Hugging Face Hub: not a staged location
+    (``stage-model``'s URI), not the built-in model and not a folder (such as one of ``ray.shared_volume``)."""
+    return not (is_staged_location(model_id) or model_id == BUILTIN_MODEL or model_id.startswith((".", "/", "~")))
+
+
+def _hub_dataset(data: str | None) -> bool:
+    """Whether ``data`` is a Hugging Face dataset the job would download (``hf:OWNER/NAME``, not ``hf:./FOLDER``)."""
+    if not data or not data.startswith(HF_PREFIX):
+        return False
+    return not data[len(HF_PREFIX) :].startswith(("/", "./", "../", "~"))  # as hf_data_files tells a local folder
+
+
+def refuse_hub_when_offline(cfg: Config) -> None:
+    """Under ``--offline`` (``ray.offline``) no worker asks the Hugging Face Hub: a Hub model id, or ``hf:`` data
+    or evaluation data, is one :class:`UserError` naming each, before anything is applied."""
+    if not cfg.ray.offline:
+        return
+    t = cfg.training
+    found = [f"training.model_id {t.model_id!r} is a Hub model"] if _from_hub(t.model_id) else []
+    found += [
+        f"{name} {value!r} is a Hub dataset"
+        for name, value in (("training.data", t.data), ("training.eval_data", t.eval_data))
+        if _hub_dataset(value)
+    ]
+    if not found:
+        return
+    raise UserError(
+        f"--offline: the job's nodes do not download from the Hugging Face Hub, but {'; '.join(found)}. Nothing was "
+        "applied",
+        hint="Copy the model once where every node reads it: `raytrain-eks stage-model MODEL --to s3://BUCKET/models` "
+        "(or a folder of ray.shared_volume), then set training.model_id to the location it prints; put a dataset's "
+        "files there too (JSONL or Parquet) and set training.data to them. Or submit without --offline.",
+    )
+
+
 def _apply(d: Deployment, obj: dict[str, Any], what: str) -> None:
     d.state.record(object_item(obj))
     d.kube.apply(obj)
@@ -453,7 +505,7 @@ def submit(
     a Secret through the API only. Returns the result; its ``exit_code`` is 0 only when the job succeeded, NCCL's
     log meets ``fabric.require``, and (for ``efa``) ``fi_info`` sees EFA.
     """
-    cfg = d.cfg
+    cfg = d.cfg = job_config(d.cfg)  # the ConfigMap carries it; a problem the job would meet stops here
     ns = cfg.ray.namespace
     target = target_for(cfg)
     gpu = target.gpu_type(d)

@@ -113,6 +113,20 @@ def _data_source(cfg: Config) -> str:
     return cfg.training.data
 
 
+def with_chat_template_text(cfg: Config) -> Config:
+    """``cfg`` with ``training.chat_template`` as Jinja text: a template named by its file travels as its text, so
+    the workers, the run's config.yaml, a resume on another machine and a job on a cluster (``submit`` ships the
+    configuration this returns) need no copy of the file. Text given as such is kept as it is; a file that cannot be
+    read is a :class:`~raytrain_eks.errors.DataError`. Example: ``with_chat_template_text(cfg).training.chat_template``
+    starts ``{%`` for a ``chat.jinja`` that does."""
+    from raytrain_eks.train.encoding import chat_template_text
+
+    template = chat_template_text(cfg.training.chat_template)
+    if template == cfg.training.chat_template:
+        return cfg
+    return cfg.model_copy(update={"training": cfg.training.model_copy(update={"chat_template": template})})
+
+
 def run_training(
     cfg: Config,
     *,
@@ -138,17 +152,12 @@ def run_training(
     import ray
 
     from raytrain_eks.train.checkpoint import check_compatible, resolve_checkpoint, write_storage_config
-    from raytrain_eks.train.encoding import chat_template_text
     from raytrain_eks.train.lora import check_lora
     from raytrain_eks.train.model_source import check_model, resolve_model_path
     from raytrain_eks.train.sources import list_data_files
 
     t_start = time.perf_counter()
-    # A chat template named by its file travels as its text: the workers, the run's config.yaml and a resume on
-    # another machine need no copy of the file.
-    template = chat_template_text(cfg.training.chat_template)
-    if template != cfg.training.chat_template:
-        cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"chat_template": template})})
+    cfg = with_chat_template_text(cfg)
     training = cfg.training
     # Everything that can be checked before anything is created or started is checked first: the quick checks, then
     # the model's config and tokenizer, which load torch and transformers (seconds on one core of a small machine),

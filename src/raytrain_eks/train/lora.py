@@ -55,15 +55,23 @@ def lora_targets(model: Any, settings: LoraSettings) -> list[str]:
         if not have:
             raise UserError(f"model {type(model).__name__} has no linear layer in its decoder blocks for LoRA")
         return have
+    refuse_unknown_targets(settings, have, type(model).__name__)
+    return list(settings.target_modules)
+
+
+def refuse_unknown_targets(settings: LoraSettings, have: list[str], model: str) -> None:
+    """Raise :class:`UserError` naming ``have``, the linear layers of ``model``'s decoder blocks, when a name of
+    ``settings.target_modules`` is none of them (``all-linear`` always matches)."""
+    if settings.target_modules == LORA_ALL_LINEAR:
+        return
     unknown = [name for name in settings.target_modules if name not in have]
     if unknown:
         raise UserError(
             f"training.lora.target_modules: {', '.join(repr(n) for n in unknown)} "
-            f"{'matches' if len(unknown) == 1 else 'match'} no linear layer of {type(model).__name__}'s decoder "
+            f"{'matches' if len(unknown) == 1 else 'match'} no linear layer of {model}'s decoder "
             f"blocks; its linear layers are: {', '.join(have)}",
             hint=f"Name some of those, or use {LORA_ALL_LINEAR}.",
         )
-    return list(settings.target_modules)
 
 
 def lora_config(settings: LoraSettings, targets: list[str], base: str | None = None) -> Any:

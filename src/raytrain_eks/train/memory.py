@@ -77,6 +77,7 @@ class ModelShape:
     intermediate: int
     kv_dim: int
     vocab: int
+    linear: tuple[str, ...] = ()  # the linear layers of a decoder block, as LoRA's target_modules names them
 
     @property
     def params(self) -> int:
@@ -85,9 +86,14 @@ class ModelShape:
 
 # The shapes of models a plan may name without their files on this machine: counted from their public config.json
 # (KNOWN_CONFIGS) by shape_from_config, which the tests repeat; kept as numbers so a plan needs no transformers.
+_QWEN2_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KNOWN_SHAPES: dict[str, ModelShape] = {
-    "Qwen/Qwen2.5-1.5B": ModelShape("Qwen/Qwen2.5-1.5B", 28, 46797824, 233375232, 1536, 8960, 256, 151936),
-    "Qwen/Qwen2.5-0.5B": ModelShape("Qwen/Qwen2.5-0.5B", 24, 14912384, 136135552, 896, 4864, 128, 151936),
+    "Qwen/Qwen2.5-1.5B": ModelShape(
+        "Qwen/Qwen2.5-1.5B", 28, 46797824, 233375232, 1536, 8960, 256, 151936, _QWEN2_LINEAR
+    ),
+    "Qwen/Qwen2.5-0.5B": ModelShape(
+        "Qwen/Qwen2.5-0.5B", 24, 14912384, 136135552, 896, 4864, 128, 151936, _QWEN2_LINEAR
+    ),
 }
 
 
@@ -97,6 +103,7 @@ def shape_from_config(name: str, config: Any) -> ModelShape:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from raytrain_eks.train.lora import linear_layers
     from raytrain_eks.train.sharding import decoder_layers
 
     with torch.device("meta"):
@@ -118,6 +125,7 @@ def shape_from_config(name: str, config: Any) -> ModelShape:
         intermediate=intermediate,
         kv_dim=kv_heads * head_dim,
         vocab=text.vocab_size,
+        linear=tuple(linear_layers(model)),
     )
 
 
@@ -190,6 +198,21 @@ def _lora_targets(shape: ModelShape, lora: Any) -> list[tuple[int, int]]:
     widths = _lora_widths(shape)
     names = list(widths) if isinstance(lora.target_modules, str) else lora.target_modules
     return [widths[n] for n in names if n in widths]
+
+
+def check_lora_targets(cfg: Any) -> None:
+    """Before anything is created: with method lora, every name of ``training.lora.target_modules`` is a linear
+    layer of the model's decoder blocks, as the shape :func:`model_shape` knows (the one the estimate uses); a
+    :class:`UserError` naming the model's linear layers otherwise (the job checks again when the shape is not known
+    here)."""
+    from raytrain_eks.train.lora import refuse_unknown_targets
+
+    t = cfg.training
+    if t.method != "lora":
+        return
+    shape = model_shape(t.model_id)
+    if shape is not None and shape.linear:
+        refuse_unknown_targets(t.lora, list(shape.linear), shape.name)
 
 
 def lora_params(shape: ModelShape, lora: Any) -> int:
@@ -463,7 +486,9 @@ def check_config(cfg: Any, gpu: Any) -> MemoryCheck | None:
 
 def fit_config(cfg: Any, gpu: Any) -> tuple[Any, MemoryCheck | None]:
     """``cfg`` checked against ``gpu``'s memory before anything is created: raises :class:`DoesNotFit` when it
-    cannot fit, and returns the config with activation checkpointing switched on when that makes it fit."""
+    cannot fit, and returns the config with activation checkpointing switched on when that makes it fit. LoRA
+    layers the model does not have are refused first (:func:`check_lora_targets`)."""
+    check_lora_targets(cfg)
     check = check_config(cfg, gpu)
     if check is None:
         return cfg, None
