@@ -402,7 +402,12 @@ def offline_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str,
     from test_deploy import World, run_script
 
     monkeypatch.chdir(tmp_path)
-    world = World(tmp_path, load_config(environ={}, path=None, sets=["ray.offline=true"]))
+    world = World(
+        tmp_path,
+        load_config(
+            environ={}, path=None, sets=["ray.offline=true", "training.model_id=s3://team-models/Qwen2.5-1.5B"]
+        ),
+    )
     world.up()
     world.lines.clear()
     # The image has every job requirement in range but rich (the versions pinned here are in their ranges).
@@ -595,7 +600,12 @@ def test_submit_offline_on_a_shared_volume_writes_the_wheels_through_the_probe_p
     from raytrain_eks.eks import submit as sub
 
     monkeypatch.chdir(tmp_path)
-    sets = ("cluster.gpu_node_selector={pool: gpu}", "ray.shared_volume=checkpoints", "ray.offline=true")
+    sets = (
+        "cluster.gpu_node_selector={pool: gpu}",
+        "ray.shared_volume=checkpoints",
+        "ray.offline=true",
+        "training.model_id=/mnt/shared/models/Qwen2.5-1.5B",
+    )
     c = Cluster(tmp_path, real_tools, *sets, storage=None)
     c.kube.add_node("cpu-0", labels={"pool": "general"}, allocatable={"cpu": "7910m", "memory": "29Gi"})
     for i in range(2):
