@@ -191,7 +191,7 @@ def moto_url() -> Iterator[str]:
 @pytest.fixture
 def aws_env(moto_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
     """A clean moto state, dummy credentials, every AWS client pointed at moto, no config file or variables."""
-    from raytrain_eks.config import ENV_VARS
+    from raytrain_eks.config_layers import ENV_VARS
 
     urllib.request.urlopen(urllib.request.Request(f"{moto_url}/moto-api/reset", method="POST")).close()
     for name in [*ENV_VARS, *(n for n in os.environ if n.startswith("AWS_"))]:

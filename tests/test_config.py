@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from raytrain_eks import presets
 from raytrain_eks.cli import main
-from raytrain_eks.config import COMMAND_ENV_VARS, ENV_VARS, Config, load_config
+from raytrain_eks.config import Config, load_config
+from raytrain_eks.config_layers import COMMAND_ENV_VARS, ENV_VARS
 from raytrain_eks.errors import ConfigError
 
 
@@ -440,7 +441,7 @@ def test_a_union_members_refusals_are_one_line_with_the_value_given():
 
     from pydantic import BaseModel
 
-    from raytrain_eks.config import _format_errors
+    from raytrain_eks.config_layers import format_errors
 
     class Section(BaseModel):
         modules: list[str] | Literal["all-linear"]
@@ -450,7 +451,7 @@ def test_a_union_members_refusals_are_one_line_with_the_value_given():
         Section.model_validate(tree["training"])
     errors = [{**e, "loc": ("training", *e["loc"])} for e in info.value.errors()]
     assert len(errors) == 2 and any("list[str]" in map(str, e["loc"]) for e in errors)  # pydantic names the members
-    assert _format_errors(errors, {("training",): "x.yaml"}, tree) == [
+    assert format_errors(errors, {("training",): "x.yaml"}, tree, Config) == [
         "training.modules = 'q_proj' (from x.yaml): Input should be a valid list; or Input should be 'all-linear'"
     ]
 

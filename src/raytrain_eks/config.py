@@ -12,7 +12,6 @@ where it came from and what is allowed. Example::
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -23,6 +22,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from raytrain_eks import config_layers as layers
 from raytrain_eks.errors import ConfigError
 from raytrain_eks.formats import FORMAT_NAMES, data_format, formats_help
 
@@ -821,184 +821,6 @@ class Config(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-# Environment variables of the reference's scripts/env.sh and the setting each one overrides.
-ENV_VARS: dict[str, tuple[str, str]] = {
-    "CLUSTER_NAME": ("cluster", "name"),
-    "REGION": ("cluster", "region"),
-    "K8S_VERSION": ("cluster", "k8s_version"),
-    "SYSTEM_NODE_TYPE": ("cluster", "system_node_type"),
-    "SYSTEM_NODE_COUNT": ("cluster", "system_node_count"),
-    "GPU_NODE_TYPE": ("cluster", "gpu_node_type"),
-    "GPU_NODE_COUNT": ("cluster", "gpu_node_count"),
-    "GPUS_PER_NODE": ("cluster", "gpus_per_node"),
-    "GPU_NODEGROUP_NAME": ("cluster", "gpu_nodegroup_name"),
-    "GPU_AZ": ("cluster", "gpu_az"),
-    "CAPACITY_RESERVATION_ID": ("cluster", "capacity_reservation_id"),
-    "CHECKPOINT_BUCKET": ("cluster", "checkpoint_bucket"),
-    "NODE_AMI_FAMILY": ("cluster", "ami_family"),
-    "DLC_IMAGE": ("ray", "image"),
-    "KUBERAY_VERSION": ("addons", "kuberay_version"),
-    "RAY_VERSION": ("ray", "version"),
-    "NVIDIA_DEVICE_PLUGIN_VERSION": ("addons", "nvidia_device_plugin_version"),
-    "EFA_DEVICE_PLUGIN_VERSION": ("addons", "efa_device_plugin_version"),
-    "NAMESPACE": ("ray", "namespace"),
-    "RAY_CLUSTER_NAME": ("ray", "cluster_name"),
-    "MODEL_ID": ("training", "model_id"),
-    "STEPS": ("training", "steps"),
-    "SEQ_LEN": ("training", "seq_len"),
-    "BATCH_SIZE": ("training", "batch_size"),
-    "LEARNING_RATE": ("training", "learning_rate"),
-    "NUM_WORKERS": ("training", "num_workers"),
-    "CHECKPOINT_EVERY": ("training", "checkpoint_every"),
-    "KEEP_CHECKPOINTS": ("training", "keep_checkpoints"),
-    "STORAGE_PATH": ("training", "storage_path"),
-    "STORAGE_SHARED": ("training", "storage_shared"),
-    "BENCH_STEPS": ("fabric", "compare_steps"),
-    "BENCH_WARMUP_STEPS": ("fabric", "compare_warmup_steps"),
-}
-
-# Variables of the reference's env.sh that are not settings but a command's option: each one is read by the option
-# itself (``ASSUME_YES=1`` answers yes to the confirmation of up, down and compare-fabric, as ``-y`` does). The
-# reference's AWS_REGION and AWS_DEFAULT_REGION are REGION again, for the AWS tools; boto3 reads them itself.
-COMMAND_ENV_VARS: dict[str, str] = {"ASSUME_YES": "--yes (-y) of up, down and compare-fabric"}
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError([f"cannot read the file: {exc.strerror}"], source=str(path)) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError([f"not valid YAML{where}: {getattr(exc, 'problem', exc)}"], source=str(path)) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            [
-                f"the top level must be a mapping of sections ({', '.join(Config.model_fields)}), "
-                f"got {type(data).__name__}"
-            ],
-            source=str(path),
-        )
-    return data
-
-
-def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    """Return a new dict: ``over`` laid on ``base``, section by section. Neither input is changed."""
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict) and key != "env":
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def _set(tree: dict[str, Any], section: str, field: str, value: Any) -> None:
-    tree.setdefault(section, {})[field] = value
-
-
-def _record(sources: dict[tuple[str, ...], str], path: tuple[str, ...], origin: str) -> None:
-    """Note that the setting at ``path`` (and everything under it) now comes from ``origin``."""
-    for key in [k for k in sources if k[: len(path)] == path]:
-        del sources[key]
-    sources[path] = origin
-
-
-def _record_file(sources: dict[tuple[str, ...], str], path: tuple[str, ...], value: Any, origin: str) -> None:
-    """Record ``origin`` for ``path`` and for every setting under it, however deep (``training.lora.rank``)."""
-    sources[path] = origin
-    if isinstance(value, Mapping):
-        for key, inner in value.items():
-            _record_file(sources, (*path, str(key)), inner, origin)
-
-
-_NOT_GIVEN = object()
-
-
-def _given(tree: Any, loc: Sequence[Any]) -> tuple[tuple[Any, ...], Any]:
-    """The place ``loc`` names in ``tree`` and the value given there (:data:`_NOT_GIVEN` when none was).
-
-    pydantic puts the name of a union's member (``list[str]``, ``literal['all-linear']``) into the location of
-    the member's error, and ``[key]`` after a mapping's key it refused; those are no place in the settings and
-    are left out (for ``[key]`` the value shown is the key).
-    """
-    path: list[Any] = []
-    value: Any = tree
-    for i, part in enumerate(loc):
-        if isinstance(value, dict) and (part in value or str(part) in value):
-            value = value[part] if part in value else value[str(part)]
-        elif isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
-            value = value[part]
-        elif part == "[key]" and path:
-            value = path[-1]  # the key itself is what was refused
-            continue
-        elif isinstance(part, str) and not isinstance(value, dict):
-            continue  # a union member's name
-        else:  # not given (a required setting left out): name the place, show no value
-            path.extend(loc[i:])
-            value = _NOT_GIVEN
-            break
-        path.append(part)
-    return tuple(path), value
-
-
-def _source(sources: dict[tuple[str, ...], str], path: tuple[str, ...]) -> str:
-    """Where the setting at ``path`` came from: its own record, else the nearest setting above it."""
-    for end in range(len(path), 0, -1):
-        if path[:end] in sources:
-            return sources[path[:end]]
-    return ""
-
-
-def _describe(err: Mapping[str, Any], sources: dict[tuple[str, ...], str], tree: dict[str, Any]) -> tuple[str, str]:
-    """An error as (the setting, its value and source; what is wrong)."""
-    place, value = _given(tree, err["loc"])
-    loc = tuple(str(p) for p in place)
-    path = ".".join(loc) if loc else "(top level)"
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        parent: type[BaseModel] = Config
-        for part in loc[:-1]:
-            field = parent.model_fields.get(part)
-            annotation = field.annotation if field else None
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-                parent = annotation
-        msg = f"unknown setting; allowed here: {', '.join(parent.model_fields)}"
-    src = _source(sources, loc)
-    if len(loc) == 1:  # a check across fields of one section: name where the fields it mentions came from
-        src = ", ".join(sorted({v for k, v in sources.items() if len(k) == 2 and k[0] == loc[0] and k[1] in msg}))
-    origin = f" (from {src})" if src else ""
-    if len(loc) >= 2 and err["type"] != "extra_forbidden" and value is not _NOT_GIVEN:
-        return f"{path} = {value!r}{origin}", msg
-    return f"{path}{origin}", msg
-
-
-def _format_errors(
-    errors: Sequence[Mapping[str, Any]], sources: dict[tuple[str, ...], str], tree: dict[str, Any]
-) -> list[str]:
-    """One line per setting in error: the members of a union that each refused the value share one line."""
-    found: dict[str, list[str]] = {}
-    for err in errors:
-        head, msg = _describe(err, sources, tree)
-        if msg not in found.setdefault(head, []):
-            found[head].append(msg)
-    return [f"{head}: {'; or '.join(msgs)}" for head, msgs in found.items()]
-
-
-def _set_value(raw: str) -> Any:
-    """A ``--set`` value as the YAML file would read it (``20`` a number, ``true`` a bool, ``[a, b]`` a list);
-    text that is not YAML stays the text it is."""
-    try:
-        return yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        return raw
-
-
 def load_config(
     *,
     preset: Config | None = None,
@@ -1010,7 +832,7 @@ def load_config(
     """Build and validate the configuration from its layers; raise :class:`ConfigError` listing every problem.
 
     ``path=None`` reads ``raytrain-eks.yaml`` from the current folder when it exists; an explicit path must exist.
-    ``environ`` defaults to ``os.environ``; only the names in :data:`ENV_VARS` are read. ``overrides`` are flag
+    ``environ`` defaults to ``os.environ``; only the names in ``layers.ENV_VARS`` are read. ``overrides`` are flag
     values, ``{"training": {"steps": 5}}``; ``None`` values are ignored. ``sets`` are ``--set`` items,
     ``"training.steps=5"``: any setting by its dotted name, the value read as YAML (as in the file), last of all.
     """
@@ -1023,25 +845,25 @@ def load_config(
             [f"config file {str(file)!r} does not exist; create one with `raytrain-eks init {file}`"],
         )
     if file.exists():
-        data = _read_yaml(file)
-        tree = _merge(tree, data)
+        data = layers.read_yaml(file, Config.model_fields)
+        tree = layers.merge(tree, data)
         for section, values in data.items():
-            _record_file(sources, (str(section),), values, str(file))
+            layers.record_file(sources, (str(section),), values, str(file))
 
     env = os.environ if environ is None else environ
-    for name, (section, field) in ENV_VARS.items():
+    for name, (section, field) in layers.ENV_VARS.items():
         if name in env:
             # env.sh exports its optional settings empty (GPU_AZ=""): empty means not set, where not set is allowed.
             model = Config.model_fields[section].annotation
             optional = isinstance(model, type) and model.model_fields[field].default is None
-            _set(tree, section, field, None if optional and env[name] == "" else env[name])
-            _record(sources, (section, field), f"environment variable {name}")
+            layers.put(tree, section, field, None if optional and env[name] == "" else env[name])
+            layers.record(sources, (section, field), f"environment variable {name}")
 
     for section, values in (overrides or {}).items():
         for field, value in values.items():
             if value is not None:
-                _set(tree, section, field, value)
-                _record(sources, (section, field), f"flag --{field.replace('_', '-')}")
+                layers.put(tree, section, field, value)
+                layers.record(sources, (section, field), f"flag --{field.replace('_', '-')}")
 
     bad_sets = []
     for item in sets or ():
@@ -1057,22 +879,22 @@ def load_config(
                 bad_sets.append(f"--set {item!r}: {'.'.join(parts[:-1])} is a value, not a section of settings")
                 break
         else:
-            node[parts[-1]] = _set_value(raw)
-            _record(sources, parts, f"--set {key.strip()}")
+            node[parts[-1]] = layers.set_value(raw)
+            layers.record(sources, parts, f"--set {key.strip()}")
     if bad_sets:
         raise ConfigError(bad_sets)
 
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
-        problems = _format_errors(exc.errors(), sources, tree)
+        problems = layers.format_errors(exc.errors(), sources, tree, Config)
         raise ConfigError(problems) from None
 
 
 def env_file_lines(cfg: Config) -> list[str]:
     """The configuration as ``export NAME=value`` lines of the reference's env.sh names."""
     lines = []
-    for name, (section, field) in ENV_VARS.items():
+    for name, (section, field) in layers.ENV_VARS.items():
         value = getattr(getattr(cfg, section), field)
         lines.append(f"export {name}={'' if value is None else value}")
     return lines

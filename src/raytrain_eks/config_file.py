@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import yaml
 
-from raytrain_eks.config import ENV_VARS, Config
+from raytrain_eks.config import Config
+from raytrain_eks.config_layers import ENV_VARS
 
 SECTION_HELP = {
     "cluster": "The EKS cluster: region, Kubernetes version, the system node group and the EFA GPU node group.",

@@ -1,0 +1,196 @@
+"""The layers of the settings: the environment variables read, how the file, environment and flags are laid on one
+another while each setting's source is remembered, and how a refused setting is described (its place, the value
+given there, where it came from). :mod:`raytrain_eks.config` builds and validates the settings with these.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from raytrain_eks.errors import ConfigError
+
+# Environment variables of the reference's scripts/env.sh and the setting each one overrides.
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "CLUSTER_NAME": ("cluster", "name"),
+    "REGION": ("cluster", "region"),
+    "K8S_VERSION": ("cluster", "k8s_version"),
+    "SYSTEM_NODE_TYPE": ("cluster", "system_node_type"),
+    "SYSTEM_NODE_COUNT": ("cluster", "system_node_count"),
+    "GPU_NODE_TYPE": ("cluster", "gpu_node_type"),
+    "GPU_NODE_COUNT": ("cluster", "gpu_node_count"),
+    "GPUS_PER_NODE": ("cluster", "gpus_per_node"),
+    "GPU_NODEGROUP_NAME": ("cluster", "gpu_nodegroup_name"),
+    "GPU_AZ": ("cluster", "gpu_az"),
+    "CAPACITY_RESERVATION_ID": ("cluster", "capacity_reservation_id"),
+    "CHECKPOINT_BUCKET": ("cluster", "checkpoint_bucket"),
+    "NODE_AMI_FAMILY": ("cluster", "ami_family"),
+    "DLC_IMAGE": ("ray", "image"),
+    "KUBERAY_VERSION": ("addons", "kuberay_version"),
+    "RAY_VERSION": ("ray", "version"),
+    "NVIDIA_DEVICE_PLUGIN_VERSION": ("addons", "nvidia_device_plugin_version"),
+    "EFA_DEVICE_PLUGIN_VERSION": ("addons", "efa_device_plugin_version"),
+    "NAMESPACE": ("ray", "namespace"),
+    "RAY_CLUSTER_NAME": ("ray", "cluster_name"),
+    "MODEL_ID": ("training", "model_id"),
+    "STEPS": ("training", "steps"),
+    "SEQ_LEN": ("training", "seq_len"),
+    "BATCH_SIZE": ("training", "batch_size"),
+    "LEARNING_RATE": ("training", "learning_rate"),
+    "NUM_WORKERS": ("training", "num_workers"),
+    "CHECKPOINT_EVERY": ("training", "checkpoint_every"),
+    "KEEP_CHECKPOINTS": ("training", "keep_checkpoints"),
+    "STORAGE_PATH": ("training", "storage_path"),
+    "STORAGE_SHARED": ("training", "storage_shared"),
+    "BENCH_STEPS": ("fabric", "compare_steps"),
+    "BENCH_WARMUP_STEPS": ("fabric", "compare_warmup_steps"),
+}
+
+# Variables of the reference's env.sh that are not settings but a command's option: each one is read by the option
+# itself (``ASSUME_YES=1`` answers yes to the confirmation of up, down and compare-fabric, as ``-y`` does). The
+# reference's AWS_REGION and AWS_DEFAULT_REGION are REGION again, for the AWS tools; boto3 reads them itself.
+COMMAND_ENV_VARS: dict[str, str] = {"ASSUME_YES": "--yes (-y) of up, down and compare-fabric"}
+
+
+def read_yaml(path: Path, sections: Iterable[str]) -> dict[str, Any]:
+    """The YAML file's mapping of ``sections`` (a :class:`ConfigError` naming the file when it is not one)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([f"cannot read the file: {exc.strerror}"], source=str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError([f"not valid YAML{where}: {getattr(exc, 'problem', exc)}"], source=str(path)) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            [f"the top level must be a mapping of sections ({', '.join(sections)}), got {type(data).__name__}"],
+            source=str(path),
+        )
+    return data
+
+
+def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Return a new dict: ``over`` laid on ``base``, section by section. Neither input is changed."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict) and key != "env":
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def put(tree: dict[str, Any], section: str, field: str, value: Any) -> None:
+    tree.setdefault(section, {})[field] = value
+
+
+def record(sources: dict[tuple[str, ...], str], path: tuple[str, ...], origin: str) -> None:
+    """Note that the setting at ``path`` (and everything under it) now comes from ``origin``."""
+    for key in [k for k in sources if k[: len(path)] == path]:
+        del sources[key]
+    sources[path] = origin
+
+
+def record_file(sources: dict[tuple[str, ...], str], path: tuple[str, ...], value: Any, origin: str) -> None:
+    """Record ``origin`` for ``path`` and for every setting under it, however deep (``training.lora.rank``)."""
+    sources[path] = origin
+    if isinstance(value, Mapping):
+        for key, inner in value.items():
+            record_file(sources, (*path, str(key)), inner, origin)
+
+
+NOT_GIVEN = object()
+
+
+def given(tree: Any, loc: Sequence[Any]) -> tuple[tuple[Any, ...], Any]:
+    """The place ``loc`` names in ``tree`` and the value given there (:data:`NOT_GIVEN` when none was).
+
+    pydantic puts the name of a union's member (``list[str]``, ``literal['all-linear']``) into the location of
+    the member's error, and ``[key]`` after a mapping's key it refused; those are no place in the settings and
+    are left out (for ``[key]`` the value shown is the key).
+    """
+    path: list[Any] = []
+    value: Any = tree
+    for i, part in enumerate(loc):
+        if isinstance(value, dict) and (part in value or str(part) in value):
+            value = value[part] if part in value else value[str(part)]
+        elif isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
+            value = value[part]
+        elif part == "[key]" and path:
+            value = path[-1]  # the key itself is what was refused
+            continue
+        elif isinstance(part, str) and not isinstance(value, dict):
+            continue  # a union member's name
+        else:  # not given (a required setting left out): name the place, show no value
+            path.extend(loc[i:])
+            value = NOT_GIVEN
+            break
+        path.append(part)
+    return tuple(path), value
+
+
+def source(sources: dict[tuple[str, ...], str], path: tuple[str, ...]) -> str:
+    """Where the setting at ``path`` came from: its own record, else the nearest setting above it."""
+    for end in range(len(path), 0, -1):
+        if path[:end] in sources:
+            return sources[path[:end]]
+    return ""
+
+
+def describe(
+    err: Mapping[str, Any], sources: dict[tuple[str, ...], str], tree: dict[str, Any], root: type[BaseModel]
+) -> tuple[str, str]:
+    """An error of the settings model ``root`` as (the setting, its value and source; what is wrong)."""
+    place, value = given(tree, err["loc"])
+    loc = tuple(str(p) for p in place)
+    path = ".".join(loc) if loc else "(top level)"
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        parent = root
+        for part in loc[:-1]:
+            field = parent.model_fields.get(part)
+            annotation = field.annotation if field else None
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+                parent = annotation
+        msg = f"unknown setting; allowed here: {', '.join(parent.model_fields)}"
+    src = source(sources, loc)
+    if len(loc) == 1:  # a check across fields of one section: name where the fields it mentions came from
+        src = ", ".join(sorted({v for k, v in sources.items() if len(k) == 2 and k[0] == loc[0] and k[1] in msg}))
+    origin = f" (from {src})" if src else ""
+    if len(loc) >= 2 and err["type"] != "extra_forbidden" and value is not NOT_GIVEN:
+        return f"{path} = {value!r}{origin}", msg
+    return f"{path}{origin}", msg
+
+
+def format_errors(
+    errors: Sequence[Mapping[str, Any]],
+    sources: dict[tuple[str, ...], str],
+    tree: dict[str, Any],
+    root: type[BaseModel],
+) -> list[str]:
+    """One line per setting in error: the members of a union that each refused the value share one line."""
+    found: dict[str, list[str]] = {}
+    for err in errors:
+        head, msg = describe(err, sources, tree, root)
+        if msg not in found.setdefault(head, []):
+            found[head].append(msg)
+    return [f"{head}: {'; or '.join(msgs)}" for head, msgs in found.items()]
+
+
+def set_value(raw: str) -> Any:
+    """A ``--set`` value as the YAML file would read it (``20`` a number, ``true`` a bool, ``[a, b]`` a list);
+    text that is not YAML stays the text it is."""
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        return raw
