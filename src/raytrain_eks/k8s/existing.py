@@ -96,8 +96,9 @@ def look(d: Deployment) -> Found:
     nodes = (
         d.kube.nodes(selector) if selector else [n for n in everything if quantity(n.allocatable.get(m.GPU_RESOURCE))]
     )
+    releases = {rel.name: rel for rel in helm_releases(cfg)}
     if c.gpu_nodes_on_demand:
-        return _look_on_demand(d, nodes, {rel.name: rel for rel in helm_releases(cfg)})
+        return _look_on_demand(d, nodes, releases)
     if not nodes:
         which = f"matches the labels {selector}" if selector else f"advertises {m.GPU_RESOURCE}"
         raise UserError(
@@ -112,7 +113,6 @@ def look(d: Deployment) -> Found:
             hint="Set cluster.gpu_node_count to the GPU nodes there are, or add nodes (an autoscaler that adds "
             "them on demand is not waited for).",
         )
-    releases = {rel.name: rel for rel in helm_releases(cfg)}
     found = Found(nodes, 0, 0, 0, 0, None)
     found.gpus = int(_min(nodes, m.GPU_RESOURCE))
     if found.gpus == 0:
@@ -133,25 +133,31 @@ def look(d: Deployment) -> Found:
                 hint=f"Set cluster.efa_per_node to {advertised}, or leave it empty to use what the nodes have.",
             )
         found.install.append(releases["aws-efa-k8s-device-plugin"])
-    check_shared_volume(d)
-    if d.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", RAYCLUSTER_CRD) is None:
-        found.install.append(releases[KUBERAY_RELEASE])
     share, whole = POD_SHARE
     found.worker_cpu = max(1, int(_min(nodes, "cpu") * share // whole))
     found.worker_memory_gib = max(1, int(_min(nodes, "memory") / 2**30 * share // whole))
-    types = {n.labels.get(INSTANCE_TYPE_LABEL) for n in nodes}
-    (only,) = types if len(types) == 1 else (None,)
-    found.gpu_node_type = only if only in INSTANCE_TYPES else None
     memory = [n.labels.get(GPU_MEMORY_LABEL, "") for n in nodes]
     if all(v.isdigit() for v in memory):
         found.gpu_mib = min(int(v) for v in memory)
         products = {n.labels.get(GPU_PRODUCT_LABEL) for n in nodes}
         found.gpu_model = products.pop() if len(products) == 1 else None
-    ns = cfg.ray.namespace
+    return _the_rest(d, found, releases)
+
+
+def _the_rest(d: Deployment, found: Found, releases: dict[str, HelmRelease]) -> Found:
+    """``found`` completed with what every way of looking shares: the GPU nodes' one EC2 type when known, the
+    shared volume checked, KubeRay when its CRD is missing, the namespace and the Ray pods' service account."""
+    types = {n.labels.get(INSTANCE_TYPE_LABEL) for n in found.gpu_nodes}
+    (only,) = types if len(types) == 1 else (None,)
+    found.gpu_node_type = only if only in INSTANCE_TYPES else None
+    check_shared_volume(d)
+    if d.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", RAYCLUSTER_CRD) is None:
+        found.install.append(releases[KUBERAY_RELEASE])
+    ns = d.cfg.ray.namespace
     if ns != "default" and d.kube.get("v1", "Namespace", ns) is None:
-        found.create.append(m.namespace(cfg))
+        found.create.append(m.namespace(d.cfg))
     if d.kube.get("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, ns) is None:
-        found.create.append(service_account(cfg))
+        found.create.append(service_account(d.cfg))
     return found
 
 
@@ -164,18 +170,7 @@ def _look_on_demand(d: Deployment, nodes: list[Node], releases: dict[str, HelmRe
     cfg, c = d.cfg, d.cfg.cluster
     assert c.efa_per_node is not None and cfg.ray.worker_cpu and cfg.ray.worker_memory_gib  # the configuration's
     found = Found(nodes, c.gpus_per_node, c.efa_per_node, cfg.ray.worker_cpu, cfg.ray.worker_memory_gib, None)
-    types = {n.labels.get(INSTANCE_TYPE_LABEL) for n in nodes}
-    if len(types) == 1 and (only := types.pop()) in INSTANCE_TYPES:
-        found.gpu_node_type = only
-    check_shared_volume(d)
-    if d.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", RAYCLUSTER_CRD) is None:
-        found.install.append(releases[KUBERAY_RELEASE])
-    ns = cfg.ray.namespace
-    if ns != "default" and d.kube.get("v1", "Namespace", ns) is None:
-        found.create.append(m.namespace(cfg))
-    if d.kube.get("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, ns) is None:
-        found.create.append(service_account(cfg))
-    return found
+    return _the_rest(d, found, releases)
 
 
 def check_shared_volume(d: Deployment) -> None:
