@@ -59,33 +59,25 @@ def test_a_missing_eval_data_file_is_named_as_eval_data_before_anything_starts(
     assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
 
 
-def test_ray_address_in_the_environment_is_the_cluster_a_run_joins(tmp_path, monkeypatch, capsys):
-    import socket
-
+def test_ray_address_is_read_from_the_environment_unless_address_is_given():
     from raytrain_eks.ray_session import address_from_environment
 
     assert address_from_environment(None, {}) == (None, "")
     assert address_from_environment(None, {"RAY_ADDRESS": " 10.0.0.5:6379 "}) == ("10.0.0.5:6379", "RAY_ADDRESS")
     assert address_from_environment("auto", {"RAY_ADDRESS": "10.0.0.5:6379"}) == ("auto", "--address")
-    # Inside a Ray cluster's pod RAY_ADDRESS names that cluster: the run joins it, not a second Ray of its own. Here
-    # nobody listens there, so the run stops at once saying so, before a run folder exists.
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as info:
-        main(["train", "--preset", "local-tiny", "--steps", "1"])  # joining, the default preset is the reference's
-    assert info.value.code == 1
-    err = capsys.readouterr().err
-    assert f"ray: joining the cluster RAY_ADDRESS names (127.0.0.1:{port})" in err
-    assert f"cannot connect to the Ray cluster at 127.0.0.1:{port}" in err and "Traceback" not in err
-    assert not (tmp_path / "runs").exists()
 
 
-def test_probe_joins_the_cluster_ray_address_names_as_train_does(tmp_path, monkeypatch, capsys):
-    """`raytrain-eks probe` in a Ray cluster's pod measures that cluster, not a Ray of its own on the head: with
-    RAY_ADDRESS naming a port nobody listens on, it says it joins it and stops at once, starting no Ray."""
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--preset", "local-tiny", "--steps", "1"],  # joining, the default preset is the reference's
+        ["probe", "--num-workers", "2"],  # measures that cluster, not a Ray of its own on the head
+    ],
+    ids=["train", "probe"],
+)
+def test_ray_address_in_the_environment_is_the_cluster_a_command_joins(argv, tmp_path, monkeypatch, capsys):
+    """Inside a Ray cluster's pod RAY_ADDRESS names that cluster: `train` and `probe` join it, not a second Ray of
+    their own. Here nobody listens there, so the command stops at once saying so, before a run folder exists."""
     import socket
 
     with socket.socket() as probe:
@@ -94,8 +86,9 @@ def test_probe_joins_the_cluster_ray_address_names_as_train_does(tmp_path, monke
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as info:
-        main(["probe", "--num-workers", "2"])
+        main(argv)
     assert info.value.code == 1
     err = capsys.readouterr().err
     assert f"ray: joining the cluster RAY_ADDRESS names (127.0.0.1:{port})" in err
     assert f"cannot connect to the Ray cluster at 127.0.0.1:{port}" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()
