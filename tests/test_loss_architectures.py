@@ -114,6 +114,26 @@ def _batch(seed: int):
     return ids, labels
 
 
+def jobs_loss(model, head, ids, labels):
+    """The loss as the loop takes it: the deferred projection's hidden states, the cross-entropy in chunks of 5
+    tokens with the model's logit transform, over the tokens counted, plus the router term when the model has one.
+    Returns ``(loss, router term or None)``."""
+    outputs = head.forward(model, input_ids=ids)
+    weight = head()
+    count = int((labels[:, 1:] != -100).sum())
+    loss = chunked_cross_entropy(
+        outputs.logits[:, :-1],
+        weight,
+        labels[:, 1:],
+        max_logits=weight.size(0) * 5,
+        ignore_index=-100,
+        transform=head.transform,
+    )
+    loss = loss / count
+    router = router_aux_loss(model, outputs)
+    return (loss if router is None else loss + router), router
+
+
 def _grads(model):
     out = {}
     for name, p in model.named_parameters():
@@ -141,21 +161,8 @@ def test_the_jobs_loss_and_gradients_are_the_models_own(one_rank, arch):
     reference.train()
     head = output_projection_deferred(model)
     apply_fsdp(model, precision="fp32")
-    outputs = head.forward(model, input_ids=ids)
-    count = int((labels[:, 1:] != -100).sum())
-    token_loss = chunked_cross_entropy(
-        outputs.logits[:, :-1],
-        head(),
-        labels[:, 1:],
-        max_logits=VOCAB * 5,
-        ignore_index=-100,
-        transform=head.transform,
-    )
-    loss = token_loss / count
-    router = router_aux_loss(model, outputs)
+    loss, router = jobs_loss(model, head, ids, labels)
     assert (router is not None) == (arch == "qwen3-moe")
-    if router is not None:
-        loss = loss + router
     loss.backward()
     torch.testing.assert_close(loss.detach(), own.detach(), rtol=1e-5, atol=1e-6)
     mine, theirs = _grads(model), _grads(reference)

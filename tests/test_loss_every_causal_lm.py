@@ -15,30 +15,15 @@ import warnings
 import pytest
 import torch
 import transformers
+from test_loss_architectures import SMALL as ARCHITECTURE_SIZES
+from test_loss_architectures import VOCAB, jobs_loss
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from raytrain_eks.errors import UserError
-from raytrain_eks.train.model import (
-    chunked_cross_entropy,
-    output_projection_deferred,
-    router_aux_loss,
-)
+from raytrain_eks.train.model import output_projection_deferred
 
-VOCAB = 256
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    head_dim=16,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+SMALL = dict(ARCHITECTURE_SIZES, head_dim=16)
 # Sizes of mixtures of experts, latent attention and partial rotary embeddings, and a layer pattern left to the
 # config's own default for two layers; tried first, then SMALL alone.
 SMALLER_PARTS = dict(
@@ -124,19 +109,7 @@ def test_every_causal_lm_is_trained_on_its_own_loss_or_refused_at_start(capsys, 
                 counts["refused"].append(model_type)
                 continue
             torch.manual_seed(1)
-            outputs = head.forward(model, input_ids=ids)
-            weight = head()
-            count = int((labels[:, 1:] != -100).sum())
-            loss = chunked_cross_entropy(
-                outputs.logits[:, :-1],
-                weight,
-                labels[:, 1:],
-                max_logits=weight.size(0) * 5,
-                transform=head.transform,
-            )
-            loss = loss / count
-            router = router_aux_loss(model, outputs)
-            loss = loss if router is None else loss + router
+            loss, _ = jobs_loss(model, head, ids, labels)
         if torch.allclose(loss.detach(), own.detach(), rtol=1e-5, atol=1e-6):
             counts["matched"].append(model_type)
         else:
