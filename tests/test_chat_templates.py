@@ -172,23 +172,28 @@ def test_a_template_with_generation_blocks_gives_the_mask_itself(with_template):
     assert tokenizer.decode(ids) == with_template(QWEN25).apply_chat_template(SYSTEM_TWO_TURNS, tokenize=False)
 
 
-def test_training_chat_template_replaces_the_tokenizers_own(tmp_path, ray_local, builtin_model):
-    path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps({"messages": ONE}) + "\n" for _ in range(4)))
-    template = chat_template_text(str(TEMPLATES / f"{LLAMA31}.jinja"))
-    assert template == (TEMPLATES / f"{LLAMA31}.jinja").read_text()
-    assert chat_template_text(template) == template  # the template itself, given inline
-    prepared = prepare_dataset(
+def _prepare(path, tokenizer_path, template):
+    """The chat rows of ``path`` prepared in the driver with ``template``, in 64-token blocks."""
+    return prepare_dataset(
         data=str(path),
         data_format="chat",
         text_field="text",
-        tokenizer_path=builtin_model,
+        tokenizer_path=tokenizer_path,
         seq_len=64,
         seed=0,
         min_blocks=1,
         chat_template=template,
         in_driver=True,
     )
+
+
+def test_training_chat_template_replaces_the_tokenizers_own(tmp_path, ray_local, builtin_model):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"messages": ONE}) + "\n" for _ in range(4)))
+    template = chat_template_text(str(TEMPLATES / f"{LLAMA31}.jinja"))
+    assert template == (TEMPLATES / f"{LLAMA31}.jinja").read_text()
+    assert chat_template_text(template) == template  # the template itself, given inline
+    prepared = _prepare(path, builtin_model, template)
     tokenizer = encoding_tokenizer(builtin_model)
     text = tokenizer.decode(prepared.dataset.take_all()[0]["input_ids"])
     assert text.startswith("<|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date")  # Llama 3.1's
@@ -211,17 +216,7 @@ def test_a_row_the_template_refuses_among_the_first_gives_no_prompt_and_is_count
     shown, rendered = sample_prompts(None, ([str(path)], "json"), "chat", "text", tokenizer, count=1)
     assert shown == ["Add 2 and 3."]
     assert rendered == [tokenizer.apply_chat_template(ONE[:1], tokenize=False, add_generation_prompt=True)]
-    prepared = prepare_dataset(
-        data=str(path),
-        data_format="chat",
-        text_field="text",
-        tokenizer_path=builtin_model,
-        seq_len=64,
-        seed=0,
-        min_blocks=1,
-        chat_template=tokenizer.chat_template,
-        in_driver=True,
-    )
+    prepared = _prepare(path, builtin_model, tokenizer.chat_template)
     assert prepared.malformed == {"the chat template refuses the row: System role not supported": 1}
     assert "skipped 1 malformed rows: 1 x the chat template refuses the row" in prepared.describe(str(path), 64)
 
@@ -232,20 +227,10 @@ def test_rows_whose_earlier_answers_a_template_rewrites_are_counted(tmp_path, ra
     path = tmp_path / "train.jsonl"
     rows = [{"messages": SYSTEM_TWO_TURNS}, {"messages": REASONING}, {"messages": ONE}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    settings = {
-        "data": str(path),
-        "data_format": "chat",
-        "text_field": "text",
-        "tokenizer_path": builtin_model,
-        "seq_len": 64,
-        "seed": 0,
-        "min_blocks": 1,
-        "in_driver": True,
-    }
-    qwen3 = prepare_dataset(**settings, chat_template=(TEMPLATES / f"{QWEN3}.jinja").read_text())
+    qwen3 = _prepare(path, builtin_model, (TEMPLATES / f"{QWEN3}.jinja").read_text())
     assert (qwen3.usable_rows, qwen3.last_answer_only) == (3, 2)
     assert "\n  trained on the last answer only: 2 rows (the chat template rewrites earlier turns" in qwen3.describe(
         str(path), 64
     )
-    qwen25 = prepare_dataset(**settings, chat_template=(TEMPLATES / f"{QWEN25}.jinja").read_text())
+    qwen25 = _prepare(path, builtin_model, (TEMPLATES / f"{QWEN25}.jinja").read_text())
     assert qwen25.last_answer_only == 0 and "last answer only" not in qwen25.describe(str(path), 64)
