@@ -234,3 +234,18 @@ def test_rows_whose_earlier_answers_a_template_rewrites_are_counted(tmp_path, ra
     )
     qwen25 = _prepare(path, builtin_model, (TEMPLATES / f"{QWEN25}.jinja").read_text())
     assert qwen25.last_answer_only == 0 and "last answer only" not in qwen25.describe(str(path), 64)
+
+
+def test_a_given_sample_prompt_the_template_refuses_is_one_message(builtin_model):
+    from raytrain_eks.train.prompts import sample_prompts
+
+    tokenizer = copy.deepcopy(encoding_tokenizer(builtin_model))
+    tokenizer.chat_template = (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system prompt comes first') }}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(DataError, match="sample_prompts: the chat template refuses a prompt given alone") as err:
+        sample_prompts(["Say hi."], None, "chat", "text", tokenizer)
+    assert "a system prompt comes first" in err.value.message and "leave training.sample_prompts empty" in (
+        err.value.hint or ""
+    )

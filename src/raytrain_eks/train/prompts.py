@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from raytrain_eks.errors import DataError
 from raytrain_eks.formats import MalformedRow, renamed
 from raytrain_eks.formats import data_format as registered_format
 from raytrain_eks.train.data import json_rows
@@ -94,7 +95,14 @@ def sample_prompts(
     if given:
         if registered_format(data_format).conversation is None:  # plain text: the prompts as given
             return list(given), list(given)
-        return list(given), [render([{"role": "user", "content": p}], tokenizer) for p in given]
+        try:
+            return list(given), [render([{"role": "user", "content": p}], tokenizer) for p in given]
+        except MalformedRow as exc:
+            raise DataError(
+                f"training.sample_prompts: the chat template refuses a prompt given alone as a user turn: {exc}",
+                hint="Give prompts the template accepts alone, or leave training.sample_prompts empty (the first "
+                "prompts of the data are used).",
+            ) from None
     if listed is None:
         return [], []
     shown, rendered = [], []
