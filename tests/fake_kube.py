@@ -250,6 +250,19 @@ PULL_NO_CREDENTIALS = (
 )
 
 
+def merged(target: Any, patch: Any) -> Any:
+    """RFC 7386's MergePatch: what the API server does with an ``application/merge-patch+json`` body."""
+    if not isinstance(patch, Mapping):
+        return copy.deepcopy(patch)
+    out = dict(target) if isinstance(target, Mapping) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merged(out.get(k), v)
+    return out
+
+
 class FakeKube:
     """The in-memory cluster. Tests reach into it through the helpers below; the steps only use :class:`KubeApi`.
 
@@ -274,6 +287,7 @@ class FakeKube:
         self.exec_calls: list[tuple[str, str, list[str], str | None]] = []
         self.applied: list[dict[str, Any]] = []
         self.deleted: list[tuple[str, str, str, str | None]] = []
+        self.patched: list[tuple[str, str, str, str | None, dict[str, Any]]] = []
         self.crashing: set[tuple[str, str]] = set()  # (namespace, DaemonSet): its pods never become ready
         # (namespace, bare pod): its container exits at once with status 1 (restartPolicy Never: the pod is Failed,
         # its container's state terminated with exitCode 1, reason Error, as the kubelet reports it; no event)
@@ -438,6 +452,19 @@ class FakeKube:
     def apply(self, obj: Mapping[str, Any]) -> None:
         self._store(obj)
         self.applied.append(copy.deepcopy(dict(obj)))
+
+    def merge_patch(
+        self, api_version: str, kind: str, name: str, namespace: str | None, patch: Mapping[str, Any]
+    ) -> bool:
+        """A JSON merge patch (RFC 7386) of a stored object: ``None`` removes a key, a mapping merges into a
+        mapping, anything else replaces."""
+        ns = namespace if kind not in CLUSTER_SCOPED else None
+        key = (api_version, kind, ns, name)
+        if key not in self._objects:
+            return False
+        self._objects[key] = merged(self._objects[key], patch)
+        self.patched.append((api_version, kind, name, namespace, copy.deepcopy(dict(patch))))
+        return True
 
     def _store(self, obj: Mapping[str, Any]) -> None:
         doc = copy.deepcopy(dict(obj))

@@ -113,3 +113,33 @@ def test_down_after_the_cluster_is_gone_names_the_stack_it_cannot_delete(world: 
         f"--stack-name {stack} --region us-east-1`" in world.said()
     )
     assert not world.store.path.exists()
+
+
+def test_down_keeps_a_service_account_that_existed_before_up_and_deletes_only_the_role_eksctl_added(world: World):
+    _existing_cluster(world)
+    team_sa = {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {
+            "name": m.RAY_SERVICE_ACCOUNT,
+            "namespace": NS,
+            "labels": {"team": "ml"},
+            "annotations": {"owner": "ml-platform"},
+        },
+    }
+    world.kube.put(team_sa)  # the team's own account of that name, without an IAM role
+    world.up()
+    during = world.kube.get("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, NS)["metadata"]
+    assert during["annotations"][irsa.ROLE_ARN_ANNOTATION].endswith(_roles()[0])
+    assert during["labels"][irsa.MANAGED_BY_LABEL] == "eksctl", "eksctl's override marked it as its own"
+    world.up()  # a second up finds it usable and keeps the first record
+    questions: list[str] = []
+    lifecycle.down(world.d, confirm=lambda q: questions.append(q) or True)
+    assert "IAM role (the service account existed before and stays)" in questions[0]
+    assert world.tools.commands("eksctl", "delete", "iamserviceaccount")
+    assert _roles() == [] and not world.tools.iam.stacks, "the role and its stack are gone"
+    after = world.kube.get("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, NS)
+    assert after is not None, "the team's service account is still there"
+    assert after["metadata"]["labels"] == {"team": "ml"}
+    assert after["metadata"]["annotations"] == {"owner": "ml-platform"}
+    assert not world.store.path.exists()

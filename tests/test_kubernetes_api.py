@@ -33,6 +33,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
+from fake_kube import merged
 from websocket import WebSocketConnectionClosedException
 
 from raytrain_eks.k8s import manifests as m
@@ -244,6 +245,13 @@ class FakeApiServer:
             gone = self.store.pop(key)
             gone["metadata"]["deletionTimestamp"] = CREATED
             return 200, gone
+        if req.method == "PATCH" and req.content_type == "application/merge-patch+json":
+            if key not in self.store:
+                return 404, missing
+            self._version += 1
+            self.store[key] = merged(self.store[key], req.json())
+            self.store[key]["metadata"]["resourceVersion"] = str(self._version)
+            return 200, self.store[key]
         if req.method == "PATCH":
             return self._apply(req, key, kind)
         return 405, status(405, "MethodNotAllowed", f"the server does not allow this method on {plural}")
@@ -687,6 +695,27 @@ def test_apply_without_the_kuberay_crds_asks_for_the_operator_then_works_once_in
     kube.apply(doc)  # and the first client, with its own stale view, looks again too
 
     assert server.paths("PATCH") == ["/apis/ray.io/v1/namespaces/default/rayjobs/ray-train"] * 2
+
+
+def test_merge_patch_sends_a_merge_patch_whose_nulls_remove_what_another_manager_set(
+    kube: KubernetesApi, server: FakeApiServer, cfg_for
+) -> None:
+    doc = m.job_config_map(cfg_for())
+    doc["metadata"]["labels"] = {**doc["metadata"]["labels"], "app.kubernetes.io/managed-by": "eksctl"}
+    kube.apply(doc)
+    path = "/api/v1/namespaces/default/configmaps/ray-train-config"
+
+    patch = {"metadata": {"labels": {"app.kubernetes.io/managed-by": None}, "annotations": {"team": "ml"}}}
+    assert kube.merge_patch("v1", "ConfigMap", "ray-train-config", "default", patch) is True
+    assert kube.merge_patch("v1", "ConfigMap", "not-there", "default", patch) is False
+
+    sent = [r for r in server.requests if r.method == "PATCH" and r.content_type == "application/merge-patch+json"]
+    assert [r.path for r in sent] == [path, "/api/v1/namespaces/default/configmaps/not-there"]
+    assert sent[0].json() == patch  # the None goes over the wire as null
+    got = kube.get("v1", "ConfigMap", "ray-train-config", "default")
+    assert got is not None
+    assert "app.kubernetes.io/managed-by" not in got["metadata"]["labels"]
+    assert got["metadata"]["annotations"] == {"team": "ml"} and got["data"] == doc["data"]
 
 
 def test_get_of_a_missing_object_or_kind_is_none(kube: KubernetesApi, server: FakeApiServer) -> None:

@@ -45,6 +45,10 @@ from raytrain_eks.k8s.state import RUNS_PREFIX, Deployment
 # The annotation eksctl puts on the service account (eksctl v0.230.0, pkg/apis/eksctl.io/v1alpha5/iam.go:
 # AnnotationEKSRoleARN), which EKS's pod identity webhook reads to give the pods the role's credentials.
 ROLE_ARN_ANNOTATION = "eks.amazonaws.com/role-arn"
+# The label eksctl puts on the service accounts it creates or overrides, and the only ones its delete removes
+# (eksctl v0.230.0, pkg/kubernetes/serviceaccount.go: managedByKubernetesLabelKey/Value).
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+MANAGED_BY_VALUE = "eksctl"
 CONFIG_FILE = "eksctl-iamserviceaccount.yaml"
 # eksctl's own wait for the service account's CloudFormation stack (one role and its policy: a minute or two), and
 # the runner's limit above it, so eksctl's message is the one seen.
@@ -120,19 +124,51 @@ def delete_argv(d: Deployment) -> list[str]:
     ]
 
 
-def created_item(d: Deployment) -> dict[str, Any]:
+def created_item(d: Deployment, existing: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the state file records of the role and service account ``eksctl create iamserviceaccount`` makes, so
-    that ``down`` deletes them (:func:`delete_created`)."""
-    return {
+    that ``down`` deletes them (:func:`delete_created`). ``existing``: the ServiceAccount as it was before, when
+    there was one (eksctl's ``--override-existing-serviceaccounts`` then adds its role annotation and its managed-by
+    label to it, and ``eksctl delete iamserviceaccount`` would delete it): its own values of those two keys are
+    kept, so that ``down`` gives it back as it was instead."""
+    item: dict[str, Any] = {
         "type": "iamserviceaccount",
         "kind": "IAM role and service account",
         "namespace": d.cfg.ray.namespace,
         "name": m.RAY_SERVICE_ACCOUNT,
     }
+    if existing is not None:
+        meta = existing.get("metadata") or {}
+        item["kind"] = "IAM role (the service account existed before and stays)"
+        item["restore"] = {
+            "annotations": {ROLE_ARN_ANNOTATION: (meta.get("annotations") or {}).get(ROLE_ARN_ANNOTATION)},
+            "labels": {MANAGED_BY_LABEL: (meta.get("labels") or {}).get(MANAGED_BY_LABEL)},
+        }
+    return item
 
 
-def delete_created(d: Deployment, cluster_exists: bool) -> bool:
-    """``down``: delete the role and service account ``up`` made with eksctl (:func:`delete_argv`); ``True`` when
+def _recorded(d: Deployment) -> bool:
+    """Whether an earlier ``up`` recorded the service account already: a resumed ``up`` keeps that record, which
+    knows whether the account was there before eksctl touched it."""
+    ns, name = d.cfg.ray.namespace, m.RAY_SERVICE_ACCOUNT
+    return any(
+        i.get("type") == "iamserviceaccount" and i.get("namespace") == ns and i.get("name") == name
+        for i in d.state.created
+    )
+
+
+def give_back(d: Deployment, restore: dict[str, Any]) -> None:
+    """The service account that existed before ``up`` without eksctl's managed-by label gets its own annotation
+    and label values back (a JSON merge patch: a ``None`` removes what eksctl added); ``eksctl delete
+    iamserviceaccount`` then deletes only the role's stack, since it deletes a ServiceAccount only when that label
+    says eksctl manages it (eksctl v0.230.0, pkg/kubernetes/serviceaccount.go ``MaybeDeleteServiceAccount``)."""
+    ns, name = d.cfg.ray.namespace, m.RAY_SERVICE_ACCOUNT
+    if d.kube.merge_patch("v1", "ServiceAccount", name, ns, {"metadata": restore}):
+        d.say(f"Service account {ns}/{name} existed before up: it stays, without the IAM role eksctl added to it")
+
+
+def delete_created(d: Deployment, cluster_exists: bool, item: dict[str, Any] | None = None) -> bool:
+    """``down``: delete the role and service account ``up`` made with eksctl (:func:`delete_argv`), or only the
+    role when the service account existed before (``item["restore"]``, see :func:`created_item`); ``True`` when
     eksctl ran. eksctl needs the cluster for it (its OIDC provider, the ServiceAccount); without it, the stack may be
     left, and the line said names the command that deletes it."""
     c = d.cfg.cluster
@@ -143,6 +179,9 @@ def delete_created(d: Deployment, cluster_exists: bool) -> bool:
             f"has the stack {stack_name(d)}, delete it with `{shlex.join(delete_stack)}`"
         )
         return False
+    restore = (item or {}).get("restore")
+    if restore is not None and restore["labels"].get(MANAGED_BY_LABEL) != MANAGED_BY_VALUE:
+        give_back(d, restore)
     d.run(
         delete_argv(d),
         timeout=TIMEOUT_S,
@@ -304,7 +343,8 @@ def ensure_service_account(d: Deployment) -> None:
         d.say(f"Creating service account {ns}/{name} and its IAM role ({found.problems[0]})")
         d.run(oidc_argv(str(path)), timeout=TIMEOUT_S, on_output=d.say, hint=hint)
         argv = create_argv(str(path))
-        d.state.record(created_item(d))  # before eksctl makes it: down deletes even a half-made stack
+        if not _recorded(d):  # before eksctl makes it: down deletes even a half-made stack
+            d.state.record(created_item(d, d.kube.get("v1", "ServiceAccount", name, ns)))
     d.run(argv, timeout=TIMEOUT_S, on_output=d.say, hint=hint)
     after = look(d, bucket, kms_key)
     if after.problems:

@@ -339,7 +339,7 @@ def _delete(d: Deployment, item: dict[str, Any], cluster_exists: bool) -> bool:
         delete_bucket(d, item["name"])
         return True
     if kind == "iamserviceaccount":  # made by `eksctl create iamserviceaccount` (on a cluster up did not create)
-        return delete_service_account(d, cluster_exists)
+        return delete_service_account(d, cluster_exists, item)
     if kind in ("object", "helm"):
         return cluster_exists and delete_recorded(d, item)
     if kind == "nodegroup":

@@ -143,6 +143,13 @@ class KubeApi(Protocol):
         """Delete the object; ``False`` when there was nothing to delete."""
         ...
 
+    def merge_patch(
+        self, api_version: str, kind: str, name: str, namespace: str | None, patch: Mapping[str, Any]
+    ) -> bool:
+        """Change the object by a JSON merge patch (RFC 7386: a ``None`` value removes that key, whoever set it);
+        ``False`` when there was no such object."""
+        ...
+
     def exec(
         self,
         namespace: str,
@@ -375,6 +382,23 @@ class KubernetesApi:
                 return False
 
         return self._call(f"delete {kind} {name}", remove)
+
+    def merge_patch(
+        self, api_version: str, kind: str, name: str, namespace: str | None, patch: Mapping[str, Any]
+    ) -> bool:
+        from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
+
+        def change() -> bool:
+            try:
+                resource = self._dyn().resources.get(api_version=api_version, kind=kind)
+                resource.patch(
+                    body=dict(patch), name=name, namespace=namespace, content_type="application/merge-patch+json"
+                )
+                return True
+            except (NotFoundError, ResourceNotFoundError):
+                return False
+
+        return self._call(f"patch {kind} {name}", change)
 
     def exec(
         self,
