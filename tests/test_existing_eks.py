@@ -17,7 +17,7 @@ from typing import Any
 import boto3
 import pytest
 import yaml
-from charts import FIXTURES, eksctl_efa_daemon_set, rendered
+from charts import FIXTURES, crds, eksctl_efa_daemon_set, rendered, vendored
 from test_deploy import ALLOCATABLE, ZONES, World
 
 from raytrain_eks.config import load_config
@@ -149,3 +149,15 @@ def test_eksctls_efa_daemonset_tolerating_the_gpu_taint_is_still_named_for_eksct
     assert "once eksctl has applied its own EFA manifest over it" in err.value.message
     assert "another release name" in (err.value.hint or "")
     assert not existing.tools.commands("eksctl", "create")
+
+
+def test_a_kept_kuberay_whose_crds_lack_a_field_submit_sets_stops_up_before_the_node_group(existing: World):
+    for crd in crds(vendored("kuberay-operator")):  # the cluster's KubeRay, its RayJob CRD from before a field
+        if crd["metadata"]["name"] == "rayjobs.ray.io":
+            (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+            del v1["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["preRunningDeadlineSeconds"]
+        existing.kube.put(crd)
+    with pytest.raises(UserError) as refused:
+        _up(existing)
+    assert "rayjobs.ray.io has no spec.preRunningDeadlineSeconds" in refused.value.message
+    assert not existing.tools.commands("eksctl", "create", "nodegroup") and not _plugin_installs(existing)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
-from charts import vendored
+from charts import crds, vendored
 from fake_kube import FakeKube, NodePool
 from test_charts import UNREACHABLE_KUBECONFIG
 from test_command_lines import Collector, chart_repo, check  # noqa: F401 - chart_repo: the fixture
@@ -125,8 +125,8 @@ def efa(tmp_path: Path, real_tools: Any, monkeypatch: pytest.MonkeyPatch) -> Clu
             allocatable={"cpu": "47", "memory": "185Gi", m.GPU_RESOURCE: "4", m.EFA_RESOURCE: "1"},
         )
     c.kube.add_node("ip-10-0-2-9", labels={}, allocatable={"cpu": "3920m", "memory": "14Gi"})
-    crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition"}
-    c.kube.put({**crd, "metadata": {"name": "rayclusters.ray.io"}})
+    for crd in crds(vendored("kuberay-operator")):  # installed earlier by the team: KubeRay 1.7.0's own CRDs
+        c.kube.put(crd)
     return c
 
 
@@ -526,3 +526,18 @@ def test_without_up_or_efa_the_job_commands_stop_with_the_fix(plain: Cluster, mo
         main(["compare-fabric", "--config", str(config), "-y"])
     assert "the GPU nodes have no EFA" in capsys.readouterr().err
     assert not [o for o in plain.kube.applied if o["kind"] == "RayCluster"]
+
+
+def test_a_kubeRay_too_old_for_the_fields_submit_sets_stops_up_before_anything(efa: Cluster):
+    # The team's KubeRay predates a field the RayJob sets: its CRD (1.7.0's, less the field KubeRay added later)
+    # would let the API server drop it silently, and a job whose pods never start would hold the GPU nodes.
+    crd = efa.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", "rayjobs.ray.io")
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    del v1["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["preRunningDeadlineSeconds"]
+    efa.kube.put(crd)
+    with pytest.raises(UserError) as refused:
+        efa.target.up(efa.d(), confirm=efa.ask())
+    assert "rayjobs.ray.io has no spec.preRunningDeadlineSeconds" in refused.value.message
+    assert "kubectl replace -k" in str(refused.value.hint) and "?ref=v1.7.0" in str(refused.value.hint)
+    assert not efa.questions and not efa.tools.commands("helm") and not efa.kube.applied
+    assert not efa.store.created

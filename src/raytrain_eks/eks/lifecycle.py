@@ -75,6 +75,7 @@ from raytrain_eks.k8s.addons import (
     wait_kuberay,
 )
 from raytrain_eks.k8s.existing import ray_lines
+from raytrain_eks.k8s.kuberay_fields import check_kuberay_fields
 from raytrain_eks.k8s.runner import Interrupted
 from raytrain_eks.k8s.state import KUBECONFIG_FILE, STATE_DIR, Cancelled, Deployment, describe
 from raytrain_eks.train.memory import fit_config
@@ -209,6 +210,7 @@ def kept_addons(d: Deployment) -> dict[str, str]:
             continue
         if rel.name == KUBERAY_RELEASE:
             if d.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", RAYCLUSTER_CRD) is not None:
+                check_kuberay_fields(d)
                 kept[rel.name] = f"KubeRay (CRD {RAYCLUSTER_CRD})"
             continue
         plugins = found.get(rel.name, [])

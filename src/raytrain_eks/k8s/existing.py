@@ -41,6 +41,7 @@ from raytrain_eks.k8s.addons import (
     wait_kuberay,
 )
 from raytrain_eks.k8s.cluster import Node, quantity
+from raytrain_eks.k8s.kuberay_fields import check_kuberay_fields
 from raytrain_eks.k8s.state import Cancelled, Deployment, StateStore, describe, object_item, with_shared_volume
 
 TARGET = "kubernetes"
@@ -153,6 +154,8 @@ def _the_rest(d: Deployment, found: Found, releases: dict[str, HelmRelease]) -> 
     check_shared_volume(d)
     if d.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", RAYCLUSTER_CRD) is None:
         found.install.append(releases[KUBERAY_RELEASE])
+    else:
+        check_kuberay_fields(d)  # the cluster's own KubeRay: it must know every field submit sets
     ns = d.cfg.ray.namespace
     if ns != "default" and d.kube.get("v1", "Namespace", ns) is None:
         found.create.append(m.namespace(d.cfg))
