@@ -114,11 +114,11 @@ def test_train_joins_an_existing_cluster(tmp_path, ray_head):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == f"Run folder: {run.resolve()}"
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["steps"] == 5 and summary["world_size"] == 2
+    assert summary["steps"] == 5 and summary["world_size"] == 2 and summary["nodes"] == 1  # one Ray node here
     # A Ray cluster this tool did not deploy: no deployment record from `submit` beside a configuration, so nothing
     # is priced from the preset's instance types; the summary, the terminal and the report say why.
     assert summary["cost"] is None and summary["cost_note"].startswith("no deployment record")
-    assert summary["cost_note"].endswith("set cluster.usd_per_hour to price runs on it")
+    assert summary["cost_note"].endswith("set cluster.usd_per_hour (or cluster.usd_per_node_hour) to price runs on it")
     assert "cost: not known: no deployment record" in proc.stdout
     assert "not known: no deployment record" in (run / "report.html").read_text()
     assert "$9.55/h" not in proc.stdout + (run / "report.html").read_text()

@@ -524,7 +524,7 @@ def test_a_run_on_a_cluster_this_tool_did_not_deploy_is_priced_only_at_a_configu
     price, why_not = job_price(config, None)
     assert price is None and why_not is not None
     assert why_not.startswith("no deployment record beside") and why_not.endswith(
-        "set cluster.usd_per_hour to price runs on it"
+        "set cluster.usd_per_hour (or cluster.usd_per_node_hour) to price runs on it"
     )
 
     hourly = load_config(path=config).cluster.usd_per_hour
@@ -534,6 +534,25 @@ def test_a_run_on_a_cluster_this_tool_did_not_deploy_is_priced_only_at_a_configu
     assert (cost["usd"], cost["usd_per_hour"], cost["usd_per_million_tokens"]) == (6.25, 12.5, 3.125)
     assert cost["source"] == "configured" and cost["cluster"] is None
     assert cost_text(cost) == "$6.25 at $12.50/h (cluster.usd_per_hour); $3.12 per million tokens"
+
+
+def test_a_price_per_node_hour_counts_the_gpu_nodes_the_run_used(tmp_path):
+    from raytrain_eks.eks.pricing import job_price
+    from raytrain_eks.report.html import cost_text
+
+    config = tmp_path / "raytrain-eks.yaml"  # an autoscaled cluster: no fixed size, a known price per GPU node
+    config.write_text("cluster:\n  target: kubernetes\n  usd_per_node_hour: 5.5\n")
+    c = load_config(path=config).cluster
+    price, why_not = job_price(config, c.usd_per_hour, c.usd_per_node_hour)
+    assert why_not is None and price is not None
+    cost = price({"wall_s": 1800.0, "trained_tokens": 2_000_000, "nodes": 4})
+    assert (cost["usd"], cost["usd_per_hour"], cost["nodes"]) == (11.0, 22.0, 4)
+    assert cost_text(cost) == (
+        "$11.00 at $22.00/h (4 GPU node(s) x $5.50, cluster.usd_per_node_hour); $5.50 per million tokens"
+    )
+    config.write_text("cluster:\n  usd_per_hour: 20\n  usd_per_node_hour: 5.5\n")
+    with pytest.raises(ConfigError, match="usd_per_hour .the whole cluster. or cluster.usd_per_node_hour"):
+        load_config(path=config)
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "cheap"])

@@ -116,7 +116,7 @@ except OSError:
 
 def test_train_places_ranks_on_both_hosts_and_resumes_from_s3_on_either_host(cluster, steady_run):
     summary = steady_run.summary
-    assert summary["steps"] == FAULT_STEPS and summary["world_size"] == 2
+    assert summary["steps"] == FAULT_STEPS and summary["world_size"] == 2 and summary["nodes"] == 2
     assert summary["sharding"] == "hsdp"  # auto: one rank on each of two nodes, replicated across them
     assert "sharding: hsdp: 2 nodes x 1 rank," in steady_run.output
     # The two newest checkpoints are kept (training.keep_checkpoints), both in S3.

@@ -149,7 +149,7 @@ def train(
     if address is not None:  # priced on a cluster this tool deployed (submit tells the job so, beside its config)
         from raytrain_eks.eks.pricing import job_price  # or at the price the user configured for theirs
 
-        price, unpriced = job_price(config, cfg.cluster.usd_per_hour)
+        price, unpriced = job_price(config, cfg.cluster.usd_per_hour, cfg.cluster.usd_per_node_hour)
 
     with _Progress() as progress:
         result = run_training(

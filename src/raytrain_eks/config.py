@@ -224,6 +224,13 @@ class ClusterConfig(_Section):
             "own record)"
         ),
     )
+    usd_per_node_hour: float | None = Field(
+        None,
+        gt=0,
+        le=10000,
+        description="what one GPU node costs per hour, USD: a run is priced by the nodes its workers ran on x its "
+        "wall time, on any cluster (nodes an autoscaler adds too); instead of usd_per_hour",
+    )
     checkpoint_bucket: str | None = Field(
         None,
         description=(
@@ -304,30 +311,9 @@ class ClusterConfig(_Section):
     @model_validator(mode="after")
     def _settings_of_the_target(self) -> ClusterConfig:
         """Refuse a setting the chosen target would ignore, rather than leave the user believing it applies."""
-        if self.target == "kubernetes" and self.existing:
-            raise ValueError(
-                "cluster.existing applies to target eks (an EKS cluster up did not create); with target kubernetes "
-                "the cluster is always yours and is never created or deleted: leave existing out (or false)"
-            )
-        if self.gpu_nodes_on_demand and self.target != "kubernetes":
-            raise ValueError(
-                "cluster.gpu_nodes_on_demand applies to target kubernetes (nodes an autoscaler adds); with target eks "
-                "up creates the GPU node group itself: leave it out, or set cluster.target to kubernetes"
-            )
-        if self.gpu_nodes_on_demand and self.efa_per_node is None:
-            raise ValueError(
-                "cluster.gpu_nodes_on_demand: set cluster.efa_per_node to the EFA interfaces each GPU node will have "
-                "(0 for none): nodes that do not exist yet cannot be read for it"
-            )
-        given = [name for name in ("kubeconfig", "context") if getattr(self, name)]
-        if self.target == "eks" and given:
-            settings = " and ".join(f"cluster.{name}" for name in given)
-            raise ValueError(
-                f"{settings} {'apply' if len(given) > 1 else 'applies'} to target kubernetes; with target eks "
-                "every step reaches the EKS cluster through the kubeconfig up writes into the state folder "
-                "(.raytrain-eks/kubeconfig by default): set cluster.target to kubernetes to use your kubeconfig's "
-                f"cluster, or leave {settings} empty (and --kubeconfig, --context off the command line)"
-            )
+        refusal = layers.cluster_settings_refusal(self)
+        if refusal:
+            raise ValueError(refusal)
         return self
 
     @model_validator(mode="after")

@@ -194,3 +194,39 @@ def set_value(raw: str) -> Any:
         return yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         return raw
+
+
+def cluster_settings_refusal(c: Any) -> str | None:
+    """Why the cluster settings ``c`` (a ``ClusterConfig``) hold one the chosen target would ignore, or two that
+    contradict each other; ``None`` when they fit. A setting is refused rather than left to the user to believe it
+    applies."""
+    if c.target == "kubernetes" and c.existing:
+        return (
+            "cluster.existing applies to target eks (an EKS cluster up did not create); with target kubernetes "
+            "the cluster is always yours and is never created or deleted: leave existing out (or false)"
+        )
+    if c.gpu_nodes_on_demand and c.target != "kubernetes":
+        return (
+            "cluster.gpu_nodes_on_demand applies to target kubernetes (nodes an autoscaler adds); with target eks "
+            "up creates the GPU node group itself: leave it out, or set cluster.target to kubernetes"
+        )
+    if c.gpu_nodes_on_demand and c.efa_per_node is None:
+        return (
+            "cluster.gpu_nodes_on_demand: set cluster.efa_per_node to the EFA interfaces each GPU node will have "
+            "(0 for none): nodes that do not exist yet cannot be read for it"
+        )
+    given = [name for name in ("kubeconfig", "context") if getattr(c, name)]
+    if c.target == "eks" and given:
+        settings = " and ".join(f"cluster.{name}" for name in given)
+        return (
+            f"{settings} {'apply' if len(given) > 1 else 'applies'} to target kubernetes; with target eks "
+            "every step reaches the EKS cluster through the kubeconfig up writes into the state folder "
+            "(.raytrain-eks/kubeconfig by default): set cluster.target to kubernetes to use your kubeconfig's "
+            f"cluster, or leave {settings} empty (and --kubeconfig, --context off the command line)"
+        )
+    if c.usd_per_hour is not None and c.usd_per_node_hour is not None:
+        return (
+            "set cluster.usd_per_hour (the whole cluster) or cluster.usd_per_node_hour (each GPU node the run's "
+            "workers use), not both: either one prices a run"
+        )
+    return None

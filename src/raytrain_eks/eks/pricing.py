@@ -216,15 +216,29 @@ Price = Callable[[Mapping[str, Any]], dict[str, Any]]
 
 
 def job_price(
-    config: str | os.PathLike[str] | None, configured_usd_per_hour: float | None = None
+    config: str | os.PathLike[str] | None,
+    configured_usd_per_hour: float | None = None,
+    usd_per_node_hour: float | None = None,
 ) -> tuple[Price | None, str | None]:
-    """How ``train --address`` prices its run: at the price the user configured (``cluster.usd_per_hour``: they
-    know their discounts), else from the deployment record beside its configuration ``config`` (the one ``submit``
-    mounts in the head pod). Returns ``(price, None)``, ``price(summary)`` being the run's cost; or ``(None, why)``
-    on a Ray cluster with neither (one this tool did not deploy): nothing is assumed from the configuration's
-    instance types."""
+    """How ``train --address`` prices its run: at the price the user configured (``cluster.usd_per_hour`` for the
+    whole cluster, or ``cluster.usd_per_node_hour`` times the GPU nodes the run's workers ran on, the summary's
+    ``nodes``: they know their discounts, and an autoscaled cluster has no fixed size), else from the deployment
+    record beside its configuration ``config`` (the one ``submit`` mounts in the head pod). Returns ``(price,
+    None)``, ``price(summary)`` being the run's cost; or ``(None, why)`` on a Ray cluster with neither (one this
+    tool did not deploy): nothing is assumed from the configuration's instance types."""
     record = read_deployment(config)
     cluster = None if record is None else record["cluster"]
+    if usd_per_node_hour is not None:
+        rate = float(usd_per_node_hour)
+
+        def per_node(summary: Mapping[str, Any]) -> dict[str, Any]:
+            nodes = int(summary.get("nodes") or 1)
+            cost = priced_run(rate * nodes, "configured", summary)
+            basis = f"cluster.usd_per_node_hour as configured x {nodes} GPU node(s) x the run's wall time"
+            extra = {"nodes": nodes, "usd_per_node_hour": rate}
+            return {**cost, "basis": basis, "cluster": cluster, "source": "configured", **extra}
+
+        return per_node, None
     if configured_usd_per_hour is not None:
         hourly = float(configured_usd_per_hour)
 
@@ -235,7 +249,9 @@ def job_price(
 
         return configured, None
     if record is None:
-        return None, no_record_reason(config) + "; set cluster.usd_per_hour to price runs on it"
+        return None, no_record_reason(config) + (
+            "; set cluster.usd_per_hour (or cluster.usd_per_node_hour) to price runs on it"
+        )
 
     def price(summary: Mapping[str, Any]) -> dict[str, Any]:
         cost = priced_run(float(record["usd_per_hour"]), str(record["price_region"]), summary)

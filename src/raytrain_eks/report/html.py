@@ -155,10 +155,13 @@ def cost_text(cost: dict[str, Any] | None, note: str | None = None) -> str:
         return (
             f"not known: {note}"
             if note
-            else "— (known for runs on a cluster this tool deployed, or at a configured cluster.usd_per_hour)"
+            else "— (known for runs on a cluster this tool deployed, or at a configured cluster.usd_per_hour or "
+            "usd_per_node_hour)"
         )
     per_million = cost.get("usd_per_million_tokens")  # None when the attempt trained no token
     configured = " (cluster.usd_per_hour)" if cost.get("source") == "configured" else ""
+    if cost.get("usd_per_node_hour") is not None:  # a per-node price: the nodes the run used
+        configured = f" ({cost['nodes']} GPU node(s) x ${cost['usd_per_node_hour']:.2f}, cluster.usd_per_node_hour)"
     return f"${cost['usd']:.2f} at ${cost['usd_per_hour']:.2f}/h{configured}; " + (
         "no token trained" if per_million is None else f"${per_million:.2f} per million tokens"
     )

@@ -585,6 +585,7 @@ def train(
         "trainable_parameters": prepared.trainable,
         "method": cfg.method,
         "world_size": ctx.world_size,
+        "nodes": len(layout.nodes),  # the nodes the workers ran on (a per-node price counts them)
         "device": device_name(device),
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         # What the caching allocator held at most: what must fit the GPU (allocated plus its free blocks).
