@@ -42,6 +42,10 @@ from typing import Any
 
 from bench_gpu_step import QWEN25_15B, _free_port  # the same folder: run as a script
 
+# The allocator setting the job's GPU workers start with (train.launch.CUDA_ALLOC_CONF), before torch meets CUDA
+# here: the loop check's reserved memory is then what the job's would be.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 CHECKS = ("default_job", "qwen_step", "nccl_gate", "chunked_loss")
 
 
@@ -188,6 +192,7 @@ def check_qwen_step(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "mfu": summary["mfu"],
         "peak_memory_gib": summary.get("peak_memory_gib"),
         "peak_reserved_gib": reserved,
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "estimate_gib": round(est.peak_gib, 3),
         "estimate_phase": est.phase,
         "estimate_over_reserved": round(est.peak_gib / reserved, 3) if reserved else None,

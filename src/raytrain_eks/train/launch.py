@@ -311,17 +311,7 @@ def _train_in(
     if resume_from is not None:
         # The earlier attempt's Ray Train list names checkpoints pruned since: a new trainer over it would refuse.
         forget_ray_snapshot(root)
-    # Workers inherit the raylet's environment, not the driver's: what they need is passed explicitly.
-    worker_env = {}
-    if is_staged_location(training.model_id):  # read from where it is staged: no worker asks the Hub for anything
-        worker_env["HF_HUB_OFFLINE"] = "1"
-        if os.environ.get(MODEL_CACHE_ENV):
-            worker_env[MODEL_CACHE_ENV] = os.environ[MODEL_CACHE_ENV]
-    if cfg.fabric.require != "any":
-        worker_env.update(nccl_env(f"{run_dir.name}-{os.getpid()}"))
-    for fault in (FAULT_ENV, SLOW_WRITE_ENV):
-        if os.environ.get(fault):
-            worker_env[fault] = os.environ[fault]
+    worker_env = worker_environment(cfg, f"{run_dir.name}-{os.getpid()}", use_gpu=use_gpu)
 
     prompts = sample_prompts(
         training.sample_prompts,
@@ -455,6 +445,32 @@ def _train_in(
     tracker.finish(summary)
     say(f"report: {write_report([run_dir], run_dir)}")
     return RunResult(run_dir=run_dir, summary=summary, records=records)
+
+
+# PyTorch's caching allocator on the GPU workers: segments that grow in place instead of a new block per size, which
+# keeps the memory reserved beyond what is allocated small when shapes vary (packed batches, loss chunks, gathered
+# layers); see the CUDA semantics notes of PyTorch's documentation. A value the user exports is kept.
+CUDA_ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
+def worker_environment(cfg: Config, nccl_name: str, *, use_gpu: bool) -> dict[str, str]:
+    """The environment the training workers get. Workers inherit the raylet's environment, not the driver's, so
+    what they need is passed explicitly: the staged model's offline switch, NCCL's evidence file (``nccl_name``
+    names it) unless the fabric requirement is ``any``, the allocator setting on GPU workers, and the test faults."""
+    env: dict[str, str] = {}
+    if is_staged_location(cfg.training.model_id):  # read from where it is staged: no worker asks the Hub
+        env["HF_HUB_OFFLINE"] = "1"
+        if os.environ.get(MODEL_CACHE_ENV):
+            env[MODEL_CACHE_ENV] = os.environ[MODEL_CACHE_ENV]
+    if cfg.fabric.require != "any":
+        env.update(nccl_env(nccl_name))
+    if use_gpu:
+        name, default = CUDA_ALLOC_CONF
+        env[name] = os.environ.get(name) or default
+    for fault in (FAULT_ENV, SLOW_WRITE_ENV):
+        if os.environ.get(fault):
+            env[fault] = os.environ[fault]
+    return env
 
 
 def _eval_dataset(
