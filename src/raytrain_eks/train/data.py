@@ -7,9 +7,9 @@ Pure pieces (tested on hand-made rows) come first:
   its own ``position_ids`` (``packing: documents``) so that no row attends to another, or run on (``concat``);
 - :func:`random_batch` makes the reference's synthetic token ids for one rank and step.
 
-Then :func:`prepare_dataset` builds the Ray Data pipeline the driver runs before any worker starts: read
-(JSONL / JSON / Parquet, local or ``s3://``), tokenize, count malformed rows, shuffle, pack, materialize; and
-:func:`train_datasets` hands the packed set to Ray Train, whole, for every rank.
+Then :func:`prepare_dataset` builds the Ray Data pipeline the driver runs before any worker starts: read (JSONL
+and JSON here, Parquet, CSV and Arrow by :mod:`.tabular`; local or ``s3://``), tokenize, count malformed rows,
+shuffle, pack, materialize; and :func:`train_datasets` hands the packed set to Ray Train, whole, for every rank.
 
 Determinism: the shuffle orders rows by a keyed hash of their tokens (the key is the seed), so the order does
 not depend on how Ray Data cut the input into blocks or which task finished first; packing runs with Ray Data's
@@ -46,7 +46,8 @@ from raytrain_eks.train.encoding import (
     encoding_tokenizer,
     load_tokenizer,
 )
-from raytrain_eks.train.sources import list_data_files, root_cause
+from raytrain_eks.train.sources import list_data_files
+from raytrain_eks.train.tabular import read_dataset, read_table, unreadable
 
 PACK_ROWS = 1024  # rows packed together: only the last block of each group is padded
 
@@ -676,12 +677,11 @@ def prepared_in_driver(files: Sequence[str]) -> bool:
 def _encode_in_driver(files: Sequence[str], kind: str, **encode: Any) -> Any:
     """The rows of ``files`` encoded by :func:`_encode_batch`, as one pyarrow table (the driver's path)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     tables = []
     for path in files:
-        if kind == "parquet":
-            raw = pq.read_table(path)
+        if kind != "json":
+            raw = read_table(path, kind)
         else:
             with open(path, "rb") as f:
                 raw = _rows_block(list(json_rows(iter(functools.partial(f.read, READ_CHUNK_BYTES), b""))))
@@ -758,7 +758,6 @@ def prepare_dataset(
     ``chat_template`` (Jinja text) renders conversations instead of the tokenizer's own template.
     """
     import ray.data
-    from ray.data import read_parquet
     from ray.data.expressions import col
 
     say = stage or (lambda _: None)
@@ -780,15 +779,15 @@ def prepare_dataset(
             where = _reads_here(files)
             with _blocks_bounded():  # the steps below inherit the read's settings
                 raw = (
-                    read_parquet(files, ray_remote_args=where)
-                    if kind == "parquet"
+                    read_dataset(files, kind, ray_remote_args=where)
+                    if kind != "json"
                     else ray.data.read_datasource(json_datasource(files), ray_remote_args=where)
                 )
             encoded = raw.map_batches(_encode_batch, batch_format="pyarrow", fn_kwargs=encode).materialize()
     except DataError:
         raise
     except Exception as exc:  # Ray wraps reader errors; show the root cause, not Ray's traceback.
-        raise DataError(f"{option} {data!r}: cannot be read: {root_cause(exc)}") from None
+        raise unreadable(exc, option, data) from None
 
     counted = ["reason", "tokens", "trained", "last_only"]
     reasons, tokens, trained, last_only = _tally(

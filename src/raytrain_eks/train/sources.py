@@ -1,8 +1,8 @@
 """Where training data comes from: the files of a path (local or ``s3://``) or of a Hugging Face dataset.
 
-:func:`list_data_files` answers which files to read and with which reader (``json`` or ``parquet``), before
-anything is started; :func:`hf_data_files` finds one split of a Hugging Face dataset (``hf:OWNER/NAME[:SPLIT]``)
-in the Hugging Face cache, from the Hub when it answers.
+:func:`list_data_files` answers which files to read and with which reader (``json``, ``parquet``, ``csv`` or
+``arrow``), before anything is started; :func:`hf_data_files` finds one split of a Hugging Face dataset
+(``hf:OWNER/NAME[:SPLIT]``) in the Hugging Face cache, from the Hub when it answers.
 """
 
 from __future__ import annotations
@@ -13,7 +13,11 @@ from pathlib import Path
 
 from raytrain_eks.errors import DataError
 
-DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+READ_TYPES = ".jsonl, .json, .parquet, .csv or .arrow"  # what DATA_SUFFIXES reads, as the errors name it
+_KIND_NAMES = {"json": "JSON", "parquet": "Parquet", "csv": "CSV", "arrow": "Arrow"}
+# What the datasets library's save_to_disk writes beside a folder's .arrow files: its metadata, not rows.
+SAVED_DATASET_FILES = ("dataset_info.json", "state.json")
 
 
 HF_PREFIX = "hf:"  # a Hugging Face dataset: hf:OWNER/NAME[:SPLIT], or hf:FOLDER[:SPLIT] for one in the Hub's layout
@@ -26,7 +30,8 @@ def hf_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
     the Hugging Face cache (``huggingface_hub.snapshot_download``; from the cache alone when ``HF_HUB_OFFLINE`` is
     set or the Hub cannot be reached), then the ``datasets`` library decides which files make the split (its data
     file patterns and the README's ``configs``), as ``load_dataset`` would. ``hf:./FOLDER[:SPLIT]`` (or an absolute
-    path) takes a local folder in the Hub's layout. Parquet, JSON and JSONL datasets are read; others are refused.
+    path) takes a local folder in the Hub's layout. Parquet, JSON, JSONL, CSV and Arrow datasets are read; others
+    are refused.
     """
     spec = data[len(HF_PREFIX) :]
     source, sep, split = spec.rpartition(":")
@@ -56,7 +61,8 @@ def hf_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
     if None in kinds or len(kinds) != 1:
         suffixes = ", ".join(sorted({Path(f).suffix or "(none)" for f in files}))
         raise DataError(
-            f"{option} {data!r}: split {split!r} is stored as {suffixes}; Parquet, JSON and JSONL datasets are read"
+            f"{option} {data!r}: split {split!r} is stored as {suffixes}; Parquet, JSON, JSONL, CSV and Arrow "
+            "datasets are read"
         )
     (kind,) = {k for k in kinds if k is not None}
     return files, kind
@@ -102,7 +108,8 @@ def _quiet_datasets() -> Iterator[None]:
 
 
 def list_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
-    """The files to read and their reader ('json' or 'parquet'); :class:`DataError` when there are none.
+    """The files to read and their reader ('json', 'parquet', 'csv' or 'arrow'); :class:`DataError` when there are
+    none.
 
     ``data`` is a file or a folder, local or ``s3://`` (listed through pyarrow's file systems), or a Hugging Face
     dataset (:func:`hf_data_files`). ``option`` is the setting it came from, named in the errors
@@ -122,7 +129,8 @@ def list_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
         info = filesystem.get_file_info(root)
         if info.type == pafs.FileType.NotFound:
             raise DataError(
-                f"{option} {data!r}: no such file or folder", hint="Give a JSONL, JSON or Parquet file or folder."
+                f"{option} {data!r}: no such file or folder",
+                hint="Give a JSONL, JSON, Parquet, CSV or Arrow file or folder.",
             )
         if info.type == pafs.FileType.File:
             found = [info]
@@ -136,16 +144,18 @@ def list_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
     if len(found) == 1 and info.type == pafs.FileType.File:
         suffix = Path(found[0].path).suffix
         if suffix not in DATA_SUFFIXES:
-            raise DataError(
-                f"{option} {data!r}: unsupported file type {suffix or '(none)'!r}; use .jsonl, .json or .parquet"
-            )
+            raise DataError(f"{option} {data!r}: unsupported file type {suffix or '(none)'!r}; use {READ_TYPES}")
         return [prefix + found[0].path], DATA_SUFFIXES[suffix]
     files = sorted(prefix + i.path for i in found if Path(i.path).suffix in DATA_SUFFIXES)
+    if any(f.endswith(".arrow") for f in files):
+        files = [f for f in files if Path(f).name not in SAVED_DATASET_FILES]
     if not files:
-        raise DataError(f"{option} {data!r}: the folder has no .jsonl, .json or .parquet file")
+        raise DataError(f"{option} {data!r}: the folder has no {READ_TYPES} file")
     kinds = {DATA_SUFFIXES[Path(f).suffix] for f in files}
     if len(kinds) > 1:
-        raise DataError(f"{option} {data!r}: the folder mixes JSON and Parquet files; keep one kind per folder")
+        *some, last = [_KIND_NAMES[k] for k in sorted(kinds)]
+        mixed = f"{', '.join(some)} and {last}"
+        raise DataError(f"{option} {data!r}: the folder mixes {mixed} files; keep one kind per folder")
     return files, kinds.pop()
 
 

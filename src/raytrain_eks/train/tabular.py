@@ -1,0 +1,213 @@
+"""Columnar and delimited data files: Parquet, CSV and Arrow files read as pyarrow tables, whose rows the data formats
+read as they read JSON rows (each column a field).
+
+:func:`read_table` reads one local file whole (the driver's path, for small data); :func:`read_dataset` reads many,
+local or ``s3://``, as a Ray dataset of bounded blocks; :func:`unreadable` turns either's failure into one
+:class:`DataError` that names the file.
+
+CSV values stay text: every column is read as a string, so an answer ``42`` is ``"42"`` (not the number 42) and
+``007`` keeps its zeros, as the file has them; an empty field is the empty string. Arrow files are the Arrow IPC
+stream files of ``datasets``' ``save_to_disk`` and the Hub (``*.arrow``), or Arrow IPC files.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from raytrain_eks.errors import DataError
+from raytrain_eks.train.sources import root_cause
+
+TABLE_KINDS = ("parquet", "csv", "arrow")  # the readers of this module (JSON is read by .data's json_rows)
+_NAMES = {"parquet": "Parquet", "csv": "CSV", "arrow": "Arrow"}
+
+CSV_HINT = (
+    "Each row of a CSV file needs one field per column of its header line; a field that holds the delimiter "
+    "(a comma), a quote or a line break is written in double quotes, its own quotes doubled. Fix or remove the "
+    "row, or save the data as JSONL or Parquet."
+)
+# Ray Data's CSV reader names the file it failed on in the error it raises around pyarrow's.
+_RAY_CSV_FILE = re.compile(r"Failed to read CSV file: (.+?)\. Please check")
+
+
+class UnreadableFile(Exception):
+    """``path`` could not be read as its ``kind``, because ``why``; :func:`unreadable` says so."""
+
+    def __init__(self, path: str, kind: str, why: str) -> None:
+        self.path, self.kind, self.why = path, kind, why
+        super().__init__(path, kind, why)  # its arguments, so that it pickles (Ray sends it from a read task)
+
+    def __str__(self) -> str:
+        return f"{self.path}: not a valid {_NAMES.get(self.kind, self.kind)} file: {self.why}"
+
+
+def csv_columns(files: Sequence[str]) -> list[str]:
+    """The column names of the header lines of ``files`` (local or remote), each once, in order of appearance."""
+    import pyarrow.csv as pacsv
+
+    from raytrain_eks.train.storage import filesystem
+
+    names: dict[str, None] = {}
+    for path in files:
+        fs, where = filesystem(path)
+        try:
+            with fs.open_input_stream(where) as f:
+                # the header and the first block: the names, never the rows
+                reader = pacsv.open_csv(f, parse_options=csv_parsing())
+                names.update(dict.fromkeys(reader.schema.names))
+        except Exception as exc:
+            raise UnreadableFile(path, "csv", root_cause(exc)) from exc
+    return list(names)
+
+
+def csv_problem(path: str) -> str:
+    """What is wrong with the CSV file ``path`` (local or remote): read again, a block at a time, up to its first
+    problem. Ray Data's CSV reader names the file it failed on but drops pyarrow's reason, which this finds."""
+    import pyarrow.csv as pacsv
+
+    from raytrain_eks.train.storage import filesystem
+
+    bad: list[Any] = []
+
+    def note(row: Any) -> str:
+        bad.append(row)
+        return "error"
+
+    parse = csv_parsing(invalid_row_handler=note)
+    read = pacsv.ReadOptions(use_threads=False)  # rows numbered as the file has them
+    try:
+        fs, where = filesystem(path)
+        with fs.open_input_stream(where) as f:  # the header (and the first block's rows)
+            names = pacsv.open_csv(f, read_options=read, parse_options=parse).schema.names
+        with fs.open_input_stream(where) as f:
+            options = csv_options(names)
+            for _ in pacsv.open_csv(f, read_options=read, parse_options=parse, convert_options=options):
+                pass
+    except Exception as exc:
+        if bad:
+            row, s = bad[0], "" if bad[0].actual_columns == 1 else "s"
+            line = f"line {row.number}" if row.number is not None else "a row"
+            return f"{line} has {row.actual_columns} field{s}, the header {row.expected_columns}: {row.text[:200]!r}"
+        return root_cause(exc).removeprefix("CSV parse error: ")
+    return "it reads without error now (was it changed while it was read?)"
+
+
+def csv_parsing(**options: Any) -> Any:
+    """pyarrow CSV parse options: a quoted field may hold line breaks (multi-line text is common in CSV datasets;
+    without this, pyarrow cuts a large file into blocks at line breaks inside quotes and fails)."""
+    import pyarrow.csv as pacsv
+
+    return pacsv.ParseOptions(newlines_in_values=True, **options)
+
+
+def csv_options(columns: Sequence[str]) -> Any:
+    """pyarrow CSV conversion options that read ``columns`` as strings, an empty field as ``""`` (never null)."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    return pacsv.ConvertOptions(column_types=dict.fromkeys(columns, pa.string()), strings_can_be_null=False)
+
+
+def _arrow_batches(f: Any) -> Iterator[Any]:
+    """The record batches of an open, seekable Arrow IPC stream or file ``f``."""
+    import pyarrow as pa
+
+    try:
+        yield from pa.ipc.open_stream(f)
+    except pa.ArrowInvalid:  # not a stream: the IPC file format (its footer says where the batches are)
+        f.seek(0)
+        reader = pa.ipc.open_file(f)
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)
+
+
+def read_table(path: str, kind: str) -> Any:
+    """The rows of the local file ``path`` (``kind``: one of :data:`TABLE_KINDS`), as one pyarrow table;
+    :class:`UnreadableFile` when a CSV or Arrow file cannot be read (pyarrow's own error for Parquet)."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    if kind == "parquet":
+        return pq.read_table(path)
+    try:
+        if kind == "csv":
+            options = csv_options(csv_columns([path]))
+            return pacsv.read_csv(path, parse_options=csv_parsing(), convert_options=options)
+        if kind == "arrow":
+            with pa.OSFile(path) as f:
+                return pa.Table.from_batches(list(_arrow_batches(f)))
+    except UnreadableFile:
+        raise
+    except Exception as exc:
+        raise UnreadableFile(path, kind, root_cause(exc)) from exc
+    raise ValueError(f"no table reader for {kind!r} files")
+
+
+def read_dataset(files: list[str], kind: str, *, ray_remote_args: dict[str, Any]) -> Any:
+    """A Ray dataset of the rows of ``files`` (local or remote; ``kind``: one of :data:`TABLE_KINDS`), read by Ray
+    Data's tasks (with ``ray_remote_args``) in bounded blocks."""
+    import ray.data
+
+    if kind == "parquet":
+        return ray.data.read_parquet(files, ray_remote_args=ray_remote_args)
+    if kind == "csv":
+        # Hive partitioning off: a folder named like key=value adds no column.
+        options = csv_options(csv_columns(files))
+        return ray.data.read_csv(
+            files,
+            partitioning=None,
+            parse_options=csv_parsing(),
+            convert_options=options,
+            ray_remote_args=ray_remote_args,
+        )
+    if kind == "arrow":
+        return ray.data.read_datasource(_arrow_datasource(files), ray_remote_args=ray_remote_args)
+    raise ValueError(f"no table reader for {kind!r} files")
+
+
+def _arrow_datasource(files: list[str]) -> Any:
+    """A Ray Data source of the record batches of Arrow IPC stream or file files, one block each."""
+    import pyarrow as pa
+    from ray.data.datasource import FileBasedDatasource
+
+    class ArrowIpcDatasource(FileBasedDatasource):
+        def _open_input_source(self, filesystem: Any, path: str, **open_args: Any) -> Any:
+            return filesystem.open_input_file(path)  # seekable: the IPC file format is read from its footer
+
+        def _read_stream(self, f: Any, path: str) -> Iterator[Any]:
+            try:
+                for batch in _arrow_batches(f):
+                    yield pa.Table.from_batches([batch])
+            except Exception as exc:
+                raise UnreadableFile(path, "arrow", root_cause(exc)) from exc
+
+    return ArrowIpcDatasource(files)
+
+
+def unreadable(exc: BaseException, option: str, data: str) -> DataError:
+    """The :class:`DataError` for a read of ``data`` (from the setting ``option``) that failed with ``exc``: the
+    file and what is wrong with it where the error names them, else the innermost cause."""
+    path: str | None = None
+    kind: str | None = None
+    why: str | None = None
+    seen: BaseException | None = exc
+    chain: list[BaseException] = []
+    while seen is not None and len(chain) < 32:
+        chain.append(seen)
+        # Ray's task errors hold the task's own error as ``cause`` (Ray Data chains its SystemException instead)
+        cause = getattr(seen, "cause", None)
+        seen = cause if isinstance(cause, BaseException) else seen.__cause__
+    for err in chain:
+        if isinstance(err, UnreadableFile):
+            path, kind, why = err.path, err.kind, err.why
+            break
+        if found := _RAY_CSV_FILE.search(str(err)):
+            path, kind = found.group(1), "csv"
+            break
+    if kind == "csv":
+        return DataError(f"{option} {data!r}: {path} is not valid CSV: {csv_problem(str(path))}", hint=CSV_HINT)
+    if path is not None:
+        why = f"{path} is not a valid {_NAMES.get(str(kind), kind)} file ({why})"
+    return DataError(f"{option} {data!r}: cannot be read: {why or root_cause(chain[-1])}")

@@ -1,0 +1,160 @@
+"""Data stored as CSV or Arrow (a Hugging Face dataset's split, a file, a folder) becomes the rows the data formats
+read, its CSV values as text; a malformed CSV file is one error that names it. One test starts Ray (the packing
+needs it); the others stop before it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from raytrain_eks.errors import DataError
+from raytrain_eks.train.data import IGNORE_INDEX, prepare_dataset
+from raytrain_eks.train.sources import list_data_files
+
+QUESTIONS = ["What is 6 times 7?", "Pad 7 to three digits.", "Is water wet?", "Name two primes, comma-separated."]
+ANSWERS = ["42", "007", "true", "2, 3"]  # pyarrow would read the first three as 42, 7 and True
+CONTEXTS = ["", "", "Answer in one word.", 'Say "two" and "three"\nas digits.']
+COLUMNS = {"instruction": "question", "input": "context", "output": "answer"}
+
+
+def csv_text(rows: list[tuple[str, str, str]]) -> str:
+    """A CSV file of (question, context, answer) rows, quoted as a spreadsheet writes them."""
+
+    def field(value: str) -> str:
+        return f'"{value.replace(chr(34), chr(34) * 2)}"' if any(c in value for c in ',"\n') else value
+
+    lines = ["question,context,answer"] + [",".join(field(v) for v in row) for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+ROWS = list(zip(QUESTIONS, CONTEXTS, ANSWERS, strict=True))
+
+
+def prep(data: str, builtin_model: str, *, where: str, **kw):
+    return prepare_dataset(
+        data=data,
+        data_format="instruction",
+        text_field="text",
+        tokenizer_path=builtin_model,
+        seq_len=32,
+        seed=0,
+        min_blocks=1,
+        columns=kw.get("columns", COLUMNS),
+        in_driver=where == "driver",
+    )
+
+
+def trained_texts(tokenizer, prepared) -> str:
+    """The text of every trained token of the packed blocks."""
+    rows = prepared.dataset.take_all()
+    labels = np.concatenate([r["labels"] for r in rows])
+    return tokenizer.decode(labels[labels != IGNORE_INDEX].tolist())
+
+
+def blocks(prepared) -> np.ndarray:
+    rows = prepared.dataset.take_all()
+    return np.array([np.concatenate([r["input_ids"], r["labels"], r["position_ids"]]) for r in rows])
+
+
+def test_csv_and_arrow_data_is_trained_with_csv_values_as_text(
+    tmp_path, ray_local, builtin_model, tokenizer, monkeypatch
+):
+    import datasets
+
+    # A dataset folder in the Hub's layout, its splits stored as CSV, named relative to the working folder.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sums" / "data").mkdir(parents=True)
+    (tmp_path / "sums" / "data" / "train-00000-of-00001.csv").write_text(csv_text(ROWS * 3))
+    (tmp_path / "sums" / "data" / "test-00000-of-00001.csv").write_text(csv_text(ROWS[:1]))
+    (tmp_path / "sums" / "README.md").write_text("---\nlicense: apache-2.0\n---\n# Sums\n")
+    train = str(tmp_path / "sums" / "data" / "train-00000-of-00001.csv")
+    assert list_data_files("hf:./sums") == ([train], "csv")
+    assert list_data_files("hf:./sums:test")[1] == "csv"
+
+    driver = prep("hf:./sums", builtin_model, where="driver")
+    ray_data = prep("hf:./sums", builtin_model, where="ray")
+    for prepared in (driver, ray_data):
+        # Every row is usable: no answer became a number (the instruction format refuses those as not strings).
+        assert (prepared.rows, prepared.usable_rows, prepared.malformed) == (12, 12, {})
+        trained = trained_texts(tokenizer, prepared)
+        assert all(answer in trained for answer in ANSWERS), trained
+    np.testing.assert_array_equal(blocks(driver), blocks(ray_data))
+
+    # A plain CSV file, and a folder of them, are read the same way.
+    (tmp_path / "mine").mkdir()
+    for i in range(2):
+        (tmp_path / "mine" / f"part-{i}.csv").write_text(csv_text(ROWS))
+    one = prep(str(tmp_path / "mine" / "part-0.csv"), builtin_model, where="driver")
+    assert (one.rows, one.usable_rows) == (4, 4)
+    both = prep(str(tmp_path / "mine"), builtin_model, where="driver")
+    assert (both.rows, both.usable_rows) == (8, 8)
+
+    # A malformed row past what the driver reads of each file's header: Ray Data's read fails, the error names
+    # the file and the row.
+    big = tmp_path / "big.csv"
+    big.write_text(csv_text(ROWS * 20000) + "one,two,three,four\n")
+    with pytest.raises(DataError) as info:
+        prep(str(big), builtin_model, where="ray")
+    assert info.value.message == (
+        f"--data {str(big)!r}: {big} is not valid CSV: line 80002 has 4 fields, the header 3: 'one,two,three,four'"
+    )
+
+    # What the datasets library's save_to_disk writes: Arrow stream files beside its metadata.
+    saved = tmp_path / "saved"
+    columns = {"question": QUESTIONS, "context": CONTEXTS, "answer": ANSWERS}
+    datasets.Dataset.from_dict(columns).save_to_disk(str(saved), num_shards=2)
+    arrows = sorted(str(p) for p in saved.glob("*.arrow"))
+    assert list_data_files(str(saved)) == (arrows, "arrow") == list_data_files(f"hf:{saved}")
+    for where in ("driver", "ray"):
+        prepared = prep(str(saved), builtin_model, where=where)
+        assert (prepared.rows, prepared.usable_rows) == (4, 4)
+
+
+def test_csv_values_stay_as_the_file_writes_them(tmp_path):
+    from raytrain_eks.train.tabular import read_table
+
+    path = tmp_path / "values.csv"
+    path.write_text(csv_text(ROWS) + "3.50,,\n")
+    table = read_table(str(path), "csv")
+    assert {f.type for f in table.schema} == {pa.string()}
+    assert table.column("answer").to_pylist() == [*ANSWERS, ""]
+    assert table.column("question").to_pylist()[-1] == "3.50"
+    assert table.column("context").to_pylist() == [*CONTEXTS, ""]  # an empty field is "", never missing
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("a,b\n1,2\n1,2,3\n", "line 3 has 3 fields, the header 2: '1,2,3'"),
+        ('a,b\n1,2\n"open quote,3\n', "line 3 has 1 field, the header 2: '\"open quote,3'"),
+        (b"a,b\n1,2\n\xff\xfe,3\n", "CSV conversion error to string: invalid UTF8 data"),
+    ],
+    ids=["too-many-fields", "unclosed-quote", "not-utf8"],
+)
+def test_a_malformed_csv_is_one_error_naming_the_file(tmp_path, builtin_model, text, problem):
+    # The driver's read fails before anything else starts: no Ray here.
+    path = tmp_path / "bad.csv"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(DataError) as info:
+        prep(str(path), builtin_model, where="driver", columns=None)
+    assert info.value.message.startswith(f"--data {str(path)!r}: {path} is not valid CSV: ")
+    assert problem in info.value.message
+    assert "one field per column of its header line" in info.value.hint
+
+
+def test_data_files_of_each_kind_are_listed_and_mixed_folders_refused(tmp_path):
+    (tmp_path / "rows.csv").write_text(csv_text(ROWS))
+    assert list_data_files(str(tmp_path / "rows.csv")) == ([str(tmp_path / "rows.csv")], "csv")
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"question": "Q", "answer": "A"}) + "\n")
+    with pytest.raises(DataError, match="the folder mixes CSV and JSON files; keep one kind per folder"):
+        list_data_files(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("hello\n")
+    with pytest.raises(DataError, match=r"unsupported file type '\.txt'; use \.jsonl, \.json, \.parquet, \.csv or"):
+        list_data_files(str(tmp_path / "notes.txt"))
+    (tmp_path / "ds" / "data").mkdir(parents=True)
+    (tmp_path / "ds" / "data" / "train.txt").write_text("hello\n")
+    with pytest.raises(DataError, match="stored as .txt; Parquet, JSON, JSONL, CSV and Arrow datasets are read"):
+        list_data_files(f"hf:{tmp_path / 'ds'}")
