@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import re
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s.state import Deployment, StateStore
+
+if TYPE_CHECKING:  # the session type only: boto3 is imported when AWS is first called
+    from raytrain_eks.aws.session import Aws
 
 # S3 Standard in us-east-1, per GB-month (first 50 TB); what the kept checkpoints cost while they are kept.
 S3_STANDARD_USD_PER_GB_MONTH = 0.023
@@ -63,7 +66,7 @@ def storage_estimate(cfg: Config) -> dict[str, Any] | None:
     }
 
 
-def _s3(d: Deployment, aws: Any = None) -> Any:
+def _s3(d: Deployment, aws: Aws | None = None) -> Any:
     """The S3 client of the cluster's region: of ``aws`` (a :class:`raytrain_eks.aws.session.Aws` already made),
     else of a new session."""
     from raytrain_eks.aws.session import connect
@@ -148,7 +151,7 @@ _KEY_ARN = re.compile(r"^arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:key/[A-Za-z0-9-]+$
 _KMS_ALGORITHMS = ("aws:kms", "aws:kms:dsse")
 
 
-def bucket_kms_key(d: Deployment, name: str, aws: Any = None) -> str | None:
+def bucket_kms_key(d: Deployment, name: str, aws: Aws | None = None) -> str | None:
     """The ARN of the KMS key the bucket's default encryption uses (SSE-KMS), or ``None`` when it uses none of its
     own: SSE-S3, or ``aws:kms`` without a key named (S3's AWS managed key ``aws/s3``, whose key policy lets every
     principal of the account that may use S3 use it through S3, so no IAM grant is needed).

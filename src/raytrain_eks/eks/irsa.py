@@ -33,7 +33,7 @@ import shlex
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.eks.buckets import bucket_kms_key
@@ -41,6 +41,9 @@ from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.manifests import to_yaml
 from raytrain_eks.k8s.state import RUNS_PREFIX, Deployment
+
+if TYPE_CHECKING:  # the session type only: boto3 is imported when AWS is first called
+    from raytrain_eks.aws.session import Aws
 
 # The annotation eksctl puts on the service account (eksctl v0.230.0, pkg/apis/eksctl.io/v1alpha5/iam.go:
 # AnnotationEKSRoleARN), which EKS's pod identity webhook reads to give the pods the role's credentials.
@@ -281,7 +284,7 @@ def named_role(d: Deployment) -> tuple[str | None, str | None]:
 
 
 def look(
-    d: Deployment, bucket: str | None, kms_key: str | None, prefix: str = RUNS_PREFIX, *, aws: Any = None
+    d: Deployment, bucket: str | None, kms_key: str | None, prefix: str = RUNS_PREFIX, *, aws: Aws | None = None
 ) -> Access:
     """Whether the Ray pods' service account exists in the Ray namespace with the role annotation, the role exists,
     and (with ``bucket``) its policies allow what the job does with the bucket under ``prefix`` and with

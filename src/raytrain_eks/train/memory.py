@@ -23,9 +23,27 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from raytrain_eks.errors import UserError
+
+if TYPE_CHECKING:  # the settings' type only: the job ships this module, which imports nothing of them at run time
+    from raytrain_eks.config import Config
+
+
+class NodeGpu(Protocol):
+    """What the estimate reads of the GPU nodes: each GPU's memory and model, and a name for the messages (an
+    ``InstanceType`` of the EKS table, or what GPU feature discovery's labels say on another cluster)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def gpu_mib(self) -> int: ...
+
+    @property
+    def gpu_model(self) -> str | None: ...
+
 
 # Logits of one chunk of the loss (raytrain_eks.train.model.chunked_cross_entropy's max_logits).
 LOSS_CHUNK_LOGITS = 2**26
@@ -200,7 +218,7 @@ def _lora_targets(shape: ModelShape, lora: Any) -> list[tuple[int, int]]:
     return [widths[n] for n in names if n in widths]
 
 
-def check_lora_targets(cfg: Any) -> None:
+def check_lora_targets(cfg: Config) -> None:
     """Before anything is created: with method lora, every name of ``training.lora.target_modules`` is a linear
     layer of the model's decoder blocks, as the shape :func:`model_shape` knows (the one the estimate uses); a
     :class:`UserError` naming the model's linear layers otherwise (the job checks again when the shape is not known
@@ -465,7 +483,7 @@ def check_run(model_path: str, training: Any, *, layout: Any, precision: str, gp
     )
 
 
-def check_config(cfg: Any, gpu: Any) -> MemoryCheck | None:
+def check_config(cfg: Config, gpu: NodeGpu) -> MemoryCheck | None:
     """The estimate of ``cfg``'s training on ``gpu`` (an :class:`~raytrain_eks.instances.InstanceType`): bf16 unless
     the config says fp32 (every GPU type this tool deploys has bf16). ``None`` when the model's shape is not known
     on this machine (see :func:`model_shape`)."""
@@ -484,7 +502,7 @@ def check_config(cfg: Any, gpu: Any) -> MemoryCheck | None:
     )
 
 
-def fit_config(cfg: Any, gpu: Any) -> tuple[Any, MemoryCheck | None]:
+def fit_config(cfg: Config, gpu: NodeGpu) -> tuple[Config, MemoryCheck | None]:
     """``cfg`` checked against ``gpu``'s memory before anything is created: raises :class:`DoesNotFit` when it
     cannot fit, and returns the config with activation checkpointing switched on when that makes it fit. LoRA
     layers the model does not have are refused first (:func:`check_lora_targets`)."""
