@@ -1,10 +1,16 @@
 """Data stored as CSV or Arrow (a Hugging Face dataset's split, a file, a folder) becomes the rows the data formats
-read, its CSV values as text; a malformed CSV file is one error that names it. One test starts Ray (the packing
-needs it); the others stop before it."""
+read, its CSV values as text; a malformed CSV file is one error that names it; and ``hf:OWNER/NAME`` is read from
+the Hugging Face cache when the Hub cannot be reached. One test starts Ray (the packing needs it); the others stop
+before it."""
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -92,14 +98,16 @@ def test_csv_and_arrow_data_is_trained_with_csv_values_as_text(
     both = prep(str(tmp_path / "mine"), builtin_model, where="driver")
     assert (both.rows, both.usable_rows) == (8, 8)
 
-    # A malformed row past what the driver reads of each file's header: Ray Data's read fails, the error names
-    # the file and the row.
+    # A malformed row past the first block (all the driver reads of a file before Ray Data's tasks read it): Ray
+    # Data's read fails, the error names the file and the row, counted as pyarrow counts them (the fourth row of
+    # ROWS holds a line break).
     big = tmp_path / "big.csv"
-    big.write_text(csv_text(ROWS * 20000) + "one,two,three,four\n")
+    big.write_text(csv_text(ROWS * 9000) + "one,two,three,four\n")  # 1.5 MiB: pyarrow's first block is 1 MiB
     with pytest.raises(DataError) as info:
         prep(str(big), builtin_model, where="ray")
     assert info.value.message == (
-        f"--data {str(big)!r}: {big} is not valid CSV: line 80002 has 4 fields, the header 3: 'one,two,three,four'"
+        f"--data {str(big)!r}: {big} is not valid CSV: row 36002 (the header is row 1) has 4 fields, the header 3: "
+        "'one,two,three,four'"
     )
 
     # What the datasets library's save_to_disk writes: Arrow stream files beside its metadata.
@@ -128,8 +136,8 @@ def test_csv_values_stay_as_the_file_writes_them(tmp_path):
 @pytest.mark.parametrize(
     ("text", "problem"),
     [
-        ("a,b\n1,2\n1,2,3\n", "line 3 has 3 fields, the header 2: '1,2,3'"),
-        ('a,b\n1,2\n"open quote,3\n', "line 3 has 1 field, the header 2: '\"open quote,3'"),
+        ("a,b\n1,2\n1,2,3\n", "row 3 (the header is row 1) has 3 fields, the header 2: '1,2,3'"),
+        ('a,b\n1,2\n"open quote,3\n', "row 3 (the header is row 1) has 1 field, the header 2: '\"open quote,3'"),
         (b"a,b\n1,2\n\xff\xfe,3\n", "CSV conversion error to string: invalid UTF8 data"),
     ],
     ids=["too-many-fields", "unclosed-quote", "not-utf8"],
@@ -158,3 +166,89 @@ def test_data_files_of_each_kind_are_listed_and_mixed_folders_refused(tmp_path):
     (tmp_path / "ds" / "data" / "train.txt").write_text("hello\n")
     with pytest.raises(DataError, match="stored as .txt; Parquet, JSON, JSONL, CSV and Arrow datasets are read"):
         list_data_files(f"hf:{tmp_path / 'ds'}")
+
+
+# -- hf:OWNER/NAME when the Hub cannot be reached -------------------------------------------------------------------
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def cached_dataset(cache: Path, repo: str) -> Path:
+    """A dataset in the Hugging Face cache's layout, as an earlier ``snapshot_download`` left it:
+    ``datasets--OWNER--NAME/refs/main`` naming a commit, the files under ``snapshots/<commit>/``."""
+    repo_dir = cache / f"datasets--{repo.replace('/', '--')}"
+    snapshot = repo_dir / "snapshots" / COMMIT
+    (snapshot / "data").mkdir(parents=True)
+    for split in ("train", "test"):
+        (snapshot / "data" / f"{split}.jsonl").write_text(json.dumps({"question": "Q", "answer": "A"}) + "\n")
+    (snapshot / "README.md").write_text("---\nlicense: apache-2.0\n---\n# A cached dataset\n")
+    (repo_dir / "refs").mkdir()
+    (repo_dir / "refs" / "main").write_text(COMMIT)
+    return snapshot
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (taken from the system, then let go)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _BranchGone(BaseHTTPRequestHandler):
+    """A Hub that answers every request: this revision does not exist (after the dataset's branch was deleted)."""
+
+    def do_GET(self) -> None:
+        self.send_response(404)
+        self.send_header("X-Error-Code", "RevisionNotFound")
+        self.send_header("Content-Type", "application/json")
+        self.end_headers()
+        self.wfile.write(b'{"error": "Revision Not Found"}')
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture(params=["unreachable", "refusing"])
+def hub(request):
+    """The Hub's address: nothing listening there, or a server that refuses every request with an error that
+    huggingface_hub itself does not answer from the cache (so only the project's own fallback reads the cache)."""
+    if request.param == "unreachable":
+        yield f"http://127.0.0.1:{closed_port()}"
+        return
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _BranchGone)
+    server.block_on_close = False  # a client's kept-alive connection does not hold the teardown
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+def test_hf_dataset_is_read_from_the_cache_when_the_hub_does_not_serve_it(tmp_path, monkeypatch, hub):
+    import huggingface_hub.constants as hf_constants
+
+    cache = tmp_path / "hub"
+    snapshot = cached_dataset(cache, "acme/sums")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_ENDPOINT", hub)
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "2")
+    # huggingface_hub reads these variables once, when it is imported (before this test set them), into its
+    # constants, which snapshot_download reads at each call: they are set there too.
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(hf_constants, "ENDPOINT", hub)
+    monkeypatch.setattr(hf_constants, "HF_HUB_ETAG_TIMEOUT", 2)
+
+    start = time.monotonic()
+    assert list_data_files("hf:acme/sums") == ([str(snapshot / "data" / "train.jsonl")], "json")
+    assert list_data_files("hf:acme/sums:test") == ([str(snapshot / "data" / "test.jsonl")], "json")
+    with pytest.raises(DataError) as info:
+        list_data_files("hf:acme/missing")
+    assert "dataset 'acme/missing' is neither reachable on the Hub nor in the Hugging Face cache" in str(info.value)
+    assert "HF_HOME" in info.value.hint
+    assert time.monotonic() - start < 20  # no retries against the Hub that is not there

@@ -87,8 +87,9 @@ def csv_problem(path: str) -> str:
     except Exception as exc:
         if bad:
             row, s = bad[0], "" if bad[0].actual_columns == 1 else "s"
-            line = f"line {row.number}" if row.number is not None else "a row"
-            return f"{line} has {row.actual_columns} field{s}, the header {row.expected_columns}: {row.text[:200]!r}"
+            # pyarrow counts rows, not lines (a quoted field may hold line breaks); the header is row 1
+            where = f"row {row.number} (the header is row 1)" if row.number is not None else "a row"
+            return f"{where} has {row.actual_columns} field{s}, the header {row.expected_columns}: {row.text[:200]!r}"
         return root_cause(exc).removeprefix("CSV parse error: ")
     return "it reads without error now (was it changed while it was read?)"
 
