@@ -13,7 +13,7 @@ import math
 import statistics
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -403,6 +403,83 @@ def decide_run(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> tupl
     return precision, layout, checkpointing
 
 
+@dataclass
+class Tally:
+    """What a run counts as it goes, for its summary: the steps this attempt trained, the logged losses, the
+    checkpoints and the time they took, the last held-out evaluation and the time evaluation took, the transport
+    gate's last answer, and the time in the loop and in the final samples."""
+
+    done: int = 0
+    losses: dict[int, float] = field(default_factory=dict)
+    checkpoints: list[int] = field(default_factory=list)
+    checkpoint_s: float = 0.0
+    last_eval: dict[str, Any] = field(default_factory=dict)
+    eval_s: float = 0.0
+    fabric: dict[str, Any] | None = None
+    train_s: float = 0.0
+    samples_s: float = 0.0
+
+
+def run_summary(
+    cfg: TrainingConfig,
+    ctx: WorkerContext,
+    prepared: PreparedModel,
+    *,
+    layout: Layout,
+    precision: str,
+    start: Resumed,
+    tally: Tally,
+    window: ThroughputWindow,
+    fabric_require: str,
+) -> dict[str, Any]:
+    """The run's ``summary.json`` fields, from what it counted (``tally``) and its steady-state throughput."""
+    device = ctx.device
+    tokens_per_step = ctx.world_size * cfg.batch_size * cfg.grad_accum_steps * cfg.seq_len
+    fpt = flops_per_token(
+        prepared.model.config, cfg.seq_len, adapters=prepared.trainable if prepared.lora_targets else 0
+    )
+    peak = peak_flops_for(device_name(device), precision) if device.type == "cuda" else None
+    steady_step_time, tps = window.steady()
+    last_step = start.step + tally.done  # cfg.steps, unless the transport gate stopped the run early
+    checkpoints, checkpoint_s, train_s = tally.checkpoints, tally.checkpoint_s, tally.train_s
+    return {
+        "steps": last_step,
+        "first_loss": tally.losses.get(start.step + 1),
+        "final_loss": tally.losses.get(cfg.steps),
+        "tokens": last_step * tokens_per_step,
+        "trained_tokens": tally.done * tokens_per_step,  # by this attempt (a resumed run's first steps were before)
+        "train_s": train_s,
+        "tokens_per_s": tps,
+        "step_time_s": steady_step_time,
+        "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
+        "precision": precision,
+        "sharding": layout.mode,
+        "reduce_precision": cfg.reduce_precision,
+        "flops_per_token": fpt,
+        "parameters": prepared.parameters,
+        "trainable_parameters": prepared.trainable,
+        "method": cfg.method,
+        "world_size": ctx.world_size,
+        "nodes": len(layout.nodes),  # the nodes the workers ran on (a per-node price counts them)
+        "device": device_name(device),
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        # What the caching allocator held at most: what must fit the GPU (allocated plus its free blocks).
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
+        "resumed_from_step": start.from_step,
+        "checkpoints": checkpoints,
+        "checkpoint_s": checkpoint_s,
+        "checkpoint_s_per_save": checkpoint_s / len(checkpoints) if checkpoints else None,
+        # of this attempt's time in the loop and its checkpoints (the share training did not go on)
+        "checkpoint_share": checkpoint_s / train_s if train_s > 0 else None,
+        "eval_loss": tally.last_eval.get("eval_loss"),
+        "eval_ppl": tally.last_eval.get("eval_ppl"),
+        "eval_tokens": tally.last_eval.get("eval_tokens"),
+        "eval_s": tally.eval_s,
+        "samples_s": tally.samples_s,
+        "fabric": tally.fabric or {"require": fabric_require, "verdict": None, "met": None},
+    }
+
+
 def train(
     cfg: TrainingConfig,
     model_path: str,
@@ -467,14 +544,10 @@ def train(
         if eval_source is not None
         else None
     )
-    last_eval: dict[str, Any] = {}
-    eval_s = 0.0
-    checkpoints: list[int] = []
-    checkpoint_s = 0.0
+    tally = Tally()
     window = ThroughputWindow()
 
     def save(step: int, record: StepRecord | None) -> None:
-        nonlocal checkpoint_s
         t = time.perf_counter()
 
         def write(folder: Path, background: Any) -> Future[Any] | None:
@@ -495,14 +568,11 @@ def train(
 
         metrics = record.to_json() if record is not None else {"step": step}
         ctx.save_checkpoint(step, write, metrics, keep=cfg.keep_checkpoints)
-        checkpoints.append(step)
+        tally.checkpoints.append(step)
         spent = time.perf_counter() - t
-        checkpoint_s += spent
+        tally.checkpoint_s += spent
         window.leave_out(spent)  # throughput and step time leave checkpoint time out
 
-    fabric: dict[str, Any] | None = None
-    done = 0
-    losses: dict[int, float] = {}
     loop_start = time.perf_counter()
     window.reopen()
     model.train()
@@ -512,7 +582,7 @@ def train(
         result = train_step(
             prepared, optimizer, scheduler, micro, cfg=cfg, mode=layout.mode, world_size=ctx.world_size, device=device
         )
-        done += 1
+        tally.done += 1
         window.add(tokens_per_step)
         ctx.settle()  # a checkpoint still being written or uploaded goes on (reported, then marked complete)
 
@@ -521,12 +591,12 @@ def train(
         if eval_due or step == start.step + 1 or step % cfg.log_every == 0 or step == cfg.steps:
             loss, grad_norm = logged_loss(result, ctx.world_size)
             _sync(device)
-            losses[step] = loss
+            tally.losses[step] = loss
             step_time, tps = window.close()
             if eval_due and held_out is not None:  # after the window's timing: left out of throughput, like checkpoints
                 t = time.perf_counter()
-                last_eval = held_out.evaluate(model, prepared.output_weight, device)
-                eval_s += time.perf_counter() - t
+                tally.last_eval = held_out.evaluate(model, prepared.output_weight, device)
+                tally.eval_s += time.perf_counter() - t
             record = StepRecord(
                 step=step,
                 loss=loss,
@@ -537,24 +607,25 @@ def train(
                 step_time_s=step_time,
                 mfu=mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
                 resumed_from_step=start.from_step,
-                **(last_eval if eval_due else {}),
+                **(tally.last_eval if eval_due else {}),
             )
             ctx.emit(record)
-        if fabric_require != "any" and (fabric is None or fabric["action"] == "look-again"):
-            fabric, nccl_lines = check_transport(
-                fabric_require, rank=ctx.rank, world_size=ctx.world_size, node=ctx.node, last_look=fabric is not None
+        if fabric_require != "any" and (tally.fabric is None or tally.fabric["action"] == "look-again"):
+            last_look = tally.fabric is not None
+            tally.fabric, nccl_lines = check_transport(
+                fabric_require, rank=ctx.rank, world_size=ctx.world_size, node=ctx.node, last_look=last_look
             )
-            ctx.emit(FabricLook(fabric, nccl_lines))
-            if fabric["action"] == "stop":
+            ctx.emit(FabricLook(tally.fabric, nccl_lines))
+            if tally.fabric["action"] == "stop":
                 break
         if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             save(step, record)
         if record is not None:
             window.reopen()
 
-    train_s = time.perf_counter() - loop_start
+    tally.train_s = time.perf_counter() - loop_start
     samples_start = time.perf_counter()
-    if sample_prompts and cfg.sample_tokens and (fabric is None or fabric.get("met") is not False):
+    if sample_prompts and cfg.sample_tokens and (tally.fabric is None or tally.fabric.get("met") is not False):
         samples = greedy_samples(
             model,
             prepared.output_weight,
@@ -564,45 +635,18 @@ def train(
             device=device,
         )
         ctx.emit(Samples(samples))
-    samples_s = time.perf_counter() - samples_start
-    steady_step_time, tps = window.steady()
-    last_step = start.step + done  # cfg.steps, unless the transport gate stopped the run early
-    summary = {
-        "steps": last_step,
-        "first_loss": losses.get(start.step + 1),
-        "final_loss": losses.get(cfg.steps),
-        "tokens": last_step * tokens_per_step,
-        "trained_tokens": done * tokens_per_step,  # by this attempt (a resumed run's first steps were trained before)
-        "train_s": train_s,
-        "tokens_per_s": tps,
-        "step_time_s": steady_step_time,
-        "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
-        "precision": precision,
-        "sharding": layout.mode,
-        "reduce_precision": cfg.reduce_precision,
-        "flops_per_token": fpt,
-        "parameters": prepared.parameters,
-        "trainable_parameters": prepared.trainable,
-        "method": cfg.method,
-        "world_size": ctx.world_size,
-        "nodes": len(layout.nodes),  # the nodes the workers ran on (a per-node price counts them)
-        "device": device_name(device),
-        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        # What the caching allocator held at most: what must fit the GPU (allocated plus its free blocks).
-        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
-        "resumed_from_step": start.from_step,
-        "checkpoints": checkpoints,
-        "checkpoint_s": checkpoint_s,
-        "checkpoint_s_per_save": checkpoint_s / len(checkpoints) if checkpoints else None,
-        # of this attempt's time in the loop and its checkpoints (the share training did not go on)
-        "checkpoint_share": checkpoint_s / train_s if train_s > 0 else None,
-        "eval_loss": last_eval.get("eval_loss"),
-        "eval_ppl": last_eval.get("eval_ppl"),
-        "eval_tokens": last_eval.get("eval_tokens"),
-        "eval_s": eval_s,
-        "samples_s": samples_s,
-        "fabric": fabric or {"require": fabric_require, "verdict": None, "met": None},
-    }
+    tally.samples_s = time.perf_counter() - samples_start
+    summary = run_summary(
+        cfg,
+        ctx,
+        prepared,
+        layout=layout,
+        precision=precision,
+        start=start,
+        tally=tally,
+        window=window,
+        fabric_require=fabric_require,
+    )
     ctx.finish(summary)
     return summary
 
