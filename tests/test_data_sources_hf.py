@@ -133,6 +133,23 @@ def test_csv_values_stay_as_the_file_writes_them(tmp_path):
     assert table.column("context").to_pylist() == [*CONTEXTS, ""]  # an empty field is "", never missing
 
 
+def test_csv_and_arrow_data_give_the_run_its_sample_prompts(tmp_path, tokenizer):
+    # The run's samples are answers to the data's first prompts: a CSV or Arrow file gives them as JSON lines do.
+    from raytrain_eks.train.prompts import sample_prompts
+
+    path = tmp_path / "sums.csv"
+    path.write_text(csv_text(ROWS))
+    shown, rendered = sample_prompts(None, ([str(path)], "csv"), "instruction", "text", tokenizer, 3, COLUMNS)
+    assert shown == [QUESTIONS[0], QUESTIONS[1], f"{QUESTIONS[2]}\n\n{CONTEXTS[2]}"]  # instruction, then input
+    assert rendered[0].startswith("<|im_start|>user\n" + QUESTIONS[0])
+    table = pa.table({"question": QUESTIONS, "context": CONTEXTS, "answer": ANSWERS})
+    arrow = tmp_path / "sums.arrow"
+    with pa.OSFile(str(arrow), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    from_arrow, _ = sample_prompts(None, ([str(arrow)], "arrow"), "instruction", "text", tokenizer, 3, COLUMNS)
+    assert from_arrow == shown
+
+
 @pytest.mark.parametrize(
     ("text", "problem"),
     [

@@ -62,6 +62,10 @@ def first_rows(files: list[str], kind: str, count: int) -> list[dict[str, Any]]:
         with fs.open_input_file(path) as f:
             pf = pq.ParquetFile(f)
             return pf.read_row_group(0).slice(0, wanted).to_pylist() if pf.num_row_groups else []
+    if kind in ("csv", "arrow"):
+        from raytrain_eks.train.tabular import first_table_rows
+
+        return first_table_rows(files[0], kind, wanted)
     rows: list[dict[str, Any]] = []
     with fs.open_input_stream(path) as f:
         for item in json_rows(iter(lambda: f.read(_CHUNK_BYTES), b"")):

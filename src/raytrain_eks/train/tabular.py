@@ -123,6 +123,36 @@ def _arrow_batches(f: Any) -> Iterator[Any]:
             yield reader.get_batch(i)
 
 
+def first_table_rows(path: str, kind: str, wanted: int) -> list[dict[str, Any]]:
+    """Up to ``wanted`` rows from the start of the CSV or Arrow file ``path`` (local or remote), read a block at a
+    time and only as far as they need (the sample prompts' rows), CSV values as text, as training reads them."""
+    import pyarrow.csv as pacsv
+
+    from raytrain_eks.train.storage import filesystem
+
+    fs, where = filesystem(path)
+    rows: list[dict[str, Any]] = []
+    try:
+        if kind == "csv":
+            options = csv_options(csv_columns([path]))
+            with fs.open_input_stream(where) as f:
+                for batch in pacsv.open_csv(f, parse_options=csv_parsing(), convert_options=options):
+                    rows += batch.slice(0, wanted - len(rows)).to_pylist()
+                    if len(rows) >= wanted:
+                        break
+            return rows
+        with fs.open_input_file(where) as f:  # Arrow: seekable, for the IPC file format's footer
+            for batch in _arrow_batches(f):
+                rows += batch.slice(0, wanted - len(rows)).to_pylist()
+                if len(rows) >= wanted:
+                    break
+        return rows
+    except UnreadableFile:
+        raise
+    except Exception as exc:
+        raise UnreadableFile(path, kind, root_cause(exc)) from exc
+
+
 def read_table(path: str, kind: str) -> Any:
     """The rows of the local file ``path`` (``kind``: one of :data:`TABLE_KINDS`), as one pyarrow table;
     :class:`UnreadableFile` when a CSV or Arrow file cannot be read (pyarrow's own error for Parquet)."""
