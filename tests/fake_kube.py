@@ -439,10 +439,10 @@ class FakeKube:
     def pod_events(self, namespace: str, name: str) -> list[Event]:
         return list(self._events.get((namespace, name), []))
 
-    def daemon_sets(self, namespace: str, selector: Mapping[str, str] | None = None) -> list[DaemonSet]:
+    def daemon_sets(self, namespace: str | None, selector: Mapping[str, str] | None = None) -> list[DaemonSet]:
         out = []
         for (ns, name), ds in self._daemon_sets.items():
-            if ns != namespace or not matches(ds.labels, selector):
+            if (namespace is not None and ns != namespace) or not matches(ds.labels, selector):
                 continue
             pods = [p for (pns, _), p in self._pods.items() if pns == ns and p.owner == ("DaemonSet", name)]
             desired = sum(1 for n in self._nodes.values() if self._runs_on(ds, n))

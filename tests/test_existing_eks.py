@@ -161,3 +161,40 @@ def test_a_kept_kuberay_whose_crds_lack_a_field_submit_sets_stops_up_before_the_
         _up(existing)
     assert "rayjobs.ray.io has no spec.preRunningDeadlineSeconds" in refused.value.message
     assert not existing.tools.commands("eksctl", "create", "nodegroup") and not _plugin_installs(existing)
+
+
+def test_a_plugin_in_a_namespace_of_its_own_is_kept(existing: World):
+    # NVIDIA's plugin where a team's GPU operator runs it (a namespace of its own name): up finds it by its image.
+    existing.kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "nvidia-gpu-operator"}})
+    theirs = _eksctl_nvidia_plugin()
+    theirs["metadata"]["namespace"] = "nvidia-gpu-operator"
+    existing.kube.put(theirs)
+    existing.kube.put(_efa_release("efa"))
+    _up(existing)
+    assert _plugin_installs(existing) == ["kuberay-operator"]
+    assert (
+        "Keeping the cluster's nvidia-device-plugin: DaemonSet nvidia-gpu-operator/nvidia-device-plugin-daemonset"
+        in existing.said()
+    )
+
+
+def test_without_the_right_to_list_every_namespace_the_usual_ones_are_looked_at(existing: World, monkeypatch):
+    # Kubernetes' RBAC answer to a cluster-wide list the kubeconfig's user may not make (403; the message as the
+    # RBAC authorizer words it, k8s.io/apiserver pkg/endpoints/handlers/responsewriters/errors.go forbiddenMessage).
+    from raytrain_eks.k8s.cluster import KubeApiError
+
+    namespaced = existing.kube.daemon_sets
+
+    def daemon_sets(namespace, selector=None):
+        if namespace is None:
+            raise KubeApiError(
+                'list DaemonSets in every namespace: daemonsets.apps is forbidden: User "dev" cannot list resource '
+                '"daemonsets" in API group "apps" at the cluster scope'
+            )
+        return namespaced(namespace, selector)
+
+    monkeypatch.setattr(existing.kube, "daemon_sets", daemon_sets)
+    existing.kube.put(_eksctl_nvidia_plugin())
+    existing.kube.put(_efa_release("efa"))
+    _up(existing)
+    assert _plugin_installs(existing) == ["kuberay-operator"]

@@ -634,6 +634,22 @@ def test_daemon_sets_send_the_label_selector_and_read_readiness_and_pod_selector
     ]
 
 
+def test_daemon_sets_of_every_namespace_are_one_cluster_wide_list(kube: KubernetesApi, server: FakeApiServer) -> None:
+    operator = daemon_set("nvidia-device-plugin-daemonset", {"app.kubernetes.io/instance": "gpu-operator"}, 1, 1)
+    operator["metadata"]["namespace"] = "nvidia-gpu-operator"
+    server.seed("apps/v1", "daemonsets", operator)
+
+    sets = kube.daemon_sets(None)
+
+    req = only(server, "GET", "/apis/apps/v1/daemonsets")
+    assert req.query == {"labelSelector": [""]}  # no selector: all of them
+    assert sorted((ds.namespace, ds.name) for ds in sets) == [
+        ("kube-system", "aws-efa-k8s-device-plugin"),
+        ("kube-system", "nvidia-device-plugin"),
+        ("nvidia-gpu-operator", "nvidia-device-plugin-daemonset"),
+    ]
+
+
 # -- apply, get, delete ----------------------------------------------------------------------------------------------
 
 

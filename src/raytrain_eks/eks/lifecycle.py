@@ -187,8 +187,8 @@ def kept_addons(d: Deployment) -> dict[str, str]:
     what was found); ``{}`` on a cluster this folder creates. A :class:`UserError`, before anything is made, when
     a kept device plugin's pods would not run on the GPU node group's nodes.
 
-    A device plugin counts as there when a DaemonSet of its image runs in kube-system, nvidia-device-plugin or
-    gpu-operator (a Helm release of any name, eksctl's manifest, the GPU operator); KubeRay when the RayCluster CRD
+    A device plugin counts as there when a DaemonSet of its image runs in any namespace (a Helm release of any name,
+    eksctl's manifest, the GPU operator; :func:`~raytrain_eks.k8s.addons.running_plugins`); KubeRay when the CRD
     exists (the ``kubernetes`` target's rule). What this folder installed itself, and eksctl's copy applied for its
     own node group (:func:`~raytrain_eks.eks.nodegroups.eksctl_copies`), does not count. Whether a plugin's pods
     would run on the new nodes is read from its node selector, required node affinity and tolerations against the

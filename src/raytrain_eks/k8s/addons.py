@@ -24,7 +24,7 @@ from typing import Any
 from raytrain_eks.config import Config
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
-from raytrain_eks.k8s.cluster import Node, quantity
+from raytrain_eks.k8s.cluster import KubeApiError, Node, quantity
 from raytrain_eks.k8s.manifests import to_yaml
 from raytrain_eks.k8s.runner import QUICK_TIMEOUT_S, CommandError, Completed
 from raytrain_eks.k8s.state import Deployment
@@ -346,19 +346,29 @@ def plugin_kind(pod_spec: dict[str, Any]) -> str | None:
     return None
 
 
+def _all_daemon_sets(d: Deployment) -> list[Any]:
+    """Every DaemonSet of the cluster (a device plugin may run in any namespace: the GPU operator's own, a chart's
+    release namespace); those of :data:`PLUGIN_NAMESPACES` alone when listing across namespaces is refused
+    (a kubeconfig with rights in some namespaces only)."""
+    try:
+        return d.kube.daemon_sets(None)
+    except KubeApiError:
+        return [ds for ns in PLUGIN_NAMESPACES for ds in d.kube.daemon_sets(ns)]
+
+
 def running_plugins(d: Deployment, ignore: Collection[tuple[str, str]] = ()) -> dict[str, list[RunningPlugin]]:
-    """The device-plugin DaemonSets of :data:`PLUGIN_NAMESPACES`, by plugin release; ``ignore``: (namespace, name)
-    of DaemonSets that are this tool's own."""
+    """The device-plugin DaemonSets of the cluster, by plugin release, known by their image (:func:`plugin_kind`)
+    in whatever namespace they run; ``ignore``: (namespace, name) of DaemonSets that are this tool's own."""
     found: dict[str, list[RunningPlugin]] = {}
-    for ns in PLUGIN_NAMESPACES:
-        for ds in d.kube.daemon_sets(ns):
-            if (ns, ds.name) in ignore:
-                continue
-            obj = d.kube.get("apps/v1", "DaemonSet", ds.name, ns) or {}
-            spec = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
-            kind = plugin_kind(spec)
-            if kind is not None:
-                found.setdefault(kind, []).append(RunningPlugin(kind, ns, ds.name, spec))
+    for ds in _all_daemon_sets(d):
+        ns = ds.namespace
+        if (ns, ds.name) in ignore:
+            continue
+        obj = d.kube.get("apps/v1", "DaemonSet", ds.name, ns) or {}
+        spec = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
+        kind = plugin_kind(spec)
+        if kind is not None:
+            found.setdefault(kind, []).append(RunningPlugin(kind, ns, ds.name, spec))
     return found
 
 

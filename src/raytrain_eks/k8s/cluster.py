@@ -129,7 +129,9 @@ class KubeApi(Protocol):
 
     def pod_events(self, namespace: str, name: str) -> list[Event]: ...
 
-    def daemon_sets(self, namespace: str, selector: Mapping[str, str] | None = None) -> list[DaemonSet]: ...
+    def daemon_sets(self, namespace: str | None, selector: Mapping[str, str] | None = None) -> list[DaemonSet]:
+        """The DaemonSets of ``namespace`` (``None``: of every namespace) that ``selector`` selects."""
+        ...
 
     def apply(self, obj: Mapping[str, Any]) -> None:
         """Create or update ``obj`` (server-side apply): applying the same dict twice changes nothing."""
@@ -312,18 +314,21 @@ class KubernetesApi:
         )
         return [Event(e.type or "", e.reason or "", e.message or "", e.count or 1) for e in items]
 
-    def daemon_sets(self, namespace: str, selector: Mapping[str, str] | None = None) -> list[DaemonSet]:
+    def daemon_sets(self, namespace: str | None, selector: Mapping[str, str] | None = None) -> list[DaemonSet]:
         self._api()
+        labels = selector_string(selector) or ""
         items = self._call(
-            f"list DaemonSets in {namespace}",
+            f"list DaemonSets in {namespace or 'every namespace'}",
             lambda: (
-                self._apps.list_namespaced_daemon_set(namespace, label_selector=selector_string(selector) or "").items
+                self._apps.list_namespaced_daemon_set(namespace, label_selector=labels).items
+                if namespace is not None
+                else self._apps.list_daemon_set_for_all_namespaces(label_selector=labels).items
             ),
         )
         return [
             DaemonSet(
                 name=d.metadata.name,
-                namespace=namespace,
+                namespace=str(d.metadata.namespace or namespace),
                 desired=d.status.desired_number_scheduled or 0,
                 ready=d.status.number_ready or 0,
                 pod_selector=dict(d.spec.selector.match_labels or {}),
