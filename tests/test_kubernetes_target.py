@@ -528,7 +528,7 @@ def test_without_up_or_efa_the_job_commands_stop_with_the_fix(plain: Cluster, mo
     assert not [o for o in plain.kube.applied if o["kind"] == "RayCluster"]
 
 
-def test_a_kubeRay_too_old_for_the_fields_submit_sets_stops_up_before_anything(efa: Cluster):
+def test_a_kuberay_too_old_for_the_fields_submit_sets_stops_up_before_anything(efa: Cluster):
     # The team's KubeRay predates a field the RayJob sets: its CRD (1.7.0's, less the field KubeRay added later)
     # would let the API server drop it silently, and a job whose pods never start would hold the GPU nodes.
     crd = efa.kube.get("apiextensions.k8s.io/v1", "CustomResourceDefinition", "rayjobs.ray.io")

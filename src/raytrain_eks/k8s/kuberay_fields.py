@@ -17,11 +17,11 @@ from typing import Any
 
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.addons import RAYCLUSTER_CRD
 from raytrain_eks.k8s.state import Deployment
 
 CRD_API = "apiextensions.k8s.io/v1"
 RAYJOB_CRD = "rayjobs.ray.io"
-RAYCLUSTER_CRD = "rayclusters.ray.io"
 
 
 def unknown_fields(obj: Any, schema: Mapping[str, Any], path: str = "") -> list[str]:
