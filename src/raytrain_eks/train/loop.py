@@ -431,14 +431,13 @@ def run_summary(
     tally: Tally,
     window: ThroughputWindow,
     fabric_require: str,
+    tokens_per_step: int,
+    fpt: float,
+    peak: float | None,
 ) -> dict[str, Any]:
-    """The run's ``summary.json`` fields, from what it counted (``tally``) and its steady-state throughput."""
+    """The run's ``summary.json`` fields, from what it counted (``tally``) and its steady-state throughput
+    (``tokens_per_step``, the FLOPs per token ``fpt`` and the device's ``peak`` as the loop computed them)."""
     device = ctx.device
-    tokens_per_step = ctx.world_size * cfg.batch_size * cfg.grad_accum_steps * cfg.seq_len
-    fpt = flops_per_token(
-        prepared.model.config, cfg.seq_len, adapters=prepared.trainable if prepared.lora_targets else 0
-    )
-    peak = peak_flops_for(device_name(device), precision) if device.type == "cuda" else None
     steady_step_time, tps = window.steady()
     last_step = start.step + tally.done  # cfg.steps, unless the transport gate stopped the run early
     checkpoints, checkpoint_s, train_s = tally.checkpoints, tally.checkpoint_s, tally.train_s
@@ -646,6 +645,9 @@ def train(
         tally=tally,
         window=window,
         fabric_require=fabric_require,
+        tokens_per_step=tokens_per_step,
+        fpt=fpt,
+        peak=peak,
     )
     ctx.finish(summary)
     return summary
