@@ -124,12 +124,38 @@ def _same(got: dict, want: dict, what: str) -> None:
         assert torch.equal(got[name], tensor), f"{what}: {name}"
 
 
+def _saved(arch: str, folder: Path, **changes: object) -> Path:
+    """A small model of ``arch`` (test_loss_architectures' sizes) saved by ``save_pretrained``, in the files' layout of
+    the Hub (Mixture-of-Experts layers with one tensor per expert, GPT-NeoX's output layer as ``embed_out``)."""
+    import transformers
+
+    name, extra = ARCHITECTURES[arch]
+    torch.manual_seed(0)
+    config = getattr(transformers, name)(**{**SMALL, **extra, **changes})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
 def test_each_rank_reads_its_own_shard_and_a_resume_reads_no_weights_of_the_model(tmp_path: Path, builtin_model: str):
+    from safetensors import safe_open
+
     from raytrain_eks.config import LoraSettings, TrainingConfig
     from raytrain_eks.train.lora import apply_lora, is_adapter
     from raytrain_eks.train.start import initial_adapters
 
     want = load_model(builtin_model, activation_checkpointing=False)
+    # Files transformers converts while loading: three experts per layer (two ranks hold two and one), and a weight
+    # stored under another name. Each rank still reads only its own shard.
+    converted = {
+        "qwen3-moe": _saved("qwen3-moe", tmp_path / "qwen3-moe", num_experts=3),
+        "gpt-neox": _saved("gpt-neox", tmp_path / "gpt-neox"),
+    }
+    held = {}
+    for arch, folder in converted.items():
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            held[arch] = set(f.keys())  # a safetensors file is not iterable itself
+    assert "model.layers.0.mlp.experts.2.up_proj.weight" in held["qwen3-moe"]  # as the Hub's MoE files hold them
+    assert "embed_out.weight" in held["gpt-neox"]
     # The same model as weights only a whole read can take (no safetensors), and as its config alone (no weights).
     as_bin = tmp_path / "bin-model"
     bare = tmp_path / "config-only"
@@ -143,6 +169,7 @@ def test_each_rank_reads_its_own_shard_and_a_resume_reads_no_weights_of_the_mode
         {"model": builtin_model, "out": str(tmp_path / "lora"), "method": "lora"},
         {"model": str(as_bin), "out": str(tmp_path / "bin")},
         {"model": str(bare), "out": str(tmp_path / "resume"), "resume": str(checkpoint)},
+        *({"model": str(folder), "out": str(tmp_path / f"{arch}-out")} for arch, folder in converted.items()),
     ]
     _two_ranks(str(tmp_path / "store"), "prepare", json.dumps(cases))
     got = {c["out"]: [torch.load(f"{c['out']}.{r}") for r in range(2)] for c in cases}
@@ -169,6 +196,17 @@ def test_each_rank_reads_its_own_shard_and_a_resume_reads_no_weights_of_the_mode
         frozen = {k.replace(".base_layer.", "."): v for k, v in state.items() if not is_adapter(k)}
         _same(frozen, expected, f"LoRA's base, rank {rank}")
 
+    for arch, folder in converted.items():
+        reference = load_model(str(folder), activation_checkpointing=False)
+        runs = got[str(tmp_path / f"{arch}-out")]
+        for rank in range(2):
+            _same(runs[rank]["state"], reference.state_dict(), f"{arch}, own shard, rank {rank}")
+        (note,) = [n for n in runs[0]["notes"] if n.startswith("model start")]
+        assert note.startswith("model start: each rank read its own shard of the weights"), (arch, note)
+        read_mb = float(note.split("rank 0: ")[1].split(" MB")[0])
+        size = (folder / "model.safetensors").stat().st_size
+        assert 0.3 * size / 1e6 < read_mb < 0.75 * size / 1e6, (arch, note, size)  # its shard: 2 of 3 experts
+
     whole = got[str(tmp_path / "bin")]
     assert any("rank 0 reads the whole model" in n and "safetensors" in n for n in whole[0]["notes"]), whole[0]
     for rank in range(2):
@@ -182,33 +220,16 @@ def test_each_rank_reads_its_own_shard_and_a_resume_reads_no_weights_of_the_mode
         _same(resumed[rank]["buffers"], buffers, f"resume's buffers, rank {rank}")
 
 
-# Whose files transformers converts while loading (fused experts, a renamed output layer): rank 0 reads those.
-# Qwen3-MoE's experts are fused on load in transformers 5.13 and 5.23 alike; GPT-NeoX's output layer only where
-# transformers renamed it from embed_out to lm_head (5.23: files keep the old name, converted on load; 5.13 still
-# has embed_out, so its files are read by shard).
-CONVERTED_ON_LOAD = {"qwen3-moe": "mlp.experts.gate_up_proj", "gpt-neox": "lm_head.weight"}
-
-
-def _converted_on_load(arch: str, model: torch.nn.Module) -> str | None:
-    if arch == "gpt-neox" and not hasattr(model, "lm_head"):
-        return None
-    return CONVERTED_ON_LOAD.get(arch)
-
-
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
-def test_a_shell_gets_the_buffers_from_pretrained_makes_and_reads_by_shard_what_needs_no_conversion(
+def test_a_shell_gets_the_buffers_from_pretrained_makes_and_reads_by_shard_every_architectures_files(
     tmp_path: Path, arch: str
 ):
-    import transformers
-
+    # Files that transformers converts on load included: Qwen3-MoE's experts are stacked (5.13 and 5.23 alike),
+    # GPT-NeoX's embed_out is renamed lm_head (5.23; 5.13 keeps embed_out, read as stored).
     from raytrain_eks.train.model import load_model_shell
     from raytrain_eks.train.start import WeightFiles, computed_buffers, weights_source
 
-    name, extra = ARCHITECTURES[arch]
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(getattr(transformers, name)(**{**SMALL, **extra})).save_pretrained(
-        tmp_path
-    )
+    _saved(arch, tmp_path)
     want = load_model(str(tmp_path), activation_checkpointing=False)
     shell = load_model_shell(str(tmp_path), activation_checkpointing=False)
     source = weights_source(str(tmp_path), shell)
@@ -217,11 +238,8 @@ def test_a_shell_gets_the_buffers_from_pretrained_makes_and_reads_by_shard_what_
     expected = {k: b for k, b in want.named_buffers() if k not in persistent}
     assert expected, "every architecture here has rotary frequencies outside its state dict"
     _same(buffers, expected, arch)
-    converted = _converted_on_load(arch, want)
-    if converted is not None:
-        assert isinstance(source, str) and converted in source, source
-    else:
-        assert isinstance(source, WeightFiles), source
+    assert isinstance(source, WeightFiles), source
+    assert bool(source.stacked) == (arch == "qwen3-moe"), sorted(source.stacked)
 
 
 if __name__ == "__main__":  # one rank: RANK WORLD STORE MODEL OUT (the rank-0 test) or RANK WORLD STORE prepare PLAN

@@ -8,8 +8,14 @@ memory), the model is sharded, and then each rank fills only its own shard:
 - ``checkpoint``: nothing is read from the model's files at all; the resume fills every weight from the run's
   checkpoint (a full fine-tune's checkpoint holds them all);
 - ``rank0``: rank 0 reads the whole model and sends each rank its shard (the fallback when the files cannot be read
-  by shard: no safetensors, or names or shapes that differ from the model's, as in checkpoints transformers converts
-  while loading). The run says why.
+  by shard: no safetensors, names or shapes that differ from the model's, or a conversion on load other than a
+  renaming or a stack of experts). The run says why.
+
+Files that transformers converts while loading are read by shard too, with transformers' own conversion table for
+the model (:func:`transformers.conversion_mapping.get_model_conversion_mapping`): a renamed weight (GPT-NeoX's
+``embed_out`` is the model's ``lm_head``) is read under its name in the files, and a stack of experts (a
+Mixture-of-Experts layer's ``mlp.experts.gate_up_proj`` of shape ``[experts, 2 * width, hidden]``, built on load from
+every expert's ``gate_proj`` and ``up_proj``) is filled expert by expert: a rank reads the experts of its shard only.
 
 Buffers that are not in a state dict (rotary frequencies) are computed on every rank the way ``from_pretrained``
 computes them (it too builds models on the meta device): the model's own ``_init_weights``.
@@ -29,7 +35,7 @@ import json
 import math
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +54,12 @@ class WeightFiles:
     """The safetensors files that hold the model's weights, and the names in them of the weights to read."""
 
     files: tuple[Path, ...]
-    names: frozenset[str]  # as the files name them (an adapted layer's weight without peft's ``base_layer``)
+    # A weight of the model (named as the un-adapted model names it) -> its name in the files.
+    names: dict[str, str]
+    # A weight built on load from several of the files' tensors -> for each of its sources (gate, up), the files' names
+    # of that source's tensor for every expert, in expert order; and where each of those names is.
+    stacked: dict[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
+    located: dict[str, Path] = field(default_factory=dict)
 
 
 def file_name(key: str) -> str:
@@ -85,32 +96,97 @@ def _local_files(path: str) -> tuple[list[Path], str]:
 def weights_source(path: str, model: Any) -> WeightFiles | str:
     """The files to read each weight of ``model`` (a meta-device shell, not yet sharded) from by shard, or the
     reason they cannot be: every weight to fill (all but a tied second name and LoRA's adapters) must be in the
-    files under its own name with its own shape."""
+    files, under its own name or the one transformers renames on load, with its shape, or be a stack of experts."""
     from safetensors import safe_open
 
     files, why = _local_files(path)
     if not files:
         return why
     shapes: dict[str, tuple[int, ...]] = {}
+    located: dict[str, Path] = {}
     try:
         for f in files:
             with safe_open(str(f), framework="pt") as opened:
                 held = opened.keys()  # a safetensors file is not iterable itself
                 for name in held:
                     shapes[name] = tuple(opened.get_slice(name).get_shape())
+                    located[name] = f
     except Exception as exc:  # a damaged file: the whole read by from_pretrained then says what is wrong with it
         return f"its files cannot be read by shard ({str(exc).strip().splitlines()[0]})"
+    loads = _loaded_as(model, list(shapes))
+    if isinstance(loads, str):
+        return loads
+    renamed, stacked = loads
     tied = tied_names(model)
     state = model.state_dict()
-    names = {key: file_name(key) for key in state if key not in tied and not is_adapter(key)}
-    missing = [n for n in names.values() if n not in shapes]
+    wanted = [file_name(k) for k in state if k not in tied and not is_adapter(k)]
+    missing = [k for k in wanted if k not in renamed and k not in stacked]
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         return f"its files name its weights differently ({', '.join(missing[:3])}{more} not found)"
-    wrong = [n for k, n in names.items() if shapes[n] != tuple(state[k].shape)]
+    model_shapes = {file_name(k): tuple(v.shape) for k, v in state.items()}
+    wrong = [k for k in wanted if k in renamed and shapes[renamed[k]] != model_shapes[k]]
+    for key in (k for k in wanted if k in stacked):
+        parts = [[shapes[n] for n in names] for names in stacked[key]]
+        if _stacked_shape(parts) != model_shapes[key]:
+            wrong.append(key)
     if wrong:
         return f"its files hold other shapes for {', '.join(wrong[:3])}"
-    return WeightFiles(tuple(files), frozenset(names.values()))
+    names = {k: renamed[k] for k in wanted if k in renamed}
+    stacks = {k: stacked[k] for k in wanted if k in stacked}
+    return WeightFiles(tuple(files), names, stacks, {n: located[n] for s in stacks.values() for p in s for n in p})
+
+
+def _stacked_shape(parts: list[list[tuple[int, ...]]]) -> tuple[int, ...] | None:
+    """The shape of experts stacked along a new first dimension, each expert's sources joined along their first: the
+    weight transformers builds on load (``MergeModulelist(dim=0)``, then ``Concatenate(dim=1)``); ``None`` when the
+    parts do not stack."""
+    if not parts or len({len(p) for p in parts}) != 1 or any(len(set(p)) != 1 for p in parts):
+        return None
+    firsts = [p[0] for p in parts]
+    if len({f[1:] for f in firsts}) != 1:
+        return None
+    return (len(parts[0]), sum(f[0] for f in firsts), *firsts[0][1:])
+
+
+def _loaded_as(model: Any, file_keys: list[str]) -> tuple[dict[str, str], dict[str, tuple[tuple[str, ...], ...]]] | str:
+    """Which weight of ``model`` each of the files' tensors becomes when transformers loads them, by transformers'
+    own conversion table for the model: the weights read as stored (their name in the files, the same or renamed),
+    and the stacks of experts (for each source, the files' names in the order transformers stacks them). The reason
+    they cannot be read by shard when a conversion does more than that."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+    except ImportError:  # a transformers without a conversion table loads the files' names as they are
+        return {k: k for k in file_keys}, {}
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = model.state_dict()
+    renamed: dict[str, str] = {}
+    sources: dict[str, dict[str, list[str]]] = {}  # weight -> source pattern -> the files' names, in load order
+    converter_of: dict[str, Any] = {}
+    for key in sorted(file_keys, key=dot_natural_key):  # the order transformers collects them in
+        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
+        if target not in meta and key in meta:  # as transformers does: a name it renamed in vain stays as stored
+            target, pattern = key, None
+        if target not in meta:
+            continue  # a tensor the model does not hold (transformers drops it too)
+        if pattern is None:
+            renamed[target] = key
+            continue
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+        if ops not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+            steps = ", ".join(name for name, _ in ops)
+            return f"its files are converted on load in a way not read by shard ({target}: {steps})"
+        converter_of[target] = converter
+        sources.setdefault(target, {}).setdefault(pattern, []).append(key)
+    stacked = {
+        target: tuple(tuple(by_pattern.get(p, ())) for p in converter_of[target].source_patterns)
+        for target, by_pattern in sources.items()
+    }
+    return renamed, stacked
 
 
 def read_own_shard(model: Any, source: WeightFiles) -> int:
@@ -127,7 +203,8 @@ def read_own_shard(model: Any, source: WeightFiles) -> int:
             Counted.read += math.prod(req.lengths) * _DTYPE_BYTES[sliced.get_dtype()]
             super()._process_read_request(f, req, planner)
 
-    wanted = {file_name(k): v for k, v in model.state_dict().items() if file_name(k) in source.names}
+    state = model.state_dict()
+    wanted = {source.names[file_name(k)]: v for k, v in state.items() if file_name(k) in source.names}
     folder = Path(tempfile.mkdtemp(prefix="raytrain-eks-weights-"))
     try:  # the reader takes every safetensors file of a folder: only the model's own, by link
         for f in source.files:
@@ -135,7 +212,46 @@ def read_own_shard(model: Any, source: WeightFiles) -> int:
         dcp.load(wanted, storage_reader=Counted(str(folder)))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    return Counted.read
+    stacks = {k: v for k, v in state.items() if file_name(k) in source.stacked}
+    return Counted.read + _read_stacked(stacks, source)
+
+
+def _read_stacked(weights: dict[str, Any], source: WeightFiles) -> int:
+    """Fill this rank's shard of each stack of experts in ``weights`` (name -> sharded tensor) from the experts'
+    tensors in the files, reading only the experts the shard holds; returns the bytes read."""
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    read = 0
+    with ExitStack() as stack, torch.no_grad():
+        opened: dict[Path, Any] = {}
+
+        def tensor(name: str) -> torch.Tensor:
+            nonlocal read
+            f = source.located[name]
+            if f not in opened:
+                opened[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+            got = opened[f].get_tensor(name)
+            read += got.numel() * got.element_size()
+            return got
+
+        for key, weight in weights.items():
+            sources = source.stacked[file_name(key)]
+            if isinstance(weight, DTensor):
+                local = weight.to_local()
+                shape, offset = compute_local_shape_and_global_offset(
+                    weight.shape, weight.device_mesh, weight.placements
+                )
+            else:
+                local, shape, offset = weight, tuple(weight.shape), (0,) * weight.dim()
+            inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:], strict=True))
+            for i in range(shape[0]):  # the experts of this shard only
+                expert = torch.cat([tensor(names[offset[0] + i]) for names in sources], dim=0)
+                local[i].copy_(expert[inner])
+    return read
 
 
 def files_bytes(source: WeightFiles) -> int:
