@@ -352,6 +352,23 @@ def test_set_reaches_any_setting_last_of_all_layers_and_names_itself_in_errors(t
         load_config(environ={}, sets=["training.steps.x=1"])
 
 
+def test_csv_delimiter_is_one_character_the_csv_reader_splits_on(tmp_path, monkeypatch):
+    # Semicolon- or pipe-separated exports set it; a value the CSV reader cannot split on is refused with the others,
+    # naming the setting and how to write one, not when the data is read after Ray has started.
+    monkeypatch.chdir(tmp_path)
+    assert load_config(environ={}).training.csv_delimiter == ","
+    assert load_config(environ={}, sets=["training.csv_delimiter=;"]).training.csv_delimiter == ";"
+    (tmp_path / "raytrain-eks.yaml").write_text('training:\n  csv_delimiter: "\\t"\n')
+    assert load_config(environ={}).training.csv_delimiter == "\t"
+    allowed = """allowed: one ASCII character, not '"' or a line break; quote it in YAML: ';', '|', "\\t" (a tab)"""
+    # A bare | starts a YAML block (an empty text here); \t outside double quotes is two characters.
+    for written, value in (("';;'", ";;"), ("|", ""), ("\\t", "\\t"), ("'\"'", '"'), ('"\\n"', "\n"), ("§", "§")):
+        (tmp_path / "raytrain-eks.yaml").write_text(f"training:\n  csv_delimiter: {written}\n")
+        with pytest.raises(ConfigError) as info:
+            load_config(environ={})
+        assert info.value.problems == [f"training.csv_delimiter = {value!r} (from raytrain-eks.yaml): {allowed}"]
+
+
 def test_plan_and_train_take_set(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

@@ -199,7 +199,10 @@ def test_no_usable_row_is_a_clear_error(tmp_path, ray_local, builtin_model, wher
     [
         (lambda p: p / "missing.jsonl", "no such file or folder"),
         (lambda p: (p / "x.txt").write_text("a,b\n") and p / "x.txt", "unsupported file type '.txt'"),
-        (lambda p: (p / "empty").mkdir() or p / "empty", "has no .jsonl, .json, .parquet, .csv or .arrow file"),
+        (
+            lambda p: (p / "empty").mkdir() or p / "empty",
+            "has no .jsonl, .ndjson, .json, .parquet, .csv, .tsv or .arrow file",
+        ),
     ],
 )
 def test_bad_paths(tmp_path, ray_local, builtin_model, make, message):

@@ -1,7 +1,7 @@
-"""Data stored as CSV or Arrow (a Hugging Face dataset's split, a file, a folder) becomes the rows the data formats
-read, its CSV values as text; a malformed CSV file is one error that names it; and ``hf:OWNER/NAME`` is read from
-the Hugging Face cache when the Hub cannot be reached. One test starts Ray (the packing needs it); the others stop
-before it."""
+"""Data stored as CSV, TSV, Arrow or NDJSON (a Hugging Face dataset's split, a file, a folder) becomes the rows the
+data formats read, its CSV and TSV values as text, a CSV file's fields split at ``training.csv_delimiter``; a
+malformed CSV or TSV file is one error that names it; and ``hf:OWNER/NAME`` is read from the Hugging Face cache when
+the Hub cannot be reached. The tests that pack rows start Ray (the packing needs it); the others stop before it."""
 
 from __future__ import annotations
 
@@ -26,13 +26,14 @@ CONTEXTS = ["", "", "Answer in one word.", 'Say "two" and "three"\nas digits.']
 COLUMNS = {"instruction": "question", "input": "context", "output": "answer"}
 
 
-def csv_text(rows: list[tuple[str, str, str]]) -> str:
-    """A CSV file of (question, context, answer) rows, quoted as a spreadsheet writes them."""
+def csv_text(rows: list[tuple[str, str, str]], delimiter: str = ",") -> str:
+    """A CSV file of (question, context, answer) rows, quoted as a spreadsheet writes them: a field in quotes where
+    it holds the ``delimiter``, a quote or a line break (a tab for a TSV file, ';' for a semicolon-separated one)."""
 
     def field(value: str) -> str:
-        return f'"{value.replace(chr(34), chr(34) * 2)}"' if any(c in value for c in ',"\n') else value
+        return f'"{value.replace(chr(34), chr(34) * 2)}"' if any(c in value for c in delimiter + '"\n') else value
 
-    lines = ["question,context,answer"] + [",".join(field(v) for v in row) for row in rows]
+    lines = [delimiter.join(("question", "context", "answer"))] + [delimiter.join(map(field, row)) for row in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -49,6 +50,7 @@ def prep(data: str, builtin_model: str, *, where: str, **kw):
         seed=0,
         min_blocks=1,
         columns=kw.get("columns", COLUMNS),
+        csv_delimiter=kw.get("csv_delimiter", ","),
         in_driver=where == "driver",
     )
 
@@ -177,12 +179,133 @@ def test_data_files_of_each_kind_are_listed_and_mixed_folders_refused(tmp_path):
     with pytest.raises(DataError, match="the folder mixes CSV and JSON files; keep one kind per folder"):
         list_data_files(str(tmp_path))
     (tmp_path / "notes.txt").write_text("hello\n")
-    with pytest.raises(DataError, match=r"unsupported file type '\.txt'; use \.jsonl, \.json, \.parquet, \.csv or"):
+    with pytest.raises(DataError, match=r"unsupported file type '\.txt'; use \.jsonl, \.ndjson, \.json, \.parquet, "):
         list_data_files(str(tmp_path / "notes.txt"))
     (tmp_path / "ds" / "data").mkdir(parents=True)
     (tmp_path / "ds" / "data" / "train.txt").write_text("hello\n")
-    with pytest.raises(DataError, match="stored as .txt; Parquet, JSON, JSONL, CSV and Arrow datasets are read"):
+    with pytest.raises(DataError, match="stored as .txt; Parquet, JSON, JSONL, NDJSON, CSV, TSV and Arrow datasets"):
         list_data_files(f"hf:{tmp_path / 'ds'}")
+
+
+def test_ndjson_data_is_read_and_trained_as_the_same_jsonl(tmp_path, ray_local, builtin_model, tokenizer, monkeypatch):
+    # Newline-delimited JSON is JSON lines under another name: a file, a folder and a dataset folder in the Hub's
+    # layout are listed as JSON, pack into the blocks the same .jsonl file packs into (both ways), and give the
+    # same sample prompts.
+    from raytrain_eks.train.prompts import sample_prompts
+
+    lines = "".join(json.dumps(dict(zip(("question", "context", "answer"), row, strict=True))) + "\n" for row in ROWS)
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text(lines * 3)
+    (tmp_path / "nd" / "data").mkdir(parents=True)
+    ndjson = tmp_path / "nd" / "data" / "train.ndjson"
+    ndjson.write_text(lines * 3)
+    assert list_data_files(str(ndjson)) == ([str(ndjson)], "json") == list_data_files(str(tmp_path / "nd"))
+    monkeypatch.chdir(tmp_path)
+    assert list_data_files("hf:./nd") == ([str(ndjson)], "json")
+    expected = blocks(prep(str(jsonl), builtin_model, where="driver"))  # the same on both paths (test_data_pipeline)
+    for where in ("driver", "ray"):
+        prepared = prep(str(ndjson), builtin_model, where=where)
+        assert (prepared.rows, prepared.usable_rows) == (12, 12)
+        np.testing.assert_array_equal(blocks(prepared), expected)
+    prompts = [
+        sample_prompts(None, list_data_files(str(p)), "instruction", "text", tokenizer, 3, COLUMNS)
+        for p in (jsonl, ndjson)
+    ]
+    assert prompts[1] == prompts[0] and prompts[1][0][0] == QUESTIONS[0]
+
+
+def test_tsv_reads_to_the_rows_of_the_same_csv(tmp_path, builtin_model, tokenizer, monkeypatch):
+    # A TSV file is a CSV file with a tab between the fields: its values are text, a quoted field holds line breaks
+    # (the fourth row's context), and a comma is just a character (the fourth row's answer, not quoted here).
+    from raytrain_eks.train.prompts import sample_prompts
+    from raytrain_eks.train.tabular import read_table
+
+    csv, tsv = tmp_path / "rows.csv", tmp_path / "rows.tsv"
+    csv.write_text(csv_text(ROWS))
+    tsv.write_text(csv_text(ROWS, "\t"))
+    assert "\t2, 3\n" in tsv.read_text() and "\t" not in csv.read_text()
+    assert list_data_files(str(tsv)) == ([str(tsv)], "tsv")
+    rows = [dict(zip(("question", "context", "answer"), row, strict=True)) for row in ROWS]
+    assert read_table(str(tsv), "tsv").to_pylist() == read_table(str(csv), "csv").to_pylist() == rows
+    shown = sample_prompts(None, ([str(tsv)], "tsv"), "instruction", "text", tokenizer, 3, COLUMNS)
+    assert shown == sample_prompts(None, ([str(csv)], "csv"), "instruction", "text", tokenizer, 3, COLUMNS)
+    # The two kinds split their rows differently: a folder of both is refused, not read with one delimiter.
+    with pytest.raises(DataError, match="the folder mixes CSV and TSV files; keep one kind per folder"):
+        list_data_files(str(tmp_path))
+    # A dataset folder in the Hub's layout whose split is stored as TSV.
+    (tmp_path / "sums" / "data").mkdir(parents=True)
+    tsv.rename(tmp_path / "sums" / "data" / "train.tsv")
+    monkeypatch.chdir(tmp_path)
+    assert list_data_files("hf:./sums") == ([str(tmp_path / "sums" / "data" / "train.tsv")], "tsv")
+    # A malformed row is one error that names the file, the row and a tab as the delimiter.
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("a\tb\n1\t2\n1\t2\t3\n")
+    with pytest.raises(DataError) as info:
+        prep(str(bad), builtin_model, where="driver", columns=None)
+    assert info.value.message == (
+        f"--data {str(bad)!r}: {bad} is not valid TSV: row 3 (the header is row 1) has 3 fields, the header 2: "
+        "'1\\t2\\t3'"
+    )
+    assert "the delimiter (a tab)" in info.value.hint and "csv_delimiter" not in info.value.hint
+
+
+def test_csv_delimiter_reads_a_semicolon_separated_file(tmp_path, builtin_model, tokenizer):
+    # Spreadsheets set to a language that writes decimal commas export CSV files separated by semicolons.
+    from raytrain_eks.train.prompts import sample_prompts
+    from raytrain_eks.train.tabular import read_table
+
+    comma, semi = tmp_path / "comma.csv", tmp_path / "semi.csv"
+    comma.write_text(csv_text(ROWS))
+    semi.write_text(csv_text(ROWS, ";"))
+    assert read_table(str(semi), "csv", csv_delimiter=";").to_pylist() == read_table(str(comma), "csv").to_pylist()
+    shown = sample_prompts(None, ([str(semi)], "csv"), "instruction", "text", tokenizer, 3, COLUMNS, csv_delimiter=";")
+    assert shown == sample_prompts(None, ([str(comma)], "csv"), "instruction", "text", tokenizer, 3, COLUMNS)
+    # Read with the default comma, the header is one column and the fourth row (commas in its question) two
+    # fields: the error names that row, and the hint the setting.
+    with pytest.raises(DataError) as info:
+        prep(str(semi), builtin_model, where="driver")
+    fourth = semi.read_text().splitlines()[4]  # up to the line break inside its quoted context
+    assert fourth.startswith("Name two primes, comma-separated.;")
+    assert info.value.message == (
+        f"--data {str(semi)!r}: {semi} is not valid CSV: row 5 (the header is row 1) has 2 fields, the header 1: "
+        f"{fourth!r}"
+    )
+    assert "set training.csv_delimiter to it" in info.value.hint
+    # With it, a malformed row is found and shown as the file splits its fields.
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a;b\n1,5;2\n1;2;3\n")
+    with pytest.raises(DataError) as info:
+        prep(str(bad), builtin_model, where="driver", columns=None, csv_delimiter=";")
+    assert info.value.message.endswith(
+        f"{bad} is not valid CSV: row 3 (the header is row 1) has 3 fields, the header 2: '1;2;3'"
+    )
+    assert "the delimiter (';')" in info.value.hint
+    # Without a comma in any row, every row is one field under the whole header line: no row has the mapped columns.
+    plain = tmp_path / "plain.csv"
+    plain.write_text(csv_text(ROWS[:3], ";"))
+    with pytest.raises(DataError, match="no usable row for format 'instruction' \\(3 rows read: 3 x missing field"):
+        prep(str(plain), builtin_model, where="driver")
+
+
+def test_csv_delimiter_and_tsv_reach_ray_datas_reads(tmp_path, ray_local, builtin_model):
+    # Large or remote data is read by Ray Data's tasks: TSV files and the configured delimiter reach them and give
+    # the blocks the driver packs, and a bad row of a TSV file past the first block names the file and row as the
+    # driver does.
+    csv, tsv, semi = tmp_path / "rows.csv", tmp_path / "rows.tsv", tmp_path / "semi.csv"
+    csv.write_text(csv_text(ROWS * 3))
+    tsv.write_text(csv_text(ROWS * 3, "\t"))
+    semi.write_text(csv_text(ROWS * 3, ";"))
+    expected = blocks(prep(str(csv), builtin_model, where="driver"))
+    np.testing.assert_array_equal(blocks(prep(str(tsv), builtin_model, where="ray")), expected)
+    np.testing.assert_array_equal(blocks(prep(str(semi), builtin_model, where="ray", csv_delimiter=";")), expected)
+    big = tmp_path / "big.tsv"
+    big.write_text(csv_text(ROWS * 9000, "\t") + "a\tb\tc\td\n")  # 1.5 MiB: pyarrow's first block is 1 MiB
+    with pytest.raises(DataError) as info:  # the setting is the CSV files'; a TSV file's delimiter stays a tab
+        prep(str(big), builtin_model, where="ray", csv_delimiter=";")
+    assert info.value.message == (
+        f"--data {str(big)!r}: {big} is not valid TSV: row 36002 (the header is row 1) has 4 fields, the header 3: "
+        "'a\\tb\\tc\\td'"
+    )
 
 
 # -- hf:OWNER/NAME when the Hub cannot be reached -------------------------------------------------------------------

@@ -44,6 +44,7 @@ _LABEL_KEY = re.compile(r"^([a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
 _IMAGE = re.compile(r"^[a-z0-9.-]+(:\d+)?(/[a-z0-9._-]+)+(:[A-Za-z0-9_.-]{1,128}|@sha256:[0-9a-f]{64})$")
 _VERSION = re.compile(r"^v?\d+\.\d+\.\d+([-+][0-9A-Za-z.-]+)?$")
+_DELIMITER = re.compile(r"[\t !#-~]\Z")  # one character pyarrow's CSV reader splits on: ASCII, no quote, no newline
 
 
 class _Section(BaseModel):
@@ -548,8 +549,8 @@ class TrainingConfig(_Section):
     )
     data: str = Field(
         RANDOM_DATA,
-        description="'random' (synthetic ids), builtin:sample-instructions, a JSONL/JSON/Parquet path or s3:// URI, "
-        "or a Hugging Face dataset: hf:OWNER/NAME[:SPLIT]",
+        description="'random' (synthetic ids), builtin:sample-instructions, a .jsonl/.ndjson/.json/.parquet/.csv/"
+        ".tsv/.arrow file or folder or s3:// URI, or a Hugging Face dataset: hf:OWNER/NAME[:SPLIT]",
     )
     data_format: Literal[FORMAT_NAMES] = Field(  # type: ignore[valid-type]  # the registry's names
         "instruction", description=" | ".join(FORMAT_NAMES) + " (raytrain_eks.formats: " + formats_help() + ")"
@@ -565,6 +566,7 @@ class TrainingConfig(_Section):
         description="the format's fields read from other columns of the data, e.g. {instruction: question, "
         "output: answer}",
     )
+    csv_delimiter: str = Field(",", description="the character between the fields of .csv files (.tsv: a tab)")
     packing: Literal[PACKING_MODES] = Field(  # type: ignore[valid-type]
         "documents",
         description="documents: the rows packed into a block keep apart (their own positions, no attention across "
@@ -656,6 +658,12 @@ class TrainingConfig(_Section):
         if not v.strip():
             raise ValueError("must not be empty")
         return v
+
+    @field_validator("csv_delimiter")
+    @classmethod
+    def _delimiter(cls, v: str) -> str:
+        allowed = """one ASCII character, not '"' or a line break; quote it in YAML: ';', '|', "\\t" (a tab)"""
+        return _check(_DELIMITER, v, allowed)
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainingConfig:

@@ -8,7 +8,7 @@ Pure pieces (tested on hand-made rows) come first:
 - :func:`random_batch` makes the reference's synthetic token ids for one rank and step.
 
 Then :func:`prepare_dataset` builds the Ray Data pipeline the driver runs before any worker starts: read (JSONL
-and JSON here, Parquet, CSV and Arrow by :mod:`.tabular`; local or ``s3://``), tokenize, count malformed rows,
+and JSON here, Parquet, CSV, TSV and Arrow by :mod:`.tabular`; local or ``s3://``), tokenize, count malformed rows,
 shuffle, pack, materialize; and :func:`train_datasets` hands the packed set to Ray Train, whole, for every rank.
 
 Determinism: the shuffle orders rows by a keyed hash of their tokens (the key is the seed), so the order does
@@ -674,14 +674,14 @@ def prepared_in_driver(files: Sequence[str]) -> bool:
         return False
 
 
-def _encode_in_driver(files: Sequence[str], kind: str, **encode: Any) -> Any:
+def _encode_in_driver(files: Sequence[str], kind: str, csv_delimiter: str, **encode: Any) -> Any:
     """The rows of ``files`` encoded by :func:`_encode_batch`, as one pyarrow table (the driver's path)."""
     import pyarrow as pa
 
     tables = []
     for path in files:
         if kind != "json":
-            raw = read_table(path, kind)
+            raw = read_table(path, kind, csv_delimiter)
         else:
             with open(path, "rb") as f:
                 raw = _rows_block(list(json_rows(iter(functools.partial(f.read, READ_CHUNK_BYTES), b""))))
@@ -735,6 +735,7 @@ def prepare_dataset(
     tokenizer_path: str,
     seq_len: int,
     columns: dict[str, str] | None = None,
+    csv_delimiter: str = ",",
     packing: str = "documents",
     chat_template: str | None = None,
     seed: int,
@@ -756,6 +757,7 @@ def prepare_dataset(
     where the work is done (default: :func:`prepared_in_driver`); both paths give the same packed blocks.
     ``packing`` (:data:`PACKING_MODES`) keeps the rows of a block apart (``documents``) or runs them on (``concat``).
     ``chat_template`` (Jinja text) renders conversations instead of the tokenizer's own template.
+    ``csv_delimiter`` (``training.csv_delimiter``) separates the fields of CSV files (a TSV file's: a tab).
     """
     import ray.data
     from ray.data.expressions import col
@@ -773,13 +775,13 @@ def prepare_dataset(
     }
     try:
         if in_driver:
-            encoded = _encode_in_driver(files, kind, **encode)
+            encoded = _encode_in_driver(files, kind, csv_delimiter, **encode)
         else:
             # Local files (a hf: dataset's cache included) lie on this node only: their reads run here.
             where = _reads_here(files)
             with _blocks_bounded():  # the steps below inherit the read's settings
                 raw = (
-                    read_dataset(files, kind, ray_remote_args=where)
+                    read_dataset(files, kind, ray_remote_args=where, csv_delimiter=csv_delimiter)
                     if kind != "json"
                     else ray.data.read_datasource(json_datasource(files), ray_remote_args=where)
                 )
@@ -787,7 +789,7 @@ def prepare_dataset(
     except DataError:
         raise
     except Exception as exc:  # Ray wraps reader errors; show the root cause, not Ray's traceback.
-        raise unreadable(exc, option, data) from None
+        raise unreadable(exc, option, data, csv_delimiter) from None
 
     counted = ["reason", "tokens", "trained", "last_only"]
     reasons, tokens, trained, last_only = _tally(

@@ -289,6 +289,7 @@ def _train_in(
             data_format=training.data_format,
             text_field=training.text_field,
             columns=training.columns or None,
+            csv_delimiter=training.csv_delimiter,
             packing=training.packing,
             chat_template=training.chat_template,
             tokenizer_path=model_path,
@@ -320,6 +321,7 @@ def _train_in(
         training.text_field,
         encoding_tokenizer(model_path, training.chat_template),
         columns=training.columns or None,
+        csv_delimiter=training.csv_delimiter,
     )
     tracker = Tracker(run_dir, cfg)
     # The metric records' queue lives on the driver's node, with no CPU of its own (a cluster's head offers none):
@@ -493,6 +495,7 @@ def _eval_dataset(
         data_format=training.data_format,
         text_field=training.text_field,
         columns=training.columns or None,
+        csv_delimiter=training.csv_delimiter,
         packing=training.packing,
         chat_template=training.chat_template,
         tokenizer_path=model_path,

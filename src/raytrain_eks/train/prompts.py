@@ -50,10 +50,11 @@ def _prompt_of(
     return before[-1]["content"] if before else "", before
 
 
-def first_rows(files: list[str], kind: str, count: int) -> list[dict[str, Any]]:
+def first_rows(files: list[str], kind: str, count: int, csv_delimiter: str = ",") -> list[dict[str, Any]]:
     """Up to ``count`` rows (and a few more, for rows that turn out malformed) from the start of the first data file
     (local or ``s3://``), read as training reads it (:func:`~raytrain_eks.train.data.json_rows`): chunk by chunk, a
-    JSON array item by item, so however large the file or its first rows, only what they need is read."""
+    JSON array item by item, so however large the file or its first rows, only what they need is read. A CSV file's
+    fields are separated by ``csv_delimiter`` (``training.csv_delimiter``), as training separates them."""
     wanted = count * 4
     fs, path = filesystem(files[0])
     if kind == "parquet":
@@ -62,10 +63,10 @@ def first_rows(files: list[str], kind: str, count: int) -> list[dict[str, Any]]:
         with fs.open_input_file(path) as f:
             pf = pq.ParquetFile(f)
             return pf.read_row_group(0).slice(0, wanted).to_pylist() if pf.num_row_groups else []
-    if kind in ("csv", "arrow"):
+    if kind in ("csv", "tsv", "arrow"):
         from raytrain_eks.train.tabular import first_table_rows
 
-        return first_table_rows(files[0], kind, wanted)
+        return first_table_rows(files[0], kind, wanted, csv_delimiter)
     rows: list[dict[str, Any]] = []
     with fs.open_input_stream(path) as f:
         for item in json_rows(iter(lambda: f.read(_CHUNK_BYTES), b"")):
@@ -90,11 +91,13 @@ def sample_prompts(
     tokenizer: Any,
     count: int = DEFAULT_COUNT,
     columns: dict[str, str] | None = None,
+    csv_delimiter: str = ",",
 ) -> tuple[list[str], list[str]]:
     """(prompts as a person reads them, the same prompts rendered for the model).
 
     ``given`` prompts are user turns for instruction and chat data and plain text for text data; without them the
-    first ``count`` well-formed rows of the data give theirs. Random token ids have no prompts: ``([], [])``.
+    first ``count`` well-formed rows of the data give theirs (a CSV file's fields separated by ``csv_delimiter``).
+    Random token ids have no prompts: ``([], [])``.
     """
     if given:
         if registered_format(data_format).conversation is None:  # plain text: the prompts as given
@@ -110,7 +113,7 @@ def sample_prompts(
     if listed is None:
         return [], []
     shown, rendered = [], []
-    for row in first_rows(*listed, count):
+    for row in first_rows(*listed, count, csv_delimiter):
         # A row the format or the chat template refuses (Gemma 2 has no system role) is skipped here as training
         # skips it; the data's summary counts it with its reason.
         try:

@@ -1,7 +1,7 @@
 """Where training data comes from: the files of a path (local or ``s3://``) or of a Hugging Face dataset.
 
-:func:`list_data_files` answers which files to read and with which reader (``json``, ``parquet``, ``csv`` or
-``arrow``), before anything is started; :func:`hf_data_files` finds one split of a Hugging Face dataset
+:func:`list_data_files` answers which files to read and with which reader (``json``, ``parquet``, ``csv``,
+``tsv`` or ``arrow``), before anything is started; :func:`hf_data_files` finds one split of a Hugging Face dataset
 (``hf:OWNER/NAME[:SPLIT]``) in the Hugging Face cache, from the Hub when it answers.
 """
 
@@ -13,9 +13,20 @@ from pathlib import Path
 
 from raytrain_eks.errors import DataError
 
-DATA_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
-READ_TYPES = ".jsonl, .json, .parquet, .csv or .arrow"  # what DATA_SUFFIXES reads, as the errors name it
-_KIND_NAMES = {"json": "JSON", "parquet": "Parquet", "csv": "CSV", "arrow": "Arrow"}
+# .ndjson (newline-delimited JSON) is JSON lines by another name; .tsv is CSV with a tab between the fields, a kind
+# of its own so that a folder mixing the two is refused rather than read with one delimiter.
+DATA_SUFFIXES = {
+    ".jsonl": "json",
+    ".ndjson": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".tsv": "tsv",
+    ".arrow": "arrow",
+}
+READ_TYPES = ".jsonl, .ndjson, .json, .parquet, .csv, .tsv or .arrow"  # what DATA_SUFFIXES reads, as errors name it
+READ_KINDS = "Parquet, JSON, JSONL, NDJSON, CSV, TSV and Arrow"  # the same, as the kinds of a dataset's files
+_KIND_NAMES = {"json": "JSON", "parquet": "Parquet", "csv": "CSV", "tsv": "TSV", "arrow": "Arrow"}
 # What the datasets library's save_to_disk writes beside a folder's .arrow files: its metadata, not rows.
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json")
 
@@ -30,8 +41,8 @@ def hf_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
     the Hugging Face cache (``huggingface_hub.snapshot_download``; from the cache alone when ``HF_HUB_OFFLINE`` is
     set or the Hub cannot be reached), then the ``datasets`` library decides which files make the split (its data
     file patterns and the README's ``configs``), as ``load_dataset`` would. ``hf:./FOLDER[:SPLIT]`` (or an absolute
-    path) takes a local folder in the Hub's layout. Parquet, JSON, JSONL, CSV and Arrow datasets are read; others
-    are refused.
+    path) takes a local folder in the Hub's layout. Datasets of :data:`READ_KINDS` files are read; others are
+    refused.
     """
     spec = data[len(HF_PREFIX) :]
     source, sep, split = spec.rpartition(":")
@@ -60,10 +71,7 @@ def hf_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
     kinds = {DATA_SUFFIXES.get(Path(f).suffix) for f in files}
     if None in kinds or len(kinds) != 1:
         suffixes = ", ".join(sorted({Path(f).suffix or "(none)" for f in files}))
-        raise DataError(
-            f"{option} {data!r}: split {split!r} is stored as {suffixes}; Parquet, JSON, JSONL, CSV and Arrow "
-            "datasets are read"
-        )
+        raise DataError(f"{option} {data!r}: split {split!r} is stored as {suffixes}; {READ_KINDS} datasets are read")
     (kind,) = {k for k in kinds if k is not None}
     return files, kind
 
@@ -108,8 +116,8 @@ def _quiet_datasets() -> Iterator[None]:
 
 
 def list_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
-    """The files to read and their reader ('json', 'parquet', 'csv' or 'arrow'); :class:`DataError` when there are
-    none.
+    """The files to read and their reader ('json', 'parquet', 'csv', 'tsv' or 'arrow'); :class:`DataError` when
+    there are none.
 
     ``data`` is a file or a folder, local or ``s3://`` (listed through pyarrow's file systems), or a Hugging Face
     dataset (:func:`hf_data_files`). ``option`` is the setting it came from, named in the errors
@@ -130,7 +138,7 @@ def list_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
         if info.type == pafs.FileType.NotFound:
             raise DataError(
                 f"{option} {data!r}: no such file or folder",
-                hint="Give a JSONL, JSON, Parquet, CSV or Arrow file or folder.",
+                hint=f"Give a file or folder of {READ_TYPES} files.",
             )
         if info.type == pafs.FileType.File:
             found = [info]

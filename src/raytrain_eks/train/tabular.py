@@ -1,13 +1,15 @@
-"""Columnar and delimited data files: Parquet, CSV and Arrow files read as pyarrow tables, whose rows the data formats
-read as they read JSON rows (each column a field).
+"""Columnar and delimited data files: Parquet, CSV, TSV and Arrow files read as pyarrow tables, whose rows the data
+formats read as they read JSON rows (each column a field).
 
 :func:`read_table` reads one local file whole (the driver's path, for small data); :func:`read_dataset` reads many,
 local or ``s3://``, as a Ray dataset of bounded blocks; :func:`unreadable` turns either's failure into one
 :class:`DataError` that names the file.
 
 CSV values stay text: every column is read as a string, so an answer ``42`` is ``"42"`` (not the number 42) and
-``007`` keeps its zeros, as the file has them; an empty field is the empty string. Arrow files are the Arrow IPC
-stream files of ``datasets``' ``save_to_disk`` and the Hub (``*.arrow``), or Arrow IPC files.
+``007`` keeps its zeros, as the file has them; an empty field is the empty string. TSV files are read as CSV files
+are, their fields separated by a tab; a CSV file's are separated by ``training.csv_delimiter`` (a comma unless set;
+the ``csv_delimiter`` arguments below). Arrow files are the Arrow IPC stream files of ``datasets``' ``save_to_disk``
+and the Hub (``*.arrow``), or Arrow IPC files.
 """
 
 from __future__ import annotations
@@ -19,16 +21,30 @@ from typing import Any
 from raytrain_eks.errors import DataError
 from raytrain_eks.train.sources import root_cause
 
-TABLE_KINDS = ("parquet", "csv", "arrow")  # the readers of this module (JSON is read by .data's json_rows)
-_NAMES = {"parquet": "Parquet", "csv": "CSV", "arrow": "Arrow"}
-
-CSV_HINT = (
-    "Each row of a CSV file needs one field per column of its header line; a field that holds the delimiter "
-    "(a comma), a quote or a line break is written in double quotes, its own quotes doubled. Fix or remove the "
-    "row, or save the data as JSONL or Parquet."
-)
+TABLE_KINDS = ("parquet", "csv", "tsv", "arrow")  # the readers of this module (JSON is read by .data's json_rows)
+DELIMITED = ("csv", "tsv")  # text files of delimited fields under a header line, read by pyarrow's CSV reader
+_NAMES = {"parquet": "Parquet", "csv": "CSV", "tsv": "TSV", "arrow": "Arrow"}
 # Ray Data's CSV reader names the file it failed on in the error it raises around pyarrow's.
 _RAY_CSV_FILE = re.compile(r"Failed to read CSV file: (.+?)\. Please check")
+
+
+def delimiter_of(kind: str, csv_delimiter: str = ",") -> str:
+    """The field delimiter of a ``kind`` file: a tab in TSV files, ``csv_delimiter`` (``training.csv_delimiter``)
+    in CSV files."""
+    return "\t" if kind == "tsv" else csv_delimiter
+
+
+def csv_hint(kind: str, delimiter: str = ",") -> str:
+    """What a malformed CSV or TSV file's error suggests: how its rows are written, and the setting that names
+    another delimiter."""
+    named = {",": "a comma", "\t": "a tab"}.get(delimiter, repr(delimiter))
+    other = " If its fields are separated by another character (';', '|'), set training.csv_delimiter to it."
+    other = other if kind == "csv" else ""  # a TSV file's delimiter is always a tab
+    return (
+        f"Each row of a {_NAMES[kind]} file needs one field per column of its header line; a field that holds the "
+        f"delimiter ({named}), a quote or a line break is written in double quotes, its own quotes doubled. Fix or "
+        f"remove the row, or save the data as JSONL or Parquet.{other}"
+    )
 
 
 class UnreadableFile(Exception):
@@ -42,8 +58,9 @@ class UnreadableFile(Exception):
         return f"{self.path}: not a valid {_NAMES.get(self.kind, self.kind)} file: {self.why}"
 
 
-def csv_columns(files: Sequence[str]) -> list[str]:
-    """The column names of the header lines of ``files`` (local or remote), each once, in order of appearance."""
+def csv_columns(files: Sequence[str], kind: str = "csv", delimiter: str = ",") -> list[str]:
+    """The column names of the header lines of ``files`` (local or remote; ``kind``: one of :data:`DELIMITED`, its
+    fields separated by ``delimiter``), each once, in order of appearance."""
     import pyarrow.csv as pacsv
 
     from raytrain_eks.train.storage import filesystem
@@ -54,16 +71,17 @@ def csv_columns(files: Sequence[str]) -> list[str]:
         try:
             with fs.open_input_stream(where) as f:
                 # the header and the first block: the names, never the rows
-                reader = pacsv.open_csv(f, parse_options=csv_parsing())
+                reader = pacsv.open_csv(f, parse_options=csv_parsing(delimiter))
                 names.update(dict.fromkeys(reader.schema.names))
         except Exception as exc:
-            raise UnreadableFile(path, "csv", root_cause(exc)) from exc
+            raise UnreadableFile(path, kind, root_cause(exc)) from exc
     return list(names)
 
 
-def csv_problem(path: str) -> str:
-    """What is wrong with the CSV file ``path`` (local or remote): read again, a block at a time, up to its first
-    problem. Ray Data's CSV reader names the file it failed on but drops pyarrow's reason, which this finds."""
+def csv_problem(path: str, delimiter: str = ",") -> str:
+    """What is wrong with the CSV or TSV file ``path`` (local or remote; fields separated by ``delimiter``): read
+    again, a block at a time, up to its first problem. Ray Data's CSV reader names the file it failed on but drops
+    pyarrow's reason, which this finds."""
     import pyarrow.csv as pacsv
 
     from raytrain_eks.train.storage import filesystem
@@ -74,7 +92,7 @@ def csv_problem(path: str) -> str:
         bad.append(row)
         return "error"
 
-    parse = csv_parsing(invalid_row_handler=note)
+    parse = csv_parsing(delimiter, invalid_row_handler=note)
     read = pacsv.ReadOptions(use_threads=False)  # rows numbered as the file has them
     try:
         fs, where = filesystem(path)
@@ -94,12 +112,13 @@ def csv_problem(path: str) -> str:
     return "it reads without error now (was it changed while it was read?)"
 
 
-def csv_parsing(**options: Any) -> Any:
-    """pyarrow CSV parse options: a quoted field may hold line breaks (multi-line text is common in CSV datasets;
-    without this, pyarrow cuts a large file into blocks at line breaks inside quotes and fails)."""
+def csv_parsing(delimiter: str = ",", **options: Any) -> Any:
+    """pyarrow CSV parse options for fields separated by ``delimiter``: a quoted field may hold line breaks
+    (multi-line text is common in CSV datasets; without this, pyarrow cuts a large file into blocks at line breaks
+    inside quotes and fails)."""
     import pyarrow.csv as pacsv
 
-    return pacsv.ParseOptions(newlines_in_values=True, **options)
+    return pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True, **options)
 
 
 def csv_options(columns: Sequence[str]) -> Any:
@@ -123,9 +142,9 @@ def _arrow_batches(f: Any) -> Iterator[Any]:
             yield reader.get_batch(i)
 
 
-def first_table_rows(path: str, kind: str, wanted: int) -> list[dict[str, Any]]:
-    """Up to ``wanted`` rows from the start of the CSV or Arrow file ``path`` (local or remote), read a block at a
-    time and only as far as they need (the sample prompts' rows), CSV values as text, as training reads them."""
+def first_table_rows(path: str, kind: str, wanted: int, csv_delimiter: str = ",") -> list[dict[str, Any]]:
+    """Up to ``wanted`` rows from the start of the CSV, TSV or Arrow file ``path`` (local or remote), read a block
+    at a time and only as far as they need (the sample prompts' rows), CSV values as text, as training reads them."""
     import pyarrow.csv as pacsv
 
     from raytrain_eks.train.storage import filesystem
@@ -133,10 +152,11 @@ def first_table_rows(path: str, kind: str, wanted: int) -> list[dict[str, Any]]:
     fs, where = filesystem(path)
     rows: list[dict[str, Any]] = []
     try:
-        if kind == "csv":
-            options = csv_options(csv_columns([path]))
+        if kind in DELIMITED:
+            delimiter = delimiter_of(kind, csv_delimiter)
+            options = csv_options(csv_columns([path], kind, delimiter))
             with fs.open_input_stream(where) as f:
-                for batch in pacsv.open_csv(f, parse_options=csv_parsing(), convert_options=options):
+                for batch in pacsv.open_csv(f, parse_options=csv_parsing(delimiter), convert_options=options):
                     rows += batch.slice(0, wanted - len(rows)).to_pylist()
                     if len(rows) >= wanted:
                         break
@@ -153,9 +173,9 @@ def first_table_rows(path: str, kind: str, wanted: int) -> list[dict[str, Any]]:
         raise UnreadableFile(path, kind, root_cause(exc)) from exc
 
 
-def read_table(path: str, kind: str) -> Any:
+def read_table(path: str, kind: str, csv_delimiter: str = ",") -> Any:
     """The rows of the local file ``path`` (``kind``: one of :data:`TABLE_KINDS`), as one pyarrow table;
-    :class:`UnreadableFile` when a CSV or Arrow file cannot be read (pyarrow's own error for Parquet)."""
+    :class:`UnreadableFile` when a CSV, TSV or Arrow file cannot be read (pyarrow's own error for Parquet)."""
     import pyarrow as pa
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
@@ -163,9 +183,10 @@ def read_table(path: str, kind: str) -> Any:
     if kind == "parquet":
         return pq.read_table(path)
     try:
-        if kind == "csv":
-            options = csv_options(csv_columns([path]))
-            return pacsv.read_csv(path, parse_options=csv_parsing(), convert_options=options)
+        if kind in DELIMITED:
+            delimiter = delimiter_of(kind, csv_delimiter)
+            options = csv_options(csv_columns([path], kind, delimiter))
+            return pacsv.read_csv(path, parse_options=csv_parsing(delimiter), convert_options=options)
         if kind == "arrow":
             with pa.OSFile(path) as f:
                 return pa.Table.from_batches(list(_arrow_batches(f)))
@@ -176,20 +197,21 @@ def read_table(path: str, kind: str) -> Any:
     raise ValueError(f"no table reader for {kind!r} files")
 
 
-def read_dataset(files: list[str], kind: str, *, ray_remote_args: dict[str, Any]) -> Any:
+def read_dataset(files: list[str], kind: str, *, ray_remote_args: dict[str, Any], csv_delimiter: str = ",") -> Any:
     """A Ray dataset of the rows of ``files`` (local or remote; ``kind``: one of :data:`TABLE_KINDS`), read by Ray
     Data's tasks (with ``ray_remote_args``) in bounded blocks."""
     import ray.data
 
     if kind == "parquet":
         return ray.data.read_parquet(files, ray_remote_args=ray_remote_args)
-    if kind == "csv":
+    if kind in DELIMITED:
         # Hive partitioning off: a folder named like key=value adds no column.
-        options = csv_options(csv_columns(files))
+        delimiter = delimiter_of(kind, csv_delimiter)
+        options = csv_options(csv_columns(files, kind, delimiter))
         return ray.data.read_csv(
             files,
             partitioning=None,
-            parse_options=csv_parsing(),
+            parse_options=csv_parsing(delimiter),
             convert_options=options,
             ray_remote_args=ray_remote_args,
         )
@@ -217,9 +239,10 @@ def _arrow_datasource(files: list[str]) -> Any:
     return ArrowIpcDatasource(files)
 
 
-def unreadable(exc: BaseException, option: str, data: str) -> DataError:
-    """The :class:`DataError` for a read of ``data`` (from the setting ``option``) that failed with ``exc``: the
-    file and what is wrong with it where the error names them, else the innermost cause."""
+def unreadable(exc: BaseException, option: str, data: str, csv_delimiter: str = ",") -> DataError:
+    """The :class:`DataError` for a read of ``data`` (from the setting ``option``; CSV fields separated by
+    ``csv_delimiter``) that failed with ``exc``: the file and what is wrong with it where the error names them, else
+    the innermost cause."""
     path: str | None = None
     kind: str | None = None
     why: str | None = None
@@ -234,11 +257,16 @@ def unreadable(exc: BaseException, option: str, data: str) -> DataError:
         if isinstance(err, UnreadableFile):
             path, kind, why = err.path, err.kind, err.why
             break
-        if found := _RAY_CSV_FILE.search(str(err)):
-            path, kind = found.group(1), "csv"
+        if found := _RAY_CSV_FILE.search(str(err)):  # Ray Data's CSV reader reads the TSV files too
+            path = found.group(1)
+            kind = "tsv" if path.endswith(".tsv") else "csv"
             break
-    if kind == "csv":
-        return DataError(f"{option} {data!r}: {path} is not valid CSV: {csv_problem(str(path))}", hint=CSV_HINT)
+    if kind in DELIMITED and path is not None:
+        delimiter = delimiter_of(kind, csv_delimiter)
+        problem = csv_problem(path, delimiter)
+        return DataError(
+            f"{option} {data!r}: {path} is not valid {_NAMES[kind]}: {problem}", hint=csv_hint(kind, delimiter)
+        )
     if path is not None:
         why = f"{path} is not a valid {_NAMES.get(str(kind), kind)} file ({why})"
     return DataError(f"{option} {data!r}: cannot be read: {why or root_cause(chain[-1])}")
