@@ -2,7 +2,8 @@
 
 A run is priced only on a cluster this tool deployed, or at the price the user configured: ``submit`` gives the job
 a deployment record (:mod:`raytrain_eks.fabric.deployment`) when the state says ``up`` made the cluster, and
-:func:`job_price` prices a run from ``cluster.usd_per_hour`` when it is set, else from that record alone. Example::
+:func:`job_price` (the EKS target's ``price``) prices a run from ``cluster.usd_per_hour`` when it is set, else from
+that record alone (the configured price, :mod:`raytrain_eks.k8s.prices`, is every target's). Example::
 
     gpu, system = check_deployable(cfg)              # ConfigError listing every problem at once
     cost_per_hour(cfg, gpu, system)["total_usd"]     # 9.5498 for the reference cluster (us-east-1 prices)
@@ -14,14 +15,14 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import date
 from typing import Any
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
 from raytrain_eks.errors import ConfigError, UserError
-from raytrain_eks.fabric.deployment import RECORD_KIND, no_record_reason, read_deployment
+from raytrain_eks.fabric.deployment import RECORD_KIND, read_deployment
 from raytrain_eks.instances import (
     EFA_GPU_TYPES,
     EKS_CONTROL_PLANE_USD_PER_HOUR,
@@ -33,6 +34,7 @@ from raytrain_eks.instances import (
     InstanceType,
     eks_support,
 )
+from raytrain_eks.k8s.prices import Price, configured_price, priced_run, unpriced_reason
 from raytrain_eks.k8s.state import StateStore
 
 
@@ -174,22 +176,6 @@ def run_cost(cfg: Config, summary: Mapping[str, Any]) -> dict[str, Any] | None:
     return priced_run(hourly["total_usd"], hourly["price_region"], summary)
 
 
-def priced_run(usd_per_hour: float, price_region: str, summary: Mapping[str, Any]) -> dict[str, Any]:
-    """A run's cost from its ``summary.json`` fields: ``usd_per_hour`` times this attempt's ``wall_s``, and per
-    million tokens this attempt trained (``trained_tokens``; a summary without it, from before that field, gives
-    ``tokens_per_s`` x (``train_s`` - ``eval_s``); ``tokens`` would also count the steps before a resume)."""
-    usd = usd_per_hour * summary["wall_s"] / 3600
-    tokens = summary.get("trained_tokens")
-    if tokens is None:  # an older summary: the training rate over the time spent training (evaluation left out)
-        tokens = round(summary["tokens_per_s"] * (summary["train_s"] - summary.get("eval_s", 0.0)))
-    return {
-        "usd": round(usd, 4),
-        "usd_per_million_tokens": round(usd / tokens * 1e6, 4) if tokens else None,
-        "usd_per_hour": usd_per_hour,
-        "basis": f"{price_region} on-demand prices x the run's wall time; excludes EBS, data and IPv4",
-    }
-
-
 def deployment_record(cfg: Config, state: StateStore) -> dict[str, Any] | None:
     """What ``submit`` tells the job about its cluster (:mod:`raytrain_eks.fabric.deployment`), or None when the
     state does not say that ``up`` made the cluster ``cfg`` names. Its price is the cluster's hourly cost on that day.
@@ -212,46 +198,25 @@ def deployment_record(cfg: Config, state: StateStore) -> dict[str, Any] | None:
     }
 
 
-Price = Callable[[Mapping[str, Any]], dict[str, Any]]
-
-
 def job_price(
     config: str | os.PathLike[str] | None,
     configured_usd_per_hour: float | None = None,
     usd_per_node_hour: float | None = None,
 ) -> tuple[Price | None, str | None]:
-    """How ``train --address`` prices its run: at the price the user configured (``cluster.usd_per_hour`` for the
-    whole cluster, or ``cluster.usd_per_node_hour`` times the GPU nodes the run's workers ran on, the summary's
-    ``nodes``: they know their discounts, and an autoscaled cluster has no fixed size), else from the deployment
-    record beside its configuration ``config`` (the one ``submit`` mounts in the head pod). Returns ``(price,
-    None)``, ``price(summary)`` being the run's cost; or ``(None, why)`` on a Ray cluster with neither (one this
-    tool did not deploy): nothing is assumed from the configuration's instance types."""
+    """How ``train --address`` prices its run on the EKS target (``EksTarget.price``): at the price the user
+    configured (``cluster.usd_per_hour`` for the whole cluster, or ``cluster.usd_per_node_hour`` times the GPU nodes
+    the run's workers ran on, the summary's ``nodes``: they know their discounts, and an autoscaled cluster has no
+    fixed size; :func:`~raytrain_eks.k8s.prices.configured_price`), else from the deployment record beside its
+    configuration ``config`` (the one ``submit`` mounts in the head pod). Returns ``(price, None)``,
+    ``price(summary)`` being the run's cost; or ``(None, why)`` on a Ray cluster with neither (one this tool did not
+    deploy): nothing is assumed from the configuration's instance types."""
     record = read_deployment(config)
     cluster = None if record is None else record["cluster"]
-    if usd_per_node_hour is not None:
-        rate = float(usd_per_node_hour)
-
-        def per_node(summary: Mapping[str, Any]) -> dict[str, Any]:
-            nodes = int(summary.get("nodes") or 1)
-            cost = priced_run(rate * nodes, "configured", summary)
-            basis = f"cluster.usd_per_node_hour as configured x {nodes} GPU node(s) x the run's wall time"
-            extra = {"nodes": nodes, "usd_per_node_hour": rate}
-            return {**cost, "basis": basis, "cluster": cluster, "source": "configured", **extra}
-
-        return per_node, None
-    if configured_usd_per_hour is not None:
-        hourly = float(configured_usd_per_hour)
-
-        def configured(summary: Mapping[str, Any]) -> dict[str, Any]:
-            cost = priced_run(hourly, "configured", summary)
-            basis = "cluster.usd_per_hour as configured x the run's wall time"
-            return {**cost, "basis": basis, "cluster": cluster, "source": "configured"}
-
+    configured = configured_price(configured_usd_per_hour, usd_per_node_hour, cluster)
+    if configured is not None:
         return configured, None
     if record is None:
-        return None, no_record_reason(config) + (
-            "; set cluster.usd_per_hour (or cluster.usd_per_node_hour) to price runs on it"
-        )
+        return None, unpriced_reason(config)
 
     def price(summary: Mapping[str, Any]) -> dict[str, Any]:
         cost = priced_run(float(record["usd_per_hour"]), str(record["price_region"]), summary)

@@ -46,12 +46,3 @@ def read_deployment(config: str | os.PathLike[str] | None) -> dict[str, Any] | N
     if not isinstance(data, dict) or data.get("kind") != RECORD_KIND or any(f not in data for f in RECORD_FIELDS):
         return None
     return data
-
-
-def no_record_reason(config: str | os.PathLike[str] | None) -> str:
-    """Why a run on a joined Ray cluster knows nothing of its nodes, in words for the report."""
-    where = f"beside {config}" if config is not None else "(no --config was given)"
-    return (
-        f"no deployment record {where}: the Ray cluster was not deployed and submitted to by this tool's `up` and "
-        "`submit`, so its nodes and their price are not known"
-    )
