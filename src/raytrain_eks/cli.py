@@ -146,10 +146,10 @@ def train(
         if config is not None and config.parent.name.startswith(_RESUME_TMP):  # a copy of a storage folder's
             shutil.rmtree(config.parent, ignore_errors=True)
     price = unpriced = None
-    if address is not None:  # priced on a cluster this tool deployed (submit tells the job so, beside its config)
-        from raytrain_eks.eks.pricing import job_price  # or at the price the user configured for theirs
+    if address is not None:  # priced by its target: at the price the user configured, or (EKS) on a cluster this
+        from raytrain_eks.eks.target import target_for  # tool deployed, from the record submit puts beside the config
 
-        price, unpriced = job_price(config, cfg.cluster.usd_per_hour, cfg.cluster.usd_per_node_hour)
+        price, unpriced = target_for(cfg).price(cfg, config)
 
     with _Progress() as progress:
         result = run_training(

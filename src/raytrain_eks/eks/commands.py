@@ -265,9 +265,9 @@ def up(
 
     d = make_deployment(cfg, state_dir)
     if train:  # up checks its own programs; --train runs submit's too, checked before up starts
-        require_programs(d, "up", "submit", mode=mode.value)
-    elif target.name != "eks":
-        require_programs(d, "up")  # the kubeconfig's credential program (helm: when something is to install)
+        require_programs(d, "up", "submit", mode=mode.value, steps_of=target.command_steps)
+    elif target.name != "eks":  # the kubeconfig's credential program (helm: when something is to install)
+        require_programs(d, "up", steps_of=target.command_steps)
     target.up(d, confirm=_confirm(yes))
     if train:  # with what up remembered on the way (the checkpoint bucket it created, the nodes it found)
         _submit(dataclasses.replace(d, cfg=target.remembered(cfg, d.state)), mode)
@@ -285,10 +285,11 @@ def submit(
 ) -> None:
     """Run the training job in the cluster and check that EFA carried it (exit 1 if not, 2 if undecided)."""
     from raytrain_eks.eks.programs import require_programs
+    from raytrain_eks.eks.target import target_for
 
     given = [*(sets or []), *(["ray.offline=true"] if offline else [])]
     d = make_deployment(_load(config, preset, given, kubeconfig, context), state_dir)
-    require_programs(d, "submit", mode=mode.value)
+    require_programs(d, "submit", mode=mode.value, steps_of=target_for(d.cfg).command_steps)
     _submit(d, mode)
 
 
@@ -330,9 +331,10 @@ def logs(
     """Print the last submitted job's output (read inside the head pod)."""
     from raytrain_eks.eks.programs import require_programs
     from raytrain_eks.eks.submit import logs as job_logs
+    from raytrain_eks.eks.target import target_for
 
     d = make_deployment(_load(config, preset, None, kubeconfig, context), state_dir)
-    require_programs(d, "logs")
+    require_programs(d, "logs", steps_of=target_for(d.cfg).command_steps)
     code = job_logs(d, follow=follow)
     if code:
         raise typer.Exit(code)
@@ -424,9 +426,10 @@ def compare_fabric(
     out = out or new_folder(Path("runs"), f"compare-fabric-{datetime.now(UTC):%Y%m%d-%H%M%S}", create=False)
     compare.check_report_folder(out)  # before any run: a bad --out found after two runs would waste them
     from raytrain_eks.eks.programs import require_programs
+    from raytrain_eks.eks.target import target_for
 
     first = make_deployment(cfg, state_dir, lambda _: None)
-    require_programs(first, "compare-fabric")  # before the RayCluster
+    require_programs(first, "compare-fabric", steps_of=target_for(first.cfg).command_steps)  # before the RayCluster
     from raytrain_eks.k8s.manifests import efa_per_pod
 
     if not efa_per_pod(first.cfg):  # a cluster whose GPU nodes have no EFA (cluster.target kubernetes)

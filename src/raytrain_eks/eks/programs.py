@@ -1,8 +1,10 @@
-"""The programs each EKS command runs, declared step by step in this one place, and the check that all of them are
-installed before a command creates, changes or asks anything.
+"""The programs each command runs, declared step by step, and the check that all of them are installed before a
+command creates, changes or asks anything.
 
-Each step says what it runs (:data:`STEPS`); a command is the steps it takes (:func:`command_steps`: ``down`` the
-steps that delete what the state file records, ``submit`` the node-group step only when it scales the GPU group).
+Each step says what it runs (:data:`STEPS`: those every target shares, :data:`raytrain_eks.k8s.programs.STEPS`, and
+the EKS target's, which run eksctl); a command is the steps it takes on its target, which the target decides
+(``ClusterTarget.command_steps``). On the EKS target that is :func:`command_steps`: ``down`` the steps that delete
+what the state file records, ``submit`` the node-group step only when it scales the GPU group.
 :func:`require_programs` checks the programs of all of them and names every missing one in one message (exit 2),
 each with how to install it.
 
@@ -14,32 +16,24 @@ the two it finds on PATH (eksctl v0.230.0, ``pkg/utils/kubeconfig/kubeconfig.go`
 Example::
 
     require_programs(d, "submit")    # MissingToolsError naming `aws` when the kubeconfig runs it and it is missing
+    require_programs(d, "submit", steps_of=target_for(d.cfg).command_steps)   # on the configured target
 """
 
 from __future__ import annotations
 
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
+from raytrain_eks.k8s import programs as shared
+from raytrain_eks.k8s.programs import KUBERNETES, Step
 from raytrain_eks.k8s.runner import require_tools
 from raytrain_eks.k8s.state import Deployment
 
 EKSCTL = "eksctl"
-HELM = "helm"
-KUBERNETES = "kubernetes-api"  # not a program: the kubeconfig's credential program (:func:`credential_needs`)
 # What eksctl may name in a kubeconfig; the first is the one named when neither is installed.
 CREDENTIAL_PROGRAMS = ("aws", "aws-iam-authenticator")
-
-
-@dataclass(frozen=True)
-class Step:
-    """What a step does, in words, and the programs it runs."""
-
-    what: str
-    programs: tuple[str, ...]
-
 
 STEPS: dict[str, Step] = {
     "cluster": Step("the EKS cluster and this folder's kubeconfig (eksctl get/create/delete cluster)", (EKSCTL,)),
@@ -50,11 +44,12 @@ STEPS: dict[str, Step] = {
     "iam-service-account-delete": Step(
         "the Ray pods' service account and its IAM role (eksctl delete iamserviceaccount)", (EKSCTL,)
     ),
-    "helm-releases": Step("the device plugins and KubeRay (helm get metadata/upgrade/uninstall)", (HELM, KUBERNETES)),
-    "kubernetes": Step("the nodes, the Ray pods and jobs (the Kubernetes API)", (KUBERNETES,)),
+    **shared.STEPS,
 }
+# The step that (re)writes this folder's kubeconfig, with eksctl: a target whose up takes it owns the kubeconfig.
+WRITES_KUBECONFIG = "cluster"
 
-# The steps of each command, in the order it takes them.
+# The steps of each command on the EKS target, in the order it takes them.
 COMMANDS: dict[str, tuple[str, ...]] = {
     "up": ("cluster", "iam-service-account", "node-groups", "kubernetes", "helm-releases"),
     "status": ("cluster", "node-groups", "kubernetes"),
@@ -63,21 +58,25 @@ COMMANDS: dict[str, tuple[str, ...]] = {
     "logs": ("kubernetes",),
     "down": ("cluster",),  # it asks eksctl whether the cluster exists; then DELETE_STEPS of what is recorded
 }
-# Steps of the EKS target only (the kubernetes target's up checks helm itself, once it knows it installs something).
-EKS_ONLY_STEPS = ("cluster", "node-groups", "iam-service-account", "iam-service-account-delete")
-# What down takes to delete each kind of item the state file records.
+# What down takes to delete each kind of item the state file records on the EKS target.
 DELETE_STEPS: dict[str, tuple[str, ...]] = {
     "bucket": (),
-    "object": ("kubernetes",),
-    "helm": ("helm-releases",),
+    **shared.DELETE_STEPS,
     "nodegroup": ("node-groups",),
     "cluster": ("cluster",),
     "iamserviceaccount": ("iam-service-account-delete",),
 }
 
 
+class StepsOf(Protocol):
+    """A target's ``command_steps``: the steps a command takes from a folder now."""
+
+    def __call__(self, d: Deployment, command: str, *, mode: str = ...) -> tuple[str, ...]: ...
+
+
 def command_steps(d: Deployment, command: str, *, mode: str = "raycluster") -> tuple[str, ...]:
-    """The steps ``command`` takes from this folder now. ``mode``: submit's (a RayJob scales the GPU group to 0).
+    """The steps ``command`` takes on the EKS target from this folder now (``EksTarget.command_steps``). ``mode``:
+    submit's (a RayJob scales the GPU group to 0).
 
     Nothing for ``down`` when nothing is recorded, nor for ``logs`` when no job is, since they then run nothing.
     """
@@ -92,8 +91,6 @@ def command_steps(d: Deployment, command: str, *, mode: str = "raycluster") -> t
             steps = (*steps, "node-groups")
     elif command == "logs" and not (s.get("job") or {}).get("id"):
         return ()
-    if d.cfg.cluster.target != "eks":  # a cluster of the kubeconfig: no eksctl; helm only for what up installs
-        steps = tuple(x for x in steps if x not in EKS_ONLY_STEPS and (command, x) != ("up", "helm-releases"))
     return tuple(dict.fromkeys(steps))
 
 
@@ -118,11 +115,14 @@ def kubeconfig_programs(path: Path) -> list[tuple[str, list[str]]] | None:
     return list(found.items())
 
 
-def credential_needs(d: Deployment, command: str, uses: str) -> list[tuple[tuple[str, ...], str]]:
-    """What every call to the cluster needs for its credentials: the program(s) the kubeconfig names, or, before it
-    exists (and for ``up``, which writes it anew), either program eksctl may name. ``uses``: the steps, in words."""
+def credential_needs(
+    d: Deployment, command: str, uses: str, *, steps_of: StepsOf = command_steps
+) -> list[tuple[tuple[str, ...], str]]:
+    """What every call to the cluster needs for its credentials: the program(s) the kubeconfig names, or, when the
+    target's up writes it (``steps_of``: the target's steps, the EKS target's by default), before it exists (and for
+    ``up``, which writes it anew), either program eksctl may name. ``uses``: the steps, in words."""
     path = Path(d.kubeconfig)
-    own = d.cfg.cluster.target == "eks"  # this folder's kubeconfig, which eksctl (re)writes at up
+    own = WRITES_KUBECONFIG in steps_of(d, "up")  # this folder's kubeconfig, which eksctl (re)writes at up
     named = None if command == "up" and own else kubeconfig_programs(path)
     if named is None and not own:  # the user's kubeconfig, unreadable: the Kubernetes client says why, first call
         return []
@@ -144,24 +144,30 @@ def credential_needs(d: Deployment, command: str, uses: str) -> list[tuple[tuple
     ]
 
 
-def needs(d: Deployment, commands: Sequence[str], *, mode: str = "raycluster") -> list[tuple[tuple[str, ...], str]]:
-    """Every program ``commands`` will run from this folder now, as ``(alternatives, why)``."""
-    steps = list(dict.fromkeys(step for command in commands for step in command_steps(d, command, mode=mode)))
+def needs(
+    d: Deployment, commands: Sequence[str], *, mode: str = "raycluster", steps_of: StepsOf = command_steps
+) -> list[tuple[tuple[str, ...], str]]:
+    """Every program ``commands`` will run from this folder now, as ``(alternatives, why)``, taking the steps
+    ``steps_of`` gives (the target's ``command_steps``; the EKS target's by default)."""
+    steps = list(dict.fromkeys(step for command in commands for step in steps_of(d, command, mode=mode)))
     programs = list(dict.fromkeys(p for step in steps for p in STEPS[step].programs))
     out: list[tuple[tuple[str, ...], str]] = []
     for program in programs:
         uses = "; ".join(STEPS[step].what for step in steps if program in STEPS[step].programs)
         if program == KUBERNETES:
-            out += credential_needs(d, "up" if "up" in commands else commands[0], uses)
+            out += credential_needs(d, "up" if "up" in commands else commands[0], uses, steps_of=steps_of)
         else:
             out.append(((program,), uses))
     return out
 
 
-def require_programs(d: Deployment, *commands: str, mode: str = "raycluster") -> None:
+def require_programs(
+    d: Deployment, *commands: str, mode: str = "raycluster", steps_of: StepsOf = command_steps
+) -> None:
     """Raise :class:`~raytrain_eks.k8s.runner.MissingToolsError` (exit 2) naming every program ``commands`` need
-    that is not installed, checked through ``d.require_tool``; do nothing when all are there."""
-    require_tools(needs(d, commands, mode=mode), d.require_tool)
+    that is not installed, checked through ``d.require_tool``; do nothing when all are there. ``steps_of``: the
+    target's ``command_steps`` (the EKS target's by default)."""
+    require_tools(needs(d, commands, mode=mode, steps_of=steps_of), d.require_tool)
 
 
 def declared_programs(command: str) -> str:

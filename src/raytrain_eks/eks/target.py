@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from raytrain_eks.config import Config
-from raytrain_eks.eks import lifecycle, nodegroups
+from raytrain_eks.eks import lifecycle, nodegroups, programs
 from raytrain_eks.eks.irsa import check_before_pods
-from raytrain_eks.eks.pricing import check_deployable
+from raytrain_eks.eks.pricing import check_deployable, job_price
 from raytrain_eks.instances import InstanceType
 from raytrain_eks.k8s.addons import GpuNodeSpec, wait_gpu_nodes
 from raytrain_eks.k8s.existing import KubernetesTarget, check_shared_volume
+from raytrain_eks.k8s.prices import Price
 from raytrain_eks.k8s.state import Deployment, StateStore, apply_state
 from raytrain_eks.k8s.target import ClusterTarget
 
@@ -38,6 +40,14 @@ class EksTarget:
 
     def gpu_type(self, d: Deployment) -> InstanceType | None:
         return check_deployable(d.cfg)[0]
+
+    def command_steps(self, d: Deployment, command: str, *, mode: str = "raycluster") -> tuple[str, ...]:
+        return programs.command_steps(d, command, mode=mode)
+
+    def price(self, cfg: Config, config: str | os.PathLike[str] | None) -> tuple[Price | None, str | None]:
+        """At the price configured, else from the deployment record ``submit`` put beside ``config`` (the on-demand
+        price of the instance table on the day the job was sent)."""
+        return job_price(config, cfg.cluster.usd_per_hour, cfg.cluster.usd_per_node_hour)
 
     def before_pods(self, d: Deployment) -> None:
         check_shared_volume(d)

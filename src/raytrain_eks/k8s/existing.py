@@ -42,6 +42,8 @@ from raytrain_eks.k8s.addons import (
 )
 from raytrain_eks.k8s.cluster import Node, quantity
 from raytrain_eks.k8s.kuberay_fields import check_kuberay_fields
+from raytrain_eks.k8s.prices import Price, configured_price, unpriced_reason
+from raytrain_eks.k8s.programs import DELETE_STEPS
 from raytrain_eks.k8s.state import Cancelled, Deployment, StateStore, describe, object_item, with_shared_volume
 
 TARGET = "kubernetes"
@@ -53,6 +55,16 @@ GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 # A worker pod fills 5/6 of the smallest GPU node's allocatable CPU and memory: the rest is for the DaemonSets
 # (device plugins, CNI, logging) that also run there. The same share as on EKS (instances.default_worker_pod_size).
 POD_SHARE = (5, 6)
+# The steps of each command here (:data:`raytrain_eks.k8s.programs.STEPS`): the Kubernetes API, no eksctl; helm only
+# for what up installs, which up checks itself once it knows (and for down, the releases recorded).
+COMMANDS: dict[str, tuple[str, ...]] = {
+    "up": ("kubernetes",),
+    "status": ("kubernetes",),
+    "submit": ("kubernetes",),
+    "compare-fabric": ("kubernetes",),
+    "logs": ("kubernetes",),
+    "down": (),  # DELETE_STEPS of what is recorded
+}
 
 
 def kubeconfig_path(cfg: Config, environ: dict[str, str] | None = None) -> str:
@@ -389,6 +401,23 @@ class KubernetesTarget:
 
     def gpu_node_spec(self, d: Deployment) -> GpuNodeSpec:
         return gpu_node_spec(d.cfg, d.state)
+
+    def command_steps(self, d: Deployment, command: str, *, mode: str = "raycluster") -> tuple[str, ...]:
+        """The steps of :data:`COMMANDS`; ``down``'s delete what the state file records. Nothing for ``down`` when
+        nothing is recorded, nor for ``logs`` when no job is. ``mode`` changes nothing: no node group is scaled."""
+        s = d.state
+        steps = COMMANDS[command]
+        if command == "down":
+            steps = tuple(step for item in s.created for step in DELETE_STEPS.get(item["type"], ()))
+        elif command == "logs" and not (s.get("job") or {}).get("id"):
+            return ()
+        return tuple(dict.fromkeys(steps))
+
+    def price(self, cfg: Config, config: str | os.PathLike[str] | None) -> tuple[Price | None, str | None]:
+        """Only at the price the user configured (``cluster.usd_per_hour`` or ``cluster.usd_per_node_hour``): what
+        the cluster's nodes cost is not known here. Else ``(None, why)``."""
+        price = configured_price(cfg.cluster.usd_per_hour, cfg.cluster.usd_per_node_hour)
+        return (price, None) if price is not None else (None, unpriced_reason(config))
 
     def gpu_type(self, d: Deployment) -> InstanceType | None:
         """The GPU nodes' EC2 type when ``up`` found one it knows on their labels; else their GPUs as GPU feature
