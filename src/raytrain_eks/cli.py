@@ -53,8 +53,8 @@ def train(
     data: Annotated[
         str | None,
         typer.Option(
-            help="'random', builtin:sample-instructions, a JSONL/JSON/Parquet file or folder (s3:// too), or a "
-            "Hugging Face dataset: hf:OWNER/NAME[:SPLIT]."
+            help="'random', builtin:sample-instructions, a .jsonl/.ndjson/.json/.parquet/.csv/.tsv/.arrow file or "
+            "folder (s3:// too), or a Hugging Face dataset: hf:OWNER/NAME[:SPLIT]."
         ),
     ] = None,
     data_format: Annotated[str | None, typer.Option(help=f"Data format: {', '.join(FORMAT_NAMES)}.")] = None,
