@@ -48,12 +48,13 @@ from raytrain_eks.k8s import addons, runner, state
 from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import NodesNotReady
-from raytrain_eks.k8s.cluster import Event, ExecResult, _exec_returncode
+from raytrain_eks.k8s.cluster import Event, ExecResult, Pod, _exec_returncode
 from raytrain_eks.k8s.runner import CommandError, Completed, MissingToolError
 from raytrain_eks.k8s.state import Cancelled, Deployment, StateStore, apply_state
 from raytrain_eks.train.memory import DoesNotFit
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
+RECORDED = Path(__file__).parent / "fixtures" / "recorded"  # real tool output; fixtures/recorded/SOURCES.md
 SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md
 ZONES = ["us-east-1a", "us-east-1b", "us-east-1c"]
 TOKEN = "hf_SECRETtoken1234567890"
@@ -536,11 +537,13 @@ class FakeRay:
                 source = folder
             return run_script(argv[2], [str(source)])
         if argv[1:] == ["-p", "efa"]:
-            if self.efa:
-                return ExecResult(0, "provider: efa\n    fabric: efa\n    domain: rdmap0s31-rdm\n")
-            return ExecResult(61, "", "fi_getinfo: -61 (No data available)\n")
-        if argv == ["nvidia-smi"]:
-            return ExecResult(0, "| NVIDIA-SMI 570.172.08   Driver Version: 570.172.08   CUDA Version: 13.0 |\n")
+            if self.efa:  # fixtures/recorded/fi_info_efa.txt: entries on stdout, exit status 0 (util/info.c)
+                return ExecResult(0, (RECORDED / "fi_info_efa.txt").read_text())
+            # fixtures/recorded/fi_info_no_efa.txt: the line goes to stderr and fi_info exits with 61, -FI_ENODATA
+            # negated (libfabric's util/info.c, see SOURCES.md).
+            return ExecResult(61, "", (RECORDED / "fi_info_no_efa.txt").read_text())
+        if argv == ["nvidia-smi"]:  # fixtures/recorded/nvidia_smi.txt: kubectl exec ... nvidia-smi on an EKS A10G
+            return ExecResult(0, (RECORDED / "nvidia_smi.txt").read_text())
         raise AssertionError(f"unexpected exec in {pod}: {argv[:3]}")
 
 
@@ -991,7 +994,7 @@ def test_submit_runs_the_job_from_the_head_pod_and_checks_efa(ready: World):
     result = ready.submit(hf_token=TOKEN)
     assert result.exit_code == 0 and result.job_status == "SUCCEEDED"
     assert result.report is not None and result.report.verdict == "efa" and result.efa_provider is True
-    assert result.versions == {"driver": "570.172.08", "cuda": "13.0"}
+    assert result.versions == {"driver": "535.230.02", "cuda": "12.2"}  # fixtures/recorded/nvidia_smi.txt
     # Submitted through exec in the head pod, to the dashboard on the pod's own loopback.
     (argv,) = ready.ray.submitted
     head_calls = [c for c in ready.kube.exec_calls if c[2][:3] == ["ray", "job", "submit"]]
@@ -1110,7 +1113,48 @@ def test_fi_info_without_efa_fails_the_run(ready: World):
     ready.ray.efa = False
     result = ready.submit()
     assert result.exit_code == 1 and result.efa_provider is False
-    assert "fi_getinfo: -61" in ready.said()
+    assert "fi_info -p efa on ray-train-gpu-workers-worker-0: no EFA (fi_getinfo: -61)" in ready.said()
+
+
+def _pod_answering(result: ExecResult) -> tuple[Any, Pod]:
+    """A deployment whose pod answers every exec with ``result`` (all ``check_efa_provider`` and ``gpu_versions``
+    use of it), and that pod."""
+
+    class Kube:
+        def exec(self, namespace: str, pod: str, argv: list[str], timeout: float | None = None) -> ExecResult:
+            return result
+
+    class Answering:
+        kube = Kube()
+
+    return Answering(), Pod(name="ray-train-gpu-workers-worker-0", namespace="default", phase="Running")
+
+
+@pytest.mark.parametrize("recording", ["fi_info_efa.txt", "fi_info_efa_rdm_p4de.txt"])
+def test_check_efa_provider_accepts_the_recorded_efa_output(recording: str):
+    # fixtures/recorded/: fi_info -p efa on an hpc6a node (libfabric 1.13 era) and fi_info -p efa -t FI_EP_RDM on a
+    # p4de (libfabric 1.19); entries on stdout, exit status 0.
+    d, worker = _pod_answering(ExecResult(0, (RECORDED / recording).read_text()))
+    assert sub.check_efa_provider(d, worker) == (True, "provider: efa")
+
+
+@pytest.mark.parametrize(
+    ("recording", "line"),
+    [
+        ("fi_info_no_efa.txt", "fi_getinfo: -61"),  # recorded, libfabric before 1.19
+        ("fi_info_no_efa_from_source.txt", "fi_getinfo: -61 (No data available)"),  # libfabric 1.19+, its source
+    ],
+)
+def test_check_efa_provider_refuses_the_no_efa_output(recording: str, line: str):
+    # fixtures/recorded/SOURCES.md: util/info.c writes the line to stderr and exits with 61.
+    d, worker = _pod_answering(ExecResult(61, "", (RECORDED / recording).read_text()))
+    assert sub.check_efa_provider(d, worker) == (False, line)
+
+
+def test_gpu_versions_reads_the_recorded_nvidia_smi():
+    # fixtures/recorded/nvidia_smi.txt: "| NVIDIA-SMI 535.230.02   Driver Version: 535.230.02   CUDA Version: 12.2 |"
+    d, worker = _pod_answering(ExecResult(0, (RECORDED / "nvidia_smi.txt").read_text()))
+    assert sub.gpu_versions(d, worker) == {"driver": "535.230.02", "cuda": "12.2"}
 
 
 def test_a_failed_job_fails_the_run(ready: World):
@@ -1727,7 +1771,7 @@ def test_rayjob_evidence_is_read_before_its_cluster_is_deleted(ready: World):
     result = ready.submit(mode="rayjob")
     assert result.exit_code == 0, result.summary
     assert result.report is not None and result.report.verdict == "efa"
-    assert result.efa_provider is True and result.versions == {"driver": "570.172.08", "cuda": "13.0"}
+    assert result.efa_provider is True and result.versions == {"driver": "535.230.02", "cuda": "12.2"}
     # Then submit deletes the cluster itself, before the GPU nodes go.
     status = ready.kube.get("ray.io/v1", "RayJob", "ray-train", "default")["status"]
     cluster = status["rayClusterName"]  # KubeRay's: the RayJob's name and five random characters
