@@ -147,17 +147,17 @@ def test_the_credential_program_is_the_one_the_kubeconfig_names(world: World):
     (user,) = yaml.safe_load(world.store.kubeconfig.read_text())["users"]
     assert user["user"]["exec"]["command"] == "aws-iam-authenticator"
     world.tools.missing = {"aws"}
-    programs.require_programs(world.d, "submit")  # this kubeconfig never runs aws
+    programs.require_programs(world.d, "submit", steps_of=programs.command_steps)  # this kubeconfig never runs aws
     world.tools.missing = {"aws-iam-authenticator"}
     with pytest.raises(MissingToolsError) as err:
-        programs.require_programs(world.d, "submit")
+        programs.require_programs(world.d, "submit", steps_of=programs.command_steps)
     assert err.value.tools == ["aws-iam-authenticator"]
     assert f"{world.store.kubeconfig} runs `aws-iam-authenticator token -i`" in err.value.message
     # up is not stopped by it: it writes the kubeconfig anew, and eksctl then names the AWS CLI.
     world.up()
     (user,) = yaml.safe_load(world.store.kubeconfig.read_text())["users"]
     assert user["user"]["exec"]["command"] == "aws"
-    programs.require_programs(world.d, "submit", "status", "logs", "down")
+    programs.require_programs(world.d, "submit", "status", "logs", "down", steps_of=programs.command_steps)
 
 
 class _Recording:

@@ -190,7 +190,7 @@ def test_the_missing_helm_message_names_the_helm_commands_up_and_down_run(world:
     world.up()
     world.tools.missing = {"helm"}
     with pytest.raises(MissingToolsError) as err:
-        programs.require_programs(world.d, "up", "down")
+        programs.require_programs(world.d, "up", "down", steps_of=programs.command_steps)
     named = re.search(r"\(helm ([^)]*)\)", err.value.message)
     assert named is not None, err.value.message
     world.tools.missing = set()

@@ -58,7 +58,7 @@ from raytrain_eks.eks.nodegroups import (
     remove_eksctl_device_plugins,
 )
 from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
-from raytrain_eks.eks.programs import declared_programs, require_programs
+from raytrain_eks.eks.programs import command_steps, declared_programs, require_programs
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import (
@@ -279,7 +279,7 @@ def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callabl
     _, memory = fit_config(cfg, gpu)  # DoesNotFit: a run that cannot fit the GPUs is stopped before any node
     if memory is not None:
         d.say(memory.line)
-    require_programs(d, "up")  # every program up runs, all the missing ones named at once
+    require_programs(d, "up", steps_of=command_steps)  # every program up runs, all the missing ones named at once
     _check_state_matches(d)
     if c.existing and cluster_status(d) is None:
         raise no_existing_cluster(cfg)  # before anything is asked or made (the bucket comes first)
@@ -413,7 +413,7 @@ def _kept_buckets(d: Deployment, created: list[dict[str, Any]], delete_checkpoin
 
 
 def _down(d: Deployment, *, confirm: Callable[[str], bool], delete_checkpoints: bool = False) -> DownResult:
-    require_programs(d, "down")  # what deleting the recorded items runs, before anything is asked
+    require_programs(d, "down", steps_of=command_steps)  # what deleting the recorded items runs, before asking
     created = d.state.created
     kept = _kept_buckets(d, created, delete_checkpoints)
     keep = [i for i in created if i["type"] == "bucket" and i["name"] in kept]
@@ -480,7 +480,7 @@ def status(d: Deployment) -> list[str]:
     s, c = d.state, d.cfg.cluster
     if not s.created and not s.get("cluster"):
         return [f"Nothing deployed from this folder ({s.path} does not exist). Start with `raytrain-eks up`."]
-    require_programs(d, "status")
+    require_programs(d, "status", steps_of=command_steps)
     lines = [f"Cluster {c.name} in {c.region}, GPU zone {s.get('gpu_az') or 'not chosen yet'}"]
     lines += [f"  created: {describe(i)}" for i in s.created]
     cluster = cluster_status(d)

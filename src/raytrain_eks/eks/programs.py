@@ -15,8 +15,8 @@ the two it finds on PATH (eksctl v0.230.0, ``pkg/utils/kubeconfig/kubeconfig.go`
 .command``); ``up`` writes the kubeconfig anew before its first call to the cluster, so it needs either of the two.
 Example::
 
-    require_programs(d, "submit")    # MissingToolsError naming `aws` when the kubeconfig runs it and it is missing
-    require_programs(d, "submit", steps_of=target_for(d.cfg).command_steps)   # on the configured target
+    require_programs(d, "submit", steps_of=target_for(d.cfg).command_steps)
+    # MissingToolsError naming `aws` when the kubeconfig runs it and it is missing
 """
 
 from __future__ import annotations
@@ -115,11 +115,9 @@ def kubeconfig_programs(path: Path) -> list[tuple[str, list[str]]] | None:
     return list(found.items())
 
 
-def credential_needs(
-    d: Deployment, command: str, uses: str, *, steps_of: StepsOf = command_steps
-) -> list[tuple[tuple[str, ...], str]]:
+def credential_needs(d: Deployment, command: str, uses: str, *, steps_of: StepsOf) -> list[tuple[tuple[str, ...], str]]:
     """What every call to the cluster needs for its credentials: the program(s) the kubeconfig names, or, when the
-    target's up writes it (``steps_of``: the target's steps, the EKS target's by default), before it exists (and for
+    target's up writes it (``steps_of``: the target's ``command_steps``), before it exists (and for
     ``up``, which writes it anew), either program eksctl may name. ``uses``: the steps, in words."""
     path = Path(d.kubeconfig)
     own = WRITES_KUBECONFIG in steps_of(d, "up")  # this folder's kubeconfig, which eksctl (re)writes at up
@@ -145,10 +143,10 @@ def credential_needs(
 
 
 def needs(
-    d: Deployment, commands: Sequence[str], *, mode: str = "raycluster", steps_of: StepsOf = command_steps
+    d: Deployment, commands: Sequence[str], *, mode: str = "raycluster", steps_of: StepsOf
 ) -> list[tuple[tuple[str, ...], str]]:
     """Every program ``commands`` will run from this folder now, as ``(alternatives, why)``, taking the steps
-    ``steps_of`` gives (the target's ``command_steps``; the EKS target's by default)."""
+    ``steps_of`` gives (the target's ``command_steps``)."""
     steps = list(dict.fromkeys(step for command in commands for step in steps_of(d, command, mode=mode)))
     programs = list(dict.fromkeys(p for step in steps for p in STEPS[step].programs))
     out: list[tuple[tuple[str, ...], str]] = []
@@ -161,12 +159,10 @@ def needs(
     return out
 
 
-def require_programs(
-    d: Deployment, *commands: str, mode: str = "raycluster", steps_of: StepsOf = command_steps
-) -> None:
+def require_programs(d: Deployment, *commands: str, mode: str = "raycluster", steps_of: StepsOf) -> None:
     """Raise :class:`~raytrain_eks.k8s.runner.MissingToolsError` (exit 2) naming every program ``commands`` need
     that is not installed, checked through ``d.require_tool``; do nothing when all are there. ``steps_of``: the
-    target's ``command_steps`` (the EKS target's by default)."""
+    target's ``command_steps``."""
     require_tools(needs(d, commands, mode=mode, steps_of=steps_of), d.require_tool)
 
 
