@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
+from pathlib import PurePath
 from typing import Any
 
 from raytrain_eks.errors import DataError
-from raytrain_eks.train.sources import root_cause
+from raytrain_eks.train.sources import DATA_SUFFIXES, root_cause
 
 TABLE_KINDS = ("parquet", "csv", "tsv", "arrow")  # the readers of this module (JSON is read by .data's json_rows)
 DELIMITED = ("csv", "tsv")  # text files of delimited fields under a header line, read by pyarrow's CSV reader
@@ -32,6 +33,13 @@ def delimiter_of(kind: str, csv_delimiter: str = ",") -> str:
     """The field delimiter of a ``kind`` file: a tab in TSV files, ``csv_delimiter`` (``training.csv_delimiter``)
     in CSV files."""
     return "\t" if kind == "tsv" else csv_delimiter
+
+
+def _delimited(files: Sequence[str], kind: str, csv_delimiter: str) -> tuple[Any, Any]:
+    """pyarrow's parse and conversion options for reading ``files`` (``kind``: one of :data:`DELIMITED`): fields split
+    on the kind's delimiter, every column of their header lines read as text."""
+    delimiter = delimiter_of(kind, csv_delimiter)
+    return csv_parsing(delimiter), csv_options(csv_columns(files, kind, delimiter))
 
 
 def csv_hint(kind: str, delimiter: str = ",") -> str:
@@ -153,10 +161,9 @@ def first_table_rows(path: str, kind: str, wanted: int, csv_delimiter: str = ","
     rows: list[dict[str, Any]] = []
     try:
         if kind in DELIMITED:
-            delimiter = delimiter_of(kind, csv_delimiter)
-            options = csv_options(csv_columns([path], kind, delimiter))
+            parse, options = _delimited([path], kind, csv_delimiter)
             with fs.open_input_stream(where) as f:
-                for batch in pacsv.open_csv(f, parse_options=csv_parsing(delimiter), convert_options=options):
+                for batch in pacsv.open_csv(f, parse_options=parse, convert_options=options):
                     rows += batch.slice(0, wanted - len(rows)).to_pylist()
                     if len(rows) >= wanted:
                         break
@@ -184,9 +191,8 @@ def read_table(path: str, kind: str, csv_delimiter: str = ",") -> Any:
         return pq.read_table(path)
     try:
         if kind in DELIMITED:
-            delimiter = delimiter_of(kind, csv_delimiter)
-            options = csv_options(csv_columns([path], kind, delimiter))
-            return pacsv.read_csv(path, parse_options=csv_parsing(delimiter), convert_options=options)
+            parse, options = _delimited([path], kind, csv_delimiter)
+            return pacsv.read_csv(path, parse_options=parse, convert_options=options)
         if kind == "arrow":
             with pa.OSFile(path) as f:
                 return pa.Table.from_batches(list(_arrow_batches(f)))
@@ -206,12 +212,11 @@ def read_dataset(files: list[str], kind: str, *, ray_remote_args: dict[str, Any]
         return ray.data.read_parquet(files, ray_remote_args=ray_remote_args)
     if kind in DELIMITED:
         # Hive partitioning off: a folder named like key=value adds no column.
-        delimiter = delimiter_of(kind, csv_delimiter)
-        options = csv_options(csv_columns(files, kind, delimiter))
+        parse, options = _delimited(files, kind, csv_delimiter)
         return ray.data.read_csv(
             files,
             partitioning=None,
-            parse_options=csv_parsing(delimiter),
+            parse_options=parse,
             convert_options=options,
             ray_remote_args=ray_remote_args,
         )
@@ -259,7 +264,7 @@ def unreadable(exc: BaseException, option: str, data: str, csv_delimiter: str = 
             break
         if found := _RAY_CSV_FILE.search(str(err)):  # Ray Data's CSV reader reads the TSV files too
             path = found.group(1)
-            kind = "tsv" if path.endswith(".tsv") else "csv"
+            kind = DATA_SUFFIXES.get(PurePath(path).suffix, "csv")
             break
     if kind in DELIMITED and path is not None:
         delimiter = delimiter_of(kind, csv_delimiter)
