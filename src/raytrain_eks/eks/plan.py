@@ -193,10 +193,49 @@ def _steps(
             f"{m.EFA_RESOURCE}={gpu.efa_interfaces}, and exactly one NVIDIA and one EFA device-plugin pod per node.",
         )
     )
+    steps += job_steps(cfg, mode, hf_token=hf_token, code_dir=code_dir)
+    steps.append(
+        Step(
+            "check-nccl-transport",
+            "Read the workers' NCCL_DEBUG=INFO lines and fail unless inter-node traffic went over EFA (NET/OFI), "
+            "not sockets.",
+        )
+    )
+    if mode == "rayjob":
+        steps.append(
+            Step(
+                "scale-down-gpus",
+                "Once NCCL's lines, fi_info -p efa and nvidia-smi were read from its pods, delete the RayJob's "
+                f"RayCluster; then scale node group {c.gpu_nodegroup_name} to 0 so the GPU instances stop billing "
+                "(the RayJob removes its pods, not the nodes).",
+                eksctl.scale_gpu_nodegroup_argv(cfg, 0),
+            )
+        )
+    return steps
+
+
+def job_steps(
+    cfg: Config,
+    mode: Mode,
+    *,
+    hf_token: bool,
+    code_dir: str,
+    kubectl: tuple[str, ...] = ("kubectl",),
+    head_where: str = "on the system node",
+    after_namespace: tuple[Step, ...] = (),
+) -> list[Step]:
+    """The steps of ``submit`` on any target, in order: the namespace (when not ``default``), ``after_namespace``
+    (a target's own objects there), the token's Secret, the job's ConfigMap, then the RayCluster or RayJob and what
+    runs the job on it; ``--offline``'s wheelhouse comes before the Secret and the ConfigMap. ``kubectl``: the
+    program and flags the command lines start with; ``head_where``: where the head pod runs, in words."""
+    c, r, d = cfg.cluster, cfg.ray, cfg.derived
+    ns = r.namespace
+    steps: list[Step] = []
     if ns != "default":
         steps.append(
-            Step("namespace", f"Create namespace {ns}.", ["kubectl", "apply", "-f", NAMESPACE_FILE], [NAMESPACE_FILE])
+            Step("namespace", f"Create namespace {ns}.", [*kubectl, "apply", "-f", NAMESPACE_FILE], [NAMESPACE_FILE])
         )
+    steps += after_namespace
     if hf_token:
         steps.append(
             Step(
@@ -211,19 +250,19 @@ def _steps(
             "job-config",
             f"Store the resolved configuration as ConfigMap {ns}/{m.config_map_name(cfg)}, mounted in the head pod "
             f"at {m.CONFIG_DIR}.",
-            ["kubectl", "apply", "-f", JOB_CONFIG_FILE],
+            [*kubectl, "apply", "-f", JOB_CONFIG_FILE],
             [JOB_CONFIG_FILE],
         )
     )
     manifest = MANIFEST_FILE[mode]
-    head_exec = ["kubectl", "exec", "--namespace", ns, f"service/{r.cluster_name}-head-svc", "-c", "ray-head"]
+    head_exec = [*kubectl, "exec", "--namespace", ns, f"service/{r.cluster_name}-head-svc", "-c", "ray-head"]
     workers = f"{c.gpu_node_count} worker pods (one per GPU node, {d.ray_gpus_per_worker_pod} GPUs each)"
     if mode == "raycluster":
         steps += [
             Step(
                 "apply-raycluster",
-                f"Apply RayCluster {ns}/{r.cluster_name}: a GPU-less head on the system node and {workers}.",
-                ["kubectl", "apply", "-f", manifest],
+                f"Apply RayCluster {ns}/{r.cluster_name}: a GPU-less head {head_where} and {workers}.",
+                [*kubectl, "apply", "-f", manifest],
                 [manifest],
             ),
             Step("wait-raycluster", f"Wait until the head and the {c.gpu_node_count} worker pods are running."),
@@ -259,7 +298,7 @@ def _steps(
                 f"submitter pod mounts it at {job_files.SUBMITTER_ARCHIVE_DIR} and unpacks it into "
                 f"{job_files.SUBMITTER_CODE_DIR}, where the job's runtime_env ships it to every worker from "
                 "(py_modules). Server-side apply: the package is too large for kubectl's last-applied annotation.",
-                ["kubectl", "apply", "--server-side", "-f", CODE_CONFIG_MAP_FILE],
+                [*kubectl, "apply", "--server-side", "-f", CODE_CONFIG_MAP_FILE],
                 [CODE_CONFIG_MAP_FILE],
             ),
             Step(
@@ -268,7 +307,7 @@ def _steps(
                 f"{shlex.join(m.train_argv())}, submitted by its submitter pod under {m.IMAGE_PYTHON}; the job is "
                 f"stopped after {r.job_deadline_s} s, or if it is not running within {r.job_start_deadline_s} s. "
                 f"KubeRay deletes the cluster {m.RAYJOB_TTL_S} s after the job ended unless submit has (below).",
-                ["kubectl", "apply", "-f", manifest],
+                [*kubectl, "apply", "-f", manifest],
                 [manifest],
             ),
             Step("wait-rayjob", "Follow the job until it succeeds or fails."),
@@ -276,23 +315,6 @@ def _steps(
     if cfg.ray.offline:  # before the token's Secret, the job's ConfigMap and any Ray object
         at = next(i for i, s in enumerate(steps) if s.name in ("hf-token-secret", "job-config"))
         steps.insert(at, Step("offline-wheelhouse", _offline_step(cfg, mode)))
-    steps.append(
-        Step(
-            "check-nccl-transport",
-            "Read the workers' NCCL_DEBUG=INFO lines and fail unless inter-node traffic went over EFA (NET/OFI), "
-            "not sockets.",
-        )
-    )
-    if mode == "rayjob":
-        steps.append(
-            Step(
-                "scale-down-gpus",
-                "Once NCCL's lines, fi_info -p efa and nvidia-smi were read from its pods, delete the RayJob's "
-                f"RayCluster; then scale node group {c.gpu_nodegroup_name} to 0 so the GPU instances stop billing "
-                "(the RayJob removes its pods, not the nodes).",
-                eksctl.scale_gpu_nodegroup_argv(cfg, 0),
-            )
-        )
     return steps
 
 
@@ -326,6 +348,35 @@ def _offline_step(cfg: Config, mode: Mode) -> str:
     )
 
 
+def job_objects(
+    cfg: Config, mode: Mode, *, hf_token: bool
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, str], str]:
+    """What :func:`job_steps` applies and reads, on any target: the files (the job's ConfigMap, the RayCluster or
+    the RayJob with its code ConfigMap, the namespace when not ``default``), the texts (the package archive of
+    ``--mode raycluster``), and the folder of the head pod the package is unpacked into."""
+    shipped = job_files.package_files()
+    texts: dict[str, str] = {}
+    files: dict[str, list[dict[str, Any]]] = {JOB_CONFIG_FILE: [m.job_config_map(cfg)]}
+    if mode == "raycluster":
+        files[MANIFEST_FILE[mode]] = [m.raycluster(cfg, hf_token=hf_token)]
+        texts[PACKAGE_ARCHIVE_FILE] = job_files.package_archive(shipped)
+    else:
+        code_map, items = job_files.code_config_map(cfg, shipped)
+        job = job_files.rayjob_manifest(cfg, hf_token=hf_token, code_map=code_map, items=items)
+        files[MANIFEST_FILE[mode]] = [job]
+        files[CODE_CONFIG_MAP_FILE] = [code_map]
+    if cfg.ray.namespace != "default":
+        files[NAMESPACE_FILE] = [m.namespace(cfg)]
+    return files, texts, job_files.head_code_dir(shipped)
+
+
+def helm_files(releases: list[HelmRelease]) -> dict[str, list[dict[str, Any]]]:
+    """``helm-releases.yaml`` (every pinned release) and each release's values file."""
+    files: dict[str, list[dict[str, Any]]] = {HELM_FILE: [{"releases": [r.to_dict() for r in releases]}]}
+    files.update({r.values_file: [r.values] for r in releases})
+    return files
+
+
 def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False, on: date | None = None) -> Plan:
     """Check the config for deploying and build the whole plan in memory. ``hf_token``: a token will be given
     (the pods then read ``HF_TOKEN`` from the Secret); its value is never an input here. ``on``: the day the cost
@@ -342,26 +393,10 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
     cfg.check_cluster_storage()
     zones = eksctl.planned_zones(cfg)
     releases = helm_releases(cfg)
-    shipped = job_files.package_files()
-    texts: dict[str, str] = {}
-    if mode == "raycluster":
-        job = m.raycluster(cfg, hf_token=hf_token)
-        texts[PACKAGE_ARCHIVE_FILE] = job_files.package_archive(shipped)
-    else:
-        code_map, items = job_files.code_config_map(cfg, shipped)
-        job = job_files.rayjob_manifest(cfg, hf_token=hf_token, code_map=code_map, items=items)
-    files: dict[str, list[dict[str, Any]]] = {
-        eksctl.CONFIG_FILE: [eksctl.cluster_config(cfg, zones, bucket=bucket)],
-        irsa.CONFIG_FILE: [eksctl.service_account_config(cfg, bucket)],
-        HELM_FILE: [{"releases": [r.to_dict() for r in releases]}],
-        JOB_CONFIG_FILE: [m.job_config_map(cfg)],
-        MANIFEST_FILE[mode]: [job],
-    }
-    files.update({r.values_file: [r.values] for r in releases})
-    if mode == "rayjob":
-        files[CODE_CONFIG_MAP_FILE] = [code_map]
-    if cfg.ray.namespace != "default":
-        files[NAMESPACE_FILE] = [m.namespace(cfg)]
+    files, texts, code_dir = job_objects(cfg, mode, hf_token=hf_token)
+    files.update(helm_files(releases))
+    files[eksctl.CONFIG_FILE] = [eksctl.cluster_config(cfg, zones, bucket=bucket)]
+    files[irsa.CONFIG_FILE] = [eksctl.service_account_config(cfg, bucket)]
     assumptions = []
     if zones.assumed:
         assumptions.append(
@@ -410,9 +445,7 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
     }
     return Plan(
         mode=mode,
-        steps=_steps(
-            cfg, mode, hf_token=hf_token, gpu=gpu, zones=zones, code_dir=job_files.head_code_dir(shipped), bucket=bucket
-        ),
+        steps=_steps(cfg, mode, hf_token=hf_token, gpu=gpu, zones=zones, code_dir=code_dir, bucket=bucket),
         helm_releases=releases,
         cost=cost_per_hour(cfg, gpu, system, on=on),
         files=files,
@@ -430,6 +463,12 @@ def write_plan(
     Nothing is written when a check fails. Example: ``write_plan(cfg, "plan-out")[1][-1].name == "plan.json"``.
     """
     plan = build_plan(cfg, mode=mode, hf_token=hf_token)  # raises before anything touches the disk
+    return plan, write_files(plan, out_dir)
+
+
+def write_files(plan: Plan, out_dir: str | Path) -> list[Path]:
+    """Write a built ``plan``'s files and ``plan.json`` under ``out_dir`` (created); returns the paths written.
+    Example: ``write_files(plan, "plan-out")[-1].name == "plan.json"``."""
     root = Path(out_dir)
     if root.exists() and not root.is_dir():
         raise UserError(f"--output-dir {str(root)!r} is a file", hint="Give a folder (it is created if missing).")
@@ -446,4 +485,4 @@ def write_plan(
     path = root / PLAN_FILE
     path.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
     written.append(path)
-    return plan, written
+    return written
