@@ -541,3 +541,59 @@ def test_a_kuberay_too_old_for_the_fields_submit_sets_stops_up_before_anything(e
     assert "kubectl replace -k" in str(refused.value.hint) and "?ref=v1.7.0" in str(refused.value.hint)
     assert not efa.questions and not efa.tools.commands("helm") and not efa.kube.applied
     assert not efa.store.created
+
+
+# The user entry of a kubeconfig that `gcloud container clusters get-credentials` writes for GKE: its credential
+# program is gke-gcloud-auth-plugin (cloud.google.com/kubernetes-engine/docs/how-to/cluster-access-for-kubectl,
+# "Install the gke-gcloud-auth-plugin"). Not installed here, nor on CI's machines.
+GKE_USER = {
+    "name": "gke_team_europe-west4_gpus",
+    "user": {
+        "exec": {
+            "apiVersion": "client.authentication.k8s.io/v1beta1",
+            "command": "gke-gcloud-auth-plugin",
+            "installHint": "Install gke-gcloud-auth-plugin for use with kubectl",
+            "provideClusterInfo": True,
+        }
+    },
+}
+
+
+def test_every_command_names_the_kubeconfigs_missing_credential_program_before_touching_anything(
+    plain: Cluster, monkeypatch, capsys
+):
+    from raytrain_eks.cli import main
+    from raytrain_eks.eks import commands
+
+    plain.target.up(plain.d(), confirm=plain.ask())
+    assert sub.submit(plain.d()).exit_code == 0
+    doc = yaml.safe_load(plain.kubeconfig.read_text())
+    doc["users"] = [GKE_USER]
+    doc["contexts"][0]["context"]["user"] = GKE_USER["name"]
+    plain.kubeconfig.write_text(yaml.safe_dump(doc))
+    plain.tools.missing = {"gke-gcloud-auth-plugin", "helm"}
+    monkeypatch.setattr(commands, "make_deployment", lambda cfg, state_dir, say=None: plain.d())
+    config = plain.kubeconfig.parent / "raytrain-eks.yaml"
+    config.write_text(yaml.safe_dump(plain.cfg.model_dump(mode="json")))
+    state, applied, deleted = plain.store.path.read_text(), len(plain.kube.applied), len(plain.kube.deleted)
+    calls, questions = len(plain.tools.calls), len(plain.questions)
+    for command, extra, programs in [
+        ("status", [], ["gke-gcloud-auth-plugin"]),
+        ("logs", [], ["gke-gcloud-auth-plugin"]),
+        ("submit", [], ["gke-gcloud-auth-plugin"]),
+        ("up", ["-y"], ["gke-gcloud-auth-plugin"]),  # helm only once up knows it installs something
+        ("down", ["-y"], ["helm", "gke-gcloud-auth-plugin"]),  # the releases up installed, and the objects
+    ]:
+        with pytest.raises(SystemExit) as done:
+            main([command, "--config", str(config), *extra])
+        err = " ".join(capsys.readouterr().err.split())
+        assert done.value.code == 2, (command, err)
+        for program in programs:
+            assert f"`{program}`" in err, (command, err)
+        assert f"{plain.kubeconfig} runs `gke-gcloud-auth-plugin`" in err, (command, err)
+        if "helm" not in programs:
+            assert "`helm`" not in err, (command, err)
+    # Nothing was asked, run, applied or deleted, and the folder's record is as it was.
+    assert plain.store.path.read_text() == state
+    assert (len(plain.kube.applied), len(plain.kube.deleted)) == (applied, deleted)
+    assert (len(plain.tools.calls), len(plain.questions)) == (calls, questions)

@@ -41,6 +41,7 @@ from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, JsonOpt, SetOpt, S
 
 if TYPE_CHECKING:
     from raytrain_eks.k8s.state import Deployment, StateStore
+    from raytrain_eks.k8s.target import ClusterTarget
 
 
 class PlanMode(StrEnum):
@@ -219,6 +220,16 @@ def _confirm(yes: bool) -> Callable[[str], bool]:
     return ask
 
 
+def _require_own_programs(d: Deployment, target: ClusterTarget, command: str) -> None:
+    """Name every program ``command`` runs on ``target`` that is missing (exit 2), before anything is asked or
+    touched. The EKS target's lifecycle checks its own (after eksctl tells it what exists); every other target's
+    programs (the kubeconfig's credential program, helm for what is recorded) are checked here."""
+    from raytrain_eks.eks.programs import require_programs
+
+    if target.name != "eks":
+        require_programs(d, command, steps_of=target.command_steps)
+
+
 def up(
     config: ConfigOpt = None,
     preset: ClusterPresetOpt = "reference",
@@ -266,8 +277,8 @@ def up(
     d = make_deployment(cfg, state_dir)
     if train:  # up checks its own programs; --train runs submit's too, checked before up starts
         require_programs(d, "up", "submit", mode=mode.value, steps_of=target.command_steps)
-    elif target.name != "eks":  # the kubeconfig's credential program (helm: when something is to install)
-        require_programs(d, "up", steps_of=target.command_steps)
+    else:  # the kubeconfig's credential program (helm: when something is to install)
+        _require_own_programs(d, target, "up")
     target.up(d, confirm=_confirm(yes))
     if train:  # with what up remembered on the way (the checkpoint bucket it created, the nodes it found)
         _submit(dataclasses.replace(d, cfg=target.remembered(cfg, d.state)), mode)
@@ -316,7 +327,9 @@ def status(
     from raytrain_eks.eks.target import target_for
 
     cfg = _load(config, preset, None, kubeconfig, context)
-    for line in target_for(cfg).status(make_deployment(cfg, state_dir)):
+    d, target = make_deployment(cfg, state_dir), target_for(cfg)
+    _require_own_programs(d, target, "status")
+    for line in target.status(d):
         _say(line)
 
 
@@ -361,8 +374,9 @@ def down(
     from raytrain_eks.eks.target import target_for
 
     cfg = _load(config, preset, None, kubeconfig, context)
-    d = make_deployment(cfg, state_dir)
-    target_for(cfg).down(d, confirm=_confirm(yes), delete_checkpoints=delete_checkpoints)
+    d, target = make_deployment(cfg, state_dir), target_for(cfg)
+    _require_own_programs(d, target, "down")  # before the question: the kubeconfig's credential program, helm
+    target.down(d, confirm=_confirm(yes), delete_checkpoints=delete_checkpoints)
 
 
 def compare_fabric(
