@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The training tests against the oldest releases the cluster ranges admit (raytrain_eks.k8s.job.OLDEST_CHECKED:
-# transformers 5.13.0, the AWS Ray Train DLC's, with tokenizers 0.22.2), every other package as this checkout's
-# .venv has it. Builds a virtual environment of its own (default /tmp/raytrain-eks-oldest; needs the package index
-# for the two releases and a huggingface_hub below 2, which transformers 5.13 requires):
+# The training and command-line tests against the oldest releases the cluster ranges admit
+# (raytrain_eks.k8s.job.OLDEST_CHECKED: the AWS Ray Train DLC's transformers 5.13.0, tokenizers 0.22.2, datasets
+# 5.0.0, pydantic 2.13.4 and typer 0.26.8), every other package as this checkout's .venv has it. Builds a virtual
+# environment of its own (default /tmp/raytrain-eks-oldest; needs the package index for those releases, the
+# pydantic-core their pydantic takes, and a huggingface_hub below 2, which transformers 5.13 requires):
 #
 #   bash scripts/check_oldest.sh [VENV]
 set -euo pipefail
@@ -11,15 +12,17 @@ venv="${1:-/tmp/raytrain-eks-oldest}"
 wanted="$(.venv/bin/python -c 'from raytrain_eks.k8s.job import OLDEST_CHECKED as o; print(" ".join(f"{k}=={v}" for k, v in o.items()))')"
 reqs="$(mktemp)"
 trap 'rm -f "$reqs"' EXIT
-# This environment's versions, less this package, the releases replaced, and a huggingface_hub transformers 5.13 takes.
-.venv/bin/pip freeze --exclude-editable | grep -viE '^(raytrain-eks|transformers|tokenizers|huggingface[-_]hub)[=@ ]' >"$reqs"
+# This environment's versions, less this package, the releases replaced (and pydantic's core, which follows pydantic),
+# and a huggingface_hub transformers 5.13 takes.
+names="$(.venv/bin/python -c 'from raytrain_eks.k8s.job import OLDEST_CHECKED as o; print("|".join(o))')"
+.venv/bin/pip freeze --exclude-editable | grep -viE "^(raytrain-eks|$names|pydantic[-_]core|huggingface[-_]hub)[=@ ]" >"$reqs"
 printf '%s\n' $wanted "huggingface_hub>=1.31,<2" >>"$reqs"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/pip" install -q -r "$reqs"
 "$venv/bin/pip" install -q --no-deps -e .
-"$venv/bin/python" -c 'import transformers, tokenizers; print("transformers", transformers.__version__, "tokenizers", tokenizers.__version__)'
+"$venv/bin/python" -c 'import importlib.metadata as md, sys; print(*(f"{n} {md.version(n)}" for n in sys.argv[1:]), sep=", ")' ${names//|/ }
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider \
     tests/test_loss_architectures.py tests/test_host_syncs.py tests/test_loss.py tests/test_packing.py \
     tests/test_model_start.py tests/test_memory_estimate.py tests/test_chat_templates.py tests/test_data_formats.py \
     tests/test_precision.py tests/test_lora.py tests/test_export.py tests/test_main_job.py tests/test_optimizer.py \
-    tests/test_staged_model.py
+    tests/test_staged_model.py tests/test_config.py tests/test_data_sources_hf.py

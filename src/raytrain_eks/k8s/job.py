@@ -151,9 +151,16 @@ def image_missing_requirements() -> list[str]:
 
 
 # Older releases the job is also checked with, so that an image holding them needs nothing installed: AWS's Ray
-# Train DLC ships transformers 5.13 (with the tokenizers it takes, <=0.23.0). `scripts/check_oldest.sh` runs the
-# training tests against exactly these (every other package as pinned); the suite runs the pinned ones.
-OLDEST_CHECKED: dict[str, str] = {"transformers": "5.13.0", "tokenizers": "0.22.2"}
+# Train DLC ships transformers 5.13.0 (with tokenizers 0.22.2), datasets 5.0.0, pydantic 2.13.4 and typer 0.26.8
+# (:data:`KNOWN_IMAGES`). `scripts/check_oldest.sh` runs the training and command-line tests against exactly these
+# (every other package as pinned); the suite runs the pinned ones.
+OLDEST_CHECKED: dict[str, str] = {
+    "transformers": "5.13.0",
+    "tokenizers": "0.22.2",
+    "datasets": "5.0.0",
+    "pydantic": "2.13.4",
+    "typer": "0.26.8",
+}
 
 
 def _range(version: str, oldest: str | None = None) -> str:
@@ -222,6 +229,45 @@ def what_the_image_has(wanted: list[str], installed: Mapping[str, str | None]) -
     kept = [f"{requirement_name(r)} {installed[requirement_name(r)]}" for r in wanted if r not in left]
     said = f"The image has {len(kept)} of the job's {len(wanted)} packages in range"
     return left, said + (f" ({', '.join(kept)})" if kept else "")
+
+
+IMAGE_PACKAGES_FILE = Path(__file__).resolve().parents[1] / "resources" / "image_packages.json"
+
+
+def _dist_key(name: str) -> str:
+    """A distribution's name as package indexes compare them (PEP 503): ``PyYAML`` and ``pyyaml`` are one."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def known_image_packages(image: str) -> tuple[dict[str, str], str] | None:
+    """The Python packages ``image`` holds, by name, as this tool knows them without asking the image, and where
+    that comes from in words; ``None`` for an image it does not know (a floating tag such as ``train-ml-cuda`` is
+    not known: it may move). The AWS Ray Train DLC's pinned tags are (``resources/image_packages.json``: its build
+    lock)."""
+    table = json.loads(IMAGE_PACKAGES_FILE.read_text())
+    if image not in table["images"]:
+        return None
+    src = table["source"]
+    repo = src["repository"].removeprefix("https://github.com/")
+    return dict(table["packages"]), f"its build lock, {repo}@{src['commit'][:8]} {src['files'][0]}"
+
+
+def planned_installs(image: str) -> tuple[list[str], str] | None:
+    """What the job's runtime_env will install on ``image`` (:func:`job_requirements` the image lacks in range) and
+    a sentence saying what the image has and how that is known; ``None`` for an image this tool does not know,
+    where ``submit`` learns it by asking the image. Example (the default image):
+    ``(["peft>=0.21.2,<0.22", "matplotlib>=3.11.2,<4"], "The image has 9 of the job's 11 packages in range (...)")``.
+    """
+    known = known_image_packages(image)
+    if known is None:
+        return None
+    packages, source = known
+    by_key = {_dist_key(name): version for name, version in packages.items()}
+    wanted = job_requirements()
+    left, said = what_the_image_has(
+        wanted, {requirement_name(r): by_key.get(_dist_key(requirement_name(r))) for r in wanted}
+    )
+    return left, f"{said}, by {source}"
 
 
 def package_files(root: Path | None = None) -> dict[str, str]:

@@ -1,0 +1,67 @@
+"""What the job's runtime_env installs on AWS's Ray Train DLC, known without pulling the image: the package table
+raytrain-eks ships is checked against the image's own build files (tests/fixtures/ray-train-dlc, with their commit)."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from pathlib import Path
+
+from packaging.specifiers import SpecifierSet
+
+from raytrain_eks.config import load_config
+from raytrain_eks.k8s import job
+
+DLC = Path(__file__).parent / "fixtures" / "ray-train-dlc" / "docker" / "ray-train"
+DEFAULT_IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
+
+
+def _table() -> dict:
+    return json.loads(job.IMAGE_PACKAGES_FILE.read_text())
+
+
+def test_the_shipped_table_is_the_images_build_lock_and_dockerfile():
+    lock = tomllib.loads((DLC / "uv.lock").read_text())
+    locked = {p["name"]: p["version"] for p in lock["package"] if p["name"] != "dlc-ray-train"}
+    dockerfile = (DLC / "Dockerfile.cuda").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", dockerfile, re.M))
+    table = _table()
+    packages = dict(table["packages"])
+    # Ray: the released tags' 2.58.0 (the changelog), where the lock of that commit still pins 2.56.0.
+    assert (locked.pop("ray"), packages.pop("ray")) == ("2.56.0", "2.58.0")
+    assert packages.pop("flash-attn") == args["FLASH_ATTN_VERSION"] == "2.8.3"
+    assert packages.pop("transformer-engine") == args["TRANSFORMER_ENGINE_VERSION"]
+    assert packages == locked
+    project = tomllib.loads((DLC / "pyproject.toml").read_text())["project"]
+    assert project["requires-python"] == f"=={table['python']}.*"
+    assert table["source"]["commit"] in (DLC.parents[1] / "SOURCE.md").read_text()
+
+
+def test_on_the_default_image_the_runtime_env_installs_only_what_it_lacks_in_range():
+    assert load_config(environ={}, path=None).ray.image == DEFAULT_IMAGE  # the image a first run gets
+    left, said = job.planned_installs(DEFAULT_IMAGE)
+    assert [job.requirement_name(r) for r in left] == ["peft", "matplotlib"], left  # neither is in the image
+    have = {name.lower(): v for name, v in _table()["packages"].items()}
+    for spec in job.job_requirements():
+        name = job.requirement_name(spec)
+        version = have.get(name.lower())
+        usable = version is not None and SpecifierSet(spec[len(name) :]).contains(version)
+        assert usable == (spec not in left), (spec, version)
+    assert "The image has 9 of the job's 11 packages in range" in said
+    assert "transformers 5.13.0" in said and "aws/deep-learning-containers@e0ecedea" in said
+
+
+def test_the_oldest_releases_checked_are_the_images_own():
+    """scripts/check_oldest.sh runs the training tests with exactly the image's releases of these packages."""
+    have = _table()["packages"]
+    assert {name: have[name] for name in job.OLDEST_CHECKED} == job.OLDEST_CHECKED
+
+
+def test_an_image_not_known_is_asked_at_submit_not_guessed():
+    for image in (
+        "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda",  # a floating tag: it moves
+        "rayproject/ray:2.58.0-py312-gpu",
+        f"{DEFAULT_IMAGE}@sha256:{'0' * 64}",
+    ):
+        assert job.planned_installs(image) is None and job.known_image_packages(image) is None
