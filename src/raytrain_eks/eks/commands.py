@@ -90,37 +90,39 @@ def plan(
     mode: ModeOpt = PlanMode.raycluster,
     sets: SetOpt = None,
     offline: OfflineOpt = False,
+    state_dir: StateDirOpt = Path(".raytrain-eks"),
 ) -> None:
-    """Show what deploy would create, apply and submit, and its cost per hour. Needs no credentials."""
-    from raytrain_eks.eks.plan import Mode, build_plan, write_plan
+    """Show what deploy would create, apply and submit, and its cost per hour. Needs no credentials. With
+    cluster.target kubernetes: what up and submit would do there, the worker pods sized from what up recorded in
+    --state-dir (only read), else from ray.worker_cpu, ray.worker_memory_gib and cluster.efa_per_node."""
+    from raytrain_eks.eks import plan_existing
+    from raytrain_eks.eks.plan import Mode, Plan, build_plan, write_files
+    from raytrain_eks.eks.target import target_for
 
     cfg = _load(config, preset, [*(sets or []), *(["ray.offline=true"] if offline else [])])
-    if cfg.cluster.target != "eks":
-        from raytrain_eks.errors import UserError
-
-        raise UserError(
-            "plan renders the EKS deployment (eksctl, node groups, cost); cluster.target is kubernetes, whose "
-            "worker pods are sized from the nodes `up` finds",
-            hint="Run `raytrain-eks up --plan` to see what up would do there, then `raytrain-eks up`; submit renders "
-            "the RayCluster from what it found.",
-        )
     # Only whether a token is there: its value stays in this process's environment until deploy sends it.
     hf_token = bool(os.environ.get("HF_TOKEN"))
     chosen = cast("Mode", mode.value)
-    written: list[Path] = []
-    if output_dir is None:
-        result = build_plan(cfg, mode=chosen, hf_token=hf_token)
+    result: Plan  # built before anything touches the disk
+    if target_for(cfg).name == plan_existing.TARGET:  # a cluster of the kubeconfig: never contacted here
+        result = plan_existing.build_plan(cfg, state_dir=state_dir, mode=chosen, hf_token=hf_token)
     else:
-        result, written = write_plan(cfg, output_dir, mode=chosen, hf_token=hf_token)
+        result = build_plan(cfg, mode=chosen, hf_token=hf_token)
+    written = [] if output_dir is None else write_files(result, output_dir)
 
     out = Console(highlight=False, soft_wrap=True)
-    out.print(f"[bold]Plan[/] ({result.mode}) for cluster {cfg.cluster.name} in {cfg.cluster.region}:")
+    where = result.summary.get("where") or f"cluster {cfg.cluster.name} in {cfg.cluster.region}"
+    out.print(f"[bold]Plan[/] ({result.mode}) for {where}:")
     for i, step in enumerate(result.steps, 1):
         out.print(f"{i:>2}. [bold]{step.name}[/]: {step.action}")
     for note in result.assumptions:
         out.print(f"[yellow]assumption:[/] {note}")
     cost = result.cost
-    out.print(f"[bold]Cost per hour[/] ({cost['price_region']} on-demand): ${cost['total_usd']:.2f}")
+    if cost["total_usd"] is None:  # a cluster of the kubeconfig without a configured price
+        out.print(f"[bold]Cost per hour[/]: price unknown: {cost['unpriced']}")
+    else:
+        priced_as = cost.get("priced_as") or f"{cost['price_region']} on-demand"
+        out.print(f"[bold]Cost per hour[/] ({priced_as}): ${cost['total_usd']:.2f}")
     for item in cost["items"]:
         usd = "price unknown" if item["usd_per_hour"] is None else f"${item['usd_per_hour']:.4f}"
         out.print(f"  {item['name']}: {item['count']} x {item['what']} = {usd}")
