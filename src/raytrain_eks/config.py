@@ -613,6 +613,11 @@ class TrainingConfig(_Section):
         "(in fp32 runs too)",
     )
     activation_checkpointing: bool = False
+    attention: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
+        "auto",
+        description="auto (flash_attention_2 on a bf16 CUDA run where flash-attn is installed and the model takes it, "
+        "else sdpa), sdpa, flash_attention_2 (refused where it cannot run) or eager",
+    )
     compile: bool = Field(
         False,
         description="compile each decoder layer with torch.compile (the inductor) before sharding; the first steps "
