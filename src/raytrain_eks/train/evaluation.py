@@ -52,15 +52,18 @@ class HeldOut:
             "input_ids": torch.zeros(self._shape, dtype=torch.long),
             "labels": torch.full(self._shape, IGNORE_INDEX, dtype=torch.long),
         }
+        config: Any = model.config
+        attention = str(config._attn_implementation)  # flash-attention: a packed batch goes in as one row
         was_training = model.training
         model.eval()
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         tokens = torch.zeros((), dtype=torch.float64, device=device)
         for i in range(int(count)):
             batch = mine[i] if i < len(mine) else masked
-            inputs = {k: v.to(device) for k, v in forward_inputs(batch).items()}
+            given = forward_inputs(batch, attention=attention)
+            inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in given.items()}
             labels = batch["labels"].to(device)
-            hidden = output_weight.forward(model, **inputs).logits
+            hidden = output_weight.forward(model, **inputs).logits.reshape(*labels.shape, -1)
             loss_sum += chunked_cross_entropy(
                 hidden[:, :-1],
                 output_weight(),

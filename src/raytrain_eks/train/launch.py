@@ -153,6 +153,7 @@ def run_training(
 
     from raytrain_eks.train.checkpoint import check_compatible, resolve_checkpoint, write_storage_config
     from raytrain_eks.train.lora import check_lora
+    from raytrain_eks.train.model import check_attention
     from raytrain_eks.train.model_source import check_model, resolve_model_path
     from raytrain_eks.train.sources import list_data_files
 
@@ -181,6 +182,7 @@ def run_training(
 
             quiet_libraries()
         model_config = check_model(model_path)
+        check_attention(training.attention, training.precision, model_config, local=address is None)
         lora = check_lora(model_config, training.lora) if training.method == "lora" else None
         if address:
             # Joining a cluster: its nodes decide whether the checkpoints need storage every node reaches, and where

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_eks.config import TrainingConfig
+from raytrain_eks.errors import UserError
 from raytrain_eks.train.checkpoint import load_sharded, save_sharded
 from raytrain_eks.train.context import WorkerContext
 from raytrain_eks.train.data import IGNORE_INDEX, load_tokenizer, random_batch
@@ -31,9 +32,13 @@ from raytrain_eks.train.flops import flops_per_token, mfu, peak_flops_for
 from raytrain_eks.train.lora import apply_lora, parameter_counts
 from raytrain_eks.train.memory import LOSS_CHUNK_LOGITS, check_run, refuse_unless_fits  # logits held at once
 from raytrain_eks.train.model import (
+    FLASH_ATTENTION,
     OutputHead,
+    causal_lm_class,
+    choose_attention,
     chunked_cross_entropy,
     compile_layers,
+    default_attention,
     fill_from_rank0,
     forward_inputs,
     load_model,
@@ -153,6 +158,28 @@ def agreed_precision(requested: str, device: torch.device) -> tuple[str, str]:
     return precision, reason
 
 
+def agreed_attention(requested: str, model_path: str, precision: str, device: torch.device) -> tuple[str, str]:
+    """:func:`choose_attention` on every rank (before any weight is read), then the same answer everywhere:
+    flash-attention only where every rank can run it; a refusal on any rank stops them all (collectives)."""
+    from transformers import AutoConfig
+
+    model_class = causal_lm_class(AutoConfig.from_pretrained(model_path))
+    refused: UserError | None = None
+    attention, why = default_attention(model_class), ""
+    try:
+        attention, why = choose_attention(requested, model_class, cuda=device.type == "cuda", precision=precision)
+    except UserError as error:
+        refused = error
+    if not _everywhere(refused is None, device):
+        raise refused or UserError(
+            f"training.attention {requested}: another rank cannot run it (its error says why)",
+            hint="Use attention auto or sdpa, or give every worker the same image and GPUs.",
+        )
+    if not _everywhere(attention == FLASH_ATTENTION, device) and attention == FLASH_ATTENTION:
+        attention, why = default_attention(model_class), "auto: another rank cannot run flash_attention_2"
+    return attention, why
+
+
 def agreed_sharding(requested: str, ctx: WorkerContext, precision: str) -> Layout:
     """:func:`choose_sharding` from every rank's node (all-gathered), so every rank decides the same."""
     nodes: list[Any] = [ctx.node]
@@ -176,6 +203,7 @@ class PreparedModel:
     parameters: int
     trainable: int
     lora_targets: list[str] | None = None  # the layers given adapters (method lora); None for full fine-tuning
+    attention: str = "sdpa"  # the attention implementation the model was built with (its config's)
 
 
 def prepare_model(
@@ -188,6 +216,7 @@ def prepare_model(
     checkpointing: bool,
     device: torch.device,
     resuming: bool = False,
+    attention: str | None = None,
 ) -> PreparedModel:
     """Load, adapt, shard and fill the model: the one place where the model is prepared (a collective).
 
@@ -196,6 +225,8 @@ def prepare_model(
     shard, rank 0 reads the whole model and sends each rank its shard. A full fine-tune that ``resuming`` reads no
     weight from the model's files at all (the checkpoint holds them). LoRA's adapters go in right after the model is
     built, on every rank alike, and start from the same values everywhere (drawn from the seed); only they train.
+    Every rank builds it with the same ``attention`` implementation (:func:`agreed_attention`; ``None``: transformers'
+    default).
     """
     sharded = layout.mode != "none" and ctx.world_size > 1
     start = "whole"  # one rank of its own reads the whole model
@@ -204,7 +235,11 @@ def prepare_model(
     elif sharded:
         start = "own-shard"
     source: WeightFiles | None = None
-    model = None if start == "whole" else load_model_shell(model_path, activation_checkpointing=checkpointing)
+    model = (
+        None
+        if start == "whole"
+        else load_model_shell(model_path, activation_checkpointing=checkpointing, attention=attention)
+    )
     if start == "own-shard":
         found = weights_source(model_path, model)
         if _everywhere(isinstance(found, WeightFiles), device) and isinstance(found, WeightFiles):
@@ -215,7 +250,7 @@ def prepare_model(
             ctx.emit(Note(f"model start: rank 0 reads the whole model and sends each rank its shard ({why})"))
     reads_whole = start == "whole" or (start == "rank0" and ctx.rank == 0)
     if model is None or reads_whole:
-        model = load_model(model_path, activation_checkpointing=checkpointing)
+        model = load_model(model_path, activation_checkpointing=checkpointing, attention=attention)
     targets = apply_lora(model, cfg.lora, base=cfg.model_id) if cfg.method == "lora" else None
     adapters = initial_adapters(model, cfg.seed)  # the same on every rank, whatever its model holds
     # Buffers outside the state dict: computed here where nothing sends them (rank 0's start broadcasts them).
@@ -241,7 +276,14 @@ def prepare_model(
             shares = f"rank 0: {_gb(read)} of {_gb(size)}"
             ctx.emit(Note(f"model start: each rank read its own shard of the weights ({shares})"))
     set_full_values(model, adapters)
-    return PreparedModel(model, output_weight, parameters=total, trainable=trainable, lora_targets=targets)
+    return PreparedModel(
+        model,
+        output_weight,
+        parameters=total,
+        trainable=trainable,
+        lora_targets=targets,
+        attention=str(model.config._attn_implementation),
+    )
 
 
 def _gb(n: int) -> str:
@@ -290,11 +332,12 @@ def train_step(
     aux_sum = torch.zeros((), dtype=torch.float32, device=device)
     for i, mb in enumerate(micro):
         set_gradient_sync(model, mode, last=i == len(micro) - 1)  # sharded; across nodes on the last
-        inputs = {k: _to_device(v, device) for k, v in forward_inputs(mb).items()}
+        given = forward_inputs(mb, attention=prepared.attention)  # flash-attention: a packed batch in one row
+        inputs = {k: _to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in given.items()}
         labels = _to_device(mb["labels"], device)
         outputs = output_weight.forward(model, **inputs)  # .logits: the final hidden states
         token_loss = chunked_cross_entropy(
-            outputs.logits[:, :-1],
+            outputs.logits.reshape(*labels.shape, -1)[:, :-1],
             output_weight(),
             labels[:, 1:],
             max_logits=LOSS_CHUNK_LOGITS,
@@ -383,12 +426,15 @@ def resume_from(
     return Resumed(step=state.step, from_step=state.step, position=state.data, note=state.note)
 
 
-def decide_run(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> tuple[str, Layout, bool]:
-    """The precision, the sharding and whether activation checkpointing is on, the same on every rank (collectives);
-    on a GPU the memory estimate against it first, which may switch checkpointing on or stop the run."""
+def decide_run(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> tuple[str, Layout, bool, str]:
+    """The precision, the sharding, whether activation checkpointing is on and the attention implementation, the same
+    on every rank (collectives); on a GPU the memory estimate against it first, which may switch checkpointing on or
+    stop the run."""
     device = ctx.device
     precision, why = agreed_precision(cfg.precision, device)
     ctx.emit(Note(f"precision: {precision} ({why})"))
+    attention, why = agreed_attention(cfg.attention, model_path, precision, device)
+    ctx.emit(Note(f"attention: {attention} ({why})"))
     layout = agreed_sharding(cfg.sharding, ctx, precision)
     ctx.emit(Note(f"sharding: {layout.describe()}"))
     checkpointing = cfg.activation_checkpointing
@@ -400,7 +446,7 @@ def decide_run(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> tupl
         ctx.emit(Note(fit.line))
         refuse_unless_fits(fit)  # every rank computes the same estimate, so all stop together
         checkpointing = fit.checkpointing
-    return precision, layout, checkpointing
+    return precision, layout, checkpointing, attention
 
 
 @dataclass
@@ -452,6 +498,7 @@ def run_summary(
         "step_time_s": steady_step_time,
         "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
         "precision": precision,
+        "attention": prepared.attention,
         "sharding": layout.mode,
         "reduce_precision": cfg.reduce_precision,
         "flops_per_token": fpt,
@@ -501,7 +548,7 @@ def train(
     """
     torch.manual_seed(cfg.seed)
     device = ctx.device
-    precision, layout, checkpointing = decide_run(cfg, model_path, ctx)
+    precision, layout, checkpointing, attention = decide_run(cfg, model_path, ctx)
     resume = ctx.resume_checkpoint()
     prepared = prepare_model(
         cfg,
@@ -512,6 +559,7 @@ def train(
         checkpointing=checkpointing,
         device=device,
         resuming=resume is not None,
+        attention=attention,
     )
     model = prepared.model
     if prepared.lora_targets:

@@ -34,28 +34,131 @@ def checkpoint_activations(model: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def load_model(path: str, *, activation_checkpointing: bool) -> Any:
-    """The causal LM in fp32 master weights (FSDP's policy casts for compute), ready to shard."""
+def load_model(path: str, *, activation_checkpointing: bool, attention: str | None = None) -> Any:
+    """The causal LM in fp32 master weights (FSDP's policy casts for compute), ready to shard. ``attention``: the
+    attention implementation (:func:`choose_attention`); ``None``, transformers' default (sdpa where the model has
+    it)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
     model.config.use_cache = False
     if activation_checkpointing:
         checkpoint_activations(model)
     return model
 
 
-def load_model_shell(path: str, *, activation_checkpointing: bool) -> Any:
+def load_model_shell(path: str, *, activation_checkpointing: bool, attention: str | None = None) -> Any:
     """:func:`load_model`'s module tree on the meta device: shapes, no weights, no memory. A rank that gets its
     shard of the weights from rank 0 (:func:`fill_from_rank0`) builds this instead of reading the whole model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(path), dtype=torch.float32, attn_implementation=attention
+        )
     model.config.use_cache = False
     if activation_checkpointing:
         checkpoint_activations(model)
     return model
+
+
+FLASH_ATTENTION = "flash_attention_2"
+
+
+def causal_lm_class(config: Any) -> Any | None:
+    """The class ``AutoModelForCausalLM`` builds for ``config`` (a Hugging Face config); ``None`` where it has none."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
+def default_attention(model_class: Any) -> str:
+    """transformers' own choice when none is given: sdpa, or eager for a model without an sdpa path."""
+    return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+def flash_missing(
+    model_class: Any, *, cuda: bool | None, flash_installed: bool | None, precision: str | None
+) -> list[str]:
+    """What :data:`FLASH_ATTENTION` lacks to run: the model's support for it in transformers (its class's
+    ``_supports_flash_attn``), a CUDA device, the flash-attn package, bf16 compute. An answer given as ``None`` is not
+    known where this is asked (the driver, before the workers start) and is not counted."""
+    missing = []
+    if model_class is None or not getattr(model_class, "_supports_flash_attn", False):
+        name = model_class.__name__ if model_class is not None else "this model"
+        missing.append(f"{name} has no flash-attention path in transformers")
+    if cuda is False:
+        missing.append("the run's device is not a CUDA GPU")
+    if flash_installed is False:
+        missing.append("flash-attn 2 (2.3.3 or later) is not installed (transformers' is_flash_attn_2_available)")
+    if precision == "fp32":
+        missing.append("the run computes in fp32 (training.precision), and flash-attn only in bf16 or fp16")
+    return missing
+
+
+def refuse_flash(missing: list[str]) -> UserError:
+    return UserError(
+        f"training.attention {FLASH_ATTENTION} cannot run here: {'; '.join(missing)}",
+        hint="Use attention auto (flash-attention where it can run, else sdpa) or sdpa; for flash-attention, train "
+        "in bf16 on CUDA GPUs whose image has flash-attn installed (pip install flash-attn --no-build-isolation).",
+    )
+
+
+def choose_attention(
+    requested: str, model_class: Any, *, cuda: bool, precision: str, flash_installed: bool | None = None
+) -> tuple[str, str]:
+    """The attention implementation to build the model with (``training.attention``), and why, decided on the host.
+
+    ``auto`` is :data:`FLASH_ATTENTION` (flash-attn's variable-length kernel for packed rows) on a ``cuda`` device in
+    bf16 where flash-attn is installed (``flash_installed``; transformers' own ``is_flash_attn_2_available()`` when not
+    given) and ``model_class`` supports it; else the model's default, as transformers picks it: sdpa, or eager for a
+    model without it. ``flash_attention_2`` where it cannot run is refused (:class:`UserError` naming what is
+    missing); so is ``sdpa`` for a model without it. Example: ``choose_attention("auto", LlamaForCausalLM,
+    cuda=False, precision="fp32")`` is ``("sdpa", "auto: ...")``.
+    """
+    default = default_attention(model_class)
+    if requested == "eager" or (requested == "sdpa" and default == "sdpa"):
+        return requested, "as configured"
+    if requested == "sdpa":
+        raise UserError(
+            f"training.attention sdpa: {model_class.__name__} has no sdpa path in transformers",
+            hint="Use attention auto or eager.",
+        )
+    if cuda and flash_installed is None:
+        from transformers.utils import is_flash_attn_2_available
+
+        flash_installed = is_flash_attn_2_available()
+    missing = flash_missing(model_class, cuda=cuda, flash_installed=flash_installed, precision=precision)
+    if requested == FLASH_ATTENTION:
+        if missing:
+            raise refuse_flash(missing)
+        return FLASH_ATTENTION, "as configured"
+    if not missing:
+        return FLASH_ATTENTION, "auto: flash-attn's variable-length kernel on a bf16 CUDA run"
+    return default, f"auto: {missing[0]}"
+
+
+def check_attention(requested: str, precision: str, config: Any, *, local: bool) -> None:
+    """Before the workers start: refuse the ``training.attention`` that cannot run, from what the driver knows (the
+    model's class from its ``config``, an fp32 ``precision`` set as such) and, for a ``local`` run whose workers are on
+    this machine, its CUDA and flash-attn too. The workers decide the rest (:func:`choose_attention`)."""
+    model_class = causal_lm_class(config)
+    if requested == "sdpa":
+        choose_attention(requested, model_class, cuda=False, precision=precision)
+    if requested != FLASH_ATTENTION:
+        return
+    cuda = torch.cuda.is_available() if local else None
+    flash = None
+    if cuda:
+        from transformers.utils import is_flash_attn_2_available
+
+        flash = is_flash_attn_2_available()
+    missing = flash_missing(model_class, cuda=cuda, flash_installed=flash, precision=precision)
+    if missing:
+        raise refuse_flash(missing)
 
 
 def fill_from_rank0(model: Any, full_state: dict[str, Any] | None, device: torch.device) -> None:
@@ -433,17 +536,42 @@ def packing_told_by_host(packed: bool) -> Iterator[None]:
         _HOST_PACKING.reset(token)
 
 
-def forward_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def forward_inputs(batch: dict[str, torch.Tensor], *, attention: str | None = None) -> dict[str, Any]:
     """The model's inputs for a packed batch (host tensors): ``input_ids``, and ``position_ids`` where a block holds
     more than one row (``packing: documents``), from which transformers keeps attention inside each row (a
-    block-causal mask; flash-attention's variable-length path). Decided on the host, so it never waits for a device;
-    a block of one row needs no positions (they count from 0 as the model's own would) and keeps the causal fast path.
+    block-causal mask). Decided on the host, so it never waits for a device; a block of one row needs no positions
+    (they count from 0 as the model's own would) and keeps the causal fast path. With ``attention``
+    :data:`FLASH_ATTENTION` the blocks of a packed batch go in as one row (:func:`_packed_as_one_row`): the model's
+    output is then one row too, ``(1, blocks * seq_len, ...)``; reshape it to the labels' shape.
     """
-    inputs = {"input_ids": batch["input_ids"]}
+    inputs: dict[str, Any] = {"input_ids": batch["input_ids"]}
     positions = batch.get("position_ids")
     if positions is not None and bool((positions[:, 1:] - positions[:, :-1] != 1).any()):
+        if attention == FLASH_ATTENTION:
+            return _packed_as_one_row(batch["input_ids"], positions)
         inputs["position_ids"] = positions
     return inputs
+
+
+def _packed_as_one_row(ids: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
+    """A packed batch as flash-attention's variable-length kernel takes it. transformers (5.x,
+    ``_flash_attention_forward``) uses that kernel for packed positions in a batch of one row only: given several rows
+    without a padding mask, it runs each row as one causal sequence, across its documents. So the blocks go in as one
+    row, with the documents' bounds (``cu_seq_lens_q/k``) and the longest (``max_length_q/k``) computed here on the
+    host, where transformers would compute them from the positions on the device with a wait in every layer. Every
+    block starts a document (position 0, :func:`~raytrain_eks.train.data.pack`), so no document spans two blocks."""
+    flat = positions.reshape(1, -1)
+    starts = (flat[0] == 0).nonzero().view(-1)
+    bounds = torch.cat([starts, torch.tensor([flat.size(1)])]).to(torch.int32)
+    longest = int((bounds[1:] - bounds[:-1]).max())
+    return {
+        "input_ids": ids.reshape(1, -1),
+        "position_ids": flat,
+        "cu_seq_lens_q": bounds,
+        "cu_seq_lens_k": bounds,
+        "max_length_q": longest,
+        "max_length_k": longest,
+    }
 
 
 def output_projection_deferred(model: Any) -> OutputHead:
