@@ -1,14 +1,15 @@
 """The checks only a GPU can answer, in one command (under 8 minutes on one H200), JSON out.
 
 1. ``default_job``: ``raytrain-eks train`` on its built-in defaults, as a user runs it first (Ray, the built-in
-   model and data): its summary (steps, losses, precision, device, peak memory).
+   model and data): its summary (steps, losses, precision, attention implementation, device, peak memory).
 2. ``qwen_step``: the job's own loop (``train.torchrun_entry.run``, one rank, random data) on the Qwen2.5-1.5B
-   architecture (random weights saved to a folder, nothing downloaded) in bf16 at seq 2048: tokens/s, MFU, the
-   peak allocated and reserved memory against ``train.memory``'s estimate, and the host-device syncs the run
-   made (``torch.cuda.set_sync_debug_mode("warn")``): in all, inside ``train_step`` (meant to be none: only the
-   logging steps, start and the end's checkpoint wait for the device) and by where they came from. It fails when
-   a sync happens inside ``train_step``, when the estimate is more than 15% off the allocated peak, or when the
-   allocator reserved more than the fit rule's margin over the estimate (:func:`judge_memory`).
+   architecture (random weights saved to a folder, nothing downloaded) in bf16 at seq 2048: the attention
+   implementation it ran with (``training.attention`` auto: flash_attention_2 where flash-attn is installed),
+   tokens/s, MFU, the peak allocated and reserved memory against ``train.memory``'s estimate, and the host-device
+   syncs the run made (``torch.cuda.set_sync_debug_mode("warn")``): in all, inside ``train_step`` (meant to be
+   none: only the logging steps, start and the end's checkpoint wait for the device) and by where they came from.
+   It fails when a sync happens inside ``train_step``, when the estimate is more than 15% off the allocated peak,
+   or when the allocator reserved more than the fit rule's margin over the estimate (:func:`judge_memory`).
 3. ``nccl_gate``: a one-rank NCCL all-reduce with the job's own NCCL environment (``train.fabric_gate.nccl_env``:
    ``NCCL_DEBUG=INFO`` into the file the in-job gate reads), its lines read by the gate's reader and judged by
    the gate (``check_transport``; a one-node job must go on) and by the tool's analyzer (verdict and basis). It
@@ -113,7 +114,8 @@ def check_default_job(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"train exited {proc.returncode}: {' | '.join(tail)}")
     s = json.loads((out / "summary.json").read_text())
-    keep = ("steps", "first_loss", "final_loss", "precision", "sharding", "device", "world_size", "tokens_per_s")
+    keep = ("steps", "first_loss", "final_loss", "precision", "attention", "sharding", "device", "world_size")
+    keep += ("tokens_per_s",)
     return {
         **{k: s.get(k) for k in keep},
         "peak_memory_gib": s.get("peak_memory_gib"),
@@ -186,6 +188,7 @@ def check_qwen_step(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "batch_size": batch,
         "steps": steps,
         "precision": summary["precision"],
+        "attention": summary.get("attention"),  # the implementation the model was built with (training.attention)
         "device": summary["device"],
         "tokens_per_s": summary["tokens_per_s"],
         "step_time_s": summary["step_time_s"],
