@@ -26,6 +26,7 @@ def test_gpu_check_runs_on_a_cpu_with_tiny_shapes(tmp_path):
     step = out["results"]["qwen_step"]
     assert step["steps"] == 4 and step["tokens_per_s"] > 0 and step["estimate_gib"] > 0
     assert step["peak_reserved_gib"] is None and step["host_syncs"] is None  # CUDA figures: none on a CPU
+    assert step["attention"] == "sdpa"  # training.attention auto on a CPU
     assert out["results"]["nccl_gate"]["skipped"].startswith("no GPU")
     loss = out["results"]["chunked_loss"]
     assert loss["chunks"] == 9 and max(loss["loss_rel_diff"], loss["hidden_grad_rel_diff"]) < 1e-5
