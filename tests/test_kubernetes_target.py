@@ -487,9 +487,12 @@ def test_the_commands_say_what_is_missing_before_touching_anything(tmp_path, mon
             main([command, "--config", str(config), "--kubeconfig", str(tmp_path / "nope"), *yes])
         assert done.value.code != 0
         assert f"the kubeconfig {tmp_path / 'nope'} does not exist" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as done:  # plan never reads the cluster: it names what up would read there
         main(["plan", "--config", str(config)])
-    assert "raytrain-eks up --plan" in capsys.readouterr().err
+    assert done.value.code == 2
+    said = capsys.readouterr().err
+    assert "ray.worker_cpu, ray.worker_memory_gib and cluster.efa_per_node are not set" in said
+    assert "Run `raytrain-eks up` first" in said
     assert not (tmp_path / ".raytrain-eks").exists()
 
 
