@@ -65,3 +65,22 @@ def test_an_image_not_known_is_asked_at_submit_not_guessed():
         f"{DEFAULT_IMAGE}@sha256:{'0' * 64}",
     ):
         assert job.planned_installs(image) is None and job.known_image_packages(image) is None
+
+
+def test_plan_says_what_the_runtime_env_installs_on_the_image(tmp_path, monkeypatch, capsys):
+    from raytrain_eks.cli import main
+    from raytrain_eks.eks.plan import build_plan
+
+    plan = build_plan(load_config(environ={}, path=None))
+    assert plan.summary["runtime_env"]["installs"] == ["peft>=0.21.2,<0.22", "matplotlib>=3.11.2,<4"]
+    (submit,) = [s for s in plan.steps if s.name == "submit"]
+    assert "the runtime_env installs peft>=0.21.2,<0.22, matplotlib>=3.11.2,<4 there" in submit.action
+    other = "rayproject/ray:2.58.0-py312-gpu"
+    plan = build_plan(load_config(environ={}, path=None, sets=[f"ray.image={other}"]), mode="rayjob")
+    assert plan.summary["runtime_env"]["installs"] is None
+    (apply,) = [s for s in plan.steps if s.name == "apply-rayjob"]
+    assert f"Which of them {other} has is known only once it runs" in apply.action
+    monkeypatch.chdir(tmp_path)
+    main(["plan"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"Packages the job adds to {DEFAULT_IMAGE}: The image has 9 of the job's 11 packages in range" in said

@@ -280,7 +280,8 @@ def job_steps(
                 f"Run the job from inside the head pod (the dashboard port stays inside the cluster): "
                 f"{shlex.join(m.train_argv())} on {d.world_size} workers, with a runtime_env that ships the package "
                 "unpacked above and pip-installs those of " + ", ".join(job_files.job_requirements()) + " the image "
-                "does not have in range (asked of the head pod's python3 first; the command below lists them all).",
+                "does not have in range (asked of the head pod's python3 first; the command below lists them all). "
+                + installs_sentence(cfg),
                 [*head_exec, "--", *job_files.ray_job_submit_argv(code_dir)],
             ),
         ]
@@ -306,7 +307,9 @@ def job_steps(
                 f"Apply RayJob {ns}/{r.cluster_name}: its own RayCluster ({workers}) runs "
                 f"{shlex.join(m.train_argv())}, submitted by its submitter pod under {m.IMAGE_PYTHON}; the job is "
                 f"stopped after {r.job_deadline_s} s, or if it is not running within {r.job_start_deadline_s} s. "
-                f"KubeRay deletes the cluster {m.RAYJOB_TTL_S} s after the job ended unless submit has (below).",
+                f"KubeRay deletes the cluster {m.RAYJOB_TTL_S} s after the job ended unless submit has (below). "
+                "Its runtime_env lists all of " + ", ".join(job_files.job_requirements()) + ", fixed before a pod "
+                "exists; pip installs only those the image lacks in range. " + installs_sentence(cfg),
                 [*kubectl, "apply", "-f", manifest],
                 [manifest],
             ),
@@ -316,6 +319,22 @@ def job_steps(
         at = next(i for i, s in enumerate(steps) if s.name in ("hf-token-secret", "job-config"))
         steps.insert(at, Step("offline-wheelhouse", _offline_step(cfg, mode)))
     return steps
+
+
+def installs_sentence(cfg: Config) -> str:
+    """What the job's runtime_env installs on ``ray.image``, where this tool knows the image's packages
+    (:func:`~raytrain_eks.k8s.job.planned_installs`), in words; else that submit learns it from the image."""
+    known = job_files.planned_installs(cfg.ray.image)
+    if known is None:
+        return f"Which of them {cfg.ray.image} has is known only once it runs: submit says so."
+    left, said = known
+    return f"{said}: the runtime_env installs {', '.join(left) if left else 'nothing'} there."
+
+
+def image_installs(cfg: Config) -> dict[str, Any]:
+    """The plan's summary of the same: ``installs`` (``None`` where the image's packages are not known) and ``how``."""
+    known = job_files.planned_installs(cfg.ray.image)
+    return {"installs": None if known is None else known[0], "how": installs_sentence(cfg)}
 
 
 def _offline_step(cfg: Config, mode: Mode) -> str:
@@ -441,6 +460,7 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
             else f"IAM role of service account {cfg.ray.namespace}/{m.RAY_SERVICE_ACCOUNT}, this bucket only"
         ),
         "checkpoint_storage": None if on_volume else storage_estimate(cfg),  # what they take and cost in S3
+        "runtime_env": image_installs(cfg),
         "memory_per_gpu": memory.to_dict() if memory else None,
     }
     return Plan(

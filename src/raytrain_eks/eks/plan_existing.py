@@ -29,6 +29,7 @@ from raytrain_eks.eks.plan import (
     Plan,
     Step,
     helm_files,
+    image_installs,
     job_objects,
     job_steps,
     write_files,
@@ -338,6 +339,7 @@ def build_plan(cfg: Config, *, state_dir: str | Path, mode: Mode = "raycluster",
             f"{m.RAY_SERVICE_ACCOUNT} is plain)"
         ),
         "checkpoint_storage": None,
+        "runtime_env": image_installs(cfg),
         "memory_per_gpu": memory.to_dict() if memory else None,
     }
     return Plan(
