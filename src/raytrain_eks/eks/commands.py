@@ -260,7 +260,7 @@ def up(
             "install, after asking, only what is missing of: the NVIDIA device plugin (nodes advertising no GPU), "
             "the EFA device plugin (cluster.efa_per_node above what the nodes advertise), KubeRay (no RayCluster "
             "CRD); create the Ray pods' service account; then wait until the GPU nodes and KubeRay are ready. "
-            "No cloud resource is created."
+            "No cloud resource is created. `raytrain-eks plan` shows these steps with the files submit applies."
         )
         return
     if plan_only:
