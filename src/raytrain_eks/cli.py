@@ -19,6 +19,10 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+# The base of typer's usage errors (unknown option, bad value, missing argument) in every release the job's range
+# admits: typer 0.29 puts TyperException above it, the 0.26 of AWS's Ray Train DLC has no such name.
+from typer._click.exceptions import ClickException
+
 from raytrain_eks import presets
 from raytrain_eks.aws import commands as aws_commands
 from raytrain_eks.config import DEFAULT_CONFIG_FILE, env_file_lines, load_config
@@ -381,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
-    except typer.TyperException as exc:  # usage errors: unknown option, bad value, missing argument
+    except ClickException as exc:  # usage errors: unknown option, bad value, missing argument
         show = getattr(exc, "show", None)
         if show is None:
             raise
