@@ -9,6 +9,7 @@ loss does not know, or computes a loss of its own, is refused."""
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -159,6 +160,12 @@ def test_the_jobs_loss_and_gradients_are_the_models_own(one_rank, arch):
     # As the loop does it: deferred projection, sharded, the loss in 9 chunks of 5 tokens.
     model.train()
     reference.train()
+    if arch in MULTIMODAL and "self.loss_function" not in inspect.getsource(type(model).forward):
+        # transformers 5.13 (the Ray Train DLC's, checked by scripts/check_oldest.sh): Gemma 3's multimodal forward
+        # computes a cross-entropy of its own (upcast logits, its own shift and mask): refused, never approximated.
+        with pytest.raises(UserError, match="computes its loss in its own way"):
+            output_projection_deferred(model)
+        return
     head = output_projection_deferred(model)
     apply_fsdp(model, precision="fp32")
     loss, router = jobs_loss(model, head, ids, labels)
