@@ -13,10 +13,13 @@ wanted="$(.venv/bin/python -c 'from raytrain_eks.k8s.job import OLDEST_CHECKED a
 reqs="$(mktemp)"
 trap 'rm -f "$reqs"' EXIT
 # This environment's versions, less this package, the releases replaced (and pydantic's core, which follows pydantic),
-# and a huggingface_hub transformers 5.13 takes.
+# with a huggingface_hub transformers 5.13 takes, and the Kubernetes client at a release that takes that pydantic (it
+# runs only where the tool deploys from, never on the workers; kubernetes 37 asks for pydantic>=2.13.5), and the fsspec
+# datasets 5.0.0 takes (at most 2026.4.0, the image's).
 names="$(.venv/bin/python -c 'from raytrain_eks.k8s.job import OLDEST_CHECKED as o; print("|".join(o))')"
-.venv/bin/pip freeze --exclude-editable | grep -viE "^(raytrain-eks|$names|pydantic[-_]core|huggingface[-_]hub)[=@ ]" >"$reqs"
-printf '%s\n' $wanted "huggingface_hub>=1.31,<2" >>"$reqs"
+.venv/bin/pip freeze --exclude-editable |
+    grep -viE "^(raytrain-eks|$names|pydantic[-_]core|huggingface[-_]hub|kubernetes|fsspec)[=@ ]" >"$reqs"
+printf '%s\n' $wanted "huggingface_hub>=1.31,<2" kubernetes fsspec >>"$reqs"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/pip" install -q -r "$reqs"
 "$venv/bin/pip" install -q --no-deps -e .
