@@ -18,6 +18,13 @@
    on the device, in bf16 at the real vocabulary: the loss and both gradients, largest relative difference; it
    fails beyond rounding (:data:`CHUNKED_LIMITS`).
 
+5. ``packed_attention``: a packed batch (``packing: documents``) through the attention the job chooses on this
+   device (``training.attention`` auto: flash-attention's variable-length kernel, the batch in one row with the
+   documents' bounds, on a bf16 GPU with flash-attn), each document's loss inside it against the same document
+   alone through sdpa, on a small random Qwen2. It fails when a document's loss is off beyond rounding
+   (:data:`PACKED_LIMITS`), or when the same batch without positions (documents seeing each other) is not, which
+   would mean the check cannot tell.
+
 ``--tiny`` runs the same checks on a CPU with small shapes (the built-in model, fp32 where a CPU lacks bf16, the
 NCCL check skipped with its reason), so the script itself is tested without a GPU. Example::
 
@@ -47,7 +54,7 @@ from bench_gpu_step import QWEN25_15B, _free_port  # the same folder: run as a s
 # here: the loop check's reserved memory is then what the job's would be.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-CHECKS = ("default_job", "qwen_step", "nccl_gate", "chunked_loss")
+CHECKS = ("default_job", "qwen_step", "nccl_gate", "chunked_loss", "packed_attention")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -326,11 +333,103 @@ def judge_chunked(found: dict[str, Any]) -> str | None:
     return "the chunked loss is off the plain one: " + ", ".join(over) if over else None
 
 
+#: How far a document's mean loss inside a packed batch may be from its loss alone, relatively: rounding only (the
+#: two runs use different attention kernels, and bf16 keeps 8 bits of mantissa).
+PACKED_LIMITS = {"float32": 1e-4, "bfloat16": 2e-2}
+
+
+def check_packed_attention(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Each document's loss inside a packed batch, through the attention the job chooses here, against its loss
+    alone through sdpa (the same weights); and the same batch without positions, where documents see each other."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from raytrain_eks.train.data import IGNORE_INDEX, pack
+    from raytrain_eks.train.model import choose_attention, forward_inputs, packing_told_by_host
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    precision, dtype = ("bf16", torch.bfloat16) if cuda else ("fp32", torch.float32)
+    attention, why = choose_attention("auto", Qwen2ForCausalLM, cuda=cuda, precision=precision)
+    seq, hidden = (64, 64) if args.tiny else (1024, 256)
+    config = Qwen2Config(
+        vocab_size=1000,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4 * seq,
+        initializer_range=0.3,  # weights large enough that what a token sees changes its loss
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype).to(device).eval()
+    alone_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device).eval()
+    alone_model.load_state_dict(model.state_dict())
+    for m in (model, alone_model):  # as the job loads it (train.model.load_model): with a cache, transformers
+        m.config.use_cache = False  # builds no mask from the positions and documents would see each other
+    gen = torch.Generator().manual_seed(1)
+    rows, total = [], 0
+    while total < 2 * seq - seq // 4:  # two blocks, the last one partly padding
+        n = int(torch.randint(seq // 8, seq // 2, (1,), generator=gen))
+        ids = torch.randint(3, config.vocab_size, (n,), generator=gen).tolist()
+        rows.append((ids, ids))
+        total += n
+    batch = {k: torch.from_numpy(v) for k, v in pack(rows, seq_len=seq, pad_id=0, packing="documents").items()}
+    labels = batch["labels"]
+
+    def token_losses(m: Any, inputs: dict[str, Any], wanted: Any) -> Any:
+        """The loss of predicting each next label (``wanted[:, 1:]``), per position, in fp32."""
+        given = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        with packing_told_by_host("position_ids" in inputs):  # as the job's forward tells the mask code
+            logits = m(**given).logits.float().reshape(*wanted.shape, -1)
+        return F.cross_entropy(
+            logits[:, :-1].transpose(1, 2), wanted[:, 1:].to(device), ignore_index=IGNORE_INDEX, reduction="none"
+        ).cpu()
+
+    with torch.no_grad():
+        inside = token_losses(model, forward_inputs(batch, attention=attention), labels)
+        seeing = token_losses(model, {"input_ids": batch["input_ids"]}, labels)  # no positions: one text per block
+        diffs, leaks = [], []
+        for b, positions in enumerate(batch["position_ids"]):
+            starts = [*(positions == 0).nonzero().view(-1).tolist(), seq]
+            for s, e in zip(starts, starts[1:], strict=False):
+                trained = labels[b, s + 1 : e] != IGNORE_INDEX
+                if not bool(trained.any()):
+                    continue  # the tail's padding
+                alone = token_losses(
+                    alone_model, {"input_ids": batch["input_ids"][b : b + 1, s:e]}, labels[b : b + 1, s:e]
+                )[0]
+                mine, other, ref = (x[trained].mean() for x in (inside[b, s : e - 1], seeing[b, s : e - 1], alone))
+                diffs.append(float((mine - ref).abs() / ref))
+                leaks.append(float((other - ref).abs() / ref))
+    limit = PACKED_LIMITS[str(dtype).removeprefix("torch.")]
+    found: dict[str, Any] = {
+        "attention": attention,
+        "why": why,
+        "dtype": str(dtype).removeprefix("torch."),
+        "seq_len": seq,
+        "documents": len(diffs),
+        "max_doc_rel_diff": max(diffs),
+        "without_positions_max_rel_diff": max(leaks),
+        "limit": limit,
+    }
+    if not max(diffs) <= limit:
+        found["error"] = (
+            f"a document's loss inside the packed batch is {max(diffs):.1e} off its loss alone (> {limit:.0e})"
+        )
+    elif not max(leaks) > limit:
+        found["error"] = "without positions the documents' losses barely change: this check cannot tell them apart"
+    return found
+
+
 RUNNERS = {
     "default_job": check_default_job,
     "qwen_step": check_qwen_step,
     "nccl_gate": check_nccl_gate,
     "chunked_loss": check_chunked_loss,
+    "packed_attention": check_packed_attention,
 }
 
 

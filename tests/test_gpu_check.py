@@ -1,6 +1,6 @@
 """The GPU check runs end to end on a CPU with ``--tiny`` (the default job is covered by test_main_job): the job's
 own loop with its memory estimate beside it, the NCCL check skipped with its reason, and the chunked loss equal
-to the plain one on this device."""
+to the plain one on this device, and a packed batch's documents each with the loss it has alone."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 
 def test_gpu_check_runs_on_a_cpu_with_tiny_shapes(tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--tiny", "--checks", "qwen_step,nccl_gate,chunked_loss"],
+        [sys.executable, str(SCRIPT), "--tiny", "--checks", "qwen_step,nccl_gate,chunked_loss,packed_attention"],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -31,6 +31,9 @@ def test_gpu_check_runs_on_a_cpu_with_tiny_shapes(tmp_path):
     loss = out["results"]["chunked_loss"]
     assert loss["chunks"] == 9 and max(loss["loss_rel_diff"], loss["hidden_grad_rel_diff"]) < 1e-5
     assert loss["weight_grad_rel_diff"] < 1e-5
+    packed = out["results"]["packed_attention"]  # each document inside a packed batch as it is alone
+    assert packed["attention"] == "sdpa" and packed["documents"] >= 4 and packed["max_doc_rel_diff"] < 1e-4
+    assert packed["without_positions_max_rel_diff"] > 1e-2  # documents that see each other would show
     assert "qwen_step: model=builtin tiny" in proc.stdout
 
 
