@@ -600,3 +600,24 @@ def test_every_command_names_the_kubeconfigs_missing_credential_program_before_t
     assert plain.store.path.read_text() == state
     assert (len(plain.kube.applied), len(plain.kube.deleted)) == (applied, deleted)
     assert (len(plain.tools.calls), len(plain.questions)) == (calls, questions)
+
+
+def test_a_configured_gpu_node_type_gives_the_memory_estimate_where_the_nodes_name_none_known(plain: Cluster):
+    """Nodes whose labels name no type the tool knows (a Google Cloud a2 node here): cluster.gpu_node_type, set by
+    the user, is what up, submit and plan take for the estimate; left at its default it names no node here."""
+    from raytrain_eks.eks.plan_existing import build_plan
+    from raytrain_eks.instances import INSTANCE_TYPES
+
+    plain.target.up(plain.d(), confirm=plain.ask())
+    assert "leaves out the memory estimate" in plain.said() and plain.target.gpu_type(plain.d()) is None
+    cluster = plain.cfg.cluster.model_copy(update={"gpu_node_type": "g5.12xlarge"})
+    plain.cfg = plain.cfg.model_copy(update={"cluster": cluster})
+    plain.lines.clear()
+    plain.target.up(plain.d(), confirm=plain.ask())
+    assert "leaves out the memory estimate" not in plain.said()
+    assert plain.target.gpu_type(plain.d()) is INSTANCE_TYPES["g5.12xlarge"]
+    assert sub.submit(plain.d()).exit_code == 0
+    assert "memory estimate is left out" not in plain.said()
+    assert INSTANCE_TYPES["g5.12xlarge"].gpu_model in plain.said()
+    plan = build_plan(plain.d().cfg, state_dir=plain.store.path.parent)
+    assert plan.summary["gpu_node_type"] == "g5.12xlarge" and plan.summary["memory_per_gpu"] is not None

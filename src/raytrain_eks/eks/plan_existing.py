@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, NoReturn, cast
 
-from raytrain_eks.config import ClusterConfig, Config
+from raytrain_eks.config import Config
 from raytrain_eks.eks.plan import (
     HELM_FILE,
     MODES,
@@ -36,7 +36,7 @@ from raytrain_eks.eks.plan import (
 )
 from raytrain_eks.eks.submit import job_config
 from raytrain_eks.errors import UserError
-from raytrain_eks.instances import INSTANCE_TYPES, InstanceType
+from raytrain_eks.instances import InstanceType
 from raytrain_eks.k8s import existing
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import DEVICE_PLUGIN_RELEASES, KUBERAY_RELEASE, HelmRelease, helm_releases, install_argv
@@ -113,12 +113,11 @@ def gpu_type(cfg: Config, store: StateStore) -> tuple[InstanceType | None, str |
     a type the instance table knows (its default, which names no node of this cluster, does not count)."""
     offline = Deployment(cfg=cfg, kube=cast(KubeApi, _NoCluster()), run=cast(Runner, _NoCluster()), state=store)
     found = existing.KubernetesTarget().gpu_type(offline)
-    if found is not None:
-        return found, f"as up found the GPU nodes ({store.path})"
-    name = cfg.cluster.gpu_node_type
-    if name != ClusterConfig.model_fields["gpu_node_type"].default and name in INSTANCE_TYPES:
-        return INSTANCE_TYPES[name], "cluster.gpu_node_type"
-    return None, None
+    if found is None:
+        return None, None
+    if found is existing.configured_gpu_type(cfg) and not (store.get("gpu_node_type") or store.get("gpu_mib")):
+        return found, "cluster.gpu_node_type"
+    return found, f"as up found the GPU nodes ({store.path})"
 
 
 def _releases(cfg: Config, store: StateStore) -> list[tuple[HelmRelease, str]]:

@@ -322,7 +322,7 @@ def up(d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
     if any(i["type"] == "helm" and i["name"] == KUBERAY_RELEASE for i in d.state.created):
         wait_kuberay(d)
     d.state.update(phase="up")
-    if not found.gpu_node_type and not found.gpu_mib:
+    if not found.gpu_node_type and not found.gpu_mib and configured_gpu_type(d.cfg) is None:
         d.say(
             "The GPU nodes carry neither an EC2 instance type raytrain-eks knows nor GPU feature discovery's "
             f"{GPU_MEMORY_LABEL} label: submit leaves out the memory estimate."
@@ -382,6 +382,14 @@ def ray_lines(d: Deployment) -> list[str]:
     return lines
 
 
+def configured_gpu_type(cfg: Config) -> InstanceType | None:
+    """``cluster.gpu_node_type`` when the user set it to a type the instance table knows, for nodes that carry no
+    label saying theirs; its default (the EKS reference's type) names no node of this cluster and does not count."""
+    name = cfg.cluster.gpu_node_type
+    default = type(cfg.cluster).model_fields["gpu_node_type"].default
+    return INSTANCE_TYPES[name] if name != default and name in INSTANCE_TYPES else None
+
+
 class KubernetesTarget:
     """The :class:`~raytrain_eks.k8s.target.ClusterTarget` of an existing cluster (``cluster.target: kubernetes``)."""
 
@@ -421,12 +429,12 @@ class KubernetesTarget:
 
     def gpu_type(self, d: Deployment) -> InstanceType | None:
         """The GPU nodes' EC2 type when ``up`` found one it knows on their labels; else their GPUs as GPU feature
-        discovery labels them (memory and product); else ``None``."""
+        discovery labels them (memory and product); else :func:`configured_gpu_type`; else ``None``."""
         s = d.state
         if s.get("gpu_node_type") in INSTANCE_TYPES:
             return INSTANCE_TYPES[s.get("gpu_node_type")]
         if not s.get("gpu_mib"):
-            return None
+            return configured_gpu_type(d.cfg)
         model = s.get("gpu_model")
         c = d.cfg.cluster
         # Only the GPU fields are read by the memory estimate; nothing here is priced.
