@@ -80,7 +80,7 @@ def default_attention(model_class: Any) -> str:
     return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
-def flash_missing(
+def _flash_missing(
     model_class: Any, *, cuda: bool | None, flash_installed: bool | None, precision: str | None
 ) -> list[str]:
     """What :data:`FLASH_ATTENTION` lacks to run: the model's support for it in transformers (its class's
@@ -99,16 +99,8 @@ def flash_missing(
     return missing
 
 
-def refuse_flash(missing: list[str]) -> UserError:
-    return UserError(
-        f"training.attention {FLASH_ATTENTION} cannot run here: {'; '.join(missing)}",
-        hint="Use attention auto (flash-attention where it can run, else sdpa) or sdpa; for flash-attention, train "
-        "in bf16 on CUDA GPUs whose image has flash-attn installed (pip install flash-attn --no-build-isolation).",
-    )
-
-
 def choose_attention(
-    requested: str, model_class: Any, *, cuda: bool, precision: str, flash_installed: bool | None = None
+    requested: str, model_class: Any, *, cuda: bool | None, precision: str, flash_installed: bool | None = None
 ) -> tuple[str, str]:
     """The attention implementation to build the model with (``training.attention``), and why, decided on the host.
 
@@ -116,8 +108,9 @@ def choose_attention(
     bf16 where flash-attn is installed (``flash_installed``; transformers' own ``is_flash_attn_2_available()`` when not
     given) and ``model_class`` supports it; else the model's default, as transformers picks it: sdpa, or eager for a
     model without it. ``flash_attention_2`` where it cannot run is refused (:class:`UserError` naming what is
-    missing); so is ``sdpa`` for a model without it. Example: ``choose_attention("auto", LlamaForCausalLM,
-    cuda=False, precision="fp32")`` is ``("sdpa", "auto: ...")``.
+    missing); so is ``sdpa`` for a model without it. ``cuda`` ``None``: the device is not known where this is asked
+    (the driver of a run on a cluster), and only what is known is held against flash-attention. Example:
+    ``choose_attention("auto", LlamaForCausalLM, cuda=False, precision="fp32")`` is ``("sdpa", "auto: ...")``.
     """
     default = default_attention(model_class)
     if requested == "eager" or (requested == "sdpa" and default == "sdpa"):
@@ -131,10 +124,15 @@ def choose_attention(
         from transformers.utils import is_flash_attn_2_available
 
         flash_installed = is_flash_attn_2_available()
-    missing = flash_missing(model_class, cuda=cuda, flash_installed=flash_installed, precision=precision)
+    missing = _flash_missing(model_class, cuda=cuda, flash_installed=flash_installed, precision=precision)
     if requested == FLASH_ATTENTION:
         if missing:
-            raise refuse_flash(missing)
+            raise UserError(
+                f"training.attention {FLASH_ATTENTION} cannot run here: {'; '.join(missing)}",
+                hint="Use attention auto (flash-attention where it can run, else sdpa) or sdpa; for flash-attention, "
+                "train in bf16 on CUDA GPUs whose image has flash-attn installed (pip install flash-attn "
+                "--no-build-isolation).",
+            )
         return FLASH_ATTENTION, "as configured"
     if not missing:
         return FLASH_ATTENTION, "auto: flash-attn's variable-length kernel on a bf16 CUDA run"
@@ -142,23 +140,12 @@ def choose_attention(
 
 
 def check_attention(requested: str, precision: str, config: Any, *, local: bool) -> None:
-    """Before the workers start: refuse the ``training.attention`` that cannot run, from what the driver knows (the
-    model's class from its ``config``, an fp32 ``precision`` set as such) and, for a ``local`` run whose workers are on
-    this machine, its CUDA and flash-attn too. The workers decide the rest (:func:`choose_attention`)."""
-    model_class = causal_lm_class(config)
-    if requested == "sdpa":
-        choose_attention(requested, model_class, cuda=False, precision=precision)
-    if requested != FLASH_ATTENTION:
-        return
-    cuda = torch.cuda.is_available() if local else None
-    flash = None
-    if cuda:
-        from transformers.utils import is_flash_attn_2_available
-
-        flash = is_flash_attn_2_available()
-    missing = flash_missing(model_class, cuda=cuda, flash_installed=flash, precision=precision)
-    if missing:
-        raise refuse_flash(missing)
+    """Before the workers start: refuse the ``training.attention`` that cannot run (:func:`choose_attention`), from
+    what the driver knows (the model's class from its ``config``, an fp32 ``precision`` set as such) and, for a
+    ``local`` run whose workers are on this machine, its CUDA and flash-attn too. The workers decide the rest."""
+    if requested in ("sdpa", FLASH_ATTENTION):
+        cuda = torch.cuda.is_available() if local else None
+        choose_attention(requested, causal_lm_class(config), cuda=cuda, precision=precision)
 
 
 def fill_from_rank0(model: Any, full_state: dict[str, Any] | None, device: torch.device) -> None:
