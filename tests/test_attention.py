@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from test_packing import save_tiny_llama
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from raytrain_eks.config import TrainingConfig, load_config
 from raytrain_eks.errors import ConfigError, UserError
@@ -48,21 +49,7 @@ class _NoSdpa(LlamaForCausalLM):
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory) -> str:
     """A tiny Llama saved as from_pretrained reads it, with weights large enough that context changes a loss."""
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-    )
-    torch.manual_seed(1)
-    path = str(tmp_path_factory.mktemp("llama"))
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    return path
+    return save_tiny_llama(str(tmp_path_factory.mktemp("llama")))
 
 
 def _packed(seed: int, lengths: tuple[int, ...] = (9, 14, 6, 11, 13, 7, 12)) -> dict[str, np.ndarray]:

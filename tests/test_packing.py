@@ -36,24 +36,29 @@ def _rows(vocab: int, seed: int = 0, lengths: tuple[int, ...] = LENGTHS) -> list
     return rows
 
 
+def save_tiny_llama(path: str) -> str:
+    """A tiny random Llama (vocabulary 300, untied output layer) saved at ``path`` as from_pretrained reads it."""
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        initializer_range=0.3,  # weights large enough that a token's context changes its loss
+    )
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
+
+
 def _models(arch: str, builtin_model: str, tmp_path) -> tuple[torch.nn.Module, torch.nn.Module]:
     """One model twice: as the job loads it (:func:`load_model`), and as it comes."""
     path = builtin_model  # the built-in model: Qwen2's architecture, tied embedding
     if arch == "llama":
-        config = LlamaConfig(
-            vocab_size=300,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=256,
-            tie_word_embeddings=False,
-            initializer_range=0.3,  # weights large enough that a token's context changes its loss
-        )
-        torch.manual_seed(1)
-        path = str(tmp_path / "llama")
-        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+        path = save_tiny_llama(str(tmp_path / "llama"))
     return load_model(path, activation_checkpointing=False), AutoModelForCausalLM.from_pretrained(path)
 
 
