@@ -152,8 +152,8 @@ def image_missing_requirements() -> list[str]:
 
 # Older releases the job is also checked with, so that an image holding them needs nothing installed: AWS's Ray
 # Train DLC ships transformers 5.13.0 (with tokenizers 0.22.2), datasets 5.0.0, pydantic 2.13.4 and typer 0.26.8
-# (:data:`KNOWN_IMAGES`). `scripts/check_oldest.sh` runs the training and command-line tests against exactly these
-# (every other package as pinned); the suite runs the pinned ones.
+# (its build lock: :func:`known_image_packages`). `scripts/check_oldest.sh` runs the training and command-line tests
+# against exactly these (every other package as pinned); the suite runs the pinned ones.
 OLDEST_CHECKED: dict[str, str] = {
     "transformers": "5.13.0",
     "tokenizers": "0.22.2",
@@ -234,11 +234,6 @@ def what_the_image_has(wanted: list[str], installed: Mapping[str, str | None]) -
 IMAGE_PACKAGES_FILE = Path(__file__).resolve().parents[1] / "resources" / "image_packages.json"
 
 
-def _dist_key(name: str) -> str:
-    """A distribution's name as package indexes compare them (PEP 503): ``PyYAML`` and ``pyyaml`` are one."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def known_image_packages(image: str) -> tuple[dict[str, str], str] | None:
     """The Python packages ``image`` holds, by name, as this tool knows them without asking the image, and where
     that comes from in words; ``None`` for an image it does not know (a floating tag such as ``train-ml-cuda`` is
@@ -261,11 +256,13 @@ def planned_installs(image: str) -> tuple[list[str], str] | None:
     known = known_image_packages(image)
     if known is None:
         return None
+    from packaging.utils import canonicalize_name  # PEP 503: PyYAML and pyyaml are one distribution
+
     packages, source = known
-    by_key = {_dist_key(name): version for name, version in packages.items()}
+    by_name = {canonicalize_name(name): version for name, version in packages.items()}
     wanted = job_requirements()
     left, said = what_the_image_has(
-        wanted, {requirement_name(r): by_key.get(_dist_key(requirement_name(r))) for r in wanted}
+        wanted, {requirement_name(r): by_name.get(canonicalize_name(requirement_name(r))) for r in wanted}
     )
     return left, f"{said}, by {source}"
 
