@@ -281,7 +281,7 @@ def job_steps(
                 f"{shlex.join(m.train_argv())} on {d.world_size} workers, with a runtime_env that ships the package "
                 "unpacked above and pip-installs those of " + ", ".join(job_files.job_requirements()) + " the image "
                 "does not have in range (asked of the head pod's python3 first; the command below lists them all). "
-                + installs_sentence(cfg),
+                + image_installs(cfg)["how"],
                 [*head_exec, "--", *job_files.ray_job_submit_argv(code_dir)],
             ),
         ]
@@ -309,7 +309,7 @@ def job_steps(
                 f"stopped after {r.job_deadline_s} s, or if it is not running within {r.job_start_deadline_s} s. "
                 f"KubeRay deletes the cluster {m.RAYJOB_TTL_S} s after the job ended unless submit has (below). "
                 "Its runtime_env lists all of " + ", ".join(job_files.job_requirements()) + ", fixed before a pod "
-                "exists; pip installs only those the image lacks in range. " + installs_sentence(cfg),
+                "exists; pip installs only those the image lacks in range. " + image_installs(cfg)["how"],
                 [*kubectl, "apply", "-f", manifest],
                 [manifest],
             ),
@@ -321,20 +321,20 @@ def job_steps(
     return steps
 
 
-def installs_sentence(cfg: Config) -> str:
-    """What the job's runtime_env installs on ``ray.image``, where this tool knows the image's packages
-    (:func:`~raytrain_eks.k8s.job.planned_installs`), in words; else that submit learns it from the image."""
+def image_installs(cfg: Config) -> dict[str, Any]:
+    """What the job's runtime_env installs on ``ray.image``: ``installs``, the requirements, where this tool knows the
+    image's packages (:func:`~raytrain_eks.k8s.job.planned_installs`), else ``None``; ``how``, that in words."""
     known = job_files.planned_installs(cfg.ray.image)
     if known is None:
-        return f"Which of them {cfg.ray.image} has is known only once it runs: submit says so."
+        return {
+            "installs": None,
+            "how": f"Which of them {cfg.ray.image} has is known only once it runs: submit says so.",
+        }
     left, said = known
-    return f"{said}: the runtime_env installs {', '.join(left) if left else 'nothing'} there."
-
-
-def image_installs(cfg: Config) -> dict[str, Any]:
-    """The plan's summary of the same: ``installs`` (``None`` where the image's packages are not known) and ``how``."""
-    known = job_files.planned_installs(cfg.ray.image)
-    return {"installs": None if known is None else known[0], "how": installs_sentence(cfg)}
+    return {
+        "installs": left,
+        "how": f"{said}: the runtime_env installs {', '.join(left) if left else 'nothing'} there.",
+    }
 
 
 def _offline_step(cfg: Config, mode: Mode) -> str:
