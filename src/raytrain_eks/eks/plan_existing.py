@@ -19,7 +19,7 @@ which setting gives it). No eksctl, IAM role, bucket, quota or node-group step. 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NoReturn, cast
+from typing import Any
 
 from raytrain_eks.config import Config
 from raytrain_eks.eks.plan import (
@@ -36,14 +36,12 @@ from raytrain_eks.eks.plan import (
 )
 from raytrain_eks.eks.submit import job_config
 from raytrain_eks.errors import UserError
-from raytrain_eks.instances import InstanceType
+from raytrain_eks.instances import INSTANCE_TYPES, InstanceType
 from raytrain_eks.k8s import existing
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import DEVICE_PLUGIN_RELEASES, KUBERAY_RELEASE, HelmRelease, helm_releases, install_argv
-from raytrain_eks.k8s.cluster import KubeApi
 from raytrain_eks.k8s.prices import configured_price
-from raytrain_eks.k8s.runner import Runner
-from raytrain_eks.k8s.state import Deployment, StateStore
+from raytrain_eks.k8s.state import StateStore
 from raytrain_eks.train.memory import fit_config, unknown_shape_note
 
 TARGET = existing.TARGET  # the target whose plan this is
@@ -57,16 +55,6 @@ class ShapeUnknown(UserError):
     """Neither up's record nor the settings give the worker pods' size and EFA: a setting to give (exit 2)."""
 
     exit_code = 2
-
-
-class _NoCluster:
-    """The Kubernetes API and runner of the plan's :class:`Deployment`: any call is a bug, since a plan is pure."""
-
-    def __getattr__(self, name: str) -> NoReturn:
-        raise AssertionError(f"plan contacted the cluster ({name}): it must not")
-
-    def __call__(self, *args: object, **kwargs: object) -> NoReturn:
-        raise AssertionError("plan ran a program: it must not")
 
 
 def _after_up(cfg: Config, store: StateStore) -> tuple[Config, bool]:
@@ -108,16 +96,14 @@ def _refuse_unknown_shape(cfg: Config, store: StateStore) -> None:
 
 
 def gpu_type(cfg: Config, store: StateStore) -> tuple[InstanceType | None, str | None]:
-    """The GPU nodes' type for the memory estimate, and where it came from: what ``up`` recorded (the target's
-    :meth:`~raytrain_eks.k8s.existing.KubernetesTarget.gpu_type`), else ``cluster.gpu_node_type`` when it is set to
-    a type the instance table knows (its default, which names no node of this cluster, does not count)."""
-    offline = Deployment(cfg=cfg, kube=cast(KubeApi, _NoCluster()), run=cast(Runner, _NoCluster()), state=store)
-    found = existing.KubernetesTarget().gpu_type(offline)
+    """The GPU nodes' type for the memory estimate (:func:`~raytrain_eks.k8s.existing.gpu_type`, as submit takes
+    it), and where it came from: what ``up`` recorded, or ``cluster.gpu_node_type``."""
+    found = existing.gpu_type(cfg, store)
     if found is None:
         return None, None
-    if found is existing.configured_gpu_type(cfg) and not (store.get("gpu_node_type") or store.get("gpu_mib")):
-        return found, "cluster.gpu_node_type"
-    return found, f"as up found the GPU nodes ({store.path})"
+    if store.get("gpu_node_type") in INSTANCE_TYPES or store.get("gpu_mib"):
+        return found, f"as up found the GPU nodes ({store.path})"
+    return found, "cluster.gpu_node_type"
 
 
 def _releases(cfg: Config, store: StateStore) -> list[tuple[HelmRelease, str]]:

@@ -390,6 +390,20 @@ def configured_gpu_type(cfg: Config) -> InstanceType | None:
     return INSTANCE_TYPES[name] if name != default and name in INSTANCE_TYPES else None
 
 
+def gpu_type(cfg: Config, state: StateStore) -> InstanceType | None:
+    """The GPU nodes' type for the memory estimate: their EC2 type when ``up`` found one it knows on their labels;
+    else their GPUs as GPU feature discovery labels them (memory and product); else :func:`configured_gpu_type`; else
+    ``None``. Reads only the state file and the settings."""
+    if state.get("gpu_node_type") in INSTANCE_TYPES:
+        return INSTANCE_TYPES[state.get("gpu_node_type")]
+    if not state.get("gpu_mib"):
+        return configured_gpu_type(cfg)
+    model = state.get("gpu_model")
+    # Only the GPU fields are read by the memory estimate; nothing here is priced.
+    return InstanceType(f"GPU node ({model or 'GPU'})", cfg.cluster.gpus_per_node, model, int(state.get("gpu_mib")),
+                        0, 0, 0.0, m.efa_per_pod(cfg), None, verified=False)  # fmt: skip
+
+
 class KubernetesTarget:
     """The :class:`~raytrain_eks.k8s.target.ClusterTarget` of an existing cluster (``cluster.target: kubernetes``)."""
 
@@ -428,18 +442,7 @@ class KubernetesTarget:
         return (price, None) if price is not None else (None, unpriced_reason(config))
 
     def gpu_type(self, d: Deployment) -> InstanceType | None:
-        """The GPU nodes' EC2 type when ``up`` found one it knows on their labels; else their GPUs as GPU feature
-        discovery labels them (memory and product); else :func:`configured_gpu_type`; else ``None``."""
-        s = d.state
-        if s.get("gpu_node_type") in INSTANCE_TYPES:
-            return INSTANCE_TYPES[s.get("gpu_node_type")]
-        if not s.get("gpu_mib"):
-            return configured_gpu_type(d.cfg)
-        model = s.get("gpu_model")
-        c = d.cfg.cluster
-        # Only the GPU fields are read by the memory estimate; nothing here is priced.
-        return InstanceType(f"GPU node ({model or 'GPU'})", c.gpus_per_node, model, int(s.get("gpu_mib")), 0, 0,
-                            0.0, m.efa_per_pod(d.cfg), None, verified=False)  # fmt: skip
+        return gpu_type(d.cfg, d.state)
 
     def before_pods(self, d: Deployment) -> None:
         """The Ray pods' service account must exist (``up`` creates it), and the shared volume when one is set."""
