@@ -50,11 +50,12 @@ def fake_group():
         dist.destroy_process_group()
 
 
-def _tracked_peak(config, mesh, *, seq_len: int, checkpointing: bool, lora=None) -> int:
+def _tracked_peak(config, mesh, *, seq_len: int, checkpointing: bool, lora=None, attention: str = "sdpa") -> int:
     """The FSDP2 memory tracker's peak over the forward, loss and backward of a second training step (the first,
     untracked, creates AdamW's moments, which the tracker then counts). The optimizer's step is left out: under fake
     tensors the fused kernel's decomposition allocates what the CUDA kernel does not. With ``lora`` the job's own
-    adapters go in first (on the meta device: peft cannot move fake tensors), and the model gets fake storage."""
+    adapters go in first (on the meta device: peft cannot move fake tensors), and the model gets fake storage.
+    ``attention`` is the attention implementation transformers builds the model with."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from transformers import AutoModelForCausalLM
@@ -66,11 +67,11 @@ def _tracked_peak(config, mesh, *, seq_len: int, checkpointing: bool, lora=None)
     adapted = None
     if lora is not None:
         with torch.device("meta"):
-            adapted = AutoModelForCausalLM.from_config(config)
+            adapted = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
         apply_lora(adapted, lora)
     with FakeTensorMode(allow_non_fake_inputs=lora is not None):
         if adapted is None:
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
         else:
             model = adapted
             model.to_empty(device="cpu")
@@ -116,6 +117,25 @@ def test_the_estimate_is_within_15_percent_of_torchs_fsdp2_memory_tracker(fake_g
         activation_checkpointing=checkpointing,
     )
     assert est.peak_bytes == pytest.approx(tracked, rel=0.15), (est.parts, tracked / GIB)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-checkpointing", "checkpointing"])
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b-widths-6-layers", "qwen2-mid-8-layers"])
+def test_eager_attentions_matrices_are_in_the_estimate(fake_group, name, checkpointing):
+    # training.attention: eager keeps every layer's seq x seq attention matrices for backward (SDPA keeps none):
+    # at seq 2048 that is gigabytes the SDPA estimate would miss.
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(tie_word_embeddings=True, **SHAPES[name])
+    tracked = _tracked_peak(config, fake_group, seq_len=2048, checkpointing=checkpointing, attention="eager")
+    common = dict(shard_ranks=8, precision="bf16", micro_batch=1, seq_len=2048, activation_checkpointing=checkpointing)
+    shape = shape_from_config(name, config)
+    est = estimate(shape, attention="eager", **common)
+    assert est.peak_bytes == pytest.approx(tracked, rel=0.15), (est.parts, tracked / GIB)
+    assert est.settings["attention"] == "eager"
+    if not checkpointing:  # each layer keeps 1 x 2048 x 2048 x heads in fp32 and bf16
+        assert est.parts["eager attention's matrices"] == shape.layers * shape.heads * 2048 * 2048 * 6
+        assert est.peak_bytes > estimate(shape, **common).peak_bytes + GIB
 
 
 @pytest.mark.parametrize("name", list(LORA_SHAPES))

@@ -95,6 +95,7 @@ class ModelShape:
     intermediate: int
     kv_dim: int
     vocab: int
+    heads: int  # the attention's query heads: eager attention keeps a seq x seq matrix of each
     linear: tuple[str, ...] = ()  # the linear layers of a decoder block, as LoRA's target_modules names them
 
     @property
@@ -107,10 +108,10 @@ class ModelShape:
 _QWEN2_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KNOWN_SHAPES: dict[str, ModelShape] = {
     "Qwen/Qwen2.5-1.5B": ModelShape(
-        "Qwen/Qwen2.5-1.5B", 28, 46797824, 233375232, 1536, 8960, 256, 151936, _QWEN2_LINEAR
+        "Qwen/Qwen2.5-1.5B", 28, 46797824, 233375232, 1536, 8960, 256, 151936, 12, _QWEN2_LINEAR
     ),
     "Qwen/Qwen2.5-0.5B": ModelShape(
-        "Qwen/Qwen2.5-0.5B", 24, 14912384, 136135552, 896, 4864, 128, 151936, _QWEN2_LINEAR
+        "Qwen/Qwen2.5-0.5B", 24, 14912384, 136135552, 896, 4864, 128, 151936, 14, _QWEN2_LINEAR
     ),
 }
 
@@ -143,6 +144,7 @@ def shape_from_config(name: str, config: Any) -> ModelShape:
         intermediate=intermediate,
         kv_dim=kv_heads * head_dim,
         vocab=text.vocab_size,
+        heads=heads,
         linear=tuple(linear_layers(model)),
     )
 
@@ -239,6 +241,14 @@ def lora_params(shape: ModelShape, lora: Any) -> int:
     return shape.layers * lora.rank * sum(i + o for i, o in _lora_targets(shape, lora))
 
 
+def eager_attention_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, compute_bytes: int) -> int:
+    """What eager attention keeps for backward in one layer, beyond what SDPA and flash-attention keep: the
+    softmax's fp32 output over every query head's seq x seq scores, and its copy in the compute dtype (none in
+    fp32), which the product with the values keeps. SDPA and flash-attention never hold the matrix."""
+    cast = compute_bytes if compute_bytes < 4 else 0
+    return micro_batch * shape.heads * seq_len * seq_len * (4 + cast)
+
+
 def loss_bytes(
     shape: ModelShape,
     *,
@@ -273,13 +283,15 @@ def estimate(
     grad_accum_steps: int = 1,
     loss_chunk_logits: int = LOSS_CHUNK_LOGITS,
     lora: Any = None,
+    attention: str = "sdpa",
 ) -> MemoryEstimate:
     """The per-GPU peak of one worker; ``shard_ranks`` is how many ranks split each parameter. One rank in fp32
     has no wrapper (:mod:`raytrain_eks.train.sharding`): nothing gathered, nothing reduced.
 
     ``lora`` (``training.lora``, method lora): the base is frozen, so gradients and AdamW's moments are the
     adapters' only (:func:`lora_params`), the output projection and the root take no gradient, and each adapter
-    keeps its dropped-out input (and the dropout's mask) for backward."""
+    keeps its dropped-out input (and the dropout's mask) for backward. ``attention`` (``training.attention``):
+    ``eager`` keeps each layer's attention matrices (:func:`eager_attention_bytes`); the others keep none."""
     if precision not in {"bf16", "fp32"}:
         raise ValueError(f"precision must be resolved to bf16 or fp32, not {precision!r}")
     s = max(1, shard_ranks)
@@ -295,6 +307,10 @@ def estimate(
     per_layer = activation_bytes_per_token(shape, cdt) * tokens
     if lora is not None and lora.dropout > 0:
         per_layer += sum(i for i, _ in _lora_targets(shape, lora)) * tokens * (cdt + 1)
+    eager = 0
+    if attention == "eager":
+        eager = eager_attention_bytes(shape, micro_batch=micro_batch, seq_len=seq_len, compute_bytes=cdt)
+    matrices = "eager attention's matrices"
     inputs = shape.layers * tokens * shape.hidden * cdt  # what checkpointed layers keep: their inputs
     stored = inputs if activation_checkpointing else shape.layers * per_layer
     phases: dict[str, dict[str, int]] = {}
@@ -304,6 +320,7 @@ def estimate(
         **earlier,
         **({"gathered root and a layer": cdt * (root + layer)} if wrapped else {}),
         "activations": stored,
+        **({matrices: shape.layers * eager} if eager and not activation_checkpointing else {}),
         "loss": loss_bytes(
             shape,
             tokens=tokens,
@@ -329,6 +346,8 @@ def estimate(
                 "gathered root and layers": cdt * (root + 2 * layer),
                 "root gradient": cdt * trained_root,
                 "activations": inputs + per_layer,
+                # the recomputed layer's matrices, and in its backward their gradient in fp32 and the compute dtype
+                **({matrices: 2 * eager} if eager else {}),
                 "layer gradients (fp32, sharded)": 4 * (trained - trained_root) // s,
             }
     else:
@@ -342,6 +361,7 @@ def estimate(
         "activation_checkpointing": activation_checkpointing,
         "grad_accum_steps": grad_accum_steps,
         "method": "full" if lora is None else "lora",
+        "attention": attention,
     }
     phase, parts = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     return MemoryEstimate(phase, parts, settings)
@@ -393,10 +413,12 @@ def check_fit(
     activation_checkpointing: bool,
     grad_accum_steps: int = 1,
     lora: Any = None,
+    attention: str = "sdpa",
 ) -> MemoryCheck:
     """The estimate against ``gpu_bytes``: over :data:`HEADROOM` of it, activation checkpointing goes on; if that
     is not enough, ``fits`` is False and ``line`` gives the numbers."""
-    common = dict(shard_ranks=shard_ranks, precision=precision, micro_batch=micro_batch, seq_len=seq_len, lora=lora)
+    common = dict(shard_ranks=shard_ranks, precision=precision, micro_batch=micro_batch, seq_len=seq_len, lora=lora,
+                  attention=attention)  # fmt: skip
     est = estimate(
         shape, activation_checkpointing=activation_checkpointing, grad_accum_steps=grad_accum_steps, **common
     )
@@ -464,6 +486,7 @@ def check_training(
         activation_checkpointing=training.activation_checkpointing,
         grad_accum_steps=training.grad_accum_steps,
         lora=training.lora if training.method == "lora" else None,
+        attention=training.attention,
     )
 
 
