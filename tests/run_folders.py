@@ -1,4 +1,5 @@
-"""Run folders as ``raytrain-eks train`` leaves them, written directly, for tests of what reads them."""
+"""Run folders as ``raytrain-eks train`` leaves them, written directly, for tests of what reads them; and what a
+real run's checkpoint holds."""
 
 from __future__ import annotations
 
@@ -32,3 +33,11 @@ def write_run(folder: Path, *, steps: int = 30, fabric: dict | None = None, cost
         json.dumps({"prompt": "Say <hi>", "completion": "hi & bye", "tokens": 3}) + "\n"
     )
     return folder
+
+
+def checkpoint_tensor_bytes(checkpoint: str) -> int:
+    """The bytes of every tensor a DCP checkpoint holds (weights and optimizer moments), from its metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    held = FileSystemReader(checkpoint).read_metadata().state_dict_metadata.values()
+    return sum(m.size.numel() * m.properties.dtype.itemsize for m in held if hasattr(m, "size"))

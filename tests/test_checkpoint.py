@@ -17,11 +17,13 @@ from pathlib import Path
 import procs
 import pytest
 import torch
+from run_folders import checkpoint_tensor_bytes
 from safetensors.torch import load_file
 
 from raytrain_eks import presets
 from raytrain_eks.cli import main
 from raytrain_eks.config import load_config
+from raytrain_eks.eks.buckets import storage_estimate
 from raytrain_eks.errors import TrainingError, UserError
 from raytrain_eks.train.checkpoint import (
     EXPORT_MARKER,
@@ -88,6 +90,10 @@ def test_reference_run_writes_checkpoints_and_exports(reference_run):
     held = FileSystemReader(found[-1][1]).read_metadata().state_dict_metadata
     assert "model.model.embed_tokens.weight" in held and "model.lm_head.weight" not in held
     assert (run / "model" / "model.safetensors").exists()
+    # What plan says the kept checkpoints take is what they hold: 12 bytes for each of the model's parameters.
+    estimate = storage_estimate(make_config(**REFERENCE))
+    assert estimate["trained_parameters"] == summary["parameters"]
+    assert checkpoint_tensor_bytes(found[-1][1]) == pytest.approx(estimate["bytes_per_checkpoint"], rel=0.01)
     for _, folder, _ in found:  # each rank's share in FILES_PER_RANK files, so storage moves them in parallel
         ranks = len(list(Path(folder).glob("trainer_rank*.pt")))
         assert ranks == 2

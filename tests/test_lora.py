@@ -16,11 +16,13 @@ from pathlib import Path
 import procs
 import pytest
 import torch
+from run_folders import checkpoint_tensor_bytes
 from safetensors.torch import load_file
 
 from raytrain_eks import presets
 from raytrain_eks.cli import main
 from raytrain_eks.config import LoraSettings, load_config
+from raytrain_eks.eks.buckets import storage_estimate
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.train.checkpoint import check_compatible, list_checkpoints
 from raytrain_eks.train.flops import flops_per_token, matmul_params
@@ -138,6 +140,15 @@ def test_a_lora_run_trains_and_checkpoints_only_the_adapters(lora_run):
     moments = [k for k in held if k.startswith("optim.state.")]
     assert moments and all(".lora_" in k or k.endswith(".step") for k in moments)
     assert json.loads((Path(newest) / "hf" / "adapter_config.json").read_text())["r"] == 16
+    # What plan says the kept checkpoints take is what they hold: 12 bytes for each adapter parameter, not for the
+    # frozen base (a full fine-tune's estimate of this model is over 5 times as much).
+    estimate = storage_estimate(make_config(**REFERENCE))
+    assert estimate["trained_parameters"] == adapter_params
+    assert checkpoint_tensor_bytes(newest) == pytest.approx(estimate["bytes_per_checkpoint"], rel=0.01)
+    assert (
+        storage_estimate(make_config(**{**REFERENCE, "method": "full"}))["bytes_per_checkpoint"]
+        > 5 * (estimate["bytes_per_checkpoint"])
+    )
 
 
 def _trained_logits(base: str, checkpoint: str, ids: torch.Tensor) -> torch.Tensor:

@@ -490,6 +490,13 @@ def test_plan_shows_the_checkpoint_bucket_its_role_and_what_kept_checkpoints_cos
     assert summary["checkpoint_storage"]["usd_per_month"] == pytest.approx(0.85, abs=0.01)
     own = build_plan(cfg_for(CHECKPOINT_BUCKET="team-ckpt", KEEP_CHECKPOINTS="3"))
     assert own.summary["checkpoint_bucket"] == "team-ckpt" and own.summary["checkpoint_storage"]["gb"] > 55
+    # LoRA keeps its adapters only: rank 16 on the 7 linear layers of each of the 28 blocks, 18.5 M parameters.
+    cfg = cfg_for()
+    lora = cfg.model_copy(update={"training": cfg.training.model_copy(update={"method": "lora"})})
+    storage = build_plan(lora).summary["checkpoint_storage"]
+    assert storage["trained_parameters"] == 28 * 16 * (2 * (1536 + 1536) + 2 * (1536 + 256) + 3 * (1536 + 8960))
+    assert storage["gb"] == pytest.approx(0.44, abs=0.01) and storage["usd_per_month"] == pytest.approx(0.01)
+    assert "adapter parameters of LoRA rank 16 (the frozen base is never saved)" in storage["basis"]
     step = next(s for s in own.steps if s.name == "checkpoint-bucket")
     assert "existing S3 bucket team-ckpt" in step.action and "never deleted" in step.action
     policy = own.files["eksctl-cluster.yaml"][0]["iam"]["serviceAccounts"][0]["attachPolicy"]

@@ -217,6 +217,12 @@ def test_storage_every_node_reaches_is_required_as_on_eks(tmp_path, monkeypatch)
     shared = cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"shared_volume": "ckpt"})})
     volume = plan_existing.build_plan(shared, state_dir=tmp_path / ".raytrain-eks")
     assert volume.summary["checkpoints"] == f"{cfg.ray.shared_volume_path}/runs"
+    # What the kept checkpoints take is said wherever they go; only S3 has a price here.
+    on_volume = volume.summary["checkpoint_storage"]
+    assert on_volume["gb"] == pytest.approx(37.0, abs=0.1)  # Qwen2.5-1.5B: 1.54 G parameters x 12 bytes x 2 kept
+    assert on_volume["usd_per_month"] is None and on_volume["where"] == "ray.shared_volume ckpt"
+    in_s3 = plan_existing.build_plan(_cfg(*SHAPE, "cluster.efa_per_node=0"), state_dir=tmp_path / ".raytrain-eks")
+    assert in_s3.summary["checkpoint_storage"]["usd_per_month"] == pytest.approx(0.85, abs=0.01)
 
 
 # --- price -----------------------------------------------------------------------------------------------------------
@@ -284,6 +290,7 @@ def test_cli_plan_without_a_price_says_it_is_unknown_and_which_setting_gives_it(
     assert "Cost per hour: price unknown:" in said
     assert "set cluster.usd_per_node_hour (each GPU node) or cluster.usd_per_hour (the whole cluster)" in said
     assert "Nothing written" in said and sorted(p.name for p in tmp_path.iterdir()) == ["raytrain-eks.yaml"]
+    assert "2 kept checkpoints of a run: about 37.0 GB, $0.85 a month while kept" in said
 
 
 def test_the_cli_reads_up_s_record_from_state_dir(plain: Cluster, capsys):  # noqa: F811 - the fixture

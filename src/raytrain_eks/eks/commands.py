@@ -133,9 +133,11 @@ def plan(
     out.print(f"[bold]Checkpoints[/] in {summary['checkpoints']} ({summary['checkpoint_role']})", markup=True)
     storage = summary["checkpoint_storage"]
     if storage:
+        usd = storage["usd_per_month"]
+        kept = f", ${usd:.2f} a month while kept" if usd is not None else f" in {storage['where']}"
         out.print(
-            f"  {storage['kept_checkpoints']} kept checkpoints of a run: about {storage['gb']} GB, "
-            f"${storage['usd_per_month']:.2f} a month while kept ({storage['basis']})"
+            f"  {storage['kept_checkpoints']} kept checkpoints of a run: about {storage['gb']} GB{kept} "
+            f"({storage['basis']})"
         )
     if output_dir is not None:
         names = ", ".join(str(p.relative_to(output_dir)) for p in written)

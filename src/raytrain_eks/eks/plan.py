@@ -396,6 +396,23 @@ def helm_files(releases: list[HelmRelease]) -> dict[str, list[dict[str, Any]]]:
     return files
 
 
+def checkpoints_on_volume(cfg: Config) -> bool:
+    """Whether ``training.storage_path`` is on ``ray.shared_volume`` (its mount path or a folder under it)."""
+    stored, mount = cfg.training.storage_path or "", cfg.ray.shared_volume_path
+    return bool(cfg.ray.shared_volume) and (stored == mount or stored.startswith(f"{mount}/"))
+
+
+def checkpoint_storage(cfg: Config) -> dict[str, Any] | None:
+    """:func:`~raytrain_eks.eks.buckets.storage_estimate` for where the checkpoints go: S3 (priced), the shared
+    volume, or another place (size only)."""
+    stored = cfg.training.storage_path or ""
+    if checkpoints_on_volume(cfg):
+        where = f"ray.shared_volume {cfg.ray.shared_volume}"
+    else:
+        where = "S3" if stored.startswith("s3://") else stored or "the run folder"
+    return storage_estimate(cfg, where=where)
+
+
 def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False, on: date | None = None) -> Plan:
     """Check the config for deploying and build the whole plan in memory. ``hf_token``: a token will be given
     (the pods then read ``HF_TOKEN`` from the Secret); its value is never an input here. ``on``: the day the cost
@@ -436,9 +453,8 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
         assumptions.append(unknown_shape_note(cfg.training.model_id))
     cpu, mem = m.worker_pod_size(cfg)
     d = cfg.derived
-    stored = cfg.training.storage_path or ""
     mount = cfg.ray.shared_volume_path
-    on_volume = bool(cfg.ray.shared_volume) and (stored == mount or stored.startswith(f"{mount}/"))
+    on_volume = checkpoints_on_volume(cfg)
     summary = {
         "cluster": cfg.cluster.name,
         "region": cfg.cluster.region,
@@ -459,7 +475,7 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
             if on_volume
             else f"IAM role of service account {cfg.ray.namespace}/{m.RAY_SERVICE_ACCOUNT}, this bucket only"
         ),
-        "checkpoint_storage": None if on_volume else storage_estimate(cfg),  # what they take and cost in S3
+        "checkpoint_storage": checkpoint_storage(cfg),  # what they take, and cost in S3
         "runtime_env": image_installs(cfg),
         "memory_per_gpu": memory.to_dict() if memory else None,
     }

@@ -28,6 +28,8 @@ from raytrain_eks.eks.plan import (
     Mode,
     Plan,
     Step,
+    checkpoint_storage,
+    checkpoints_on_volume,
     helm_files,
     image_installs,
     job_objects,
@@ -294,9 +296,8 @@ def build_plan(cfg: Config, *, state_dir: str | Path, mode: Mode = "raycluster",
     elif memory is None:
         assumptions.append(unknown_shape_note(cfg.training.model_id))
     cpu, mem = m.worker_pod_size(cfg)
-    stored = cfg.training.storage_path or ""
     mount = r.shared_volume_path
-    on_volume = bool(r.shared_volume) and (stored == mount or stored.startswith(f"{mount}/"))
+    on_volume = checkpoints_on_volume(cfg)
     summary = {
         "where": where,
         "kubeconfig": kubeconfig,
@@ -323,7 +324,7 @@ def build_plan(cfg: Config, *, state_dir: str | Path, mode: Mode = "raycluster",
             else f"as {where} grants the Ray pods access (their service account {r.namespace}/"
             f"{m.RAY_SERVICE_ACCOUNT} is plain)"
         ),
-        "checkpoint_storage": None,
+        "checkpoint_storage": checkpoint_storage(cfg),
         "runtime_env": image_installs(cfg),
         "memory_per_gpu": memory.to_dict() if memory else None,
     }

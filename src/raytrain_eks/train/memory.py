@@ -79,6 +79,16 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
         "vocab_size": 151936,
         "tie_word_embeddings": True,
     },
+    "Qwen/Qwen2.5-3B": {
+        "model_type": "qwen2",
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
 }
 
 
@@ -112,6 +122,9 @@ KNOWN_SHAPES: dict[str, ModelShape] = {
     ),
     "Qwen/Qwen2.5-0.5B": ModelShape(
         "Qwen/Qwen2.5-0.5B", 24, 14912384, 136135552, 896, 4864, 128, 151936, 14, _QWEN2_LINEAR
+    ),
+    "Qwen/Qwen2.5-3B": ModelShape(
+        "Qwen/Qwen2.5-3B", 36, 77076992, 311166976, 2048, 11008, 256, 151936, 16, _QWEN2_LINEAR
     ),
 }
 
