@@ -283,8 +283,24 @@ def test_csv_delimiter_reads_a_semicolon_separated_file(tmp_path, builtin_model,
     # Without a comma in any row, every row is one field under the whole header line: no row has the mapped columns.
     plain = tmp_path / "plain.csv"
     plain.write_text(csv_text(ROWS[:3], ";"))
-    with pytest.raises(DataError, match="no usable row for format 'instruction' \\(3 rows read: 3 x missing field"):
+    with pytest.raises(
+        DataError, match="no usable row for format 'instruction' \\(3 rows read: 3 x missing field"
+    ) as info:
         prep(str(plain), builtin_model, where="driver")
+    # ... and the hint names the delimiter the header line holds, and the setting that reads it.
+    header = plain.read_text().splitlines()[0]
+    assert f"The header line is one field, {header!r}: its fields look separated by ';'" in info.value.hint
+    assert "--set 'training.csv_delimiter=;'" in info.value.hint
+    assert "header line is one field" not in _no_usable_hint(tmp_path, builtin_model)  # a plain missing field
+
+
+def _no_usable_hint(tmp_path, builtin_model) -> str:
+    """The hint for a comma-separated file whose columns are not the format's."""
+    other = tmp_path / "other.csv"
+    other.write_text("question,answer\nWhat is 2 plus 2?,4\n")
+    with pytest.raises(DataError) as info:
+        prep(str(other), builtin_model, where="driver", columns=None)
+    return info.value.hint
 
 
 def test_csv_delimiter_and_tsv_reach_ray_datas_reads(tmp_path, ray_local, builtin_model):

@@ -47,7 +47,7 @@ from raytrain_eks.train.encoding import (
     load_tokenizer,
 )
 from raytrain_eks.train.sources import list_data_files
-from raytrain_eks.train.tabular import read_dataset, read_table, unreadable
+from raytrain_eks.train.tabular import delimiter_hint, read_dataset, read_table, unreadable
 
 PACK_ROWS = 1024  # rows packed together: only the last block of each group is padded
 
@@ -805,7 +805,7 @@ def prepare_dataset(
         raise DataError(
             f"{option} {data!r}: no usable row for format '{data_format}' ({total} rows read: {detail})",
             hint=f"Check --data-format ({', '.join(FORMAT_NAMES)}) and the field names of your rows "
-            "(training.columns maps them).",
+            "(training.columns maps them)." + delimiter_hint(files, kind, csv_delimiter),
         )
     say(f"shuffling and packing {usable} rows ({tokens} tokens)")
     tokenizer = load_tokenizer(tokenizer_path)

@@ -86,6 +86,22 @@ def csv_columns(files: Sequence[str], kind: str = "csv", delimiter: str = ",") -
     return list(names)
 
 
+def delimiter_hint(files: Sequence[str], kind: str, delimiter: str) -> str:
+    """For CSV files whose header is one field holding another usual delimiter (``a;b``), the sentence naming it
+    and the setting that reads it; else ``""`` (the header read again: only after no row was usable)."""
+    if kind != "csv":
+        return ""
+    names = csv_columns(files, kind, delimiter)
+    found = [d for d in (";", "|", "\t") if len(names) == 1 and d in names[0]]
+    if not found:
+        return ""
+    shown = "\\t" if found[0] == "\t" else found[0]
+    return (
+        f" The header line is one field, {names[0]!r}: its fields look separated by {found[0]!r}; set "
+        f"training.csv_delimiter to it (--set 'training.csv_delimiter={shown}')."
+    )
+
+
 def csv_problem(path: str, delimiter: str = ",") -> str:
     """What is wrong with the CSV or TSV file ``path`` (local or remote; fields separated by ``delimiter``): read
     again, a block at a time, up to its first problem. Ray Data's CSV reader names the file it failed on but drops
