@@ -6,6 +6,7 @@ the Hub cannot be reached. The tests that pack rows start Ray (the packing needs
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from raytrain_eks.config import load_config
 from raytrain_eks.errors import DataError
 from raytrain_eks.train.data import IGNORE_INDEX, prepare_dataset
 from raytrain_eks.train.sources import list_data_files
@@ -290,7 +292,14 @@ def test_csv_delimiter_reads_a_semicolon_separated_file(tmp_path, builtin_model,
     # ... and the hint names the delimiter the header line holds, and the setting that reads it.
     header = plain.read_text().splitlines()[0]
     assert f"The header line is one field, {header!r}: its fields look separated by ';'" in info.value.hint
-    assert "--set 'training.csv_delimiter=;'" in info.value.hint
+    assert """--set 'training.csv_delimiter=";"'""" in info.value.hint
+    # The --set the hint gives reads as that delimiter, a tab and '|' (YAML's block marker when bare) too.
+    for delimiter in ("|", "\t"):
+        (tmp_path / "other.csv").write_text(csv_text(ROWS[:3], delimiter))
+        with pytest.raises(DataError) as info:
+            prep(str(tmp_path / "other.csv"), builtin_model, where="driver")
+        given = re.search(r"--set '([^']+)'", info.value.hint).group(1)
+        assert load_config(environ={}, path=None, sets=[given]).training.csv_delimiter == delimiter
     assert "header line is one field" not in _no_usable_hint(tmp_path, builtin_model)  # a plain missing field
 
 

@@ -88,7 +88,8 @@ def csv_columns(files: Sequence[str], kind: str = "csv", delimiter: str = ",") -
 
 def delimiter_hint(files: Sequence[str], kind: str, delimiter: str) -> str:
     """For CSV files whose header is one field holding another usual delimiter (``a;b``), the sentence naming it
-    and the setting that reads it; else ``""`` (the header read again: only after no row was usable)."""
+    and the setting that reads it (its ``--set`` quoted as YAML: a bare ``|`` is YAML's block marker); else ``""``
+    (the header read again: only after no row was usable)."""
     if kind != "csv":
         return ""
     names = csv_columns(files, kind, delimiter)
@@ -98,7 +99,7 @@ def delimiter_hint(files: Sequence[str], kind: str, delimiter: str) -> str:
     shown = "\\t" if found[0] == "\t" else found[0]
     return (
         f" The header line is one field, {names[0]!r}: its fields look separated by {found[0]!r}; set "
-        f"training.csv_delimiter to it (--set 'training.csv_delimiter={shown}')."
+        f"""training.csv_delimiter to it (--set 'training.csv_delimiter="{shown}"')."""
     )
 
 
