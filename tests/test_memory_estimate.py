@@ -314,3 +314,28 @@ def test_gradient_accumulation_keeps_the_gradients_sharded(fake_group, mode):
     # to the tracker) until the last micro-batch's all-reduce across nodes.
     held_grads = by_name["SHARDED_GRAD"] + by_name["TEMP"]
     assert held_grads == pytest.approx(4 * params / shard, rel=0.01)
+
+
+def test_auto_counts_the_models_own_attention_and_a_gpu_run_what_its_ranks_chose():
+    # Gemma 2 has no sdpa path in transformers: left to itself (training.attention auto without flash-attention) it
+    # runs eager and keeps each layer's attention matrices; Qwen2 runs sdpa and keeps none. A run on a GPU knows
+    # what its ranks chose (flash-attention where it is installed) and counts that.
+    from transformers import Gemma2Config, Qwen2Config
+
+    from raytrain_eks.config import TrainingConfig
+    from raytrain_eks.train.memory import check_training
+
+    small = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+    gemma = shape_from_config("gemma2", Gemma2Config(num_hidden_layers=2, head_dim=64, **small))
+    qwen = shape_from_config("qwen2", Qwen2Config(num_hidden_layers=2, **small))
+    assert (gemma.default_attention, qwen.default_attention) == ("eager", "sdpa")
+    training = TrainingConfig(seq_len=2048, batch_size=1)  # attention: auto
+    common = dict(shard_ranks=8, precision="bf16", gpu_bytes=80 * GIB, gpu_name="H100")
+    matrices = "eager attention's matrices"
+    auto = check_training(gemma, training, **common).estimate
+    assert auto.settings["attention"] == "eager" and auto.parts[matrices] == 2 * 4 * 2048 * 2048 * 6
+    assert matrices not in check_training(qwen, training, **common).estimate.parts
+    flash = check_training(gemma, training, attention="flash_attention_2", **common).estimate
+    assert matrices not in flash.parts and flash.peak_bytes < auto.peak_bytes
+    eager = TrainingConfig(seq_len=2048, batch_size=1, attention="eager")
+    assert matrices in check_training(qwen, eager, **common).estimate.parts

@@ -441,7 +441,13 @@ def decide_run(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> tupl
     if device.type == "cuda":  # the estimate against this GPU, before any weight is loaded
         props = torch.cuda.get_device_properties(device)
         fit = check_run(
-            model_path, cfg, layout=layout, precision=precision, gpu_bytes=props.total_memory, gpu_name=props.name
+            model_path,
+            cfg,
+            layout=layout,
+            precision=precision,
+            gpu_bytes=props.total_memory,
+            gpu_name=props.name,
+            attention=attention,
         )
         ctx.emit(Note(fit.line))
         refuse_unless_fits(fit)  # every rank computes the same estimate, so all stop together

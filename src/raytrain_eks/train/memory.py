@@ -107,6 +107,7 @@ class ModelShape:
     vocab: int
     heads: int  # the attention's query heads: eager attention keeps a seq x seq matrix of each
     linear: tuple[str, ...] = ()  # the linear layers of a decoder block, as LoRA's target_modules names them
+    default_attention: str = "sdpa"  # transformers' choice for the model when none is given: sdpa, or eager
 
     @property
     def params(self) -> int:
@@ -136,6 +137,7 @@ def shape_from_config(name: str, config: Any) -> ModelShape:
     from transformers import AutoModelForCausalLM
 
     from raytrain_eks.train.lora import linear_layers
+    from raytrain_eks.train.model import default_attention
     from raytrain_eks.train.sharding import decoder_layers
 
     with torch.device("meta"):
@@ -159,6 +161,7 @@ def shape_from_config(name: str, config: Any) -> ModelShape:
         vocab=text.vocab_size,
         heads=heads,
         linear=tuple(linear_layers(model)),
+        default_attention=default_attention(type(model)),
     )
 
 
@@ -485,9 +488,21 @@ def shard_ranks_for(training: Any, nodes: int, world: int, precision: str) -> in
 
 
 def check_training(
-    shape: ModelShape, training: Any, *, shard_ranks: int, precision: str, gpu_bytes: int, gpu_name: str
+    shape: ModelShape,
+    training: Any,
+    *,
+    shard_ranks: int,
+    precision: str,
+    gpu_bytes: int,
+    gpu_name: str,
+    attention: str | None = None,
 ) -> MemoryCheck:
-    """:func:`check_fit` with the batch, sequence, accumulation and checkpointing of ``training``."""
+    """:func:`check_fit` with the batch, sequence, accumulation, checkpointing and attention of ``training``.
+    ``attention``: the implementation the run chose (a GPU run's start knows it); else ``training.attention``, where
+    ``auto`` counts as the model's default (eager for a model without sdpa, such as Gemma 2: an over-estimate where
+    flash-attention will be chosen)."""
+    if attention is None:
+        attention = shape.default_attention if training.attention == "auto" else training.attention
     return check_fit(
         shape,
         gpu_bytes=gpu_bytes,
@@ -499,13 +514,22 @@ def check_training(
         activation_checkpointing=training.activation_checkpointing,
         grad_accum_steps=training.grad_accum_steps,
         lora=training.lora if training.method == "lora" else None,
-        attention=training.attention,
+        attention=attention,
     )
 
 
-def check_run(model_path: str, training: Any, *, layout: Any, precision: str, gpu_bytes: int, gpu_name: str):
+def check_run(
+    model_path: str,
+    training: Any,
+    *,
+    layout: Any,
+    precision: str,
+    gpu_bytes: int,
+    gpu_name: str,
+    attention: str | None = None,
+):
     """At a run's start on a GPU: the estimate of ``training`` with the model at ``model_path`` (its config only)
-    against the device's own memory."""
+    and the ``attention`` the ranks agreed on, against the device's own memory."""
     from transformers import AutoConfig
 
     shape = shape_from_config(training.model_id, AutoConfig.from_pretrained(model_path))
@@ -516,6 +540,7 @@ def check_run(model_path: str, training: Any, *, layout: Any, precision: str, gp
         precision=precision,
         gpu_bytes=gpu_bytes,
         gpu_name=gpu_name,
+        attention=attention,
     )
 
 
