@@ -186,6 +186,7 @@ def check_qwen_step(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         micro_batch=batch,
         seq_len=seq,
         activation_checkpointing=False,
+        attention=summary.get("attention") or "sdpa",  # what the run built the model with
     )
     reserved = summary.get("peak_reserved_gib")
     logging_steps = len((work / "qwen-run" / "metrics.jsonl").read_text().splitlines())  # the loop's own records
