@@ -339,3 +339,8 @@ def test_auto_counts_the_models_own_attention_and_a_gpu_run_what_its_ranks_chose
     assert matrices not in flash.parts and flash.peak_bytes < auto.peak_bytes
     eager = TrainingConfig(seq_len=2048, batch_size=1, attention="eager")
     assert matrices in check_training(qwen, eager, **common).estimate.parts
+    # Refused with the matrices counted: the hint names the attention that keeps none.
+    tight = check_training(gemma, training, **{**common, "gpu_bytes": auto.peak_bytes // 4})
+    with pytest.raises(DoesNotFit) as info:
+        refuse_unless_fits(tight)
+    assert "GiB of attention matrices here: set training.attention to flash_attention_2" in info.value.hint

@@ -257,6 +257,9 @@ def lora_params(shape: ModelShape, lora: Any) -> int:
     return shape.layers * lora.rank * sum(i + o for i, o in _lora_targets(shape, lora))
 
 
+EAGER_MATRICES = "eager attention's matrices"  # the estimate's part that eager attention adds
+
+
 def eager_attention_bytes(shape: ModelShape, *, micro_batch: int, seq_len: int, compute_bytes: int) -> int:
     """What eager attention keeps for backward in one layer, beyond what SDPA and flash-attention keep: the
     softmax's fp32 output over every query head's seq x seq scores, and its copy in the compute dtype (none in
@@ -326,7 +329,7 @@ def estimate(
     eager = 0
     if attention == "eager":
         eager = eager_attention_bytes(shape, micro_batch=micro_batch, seq_len=seq_len, compute_bytes=cdt)
-    matrices = "eager attention's matrices"
+    matrices = EAGER_MATRICES
     inputs = shape.layers * tokens * shape.hidden * cdt  # what checkpointed layers keep: their inputs
     stored = inputs if activation_checkpointing else shape.layers * per_layer
     phases: dict[str, dict[str, int]] = {}
@@ -460,11 +463,18 @@ def refuse_unless_fits(check: MemoryCheck) -> None:
     if check.fits:
         return
     s = check.estimate.settings
+    matrices = check.estimate.parts.get(EAGER_MATRICES)
     raise DoesNotFit(
         f"{s['model']} does not fit: {check.line}",
         hint=(
             f"Lower training.batch_size ({s['micro_batch']}) or training.seq_len ({s['seq_len']}), shard over more "
             "GPUs (more nodes, or training.sharding: fsdp across them), or pick a GPU with more memory."
+            + (
+                f" Eager attention keeps {matrices / GIB:.1f} GiB of attention matrices here: set training.attention "
+                "to flash_attention_2 (none kept; the image needs flash-attn) where the model supports it."
+                if matrices
+                else ""
+            )
         ),
     )
 
