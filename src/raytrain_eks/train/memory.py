@@ -137,7 +137,6 @@ def shape_from_config(name: str, config: Any) -> ModelShape:
     from transformers import AutoModelForCausalLM
 
     from raytrain_eks.train.lora import linear_layers
-    from raytrain_eks.train.model import default_attention
     from raytrain_eks.train.sharding import decoder_layers
 
     with torch.device("meta"):
@@ -161,7 +160,8 @@ def shape_from_config(name: str, config: Any) -> ModelShape:
         vocab=text.vocab_size,
         heads=heads,
         linear=tuple(linear_layers(model)),
-        default_attention=default_attention(type(model)),
+        # transformers' own choice, made as it built the model: sdpa, or eager for a model without sdpa
+        default_attention=getattr(model.config, "_attn_implementation", None) or "sdpa",
     )
 
 
