@@ -93,12 +93,12 @@ def delimiter_hint(files: Sequence[str], kind: str, delimiter: str) -> str:
     if kind != "csv":
         return ""
     names = csv_columns(files, kind, delimiter)
-    found = [d for d in (";", "|", "\t") if len(names) == 1 and d in names[0]]
-    if not found:
+    found = next((d for d in (";", "|", "\t") if len(names) == 1 and d in names[0]), None)
+    if found is None:
         return ""
-    shown = "\\t" if found[0] == "\t" else found[0]
+    shown = "\\t" if found == "\t" else found
     return (
-        f" The header line is one field, {names[0]!r}: its fields look separated by {found[0]!r}; set "
+        f" The header line is one field, {names[0]!r}: its fields look separated by {found!r}; set "
         f"""training.csv_delimiter to it (--set 'training.csv_delimiter="{shown}"')."""
     )
 
