@@ -37,8 +37,17 @@ SESSION_MARK = "RAYTRAIN_EKS_TEST_SESSION"
 LEFTOVER_GRACE_S = 20.0  # a Ray worker notices its raylet is gone within a few seconds
 
 
+# When each test began (seconds after boot, the clock of /proc's start times), so that a process left over is named
+# with the test that was running when it started.
+_TEST_STARTS: list[tuple[float, str]] = []
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     os.environ[SESSION_MARK] = f"{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    _TEST_STARTS.append((time.clock_gettime(time.CLOCK_BOOTTIME), nodeid))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -51,7 +60,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         time.sleep(0.5)
     if not left:
         return
-    lines = [f"  pid {p.pid}: {p.cmdline[:200]}" for p in left]
+    lines = [f"  pid {p.pid}: {p.cmdline[:200]}\n    {_whence(p)}" for p in left]
     message = f"{len(left)} process(es) started by this test session outlived it (stopped now):\n" + "\n".join(lines)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
@@ -61,6 +70,19 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for p in left:
         p.kill()
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _whence(p: procs.Proc) -> str:
+    """Where a left-over process came from: the test running when it started, its parent, and its Ray node's raylet
+    (a Ray worker ends by itself once its raylet is gone)."""
+    tick = 1 / os.sysconf("SC_CLK_TCK")  # /proc's start times are whole ticks: a test's start is rounded down too
+    during = [nodeid for began, nodeid in _TEST_STARTS if began // tick * tick <= p.started]
+    parts = [f"started during {during[-1]}" if during else "started before the first test"]
+    parts.append("an orphan (its parent exited)" if p.ppid == 1 else f"parent {p.ppid}")
+    raylet = procs.environ_value(p.pid, "RAY_RAYLET_PID")
+    if raylet and raylet.isdigit():
+        parts.append(f"raylet {raylet} ({'alive' if procs.alive(int(raylet)) else 'gone'})")
+    return "; ".join(parts)
 
 
 def leftover_processes(mark: str) -> list[procs.Proc]:

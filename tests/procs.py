@@ -21,6 +21,7 @@ class Proc:
     sid: int
     state: str  # "Z" for a zombie (exited, not yet reaped)
     cmdline: str
+    started: float = 0.0  # seconds after the machine booted (the clock of time.clock_gettime(CLOCK_BOOTTIME))
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -43,7 +44,17 @@ def read(pid: int) -> Proc | None:
     fields = stat[stat.rindex(b")") + 2 :].split()
     raw = _read(f"/proc/{pid}/cmdline") or b""
     cmdline = raw.rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
-    return Proc(pid=pid, ppid=int(fields[1]), sid=int(fields[3]), state=fields[0].decode(), cmdline=cmdline)
+    # Field 22, the start time, in clock ticks after boot.
+    started = int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    return Proc(
+        pid=pid, ppid=int(fields[1]), sid=int(fields[3]), state=fields[0].decode(), cmdline=cmdline, started=started
+    )
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a living process (a zombie is not)."""
+    p = read(pid)
+    return p is not None and p.state != "Z"
 
 
 def processes() -> list[Proc]:

@@ -18,6 +18,10 @@ LEAKY = """
 import subprocess
 
 
+def test_starts_nothing():
+    pass
+
+
 def test_leaves_processes_behind():
     subprocess.Popen(["sleep", "307"])  # a child never waited for
     subprocess.run(["sh", "-c", "sleep 308 &"], check=True)  # an orphan: its shell has exited
@@ -50,9 +54,14 @@ def test_a_process_left_running_fails_the_run_and_is_stopped(tmp_path):
     proc = _run_suite(tmp_path, LEAKY)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "1 passed" in out
+    assert "2 passed" in out
     assert "2 process(es) started by this test session outlived it (stopped now)" in out
     assert "sleep 307" in out and "sleep 308" in out
+    # Each is named with the test during which it started (not the one before it), and the orphan as one.
+    named = [line for line in out.splitlines() if "started during" in line]
+    assert len(named) == 2, out
+    assert all("test_it.py::test_leaves_processes_behind;" in line for line in named), out
+    assert sorted("an orphan (its parent exited)" in line for line in named) == [False, True], out
     assert not _sleepers("307") and not _sleepers("308")
 
 
