@@ -238,6 +238,37 @@ def test_plan_shows_the_estimate_switches_checkpointing_on_where_it_must_and_ref
     assert not (tmp_path / "out").exists()
 
 
+def test_plan_counts_flash_attention_under_auto_where_the_image_ships_it(cfg_for, tmp_path):
+    # Gemma 2 has no sdpa path: under auto the job runs it eager unless it chooses flash-attention, which it does on a
+    # bf16 CUDA run where flash-attn is installed. The default image ships flash-attn 2.8.3 (its build lock), so the
+    # plan counts no attention matrices there; for an image this tool does not know it counts eager's, and a long
+    # sequence that fits with flash-attention is refused, naming the matrices and how to avoid them.
+    from transformers import Gemma2Config
+
+    from raytrain_eks.config import load_config
+    from raytrain_eks.eks.plan import build_plan
+
+    model = tmp_path / "gemma2"
+    Gemma2Config(
+        num_hidden_layers=4, hidden_size=2048, intermediate_size=4096, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, vocab_size=32000,
+    ).save_pretrained(model)  # fmt: skip
+    settings = dict(MODEL_ID=str(model), SEQ_LEN="8192", BATCH_SIZE="1", GPU_NODE_COUNT="2")
+    memory = build_plan(cfg_for(**settings)).summary["memory_per_gpu"]
+    assert memory["settings"]["attention"] == "flash_attention_2"
+    assert "eager attention's matrices" not in memory["parts_gib"] and memory["peak_gib"] < 0.85 * 22.4
+    with pytest.raises(DoesNotFit) as info:
+        build_plan(cfg_for(**settings, DLC_IMAGE="registry.example.com/ray:custom"))
+    assert "eager attention's matrices 24.0" in info.value.message  # 4 layers x 32 heads x 8192^2 x 6 bytes
+    assert "flash-attention keeps none: training.attention flash_attention_2 (or auto)" in info.value.hint
+    # fp32 rules flash-attention out: the default image's plan counts the matrices too (4 bytes an entry), and the
+    # refusal says why flash-attention does not apply.
+    with pytest.raises(DoesNotFit) as info:
+        build_plan(load_config(environ=settings, sets=["training.precision=fp32"]))
+    assert "eager attention's matrices 16.0" in info.value.message
+    assert info.value.hint.endswith("This run computes in fp32 (training.precision).")
+
+
 def test_a_model_whose_shape_is_unknown_here_is_planned_with_a_note(cfg_for):
     from raytrain_eks.eks.plan import build_plan
 
@@ -343,4 +374,7 @@ def test_auto_counts_the_models_own_attention_and_a_gpu_run_what_its_ranks_chose
     tight = check_training(gemma, training, **{**common, "gpu_bytes": auto.peak_bytes // 4})
     with pytest.raises(DoesNotFit) as info:
         refuse_unless_fits(tight)
-    assert "GiB of attention matrices here: set training.attention to flash_attention_2" in info.value.hint
+    assert "GiB of attention matrices here; flash-attention keeps none: training.attention flash_attention_2" in (
+        info.value.hint
+    )
+    assert "fp32" not in info.value.hint

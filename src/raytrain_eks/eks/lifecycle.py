@@ -75,6 +75,7 @@ from raytrain_eks.k8s.addons import (
     wait_kuberay,
 )
 from raytrain_eks.k8s.existing import ray_lines
+from raytrain_eks.k8s.job import image_has_flash_attn
 from raytrain_eks.k8s.kuberay_fields import check_kuberay_fields
 from raytrain_eks.k8s.runner import Interrupted
 from raytrain_eks.k8s.state import KUBECONFIG_FILE, STATE_DIR, Cancelled, Deployment, describe
@@ -276,7 +277,8 @@ def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callabl
     cfg = d.cfg
     c = cfg.cluster
     gpu, system = check_deployable(cfg)
-    _, memory = fit_config(cfg, gpu)  # DoesNotFit: a run that cannot fit the GPUs is stopped before any node
+    # DoesNotFit: a run that cannot fit the GPUs is stopped before any node
+    _, memory = fit_config(cfg, gpu, image_flash=image_has_flash_attn(cfg.ray.image))
     if memory is not None:
         d.say(memory.line)
     require_programs(d, "up", steps_of=command_steps)  # every program up runs, all the missing ones named at once

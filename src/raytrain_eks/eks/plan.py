@@ -35,6 +35,7 @@ from raytrain_eks.k8s import job as job_files
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s import wheelhouse
 from raytrain_eks.k8s.addons import HelmRelease, helm_releases
+from raytrain_eks.k8s.job import image_has_flash_attn  # for `config show` too
 from raytrain_eks.k8s.manifests import to_yaml
 from raytrain_eks.k8s.state import with_bucket_storage, with_shared_volume
 from raytrain_eks.train.memory import fit_config, unknown_shape_note
@@ -421,7 +422,8 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
         raise UserError(f"--mode {mode!r} is not known", hint=f"Choose one of: {', '.join(MODES)}.")
     gpu, system = check_deployable(cfg)
     cfg = job_config(cfg)  # what submit checks and ships: LoRA layers, --offline's model and data, the chat template
-    cfg, memory = fit_config(cfg, gpu)  # DoesNotFit before anything; activation checkpointing on where it must be
+    # DoesNotFit before anything; activation checkpointing on where it must be; auto attention as the image allows
+    cfg, memory = fit_config(cfg, gpu, image_flash=image_has_flash_attn(cfg.ray.image))
     # The job's checkpoints go where submit puts them (apply_state): on ray.shared_volume when one is mounted, else
     # in the cluster's bucket unless storage_path says otherwise. Every node reaches either.
     bucket = planned_bucket(cfg, suffix=BUCKET_SUFFIX_PLACEHOLDER)

@@ -42,6 +42,7 @@ from raytrain_eks.instances import INSTANCE_TYPES, InstanceType
 from raytrain_eks.k8s import existing
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import DEVICE_PLUGIN_RELEASES, KUBERAY_RELEASE, HelmRelease, helm_releases, install_argv
+from raytrain_eks.k8s.job import image_has_flash_attn
 from raytrain_eks.k8s.prices import configured_price
 from raytrain_eks.k8s.state import StateStore
 from raytrain_eks.train.memory import fit_config, unknown_shape_note
@@ -226,7 +227,8 @@ def build_plan(cfg: Config, *, state_dir: str | Path, mode: Mode = "raycluster",
     gpu, gpu_from = gpu_type(cfg, store)
     memory = None
     if gpu is not None:
-        cfg, memory = fit_config(cfg, gpu)  # DoesNotFit before anything; activation checkpointing where it must be
+        # DoesNotFit before anything; activation checkpointing where it must be
+        cfg, memory = fit_config(cfg, gpu, image_flash=image_has_flash_attn(cfg.ray.image))
     cfg.check_cluster_storage()  # storage every node reaches: s3:// (or another URI) or ray.shared_volume
 
     c, r, d = cfg.cluster, cfg.ray, cfg.derived

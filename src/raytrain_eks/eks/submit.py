@@ -43,6 +43,7 @@ from raytrain_eks.k8s.job import (
     IMAGE_VERSIONS,
     code_config_map,
     head_code_dir,
+    image_has_flash_attn,
     job_requirements,
     package_archive,
     package_files,
@@ -512,7 +513,8 @@ def submit(
     if gpu is None:
         d.say("The GPU nodes' type is not known: the memory estimate is left out (a run that does not fit fails)")
     else:
-        cfg, memory = fit_config(cfg, gpu)  # before any pod: DoesNotFit, or activation checkpointing switched on
+        # before any pod: DoesNotFit, or activation checkpointing switched on
+        cfg, memory = fit_config(cfg, gpu, image_flash=image_has_flash_attn(cfg.ray.image))
         if memory is not None:
             d.say(memory.line)
             d.cfg = cfg  # the job's ConfigMap carries what the estimate decided

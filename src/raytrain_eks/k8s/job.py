@@ -247,6 +247,23 @@ def known_image_packages(image: str) -> tuple[dict[str, str], str] | None:
     return dict(table["packages"]), f"its build lock, {repo}@{src['commit'][:8]} {src['files'][0]}"
 
 
+FLASH_ATTN_MIN = "2.3.3"  # the oldest flash-attn 2 the job's attention check accepts (train/model.py)
+
+
+def image_has_flash_attn(image: str) -> bool:
+    """Whether ``image`` is known (:func:`known_image_packages`) to ship flash-attn 2 at a version the job can use:
+    there ``training.attention: auto`` will choose flash-attention for a model that has it, in bf16. ``False`` for an
+    image this tool does not know. Example: the default image (AWS's Ray Train DLC, flash-attn 2.8.3) is ``True``."""
+    from packaging.version import InvalidVersion, Version
+
+    known = known_image_packages(image)
+    version = known[0].get("flash-attn") if known else None
+    try:
+        return version is not None and Version(FLASH_ATTN_MIN) <= Version(version) < Version("3")
+    except InvalidVersion:
+        return False
+
+
 def planned_installs(image: str) -> tuple[list[str], str] | None:
     """What the job's runtime_env will install on ``image`` (:func:`job_requirements` the image lacks in range) and
     a sentence saying what the image has and how that is known; ``None`` for an image this tool does not know,

@@ -108,6 +108,7 @@ class ModelShape:
     heads: int  # the attention's query heads: eager attention keeps a seq x seq matrix of each
     linear: tuple[str, ...] = ()  # the linear layers of a decoder block, as LoRA's target_modules names them
     default_attention: str = "sdpa"  # transformers' choice for the model when none is given: sdpa, or eager
+    flash: bool = False  # transformers has a flash-attention path for it (its class's _supports_flash_attn)
 
     @property
     def params(self) -> int:
@@ -119,13 +120,13 @@ class ModelShape:
 _QWEN2_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 KNOWN_SHAPES: dict[str, ModelShape] = {
     "Qwen/Qwen2.5-1.5B": ModelShape(
-        "Qwen/Qwen2.5-1.5B", 28, 46797824, 233375232, 1536, 8960, 256, 151936, 12, _QWEN2_LINEAR
+        "Qwen/Qwen2.5-1.5B", 28, 46797824, 233375232, 1536, 8960, 256, 151936, 12, _QWEN2_LINEAR, flash=True
     ),
     "Qwen/Qwen2.5-0.5B": ModelShape(
-        "Qwen/Qwen2.5-0.5B", 24, 14912384, 136135552, 896, 4864, 128, 151936, 14, _QWEN2_LINEAR
+        "Qwen/Qwen2.5-0.5B", 24, 14912384, 136135552, 896, 4864, 128, 151936, 14, _QWEN2_LINEAR, flash=True
     ),
     "Qwen/Qwen2.5-3B": ModelShape(
-        "Qwen/Qwen2.5-3B", 36, 77076992, 311166976, 2048, 11008, 256, 151936, 16, _QWEN2_LINEAR
+        "Qwen/Qwen2.5-3B", 36, 77076992, 311166976, 2048, 11008, 256, 151936, 16, _QWEN2_LINEAR, flash=True
     ),
 }
 
@@ -162,6 +163,7 @@ def shape_from_config(name: str, config: Any) -> ModelShape:
         linear=tuple(linear_layers(model)),
         # transformers' own choice, made as it built the model: sdpa, or eager for a model without sdpa
         default_attention=getattr(model.config, "_attn_implementation", None) or "sdpa",
+        flash=bool(getattr(type(model), "_supports_flash_attn", False)),
     )
 
 
@@ -470,8 +472,10 @@ def refuse_unless_fits(check: MemoryCheck) -> None:
             f"Lower training.batch_size ({s['micro_batch']}) or training.seq_len ({s['seq_len']}), shard over more "
             "GPUs (more nodes, or training.sharding: fsdp across them), or pick a GPU with more memory."
             + (
-                f" Eager attention keeps {matrices / GIB:.1f} GiB of attention matrices here: set training.attention "
-                "to flash_attention_2 (none kept; the image needs flash-attn) where the model supports it."
+                f" Eager attention keeps {matrices / GIB:.1f} GiB of attention matrices here; flash-attention keeps "
+                "none: training.attention flash_attention_2 (or auto) in bf16, on an image with flash-attn, for a "
+                "model transformers runs with it."
+                + (" This run computes in fp32 (training.precision)." if s["precision"] == "fp32" else "")
                 if matrices
                 else ""
             )
@@ -508,9 +512,9 @@ def check_training(
     attention: str | None = None,
 ) -> MemoryCheck:
     """:func:`check_fit` with the batch, sequence, accumulation, checkpointing and attention of ``training``.
-    ``attention``: the implementation the run chose (a GPU run's start knows it); else ``training.attention``, where
-    ``auto`` counts as the model's default (eager for a model without sdpa, such as Gemma 2: an over-estimate where
-    flash-attention will be chosen)."""
+    ``attention``: the implementation the run chose (a GPU run's start knows it), or the one a plan expects
+    (:func:`planned_attention`); else ``training.attention``, where ``auto`` counts as the model's default (eager for
+    a model without sdpa, such as Gemma 2)."""
     if attention is None:
         attention = shape.default_attention if training.attention == "auto" else training.attention
     return check_fit(
@@ -554,10 +558,24 @@ def check_run(
     )
 
 
-def check_config(cfg: Config, gpu: NodeGpu) -> MemoryCheck | None:
+def planned_attention(shape: ModelShape, training: Any, precision: str, *, image_flash: bool) -> str:
+    """The attention a GPU run of ``training`` will build the model with, as far as it is known before the run:
+    ``auto`` is flash-attention in bf16 for a model that has it on an image that ships flash-attn (``image_flash``),
+    as the job decides it on CUDA (train/model.py's choose_attention); else the model's default; other settings as
+    given. Example: Gemma 2 under ``auto`` on the default image is ``flash_attention_2``, on an unknown image
+    ``eager``."""
+    if training.attention != "auto":
+        return training.attention
+    if image_flash and shape.flash and precision == "bf16":
+        return "flash_attention_2"
+    return shape.default_attention
+
+
+def check_config(cfg: Config, gpu: NodeGpu, *, image_flash: bool = False) -> MemoryCheck | None:
     """The estimate of ``cfg``'s training on ``gpu`` (an :class:`~raytrain_eks.instances.InstanceType`): bf16 unless
-    the config says fp32 (every GPU type this tool deploys has bf16). ``None`` when the model's shape is not known
-    on this machine (see :func:`model_shape`)."""
+    the config says fp32 (every GPU type this tool deploys has bf16), with the attention of
+    :func:`planned_attention` (``image_flash``: ``cfg.ray.image`` ships flash-attn). ``None`` when the model's shape
+    is not known on this machine (see :func:`model_shape`)."""
     t = cfg.training
     shape = model_shape(t.model_id)
     if shape is None or not gpu.gpu_mib:
@@ -570,15 +588,17 @@ def check_config(cfg: Config, gpu: NodeGpu) -> MemoryCheck | None:
         precision=precision,
         gpu_bytes=gpu.gpu_mib * 2**20,
         gpu_name=gpu.gpu_model or gpu.name,
+        attention=planned_attention(shape, t, precision, image_flash=image_flash),
     )
 
 
-def fit_config(cfg: Config, gpu: NodeGpu) -> tuple[Config, MemoryCheck | None]:
+def fit_config(cfg: Config, gpu: NodeGpu, *, image_flash: bool = False) -> tuple[Config, MemoryCheck | None]:
     """``cfg`` checked against ``gpu``'s memory before anything is created: raises :class:`DoesNotFit` when it
     cannot fit, and returns the config with activation checkpointing switched on when that makes it fit. LoRA
-    layers the model does not have are refused first (:func:`check_lora_targets`)."""
+    layers the model does not have are refused first (:func:`check_lora_targets`). ``image_flash``: as for
+    :func:`check_config`."""
     check_lora_targets(cfg)
-    check = check_config(cfg, gpu)
+    check = check_config(cfg, gpu, image_flash=image_flash)
     if check is None:
         return cfg, None
     refuse_unless_fits(check)
