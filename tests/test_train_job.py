@@ -126,10 +126,12 @@ def test_unusable_data_starts_no_worker(tmp_path, monkeypatch, ray_local):
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"prompt": "Q", "completion": "A"}) + "\n")
     cfg = config(tmp_path, monkeypatch, data=str(data), data_format="instruction", output_dir=str(tmp_path / "run"))
+    lines: list[str] = []
     with pytest.raises(DataError, match="no usable row for format 'instruction'"):
-        run_training(cfg, runs_root=tmp_path, say=lambda _: None)
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
-    assert not (tmp_path / "run" / "ray").exists()
+        run_training(cfg, runs_root=tmp_path, say=lines.append)
+    # Nothing was trained and no log was written: the run folder is not left behind, and the run says so.
+    assert not (tmp_path / "run").exists()
+    assert lines[-1] == f"run folder {(tmp_path / 'run').resolve()} removed: nothing was trained"
 
 
 def test_a_data_error_keeps_its_traceback_in_error_log(tmp_path, monkeypatch, ray_local, capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import threading
 import time
 import traceback
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_eks.config import BUILTIN_DATA, Config, check_sharding_for_nodes, check_storage_for_nodes
-from raytrain_eks.errors import TrainingError, UserError
+from raytrain_eks.errors import DataError, TrainingError, UserError
 from raytrain_eks.folders import new_folder
 from raytrain_eks.ray_session import (
     LOCAL_CPU_WORKERS,
@@ -223,6 +224,8 @@ def run_training(
             )
         except Exception as exc:
             logged = _logged(exc, run_dir)
+            if resume_dir is None and not training.storage_path and _remove_if_unused(run_dir, logged):
+                say(f"run folder {run_dir} removed: nothing was trained")
             if logged is exc:
                 raise
             raise logged from None
@@ -523,6 +526,16 @@ def _worker_entry(config: dict[str, WorkerJob]) -> None:
             rank = ray.train.get_context().get_world_rank()
             job.metrics_queue.put(WorkerFailure(rank=rank, traceback=traceback.format_exc()))
         raise
+
+
+def _remove_if_unused(run_dir: Path, error: Exception) -> bool:
+    """Remove the new run folder of a run its data stopped before anything was trained, when the folder holds nothing
+    but the copy of the configuration (no log the message points to): a bad data set leaves no empty run behind.
+    Returns whether it was removed."""
+    if not isinstance(error, DataError) or {p.name for p in run_dir.iterdir()} != {"config.yaml"}:
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return not run_dir.exists()
 
 
 def _logged(exc: Exception, run_dir: Path) -> Exception:
