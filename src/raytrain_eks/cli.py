@@ -354,14 +354,14 @@ def config_show(
 
 def _memory_line(cfg: Any) -> str:
     """``config show``'s memory estimate for the configured GPU node type, or why there is none."""
-    from raytrain_eks.eks.plan import image_has_flash_attn
+    from raytrain_eks.eks.fit import check_on_image
     from raytrain_eks.instances import INSTANCE_TYPES
-    from raytrain_eks.train.memory import check_config, unknown_shape_note
+    from raytrain_eks.train.memory import unknown_shape_note
 
     gpu = INSTANCE_TYPES.get(cfg.cluster.gpu_node_type)
     if gpu is None or not gpu.gpus:
         return f"memory: no estimate ({cfg.cluster.gpu_node_type} is not a GPU type this tool knows)"
-    check = check_config(cfg, gpu, image_flash=image_has_flash_attn(cfg.ray.image))
+    check = check_on_image(cfg, gpu)
     if check is None:
         return unknown_shape_note(cfg.training.model_id)
     return check.line if check.fits else f"{check.line} (plan and up refuse this)"

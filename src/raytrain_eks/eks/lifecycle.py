@@ -30,6 +30,7 @@ from typing import Any
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
 from raytrain_eks.eks.buckets import bucket_exists, bucket_objects, delete_bucket, ensure_bucket, kept_note
+from raytrain_eks.eks.fit import fit_on_image
 from raytrain_eks.eks.irsa import CONFIG_FILE as SERVICE_ACCOUNT_FILE
 from raytrain_eks.eks.irsa import create_argv as create_service_account_argv
 from raytrain_eks.eks.irsa import delete_created as delete_service_account
@@ -75,11 +76,9 @@ from raytrain_eks.k8s.addons import (
     wait_kuberay,
 )
 from raytrain_eks.k8s.existing import ray_lines
-from raytrain_eks.k8s.job import image_has_flash_attn
 from raytrain_eks.k8s.kuberay_fields import check_kuberay_fields
 from raytrain_eks.k8s.runner import Interrupted
 from raytrain_eks.k8s.state import KUBECONFIG_FILE, STATE_DIR, Cancelled, Deployment, describe
-from raytrain_eks.train.memory import fit_config
 
 
 @dataclass(frozen=True)
@@ -277,8 +276,7 @@ def _up(d: Deployment, *, confirm: Callable[[str], bool], offered_zones: Callabl
     cfg = d.cfg
     c = cfg.cluster
     gpu, system = check_deployable(cfg)
-    # DoesNotFit: a run that cannot fit the GPUs is stopped before any node
-    _, memory = fit_config(cfg, gpu, image_flash=image_has_flash_attn(cfg.ray.image))
+    _, memory = fit_on_image(cfg, gpu)  # DoesNotFit: a run that cannot fit the GPUs is stopped before any node
     if memory is not None:
         d.say(memory.line)
     require_programs(d, "up", steps_of=command_steps)  # every program up runs, all the missing ones named at once

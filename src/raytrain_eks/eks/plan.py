@@ -23,6 +23,7 @@ from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
 from raytrain_eks.eks import irsa
 from raytrain_eks.eks.buckets import planned_bucket, storage_estimate
+from raytrain_eks.eks.fit import fit_on_image
 from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
 from raytrain_eks.eks.submit import job_config
 from raytrain_eks.errors import UserError
@@ -35,10 +36,9 @@ from raytrain_eks.k8s import job as job_files
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s import wheelhouse
 from raytrain_eks.k8s.addons import HelmRelease, helm_releases
-from raytrain_eks.k8s.job import image_has_flash_attn  # for `config show` too
 from raytrain_eks.k8s.manifests import to_yaml
 from raytrain_eks.k8s.state import with_bucket_storage, with_shared_volume
-from raytrain_eks.train.memory import fit_config, unknown_shape_note
+from raytrain_eks.train.memory import unknown_shape_note
 
 Mode = Literal["raycluster", "rayjob"]
 MODES: tuple[Mode, ...] = ("raycluster", "rayjob")
@@ -422,8 +422,7 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
         raise UserError(f"--mode {mode!r} is not known", hint=f"Choose one of: {', '.join(MODES)}.")
     gpu, system = check_deployable(cfg)
     cfg = job_config(cfg)  # what submit checks and ships: LoRA layers, --offline's model and data, the chat template
-    # DoesNotFit before anything; activation checkpointing on where it must be; auto attention as the image allows
-    cfg, memory = fit_config(cfg, gpu, image_flash=image_has_flash_attn(cfg.ray.image))
+    cfg, memory = fit_on_image(cfg, gpu)  # DoesNotFit before anything; activation checkpointing on where it must be
     # The job's checkpoints go where submit puts them (apply_state): on ray.shared_volume when one is mounted, else
     # in the cluster's bucket unless storage_path says otherwise. Every node reaches either.
     bucket = planned_bucket(cfg, suffix=BUCKET_SUFFIX_PLACEHOLDER)

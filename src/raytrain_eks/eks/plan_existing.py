@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_eks.config import Config
+from raytrain_eks.eks.fit import fit_on_image
 from raytrain_eks.eks.plan import (
     HELM_FILE,
     MODES,
@@ -42,10 +43,9 @@ from raytrain_eks.instances import INSTANCE_TYPES, InstanceType
 from raytrain_eks.k8s import existing
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import DEVICE_PLUGIN_RELEASES, KUBERAY_RELEASE, HelmRelease, helm_releases, install_argv
-from raytrain_eks.k8s.job import image_has_flash_attn
 from raytrain_eks.k8s.prices import configured_price
 from raytrain_eks.k8s.state import StateStore
-from raytrain_eks.train.memory import fit_config, unknown_shape_note
+from raytrain_eks.train.memory import unknown_shape_note
 
 TARGET = existing.TARGET  # the target whose plan this is
 SERVICE_ACCOUNT_FILE = "service-account.yaml"
@@ -227,8 +227,7 @@ def build_plan(cfg: Config, *, state_dir: str | Path, mode: Mode = "raycluster",
     gpu, gpu_from = gpu_type(cfg, store)
     memory = None
     if gpu is not None:
-        # DoesNotFit before anything; activation checkpointing where it must be
-        cfg, memory = fit_config(cfg, gpu, image_flash=image_has_flash_attn(cfg.ray.image))
+        cfg, memory = fit_on_image(cfg, gpu)  # DoesNotFit before anything; activation checkpointing where it must be
     cfg.check_cluster_storage()  # storage every node reaches: s3:// (or another URI) or ray.shared_volume
 
     c, r, d = cfg.cluster, cfg.ray, cfg.derived

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from raytrain_eks.config import BUILTIN_MODEL, Config
 from raytrain_eks.eks import offline as offline_wheels
+from raytrain_eks.eks.fit import fit_on_image
 from raytrain_eks.eks.pricing import deployment_record
 from raytrain_eks.eks.target import target_for
 from raytrain_eks.errors import UserError
@@ -43,7 +44,6 @@ from raytrain_eks.k8s.job import (
     IMAGE_VERSIONS,
     code_config_map,
     head_code_dir,
-    image_has_flash_attn,
     job_requirements,
     package_archive,
     package_files,
@@ -57,7 +57,7 @@ from raytrain_eks.k8s.runner import CommandError
 from raytrain_eks.k8s.state import Deployment, object_item
 from raytrain_eks.k8s.wait import POLL_S
 from raytrain_eks.train.launch import with_chat_template_text
-from raytrain_eks.train.memory import check_lora_targets, fit_config
+from raytrain_eks.train.memory import check_lora_targets
 from raytrain_eks.train.sources import HF_PREFIX
 from raytrain_eks.train.staged import is_staged_location
 
@@ -513,8 +513,7 @@ def submit(
     if gpu is None:
         d.say("The GPU nodes' type is not known: the memory estimate is left out (a run that does not fit fails)")
     else:
-        # before any pod: DoesNotFit, or activation checkpointing switched on
-        cfg, memory = fit_config(cfg, gpu, image_flash=image_has_flash_attn(cfg.ray.image))
+        cfg, memory = fit_on_image(cfg, gpu)  # before any pod: DoesNotFit, or activation checkpointing switched on
         if memory is not None:
             d.say(memory.line)
             d.cfg = cfg  # the job's ConfigMap carries what the estimate decided
