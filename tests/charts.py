@@ -12,14 +12,15 @@ Helm 3 and Helm 4 and fails when they differ, so what the fakes create is what t
 
 from __future__ import annotations
 
-import copy
 import functools
+import pickle
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+from fake_kube import copied
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CHARTS = FIXTURES / "charts"
@@ -103,15 +104,15 @@ def _rendered(release: str) -> tuple[dict[str, Any], ...]:
 
 def rendered(release: str) -> list[dict[str, Any]]:
     """The objects the chart of ``release`` renders with the tool's values (copies: callers may change them)."""
-    return copy.deepcopy(list(_rendered(release)))
+    return copied(list(_rendered(release)))
 
 
 @functools.cache
-def _crds(chart: Chart) -> tuple[dict[str, Any], ...]:
+def _crds(chart: Chart) -> tuple[bytes, ...]:
     # Whole, schemas included (the kept-KubeRay check reads them): libyaml parses KubeRay's 3 MB of CRDs in well
-    # under a second, once per session.
+    # under a second, once per session. Kept pickled: each caller gets its own objects from one pickle.loads.
     return tuple(
-        yaml.load(data.decode(), Loader=_LOADER)
+        pickle.dumps(yaml.load(data.decode(), Loader=_LOADER), pickle.HIGHEST_PROTOCOL)
         for name, data in sorted(chart.files().items())
         if name.startswith("crds/") and name.endswith((".yaml", ".yml"))
     )
@@ -119,8 +120,9 @@ def _crds(chart: Chart) -> tuple[dict[str, Any], ...]:
 
 def crds(chart: Chart) -> list[dict[str, Any]]:
     """The chart's ``crds/`` CustomResourceDefinitions as they are: Helm creates them, unchanged and before the
-    templates, when it installs a release (helm/helm pkg/action/install.go, installCRDs; v3.17.3, v4.1.4)."""
-    return copy.deepcopy(list(_crds(chart)))
+    templates, when it installs a release (helm/helm pkg/action/install.go, installCRDs; v3.17.3, v4.1.4).
+    Fresh objects on each call: callers may change or keep them."""
+    return [pickle.loads(blob) for blob in _crds(chart)]
 
 
 @functools.cache
@@ -132,4 +134,4 @@ def _eksctl_efa() -> dict[str, Any]:
 def eksctl_efa_daemon_set() -> dict[str, Any]:
     """eksctl's EFA device-plugin DaemonSet as it applies it (its image's %s placeholders are filled with the
     region's ECR by eksctl; the fakes look only at the image's name)."""
-    return copy.deepcopy(_eksctl_efa())
+    return copied(_eksctl_efa())

@@ -194,9 +194,20 @@ def ray_local():
 
 
 @pytest.fixture(scope="session")
-def moto_url() -> Iterator[str]:
-    """moto's server on a free loopback port, for the whole session (each test resets it through ``aws_env``)."""
+def moto_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """moto's server on a free loopback port, for the whole session (each test resets it through ``aws_env``).
+
+    Its EC2 holds moto's own short list of images (``moto/ec2/resources/amis.json``, ``ami-12c6146b`` among them),
+    given as ``MOTO_AMIS_PATH``: without that setting, moto also builds the latest Amazon and ECS images of each
+    region (hundreds each, moto/ec2/models/amis.py ``_load_amis``) every time a region's EC2 is first used after a
+    reset, which was a fifth of the deploy tests' time. No test looks an image up by name.
+    """
     from moto.server import ThreadedMotoServer
+    from moto.utilities.utils import load_resource
+
+    amis = tmp_path_factory.mktemp("moto") / "amis.json"
+    amis.write_text(json.dumps(load_resource("ec2/resources/amis.json")))
+    os.environ["MOTO_AMIS_PATH"] = str(amis)
 
     # werkzeug logs every request, and a traceback for each action moto does not implement.
     werkzeug = logging.getLogger("werkzeug")
@@ -208,6 +219,7 @@ def moto_url() -> Iterator[str]:
     yield f"http://{host}:{port}"
     server.stop()
     werkzeug.setLevel(level)
+    os.environ.pop("MOTO_AMIS_PATH", None)
 
 
 @pytest.fixture

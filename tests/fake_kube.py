@@ -26,9 +26,9 @@ and started the same way, and deleting it removes it. Example::
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
+import pickle
 import random
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -36,6 +36,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raytrain_eks.k8s.cluster import DaemonSet, Event, ExecResult, Node, Pod, matches
+
+
+def copied(obj: Any) -> Any:
+    """A deep copy of plain data (what the API server stores and returns: mappings, lists, scalars), made through
+    pickle: the same as ``copy.deepcopy`` for such data and several times faster on KubeRay's 3 MB of CRDs."""
+    return pickle.loads(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
 
 _BUILTIN_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-node-lease"})
 # Kinds that live in no namespace (`kubectl api-resources --namespaced=false`), among those the charts render.
@@ -253,7 +259,7 @@ PULL_NO_CREDENTIALS = (
 def merged(target: Any, patch: Any) -> Any:
     """RFC 7386's MergePatch: what the API server does with an ``application/merge-patch+json`` body."""
     if not isinstance(patch, Mapping):
-        return copy.deepcopy(patch)
+        return copied(patch)
     out = dict(target) if isinstance(target, Mapping) else {}
     for k, v in patch.items():
         if v is None:
@@ -366,10 +372,11 @@ class FakeKube:
         self._drop_owned(namespace, ("DaemonSet", name))
         return True
 
-    def put(self, obj: Mapping[str, Any]) -> None:
+    def put(self, obj: Mapping[str, Any], *, handed_over: bool = False) -> None:
         """Create or replace an object as a tool other than the steps does (helm, eksctl): stored and run by the
-        controllers, but not recorded in ``applied``. A namespaced object needs ``metadata.namespace``."""
-        self._store(obj)
+        controllers, but not recorded in ``applied``. A namespaced object needs ``metadata.namespace``.
+        ``handed_over``: ``obj`` is a fresh copy nothing else holds, stored as it is instead of copied again."""
+        self._store(obj, handed_over=handed_over)
 
     def remove(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
         """Delete an object as a tool other than the steps does (not recorded in ``deleted``)."""
@@ -392,7 +399,7 @@ class FakeKube:
 
     def objects(self, kind: str | None = None) -> list[dict[str, Any]]:
         """Copies of the stored objects (of one kind)."""
-        return [copy.deepcopy(o) for (_, k, _, _), o in self._objects.items() if kind in (None, k)]
+        return [copied(o) for (_, k, _, _), o in self._objects.items() if kind in (None, k)]
 
     def set_status(self, api_version: str, kind: str, name: str, namespace: str | None, status: dict[str, Any]) -> None:
         obj = self._objects[(api_version, kind, namespace, name)]
@@ -451,7 +458,7 @@ class FakeKube:
 
     def apply(self, obj: Mapping[str, Any]) -> None:
         self._store(obj)
-        self.applied.append(copy.deepcopy(dict(obj)))
+        self.applied.append(copied(dict(obj)))
 
     def merge_patch(
         self, api_version: str, kind: str, name: str, namespace: str | None, patch: Mapping[str, Any]
@@ -463,11 +470,11 @@ class FakeKube:
         if key not in self._objects:
             return False
         self._objects[key] = merged(self._objects[key], patch)
-        self.patched.append((api_version, kind, name, namespace, copy.deepcopy(dict(patch))))
+        self.patched.append((api_version, kind, name, namespace, copied(dict(patch))))
         return True
 
-    def _store(self, obj: Mapping[str, Any]) -> None:
-        doc = copy.deepcopy(dict(obj))
+    def _store(self, obj: Mapping[str, Any], *, handed_over: bool = False) -> None:
+        doc = dict(obj) if handed_over else copied(dict(obj))
         meta = doc.get("metadata", {})
         if not meta.get("name"):
             raise ValueError("apply: metadata.name is required")
@@ -491,9 +498,13 @@ class FakeKube:
                 ("Pod", meta["name"]), placement=placement,
             )  # fmt: skip
 
+    def has(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
+        """Whether the object is stored (``get`` without the copy)."""
+        return (api_version, kind, namespace, name) in self._objects
+
     def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
         obj = self._objects.get((api_version, kind, namespace, name))
-        return copy.deepcopy(obj) if obj is not None else None
+        return copied(obj) if obj is not None else None
 
     def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
         self.deleted.append((api_version, kind, name, namespace))
@@ -654,7 +665,7 @@ class FakeKube:
                     "apiVersion": api,
                     "kind": "RayCluster",
                     "metadata": {"name": cluster, "namespace": ns, "labels": dict(job["metadata"].get("labels", {}))},
-                    "spec": copy.deepcopy(job["spec"]["rayClusterSpec"]),
+                    "spec": copied(job["spec"]["rayClusterSpec"]),
                 }
                 continue
             if status.get("jobDeploymentStatus") in ("Initializing", "Running"):

@@ -375,8 +375,8 @@ class FakeTools:
                     {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {"name": ns}}}
                 )
             for crd in crds(chart):  # created as they are, and kept when the release goes
-                if self.kube.get(crd["apiVersion"], crd["kind"], crd["metadata"]["name"]) is None:
-                    self.kube.put(crd)
+                if not self.kube.has(crd["apiVersion"], crd["kind"], crd["metadata"]["name"]):
+                    self.kube.put(crd, handed_over=True)
         if name in self.crash_plugins:
             self.kube.crashing |= {(ns, o["metadata"]["name"]) for o in objects if o["kind"] == "DaemonSet"}
         for obj in objects:

@@ -105,7 +105,7 @@ def connect(region: str, *, profile: str | None = None, endpoint_url: str | None
     import botocore.exceptions
 
     try:
-        session = boto3.Session(region_name=region, profile_name=profile)
+        session = _session(boto3, region, profile)
         credentials = session.get_credentials()
     except botocore.exceptions.ProfileNotFound as exc:
         raise AwsCredentialsError(f"AWS profile not found: {exc}", hint=CREDENTIALS_HINT) from None
@@ -114,6 +114,29 @@ def connect(region: str, *, profile: str | None = None, endpoint_url: str | None
     if credentials is None:
         raise AwsCredentialsError("no AWS credentials found", hint=CREDENTIALS_HINT)
     return Aws(session, region, endpoint_url=endpoint_url)
+
+
+_LOADER_LOCK = threading.Lock()
+_loader: Any = None
+
+
+def _session(boto3: Any, region: str, profile: str | None) -> Any:
+    """A new boto3 session whose botocore data loader (the AWS API models it reads and parses: several MB of JSON
+    for EC2 alone) is shared by every session of this process, so the models are parsed once, not per session.
+    Credentials, profile and region stay each session's own."""
+    global _loader
+    import botocore.loaders
+    import botocore.session
+
+    with _LOADER_LOCK:
+        if _loader is None:
+            _loader = botocore.loaders.create_loader()
+        core = botocore.session.Session()
+        core.register_component("data_loader", _loader)
+        session = boto3.Session(region_name=region, profile_name=profile, botocore_session=core)
+        # boto3 adds its own data folder to the loader's search path with each session: once is enough.
+        _loader.search_paths[:] = list(dict.fromkeys(_loader.search_paths))
+    return session
 
 
 def error_code(exc: BaseException) -> str:
