@@ -43,6 +43,7 @@ def copied(obj: Any) -> Any:
     pickle: the same as ``copy.deepcopy`` for such data and several times faster on KubeRay's 3 MB of CRDs."""
     return pickle.loads(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
 
+
 _BUILTIN_NAMESPACES = frozenset({"default", "kube-system", "kube-public", "kube-node-lease"})
 # Kinds that live in no namespace (`kubectl api-resources --namespaced=false`), among those the charts render.
 CLUSTER_SCOPED = frozenset(
