@@ -182,14 +182,6 @@ def no_foreign_ray_address() -> Iterator[None]:
         yield
 
 
-# Ray stops a task worker left idle for a second once there are more workers than CPUs
-# (idle_worker_killing_time_threshold_ms, ray/_raylet config, default 1000). Ray Data starts more than that for its
-# zero-CPU tasks, so each stage of a data preparation then started new workers, each importing Ray Data and
-# transformers again: 20-25 s for 12 rows on this 2-core machine, against about 1.3 s with the workers kept. The
-# suite's own Rays keep them for the length of a test module.
-TEST_RAY_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 600_000}
-
-
 @pytest.fixture(scope="module")
 def ray_local():
     """An embedded Ray of its own, shared by one test module (startup costs 15-20 s here). ``address="local"``:
@@ -202,7 +194,7 @@ def ray_local():
         include_dashboard=False,
         log_to_driver=False,
         configure_logging=False,
-        _system_config=TEST_RAY_SYSTEM_CONFIG,
+        _system_config=procs.TEST_RAY_SYSTEM_CONFIG,
     )
     yield ray
     ray.shutdown()

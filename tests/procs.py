@@ -92,6 +92,13 @@ def environ_value(pid: int, name: str) -> str | None:
     return None
 
 
+# Ray stops a task worker left idle for a second once there are more workers than CPUs
+# (idle_worker_killing_time_threshold_ms in Ray's system config, default 1000). Ray Data starts more than that for
+# its zero-CPU tasks, so each stage of a data preparation then started new workers, each importing Ray Data and
+# transformers again: 20-25 s for 12 rows on a 2-core machine, against about 1.3 s with the workers kept. The Rays
+# the suite starts itself keep them for ten minutes (ray.init's _system_config, ``ray start --system-config``).
+TEST_RAY_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 600_000}
+
 TRAIN_WORKER = "ray::RayTrainWorker"  # the process title Ray gives a Ray Train worker
 
 

@@ -52,6 +52,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import procs
+
 SUBNET = "10.213.0"
 HOST_IPS = (f"{SUBNET}.11", f"{SUBNET}.12")
 IFNAME = "eth0"
@@ -336,6 +338,7 @@ class TwoHostCluster:
         common += ["--disable-usage-stats"]
         head = [ray, "start", "--head", f"--node-ip-address={self.ips[0]}", f"--port={GCS_PORT}"]
         head += ["--include-dashboard=false", f"--temp-dir={RAY_TEMP}", *common]
+        head += [f"--system-config={json.dumps(procs.TEST_RAY_SYSTEM_CONFIG)}"]
         self.run(head, host=0, timeout=180, check=True)
         for i in range(1, len(self.host_ns)):
             self._start_worker_node(i)
