@@ -34,7 +34,9 @@ if "ray" in sys.modules:
 os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
 
 SESSION_MARK = "RAYTRAIN_EKS_TEST_SESSION"
-LEFTOVER_GRACE_S = 20.0  # a Ray worker notices its raylet is gone within a few seconds
+# How long the end-of-session check waits for processes to end by themselves (a Ray worker notices its raylet is gone
+# within a few seconds). The suite's own test of the check sets a shorter wait: its leftovers never end by themselves.
+LEFTOVER_GRACE_S = float(os.environ.get("RAYTRAIN_EKS_TEST_LEFTOVER_GRACE_S", "20"))
 
 
 # When each test began (seconds after boot, the clock of /proc's start times), so that a process left over is named
@@ -185,17 +187,20 @@ def no_foreign_ray_address() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def ray_local():
     """An embedded Ray of its own, shared by one test module (startup costs 15-20 s here). ``address="local"``:
-    always a new one, never a Ray already running on this machine (which a bare ``ray.init()`` would join)."""
+    always a new one, never a Ray already running on this machine (which a bare ``ray.init()`` would join).
+    Started in the environment the tool starts its own local Ray in (``ray_session.LOCAL_RAY_ENV``), so the runs
+    here are what a local run is: no preemption watcher, the workers looked at every half second."""
     import ray
 
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-        _system_config=procs.TEST_RAY_SYSTEM_CONFIG,
-    )
+    with procs.local_ray_environment():
+        ray.init(
+            address="local",
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            _system_config=procs.TEST_RAY_SYSTEM_CONFIG,
+        )
     yield ray
     ray.shutdown()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -98,6 +99,26 @@ def environ_value(pid: int, name: str) -> str | None:
 # transformers again: 20-25 s for 12 rows on a 2-core machine, against about 1.3 s with the workers kept. The Rays
 # the suite starts itself keep them for ten minutes (ray.init's _system_config, ``ray start --system-config``).
 TEST_RAY_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 600_000}
+
+
+@contextlib.contextmanager
+def local_ray_environment() -> Iterator[None]:
+    """The environment variables the tool starts its own local Ray with (``ray_session.LOCAL_RAY_ENV``: no
+    preemption watcher, the workers looked at every half second), set while a Ray the suite starts comes up: its
+    processes keep the environment they start with."""
+    from raytrain_eks.ray_session import LOCAL_RAY_ENV
+
+    saved = {name: os.environ.get(name) for name in LOCAL_RAY_ENV}
+    os.environ.update(LOCAL_RAY_ENV)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
 
 TRAIN_WORKER = "ray::RayTrainWorker"  # the process title Ray gives a Ray Train worker
 

@@ -7,6 +7,7 @@ name both, and leave neither running. A run that cleans up after itself passes.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -43,7 +44,8 @@ def _run_suite(tmp_path: Path, test_source: str) -> subprocess.CompletedProcess[
         shutil.copy(Path(__file__).with_name(name), tmp_path / name)
     (tmp_path / "test_it.py").write_text(test_source)
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_it.py")]
-    return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    env = {**os.environ, "RAYTRAIN_EKS_TEST_LEFTOVER_GRACE_S": "1"}  # these sleepers never end by themselves
+    return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
 
 
 def _sleepers(seconds: str) -> list[procs.Proc]:
