@@ -188,19 +188,11 @@ def no_foreign_ray_address() -> Iterator[None]:
 def ray_local():
     """An embedded Ray of its own, shared by one test module (startup costs 15-20 s here). ``address="local"``:
     always a new one, never a Ray already running on this machine (which a bare ``ray.init()`` would join).
-    Started in the environment the tool starts its own local Ray in (``ray_session.LOCAL_RAY_ENV``), so the runs
-    here are what a local run is: no preemption watcher, the workers looked at every half second."""
+    Started as the tool starts its own local Ray (:func:`procs.start_local_ray`), so the runs here are what a
+    local run is."""
     import ray
 
-    with procs.local_ray_environment():
-        ray.init(
-            address="local",
-            num_cpus=4,
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-            _system_config=procs.TEST_RAY_SYSTEM_CONFIG,
-        )
+    procs.start_local_ray()
     yield ray
     ray.shutdown()
 
@@ -219,7 +211,8 @@ def moto_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     amis = tmp_path_factory.mktemp("moto") / "amis.json"
     amis.write_text(json.dumps(load_resource("ec2/resources/amis.json")))
-    os.environ["MOTO_AMIS_PATH"] = str(amis)
+    environ = pytest.MonkeyPatch()
+    environ.setenv("MOTO_AMIS_PATH", str(amis))
 
     # werkzeug logs every request, and a traceback for each action moto does not implement.
     werkzeug = logging.getLogger("werkzeug")
@@ -231,7 +224,7 @@ def moto_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     yield f"http://{host}:{port}"
     server.stop()
     werkzeug.setLevel(level)
-    os.environ.pop("MOTO_AMIS_PATH", None)
+    environ.undo()
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -101,23 +100,24 @@ def environ_value(pid: int, name: str) -> str | None:
 TEST_RAY_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 600_000}
 
 
-@contextlib.contextmanager
-def local_ray_environment() -> Iterator[None]:
-    """The environment variables the tool starts its own local Ray with (``ray_session.LOCAL_RAY_ENV``: no
-    preemption watcher, the workers looked at every half second), set while a Ray the suite starts comes up: its
-    processes keep the environment they start with."""
-    from raytrain_eks.ray_session import LOCAL_RAY_ENV
+def start_local_ray() -> None:
+    """Start a Ray of the suite's own in this process: ``address="local"``, always a new one (a bare ``ray.init()``
+    would join a Ray already running on this machine), started as the tool starts its own local Ray
+    (``ray_session.local_ray_environment``: no preemption watcher, workers looked at every half second), and keeping
+    its idle task workers (:data:`TEST_RAY_SYSTEM_CONFIG`)."""
+    import ray
 
-    saved = {name: os.environ.get(name) for name in LOCAL_RAY_ENV}
-    os.environ.update(LOCAL_RAY_ENV)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    from raytrain_eks.ray_session import local_ray_environment
+
+    with local_ray_environment():
+        ray.init(
+            address="local",
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+            _system_config=TEST_RAY_SYSTEM_CONFIG,
+        )
 
 
 TRAIN_WORKER = "ray::RayTrainWorker"  # the process title Ray gives a Ray Train worker

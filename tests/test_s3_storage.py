@@ -39,16 +39,7 @@ def s3_and_ray(moto_url):
         for name, value in env.items():
             mp.setenv(name, value)
         boto3.client("s3").create_bucket(Bucket=BUCKET)
-        # address="local": a Ray of its own, never one already running on this machine.
-        with procs.local_ray_environment():
-            ray.init(
-                address="local",
-                num_cpus=4,
-                include_dashboard=False,
-                log_to_driver=False,
-                configure_logging=False,
-                _system_config=procs.TEST_RAY_SYSTEM_CONFIG,
-            )
+        procs.start_local_ray()  # a Ray of its own, never one already running on this machine
         try:
             yield boto3.client("s3")
         finally:

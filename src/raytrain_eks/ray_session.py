@@ -80,7 +80,7 @@ def init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
         warm = threading.Thread(target=_import_train_modules, name="import-ray-train", daemon=True)
         warm.start()
         # address="local": always a new Ray of our own, never one some other program started on this machine.
-        with _environ(LOCAL_RAY_ENV):  # Ray's processes take the environment they start with; this one keeps it
+        with local_ray_environment():
             ray.init(address="local", num_cpus=cpus, include_dashboard=False, **kwargs)
         _start_resource_coordinator()
         warm.join()
@@ -146,9 +146,10 @@ LOCAL_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_C
 
 
 @contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """``os.environ`` with ``values`` set while inside (those the user set stay as they are)."""
-    added = {k: v for k, v in values.items() if k not in os.environ}
+def local_ray_environment() -> Iterator[None]:
+    """``os.environ`` with :data:`LOCAL_RAY_ENV` set while inside (values the user set stay as they are): wrap the
+    start of a Ray on one machine in it, since Ray's processes keep the environment they start with."""
+    added = {k: v for k, v in LOCAL_RAY_ENV.items() if k not in os.environ}
     os.environ.update(added)
     try:
         yield
