@@ -13,7 +13,6 @@ Helm 3 and Helm 4 and fails when they differ, so what the fakes create is what t
 from __future__ import annotations
 
 import functools
-import pickle
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,11 +107,11 @@ def rendered(release: str) -> list[dict[str, Any]]:
 
 
 @functools.cache
-def _crds(chart: Chart) -> tuple[bytes, ...]:
+def _crds(chart: Chart) -> tuple[dict[str, Any], ...]:
     # Whole, schemas included (the kept-KubeRay check reads them): libyaml parses KubeRay's 3 MB of CRDs in well
-    # under a second, once per session. Kept pickled: each caller gets its own objects from one pickle.loads.
+    # under a second, once per session.
     return tuple(
-        pickle.dumps(yaml.load(data.decode(), Loader=_LOADER), pickle.HIGHEST_PROTOCOL)
+        yaml.load(data.decode(), Loader=_LOADER)
         for name, data in sorted(chart.files().items())
         if name.startswith("crds/") and name.endswith((".yaml", ".yml"))
     )
@@ -120,9 +119,8 @@ def _crds(chart: Chart) -> tuple[bytes, ...]:
 
 def crds(chart: Chart) -> list[dict[str, Any]]:
     """The chart's ``crds/`` CustomResourceDefinitions as they are: Helm creates them, unchanged and before the
-    templates, when it installs a release (helm/helm pkg/action/install.go, installCRDs; v3.17.3, v4.1.4).
-    Fresh objects on each call: callers may change or keep them."""
-    return [pickle.loads(blob) for blob in _crds(chart)]
+    templates, when it installs a release (helm/helm pkg/action/install.go, installCRDs; v3.17.3, v4.1.4)."""
+    return copied(list(_crds(chart)))
 
 
 @functools.cache

@@ -373,11 +373,10 @@ class FakeKube:
         self._drop_owned(namespace, ("DaemonSet", name))
         return True
 
-    def put(self, obj: Mapping[str, Any], *, handed_over: bool = False) -> None:
+    def put(self, obj: Mapping[str, Any]) -> None:
         """Create or replace an object as a tool other than the steps does (helm, eksctl): stored and run by the
-        controllers, but not recorded in ``applied``. A namespaced object needs ``metadata.namespace``.
-        ``handed_over``: ``obj`` is a fresh copy nothing else holds, stored as it is instead of copied again."""
-        self._store(obj, handed_over=handed_over)
+        controllers, but not recorded in ``applied``. A namespaced object needs ``metadata.namespace``."""
+        self._store(obj)
 
     def remove(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
         """Delete an object as a tool other than the steps does (not recorded in ``deleted``)."""
@@ -474,8 +473,8 @@ class FakeKube:
         self.patched.append((api_version, kind, name, namespace, copied(dict(patch))))
         return True
 
-    def _store(self, obj: Mapping[str, Any], *, handed_over: bool = False) -> None:
-        doc = dict(obj) if handed_over else copied(dict(obj))
+    def _store(self, obj: Mapping[str, Any]) -> None:
+        doc = copied(dict(obj))
         meta = doc.get("metadata", {})
         if not meta.get("name"):
             raise ValueError("apply: metadata.name is required")

@@ -376,7 +376,7 @@ class FakeTools:
                 )
             for crd in crds(chart):  # created as they are, and kept when the release goes
                 if not self.kube.has(crd["apiVersion"], crd["kind"], crd["metadata"]["name"]):
-                    self.kube.put(crd, handed_over=True)
+                    self.kube.put(crd)
         if name in self.crash_plugins:
             self.kube.crashing |= {(ns, o["metadata"]["name"]) for o in objects if o["kind"] == "DaemonSet"}
         for obj in objects:
