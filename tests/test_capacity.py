@@ -846,3 +846,16 @@ def test_reservations_that_cannot_be_listed_are_left_out_and_said(aws_env):
     cfg = load_config(overrides={"cluster": {"capacity_reservation_id": "cr-0aaaaaaaaaaaaaaa1"}})
     with pytest.raises(UserError, match="could not be listed: AWS refused DescribeCapacityReservations"):
         _check(cfg, _services(reservations=FakeReservations(active_error=denied)))
+
+
+def test_every_session_shares_one_loader_of_the_api_models_and_keeps_its_own_region(aws_env):
+    from raytrain_eks.aws.session import connect
+
+    east, west = connect("us-east-1"), connect("us-west-2")
+    loader = east.session._session.get_component("data_loader")
+    assert west.session._session.get_component("data_loader") is loader  # the models are parsed once per process
+    paths = list(loader.search_paths)
+    connect("us-east-1")
+    assert loader.search_paths == paths  # boto3's data folder is not added again with each session
+    assert (east.session.region_name, west.session.region_name) == ("us-east-1", "us-west-2")
+    assert west.client("ec2").meta.region_name == "us-west-2"
