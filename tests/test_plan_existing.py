@@ -168,6 +168,34 @@ def test_a_configured_gpu_node_type_gives_the_estimate_and_its_default_does_not(
     assert any("memory estimate is left out" in a and "cluster.gpu_node_type" in a for a in default.assumptions)
 
 
+def test_the_default_gpu_node_type_counts_when_this_command_is_given_it_and_not_from_an_init_file(
+    tmp_path, monkeypatch
+):
+    """g6.12xlarge is both the EKS target's default and a type a kubernetes cluster's unlabelled nodes may be: given
+    with --set or GPU_NODE_TYPE it gives the L4's estimate; the same value in a file written by init does not."""
+    from raytrain_eks.config_file import commented_yaml
+    from raytrain_eks.presets import reference
+
+    monkeypatch.chdir(tmp_path)
+    state = tmp_path / ".raytrain-eks"
+    shape = [*SHAPE, "cluster.efa_per_node=4"]
+    by_set = plan_existing.build_plan(_cfg(*shape, "cluster.gpu_node_type=g6.12xlarge"), state_dir=state)
+    assert by_set.summary["gpu_node_type"] == "g6.12xlarge" and by_set.summary["memory_per_gpu"] is not None
+    env = load_config(environ={"GPU_NODE_TYPE": "g6.12xlarge"}, path=None, sets=[*BASE, *shape])
+    by_env = plan_existing.build_plan(env, state_dir=state)
+    assert by_env.summary["memory_per_gpu"] == by_set.summary["memory_per_gpu"]
+
+    written = tmp_path / "raytrain-eks.yaml"
+    written.write_text(commented_yaml(reference()))  # what `raytrain-eks init` writes: gpu_node_type among the rest
+    from_file = load_config(environ={}, path=written, sets=[*BASE, *shape])
+    assert from_file.cluster.gpu_node_type == "g6.12xlarge"
+    plan = plan_existing.build_plan(from_file, state_dir=state)
+    assert plan.summary["memory_per_gpu"] is None
+    (why,) = [a for a in plan.assumptions if "memory estimate is left out" in a]
+    assert "--set cluster.gpu_node_type=g6.12xlarge" in why and "GPU_NODE_TYPE" in why
+    assert from_file.given_in_command("cluster.target") and not from_file.given_in_command("cluster.gpu_node_type")
+
+
 # --- neither ---------------------------------------------------------------------------------------------------------
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from raytrain_eks import config_layers as layers
 from raytrain_eks.errors import ConfigError
@@ -782,6 +782,15 @@ class Config(_Section):
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     fabric: FabricConfig = Field(default_factory=FabricConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
+    # Settings this command was given in the environment, as a flag or with --set (dotted names), kept by
+    # load_config; copies keep it, a preset or a file's value is not in it.
+    _given_in_command: frozenset[str] = PrivateAttr(default_factory=frozenset)
+
+    def given_in_command(self, name: str) -> bool:
+        """Whether the setting ``name`` (``"cluster.gpu_node_type"``) was given to this command in the environment,
+        as a flag or with ``--set``, rather than read from a file or left at the preset's value. A file written by
+        ``raytrain-eks init`` holds every default, so a value equal to its default there says nothing of intent."""
+        return name in self._given_in_command
 
     @property
     def derived(self) -> Derived:
@@ -884,10 +893,13 @@ def load_config(
         raise ConfigError(bad_sets)
 
     try:
-        return Config.model_validate(tree)
+        cfg = Config.model_validate(tree)
     except ValidationError as exc:
         problems = layers.format_errors(exc.errors(), sources, tree, Config)
         raise ConfigError(problems) from None
+    from_file = str(file) if file.exists() else None
+    cfg._given_in_command = frozenset(".".join(k) for k, origin in sources.items() if origin != from_file)
+    return cfg
 
 
 def env_file_lines(cfg: Config) -> list[str]:

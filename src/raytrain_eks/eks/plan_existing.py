@@ -292,7 +292,8 @@ def build_plan(cfg: Config, *, state_dir: str | Path, mode: Mode = "raycluster",
             "The GPU nodes' type is not known here: the memory estimate is left out (a run that does not fit "
             f"fails). `raytrain-eks up` reads it from the nodes' {existing.INSTANCE_TYPE_LABEL} label or GPU feature "
             f"discovery's {existing.GPU_MEMORY_LABEL}; or set cluster.gpu_node_type to their EC2 type (its default, "
-            f"{c.gpu_node_type}, is taken to name no node of this cluster)."
+            f"{c.gpu_node_type}, counts only when given to this command: --set cluster.gpu_node_type="
+            f"{c.gpu_node_type} or GPU_NODE_TYPE; in a file it is what `raytrain-eks init` writes)."
         )
     elif memory is None:
         assumptions.append(unknown_shape_note(cfg.training.model_id))

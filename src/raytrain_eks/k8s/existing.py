@@ -325,7 +325,8 @@ def up(d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
     if not found.gpu_node_type and not found.gpu_mib and configured_gpu_type(d.cfg) is None:
         d.say(
             "The GPU nodes carry neither an EC2 instance type raytrain-eks knows nor GPU feature discovery's "
-            f"{GPU_MEMORY_LABEL} label: submit leaves out the memory estimate."
+            f"{GPU_MEMORY_LABEL} label: submit leaves out the memory estimate. To have it, give their EC2 type to "
+            "plan and submit (--set cluster.gpu_node_type=TYPE, or GPU_NODE_TYPE)."
         )
     if d.cfg.cluster.gpu_nodes_on_demand:
         d.say(
@@ -384,10 +385,13 @@ def ray_lines(d: Deployment) -> list[str]:
 
 def configured_gpu_type(cfg: Config) -> InstanceType | None:
     """``cluster.gpu_node_type`` when the user set it to a type the instance table knows, for nodes that carry no
-    label saying theirs; its default (the EKS reference's type) names no node of this cluster and does not count."""
+    label saying theirs. Its default (the EKS reference's type, which every file ``init`` writes holds) counts only
+    when this command was given it (``GPU_NODE_TYPE``, ``--set``): from a file or a preset it names no node of this
+    cluster."""
     name = cfg.cluster.gpu_node_type
     default = type(cfg.cluster).model_fields["gpu_node_type"].default
-    return INSTANCE_TYPES[name] if name != default and name in INSTANCE_TYPES else None
+    chosen = name != default or cfg.given_in_command("cluster.gpu_node_type")
+    return INSTANCE_TYPES[name] if chosen and name in INSTANCE_TYPES else None
 
 
 def gpu_type(cfg: Config, state: StateStore) -> InstanceType | None:
