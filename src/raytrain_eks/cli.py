@@ -25,7 +25,7 @@ from typer._click.exceptions import ClickException
 
 from raytrain_eks import presets
 from raytrain_eks.aws import commands as aws_commands
-from raytrain_eks.config import DEFAULT_CONFIG_FILE, env_file_lines, load_config
+from raytrain_eks.config import DEFAULT_CONFIG_FILE, load_config
 from raytrain_eks.eks import commands as deploy_commands
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.fabric import commands as fabric_commands
@@ -340,6 +340,8 @@ def config_show(
     """Print the configuration after the file, the environment and the preset are combined and validated."""
     cfg = load_config(preset=presets.choose(preset), path=config, sets=sets)
     if env:
+        from raytrain_eks.config_file import env_file_lines
+
         out.print("\n".join(env_file_lines(cfg)), soft_wrap=True)
     else:
         out.print(cfg.to_yaml(), end="", soft_wrap=True)

@@ -782,14 +782,11 @@ class Config(_Section):
     network: NetworkConfig = Field(default_factory=NetworkConfig)
     fabric: FabricConfig = Field(default_factory=FabricConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
-    # Settings this command was given in the environment, as a flag or with --set (dotted names), kept by
-    # load_config; copies keep it, a preset or a file's value is not in it.
-    _given_in_command: frozenset[str] = PrivateAttr(default_factory=frozenset)
+    _given_in_command: frozenset[str] = PrivateAttr(default_factory=frozenset)  # dotted names; load_config sets it
 
     def given_in_command(self, name: str) -> bool:
-        """Whether the setting ``name`` (``"cluster.gpu_node_type"``) was given to this command in the environment,
-        as a flag or with ``--set``, rather than read from a file or left at the preset's value. A file written by
-        ``raytrain-eks init`` holds every default, so a value equal to its default there says nothing of intent."""
+        """Whether this command was given the setting ``name`` (``"cluster.gpu_node_type"``) in the environment, as a
+        flag or with ``--set``: a file ``init`` wrote holds every default, so a default there says nothing of intent."""
         return name in self._given_in_command
 
     @property
@@ -900,12 +897,3 @@ def load_config(
     from_file = str(file) if file.exists() else None
     cfg._given_in_command = frozenset(".".join(k) for k, origin in sources.items() if origin != from_file)
     return cfg
-
-
-def env_file_lines(cfg: Config) -> list[str]:
-    """The configuration as ``export NAME=value`` lines of the reference's env.sh names."""
-    lines = []
-    for name, (section, field) in layers.ENV_VARS.items():
-        value = getattr(getattr(cfg, section), field)
-        lines.append(f"export {name}={'' if value is None else value}")
-    return lines

@@ -1,4 +1,5 @@
-"""The commented YAML file ``raytrain-eks init`` writes: every setting, what it does, and its env.sh name."""
+"""The commented YAML file ``raytrain-eks init`` writes (every setting, what it does, and its env.sh name), and the
+settings as env.sh lines."""
 
 from __future__ import annotations
 
@@ -43,3 +44,12 @@ def commented_yaml(cfg: Config) -> str:
             lines.extend(f"  {line}" for line in dumped.splitlines())
         lines.append("")
     return "\n".join(lines)
+
+
+def env_file_lines(cfg: Config) -> list[str]:
+    """The configuration as ``export NAME=value`` lines of the reference's env.sh names."""
+    lines = []
+    for name, (section, field) in ENV_VARS.items():
+        value = getattr(getattr(cfg, section), field)
+        lines.append(f"export {name}={'' if value is None else value}")
+    return lines
