@@ -213,6 +213,7 @@ def test_up_on_a_cluster_without_efa_installs_only_the_missing_plugin_and_kubera
     assert (state["target"], state["context"], state["efa_per_node"]) == ("kubernetes", CONTEXT, 0)
     assert (state["worker_cpu"], state["worker_memory_gib"]) == (9, 66)  # 5/6 of the nodes' allocatable
     assert "no EFA" in plain.said() and "leaves out the memory estimate" in plain.said()
+    assert "--set cluster.gpu_node_type=TYPE" in plain.said()  # and how to have it
     # Again: everything is there now; nothing is asked or installed.
     plain.questions.clear()
     plain.target.up(plain.d(), confirm=plain.ask())
