@@ -10,12 +10,14 @@ import re
 import socket
 import threading
 import time
+import warnings
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
+from ray.util.annotations import RayDeprecationWarning
 
 from raytrain_eks.config import load_config
 from raytrain_eks.errors import DataError
@@ -321,7 +323,10 @@ def test_csv_delimiter_and_tsv_reach_ray_datas_reads(tmp_path, ray_local, builti
     tsv.write_text(csv_text(ROWS * 3, "\t"))
     semi.write_text(csv_text(ROWS * 3, ";"))
     expected = blocks(prep(str(csv), builtin_model, where="driver"))
-    np.testing.assert_array_equal(blocks(prep(str(tsv), builtin_model, where="ray")), expected)
+    with warnings.catch_warnings(record=True) as said:  # the reads stay on this node through Ray's current API
+        warnings.simplefilter("always")
+        np.testing.assert_array_equal(blocks(prep(str(tsv), builtin_model, where="ray")), expected)
+    assert not [w for w in said if issubclass(w.category, RayDeprecationWarning)], [str(w.message) for w in said]
     np.testing.assert_array_equal(blocks(prep(str(semi), builtin_model, where="ray", csv_delimiter=";")), expected)
     big = tmp_path / "big.tsv"
     big.write_text(csv_text(ROWS * 9000, "\t") + "a\tb\tc\td\n")  # 1.5 MiB: pyarrow's first block is 1 MiB
@@ -331,6 +336,24 @@ def test_csv_delimiter_and_tsv_reach_ray_datas_reads(tmp_path, ray_local, builti
         f"--data {str(big)!r}: {big} is not valid TSV: row 36002 (the header is row 1) has 4 fields, the header 3: "
         "'a\\tb\\tc\\td'"
     )
+
+
+def test_reads_are_placed_through_the_parameter_each_ray_version_has():
+    """Ray 2.60 reads take ``label_selector`` and deprecate ``ray_remote_args``; Ray 2.58 (the cluster image's) has
+    only ``ray_remote_args``, whose ``label_selector`` its reads honour (ray 2.58.0 wheel, ray/data/read_api.py:
+    ``_resolve_ray_remote_args`` pins local reads the same way)."""
+    import ray.data
+
+    from raytrain_eks.train.tabular import placed
+
+    here = {"ray.io/node-id": "ab" * 28}
+    assert placed(ray.data.read_csv, here) == {"label_selector": here}  # this suite's Ray (2.60)
+
+    def read_csv_of_ray_2_58(paths, *, filesystem=None, parallelism=-1, ray_remote_args=None, **arrow_csv_args):
+        """The keyword parameters Ray 2.58.0's ``read_csv`` has around the one that places its tasks."""
+
+    assert placed(read_csv_of_ray_2_58, here) == {"ray_remote_args": {"label_selector": here}}
+    assert placed(ray.data.read_csv, None) == placed(read_csv_of_ray_2_58, None) == {}  # remote data: any node
 
 
 # -- hf:OWNER/NAME when the Hub cannot be reached -------------------------------------------------------------------

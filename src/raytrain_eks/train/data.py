@@ -47,7 +47,7 @@ from raytrain_eks.train.encoding import (
     load_tokenizer,
 )
 from raytrain_eks.train.sources import list_data_files
-from raytrain_eks.train.tabular import delimiter_hint, read_dataset, read_table, unreadable
+from raytrain_eks.train.tabular import delimiter_hint, placed, read_dataset, read_table, unreadable
 
 PACK_ROWS = 1024  # rows packed together: only the last block of each group is padded
 
@@ -781,9 +781,9 @@ def prepare_dataset(
             where = _reads_here(files)
             with _blocks_bounded():  # the steps below inherit the read's settings
                 raw = (
-                    read_dataset(files, kind, ray_remote_args=where, csv_delimiter=csv_delimiter)
+                    read_dataset(files, kind, label_selector=where, csv_delimiter=csv_delimiter)
                     if kind != "json"
-                    else ray.data.read_datasource(json_datasource(files), ray_remote_args=where)
+                    else ray.data.read_datasource(json_datasource(files), **placed(ray.data.read_datasource, where))
                 )
             encoded = raw.map_batches(_encode_batch, batch_format="pyarrow", fn_kwargs=encode).materialize()
     except DataError:
@@ -854,17 +854,17 @@ def prepare_dataset(
     )
 
 
-def _reads_here(files: Sequence[str]) -> dict[str, Any]:
-    """Ray remote arguments that keep the read tasks of local ``files`` on this node (on a cluster, another node
-    has no such files); none for remote storage, which every node reaches."""
+def _reads_here(files: Sequence[str]) -> dict[str, str] | None:
+    """The label selector that keeps the read tasks of local ``files`` on this node (on a cluster, another node has
+    no such files): Ray's own node-id label; none for remote storage, which every node reaches."""
     from raytrain_eks.train.storage import is_remote
 
     if all(is_remote(f) for f in files):
-        return {}
+        return None
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ray.util.placement_group import NODE_ID_LABEL_KEY
 
-    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)}
+    return {NODE_ID_LABEL_KEY: ray.get_runtime_context().get_node_id()}
 
 
 def _tally(tables: Iterable[Any]) -> tuple[Counter[str], int, int, int]:

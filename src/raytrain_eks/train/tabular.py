@@ -14,6 +14,7 @@ and the Hub (``*.arrow``), or Arrow IPC files.
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import PurePath
@@ -220,13 +221,15 @@ def read_table(path: str, kind: str, csv_delimiter: str = ",") -> Any:
     raise ValueError(f"no table reader for {kind!r} files")
 
 
-def read_dataset(files: list[str], kind: str, *, ray_remote_args: dict[str, Any], csv_delimiter: str = ",") -> Any:
+def read_dataset(
+    files: list[str], kind: str, *, label_selector: dict[str, str] | None, csv_delimiter: str = ","
+) -> Any:
     """A Ray dataset of the rows of ``files`` (local or remote; ``kind``: one of :data:`TABLE_KINDS`), read by Ray
-    Data's tasks (with ``ray_remote_args``) in bounded blocks."""
+    Data's tasks (on the nodes ``label_selector`` picks, any node for ``None``) in bounded blocks."""
     import ray.data
 
     if kind == "parquet":
-        return ray.data.read_parquet(files, ray_remote_args=ray_remote_args)
+        return ray.data.read_parquet(files, **placed(ray.data.read_parquet, label_selector))
     if kind in DELIMITED:
         # Hive partitioning off: a folder named like key=value adds no column.
         parse, options = _delimited(files, kind, csv_delimiter)
@@ -235,11 +238,22 @@ def read_dataset(files: list[str], kind: str, *, ray_remote_args: dict[str, Any]
             partitioning=None,
             parse_options=parse,
             convert_options=options,
-            ray_remote_args=ray_remote_args,
+            **placed(ray.data.read_csv, label_selector),
         )
     if kind == "arrow":
-        return ray.data.read_datasource(_arrow_datasource(files), ray_remote_args=ray_remote_args)
+        return ray.data.read_datasource(_arrow_datasource(files), **placed(ray.data.read_datasource, label_selector))
     raise ValueError(f"no table reader for {kind!r} files")
+
+
+def placed(read: Any, label_selector: dict[str, str] | None) -> dict[str, Any]:
+    """The keyword arguments that give Ray Data's ``read`` function the nodes its tasks run on: its own
+    ``label_selector`` parameter where it has one (Ray 2.60 on, which deprecates ``ray_remote_args``), else inside
+    ``ray_remote_args`` (Ray 2.58, the cluster image's, has no such parameter). Nothing for ``None``."""
+    if label_selector is None:
+        return {}
+    if "label_selector" in inspect.signature(read).parameters:
+        return {"label_selector": label_selector}
+    return {"ray_remote_args": {"label_selector": label_selector}}
 
 
 def _arrow_datasource(files: list[str]) -> Any:
