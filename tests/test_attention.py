@@ -111,6 +111,18 @@ def test_auto_takes_flash_attention_on_cuda_where_flash_attn_is_installed(monkey
     assert attention == "sdpa" and "flash-attn 2 (2.3.3 or later) is not installed" in why
 
 
+def test_the_flash_attn_minimum_is_the_one_transformers_checks():
+    """The plan's reading of an image's flash-attn and the job's check use one minimum: transformers' own."""
+    import inspect
+
+    from transformers.utils import import_utils
+
+    from raytrain_eks.config import FLASH_ATTN_MIN
+
+    source = inspect.getsource(import_utils.is_flash_attn_2_available)
+    assert f'version.parse("{FLASH_ATTN_MIN}")' in source
+
+
 def test_flash_attention_that_cannot_run_is_refused_naming_what_is_missing(llama, monkeypatch):
     with pytest.raises(UserError) as info:
         choose_attention(FLASH_ATTENTION, LlamaForCausalLM, cuda=False, precision="fp32")

@@ -502,6 +502,7 @@ def check_sharding_for_nodes(training: TrainingConfig, nodes: int, workers: int 
 
 PACKING_MODES = ("documents", "concat")  # rows kept apart in a block (their own positions), or run on as one text
 LORA_ALL_LINEAR = "all-linear"  # peft's name for every linear layer of the decoder blocks
+FLASH_ATTN_MIN = "2.3.3"  # the oldest flash-attn 2 transformers' is_flash_attn_2_available accepts
 
 
 class LoraSettings(_Section):

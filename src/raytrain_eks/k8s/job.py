@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import raytrain_eks
-from raytrain_eks.config import Config
+from raytrain_eks.config import FLASH_ATTN_MIN, Config
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 
@@ -245,9 +245,6 @@ def known_image_packages(image: str) -> tuple[dict[str, str], str] | None:
     src = table["source"]
     repo = src["repository"].removeprefix("https://github.com/")
     return dict(table["packages"]), f"its build lock, {repo}@{src['commit'][:8]} {src['files'][0]}"
-
-
-FLASH_ATTN_MIN = "2.3.3"  # the oldest flash-attn 2 the job's attention check accepts (train/model.py)
 
 
 def image_has_flash_attn(image: str) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from raytrain_eks.config import FLASH_ATTN_MIN
 from raytrain_eks.errors import UserError
 from raytrain_eks.train.memory import GRAD_PIECE_ELEMENTS
 
@@ -93,7 +94,9 @@ def _flash_missing(
     if cuda is False:
         missing.append("the run's device is not a CUDA GPU")
     if flash_installed is False:
-        missing.append("flash-attn 2 (2.3.3 or later) is not installed (transformers' is_flash_attn_2_available)")
+        missing.append(
+            f"flash-attn 2 ({FLASH_ATTN_MIN} or later) is not installed (transformers' is_flash_attn_2_available)"
+        )
     if precision == "fp32":
         missing.append("the run computes in fp32 (training.precision), and flash-attn only in bf16 or fp16")
     return missing
