@@ -4,7 +4,9 @@ file larger than one chunk into several blocks (so no task holds the whole file)
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 
 import pytest
 
@@ -109,16 +111,24 @@ def test_a_row_the_reader_decodes_but_a_deeper_stack_cannot_is_one_malformed_row
 
     deep = '{"instruction": "Q", "output": "A", "extra": ' + "[" * 950 + "]" * 950 + "}"
     good = json.dumps({"instruction": "What is 2 plus 3?", "output": "5."})
-    rows = list(json_rows([f"{good}\n{deep}\n".encode()]))
+
+    @contextlib.contextmanager
+    def frames_left(n: int) -> Iterator[None]:
+        """Python's recursion limit ``n`` frames above this one, whatever runs the test (pytest, xdist's worker)."""
+        before = sys.getrecursionlimit()
+        sys.setrecursionlimit(len(inspect.stack()) + n)
+        try:
+            yield
+        finally:
+            sys.setrecursionlimit(before)
+
+    with frames_left(1000):  # the reader's stack: the thousand levels Python allows, less what called it
+        rows = list(json_rows([f"{good}\n{deep}\n".encode()]))
     assert [r["error"] for r in rows] == ["", ""], "the reader passes both rows"
     encoding_tokenizer(builtin_model)  # loaded before the stack is cut short
-    before = sys.getrecursionlimit()
-    sys.setrecursionlimit(len(inspect.stack()) + 600)  # 600 frames left: a task's stack, Ray's frames above it
-    try:
+    with frames_left(600):  # 600 frames left: a task's stack, Ray's frames above it
         out = _encode_batch(
             _rows_block(rows), tokenizer_path=builtin_model, data_format="instruction", text_field="text"
         )
-    finally:
-        sys.setrecursionlimit(before)
     assert out.column("reason").to_pylist() == ["", TOO_DEEP]
     assert out.column("tokens").to_pylist()[0] > 0 and out.column("tokens").to_pylist()[1] == 0

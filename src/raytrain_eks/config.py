@@ -785,6 +785,9 @@ class Config(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     _given_in_command: frozenset[str] = PrivateAttr(default_factory=frozenset)  # dotted names; load_config sets it
 
+    def __eq__(self, other: object) -> bool:  # the same settings, wherever they were given
+        return isinstance(other, Config) and self.__dict__ == other.__dict__
+
     def given_in_command(self, name: str) -> bool:
         """Whether this command was given the setting ``name`` (``"cluster.gpu_node_type"``) in the environment, as a
         flag or with ``--set``: a file ``init`` wrote holds every default, so a default there says nothing of intent."""
@@ -814,11 +817,8 @@ class Config(_Section):
         return self
 
     def check_cluster_storage(self) -> None:
-        """:func:`check_storage_for_nodes` for this configuration's own cluster (its GPU nodes the ranks span).
-
-        For a job this tool submits to the cluster it deploys, before anything is submitted; a run that joins a
-        Ray cluster counts that cluster's nodes instead (``train --address``).
-        """
+        """:func:`check_storage_for_nodes` for the cluster this tool deploys (its GPU nodes the ranks span), before
+        anything is submitted; a run that joins a Ray cluster counts that cluster's nodes instead (``--address``)."""
         check_storage_for_nodes(
             self.training, self.derived.worker_nodes, counted="cluster.gpu_node_count and training.num_workers"
         )
