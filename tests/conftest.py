@@ -53,25 +53,52 @@ def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) 
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Fail the run, naming them, when processes started by this session are still running; then stop them."""
+    """Fail the run, naming them, when processes started by this session are still running; then stop them.
+
+    With pytest-xdist each worker process checks its own and hands what it found to the controlling process in its
+    worker output (xdist sends it when the worker's session ends; a worker's own output is not shown), which says it.
+    """
     mark = os.environ.get(SESSION_MARK)
     if not mark:
         return
+    found = _stop_leftovers(mark)
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:
+        worker_output[LEFTOVERS_KEY] = found
+        return
+    said = [text for text in (found, *_WORKER_LEFTOVERS) if text]
+    if not said:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for text in said:
+        if reporter is not None:
+            reporter.write_line(text, red=True)
+        else:
+            print(text)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+LEFTOVERS_KEY = "raytrain_eks_leftover_processes"
+_WORKER_LEFTOVERS: list[str] = []  # what each xdist worker found, in the controlling process
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    _WORKER_LEFTOVERS.append(getattr(node, "workeroutput", {}).get(LEFTOVERS_KEY, ""))
+
+
+def _stop_leftovers(mark: str) -> str:
+    """Wait up to the grace for this session's processes to end by themselves, stop those left, and name them with
+    where they came from (``""`` when none was left)."""
     deadline = time.monotonic() + LEFTOVER_GRACE_S
     while (left := leftover_processes(mark)) and time.monotonic() < deadline:
         time.sleep(0.5)
     if not left:
-        return
+        return ""
     lines = [f"  pid {p.pid}: {p.cmdline[:200]}\n    {_whence(p)}" for p in left]
-    message = f"{len(left)} process(es) started by this test session outlived it (stopped now):\n" + "\n".join(lines)
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(message, red=True)
-    else:
-        print(message)
     for p in left:
         p.kill()
-    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    return f"{len(left)} process(es) started by this test session outlived it (stopped now):\n" + "\n".join(lines)
 
 
 def _whence(p: procs.Proc) -> str:

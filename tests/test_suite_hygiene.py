@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import procs
+import pytest
 
 LEAKY = """
 import subprocess
@@ -39,11 +40,15 @@ def test_cleans_up():
 """
 
 
-def _run_suite(tmp_path: Path, test_source: str) -> subprocess.CompletedProcess[str]:
+# The suite's own command runs it in two processes (pytest-xdist): the check must hold there too.
+IN_TWO_PROCESSES = ["-n", "2", "--dist", "loadfile"]
+
+
+def _run_suite(tmp_path: Path, test_source: str, *options: str) -> subprocess.CompletedProcess[str]:
     for name in ("conftest.py", "procs.py"):
         shutil.copy(Path(__file__).with_name(name), tmp_path / name)
     (tmp_path / "test_it.py").write_text(test_source)
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path / "test_it.py")]
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options, str(tmp_path / "test_it.py")]
     env = {**os.environ, "RAYTRAIN_EKS_TEST_LEFTOVER_GRACE_S": "1"}  # these sleepers never end by themselves
     return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
 
@@ -52,8 +57,9 @@ def _sleepers(seconds: str) -> list[procs.Proc]:
     return [p for p in procs.processes() if p.cmdline == f"sleep {seconds}"]
 
 
-def test_a_process_left_running_fails_the_run_and_is_stopped(tmp_path):
-    proc = _run_suite(tmp_path, LEAKY)
+@pytest.mark.parametrize("options", [[], IN_TWO_PROCESSES], ids=["one-process", "xdist"])
+def test_a_process_left_running_fails_the_run_and_is_stopped(tmp_path, options):
+    proc = _run_suite(tmp_path, LEAKY, *options)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "2 passed" in out
@@ -67,7 +73,8 @@ def test_a_process_left_running_fails_the_run_and_is_stopped(tmp_path):
     assert not _sleepers("307") and not _sleepers("308")
 
 
-def test_a_run_that_stops_what_it_started_passes(tmp_path):
-    proc = _run_suite(tmp_path, CLEAN)
+@pytest.mark.parametrize("options", [[], IN_TWO_PROCESSES], ids=["one-process", "xdist"])
+def test_a_run_that_stops_what_it_started_passes(tmp_path, options):
+    proc = _run_suite(tmp_path, CLEAN, *options)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "outlived" not in proc.stdout
