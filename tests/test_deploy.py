@@ -1194,6 +1194,24 @@ def test_a_broken_log_stream_is_followed_again(ready: World):
     assert len(ready.ray.submitted) == 1, "followed again, not submitted again"
 
 
+def test_a_job_that_ends_after_its_stream_was_cut_shows_the_rest_of_its_log(ready: World):
+    """The stream reached the job's deadline (exit 124, as KubernetesApi.exec gives) while the job still printed;
+    it ended right after: what the stream missed is shown once, nothing twice."""
+    answer = ready.kube.exec_handler
+
+    def cut_at_the_deadline(ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult | None:
+        if argv[:3] == ["ray", "job", "logs"] and "--follow" in argv:
+            answer(ns, pod, argv, stdin)  # the job ends
+            return ExecResult(124, "step 10 loss 2.31\n")
+        return answer(ns, pod, argv, stdin)
+
+    ready.kube.exec_handler = cut_at_the_deadline
+    result = ready.submit()
+    assert result.exit_code == 0 and result.job_status == "SUCCEEDED"
+    said = ready.said()
+    assert said.count("step 10 loss 2.31") == 1 and said.count("step 20 loss 1.87") == 1, said
+
+
 def test_package_is_uploaded_once(ready: World):
     ready.submit()
     ready.submit()

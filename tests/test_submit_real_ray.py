@@ -291,7 +291,7 @@ def tiny_config(run_dir: Path) -> Config:
         preset=local_tiny(),
         path=None,
         environ={},
-        overrides={"training": {**training, "output_dir": str(run_dir)}, "ray": {"job_deadline_s": 60}},
+        overrides={"training": {**training, "output_dir": str(run_dir)}, "ray": {"job_deadline_s": 300}},
     )
 
 

@@ -296,22 +296,45 @@ def follow_job(
     on_output: Callable[[str], None] | None = None,
 ) -> str:
     """Stream the job's logs (to ``on_output``, default ``d.say``) until it ends (following again if the stream
-    drops or breaks); return its final status."""
+    drops or breaks); return its final status. A job that ended after its stream was cut (the deadline, a broken
+    connection) has the rest of its log shown once it has ended."""
+    out = on_output or d.say
+    shown: list[str] = []  # the current stream's lines
+
+    def show(line: str) -> None:
+        shown.append(line)
+        out(line)
+
     start = d.clock()
     while True:
         left = max(timeout - (d.clock() - start), 1.0)
         argv = ["ray", "job", "logs", "--address", DASHBOARD, "--follow", submission_id]
+        shown.clear()  # each `--follow` starts at the log's first line
+        whole = False
         try:
-            head_exec(d, head, argv, timeout=left, on_output=on_output or d.say)
+            whole = head_exec(d, head, argv, timeout=left, on_output=show).ok  # 124 past the deadline
         except KubeApiError as exc:  # the exec connection broke; the status read next says whether to go on
             d.say(f"The log stream broke: {exc.message}")
         status = job_status(d, head, submission_id)
         if status in TERMINAL:
+            if not whole:
+                _show_rest_of_log(d, head, submission_id, len(shown), out)
             return status
         if d.clock() - start >= timeout:
             return status
         d.say(f"The log stream ended while the job is {status}; following it again")
         d.sleep(POLL_S)
+
+
+def _show_rest_of_log(d: Deployment, head: Pod, submission_id: str, shown: int, out: Callable[[str], None]) -> None:
+    """The lines of the ended job's log after the first ``shown`` (those its cut stream showed)."""
+    try:
+        res = head_exec(d, head, ["ray", "job", "logs", "--address", DASHBOARD, submission_id])
+    except KubeApiError as exc:
+        d.say(f"The rest of the job's log could not be read ({exc.message}); `raytrain-eks logs` shows it")
+        return
+    for line in res.stdout.splitlines()[shown:] if res.ok else []:
+        out(line)
 
 
 # ----------------------------------------------------------------------------------------------------------------
