@@ -1212,6 +1212,26 @@ def test_a_job_that_ends_after_its_stream_was_cut_shows_the_rest_of_its_log(read
     assert said.count("step 10 loss 2.31") == 1 and said.count("step 20 loss 1.87") == 1, said
 
 
+def test_a_cut_log_whose_rest_cannot_be_read_says_so(ready: World):
+    answer = ready.kube.exec_handler
+
+    def cut_and_gone(ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult | None:
+        if argv[:3] == ["ray", "job", "logs"]:
+            if "--follow" in argv:
+                answer(ns, pod, argv, stdin)  # the job ends
+                return ExecResult(124, "step 10 loss 2.31\n")
+            return ExecResult(1, "", "RuntimeError: Request failed with status code 500: no log\n")
+        return answer(ns, pod, argv, stdin)
+
+    ready.kube.exec_handler = cut_and_gone
+    result = ready.submit()
+    assert result.exit_code == 0 and "step 20 loss 1.87" not in ready.said()
+    assert (
+        "The rest of the job's log could not be read (RuntimeError: Request failed with status code 500: no log); "
+        "`raytrain-eks logs` shows it" in ready.said()
+    )
+
+
 def test_package_is_uploaded_once(ready: World):
     ready.submit()
     ready.submit()

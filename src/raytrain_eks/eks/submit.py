@@ -330,10 +330,14 @@ def _show_rest_of_log(d: Deployment, head: Pod, submission_id: str, shown: int, 
     """The lines of the ended job's log after the first ``shown`` (those its cut stream showed)."""
     try:
         res = head_exec(d, head, ["ray", "job", "logs", "--address", DASHBOARD, submission_id])
+        said = (res.stderr or res.stdout).strip().splitlines()
+        why = None if res.ok else said[-1] if said else f"exit {res.returncode}"
     except KubeApiError as exc:
-        d.say(f"The rest of the job's log could not be read ({exc.message}); `raytrain-eks logs` shows it")
+        why = exc.message
+    if why is not None:
+        d.say(f"The rest of the job's log could not be read ({why}); `raytrain-eks logs` shows it")
         return
-    for line in res.stdout.splitlines()[shown:] if res.ok else []:
+    for line in res.stdout.splitlines()[shown:]:
         out(line)
 
 
