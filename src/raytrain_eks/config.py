@@ -500,7 +500,8 @@ def check_sharding_for_nodes(training: TrainingConfig, nodes: int, workers: int 
         )
 
 
-PACKING_MODES = ("documents", "concat")  # rows kept apart in a block (their own positions), or run on as one text
+PACKING_MODES = ("documents", "concat")  # whole rows kept apart in a block (their own positions), or run on as one text
+OVERLONG_MODES = ("truncate", "drop")  # a row longer than seq_len under documents packing: its start kept, or left out
 LORA_ALL_LINEAR = "all-linear"  # peft's name for every linear layer of the decoder blocks
 FLASH_ATTN_MIN = "2.3.3"  # the oldest flash-attn 2 transformers' is_flash_attn_2_available accepts
 
@@ -570,8 +571,14 @@ class TrainingConfig(_Section):
     csv_delimiter: str = Field(",", description="the character between the fields of .csv files (.tsv: a tab)")
     packing: Literal[PACKING_MODES] = Field(  # type: ignore[valid-type]
         "documents",
-        description="documents: the rows packed into a block keep apart (their own positions, no attention across "
-        "rows, no loss on a row's first token); concat: rows run on as one text (pre-training)",
+        description="documents: whole rows are packed into blocks (best fit, longest first), each kept apart (its own "
+        "positions, no attention across rows, no loss on its first token), the rest of a block padding; concat: rows "
+        "run on as one text and are cut every seq_len tokens, for pre-training text only",
+    )
+    overlong: Literal[OVERLONG_MODES] = Field(  # type: ignore[valid-type]
+        "truncate",
+        description="a row longer than seq_len under documents packing: truncate (keep its first seq_len tokens) or "
+        "drop it; either way counted and reported",
     )
     method: Literal["full", "lora"] = Field(
         "full",
