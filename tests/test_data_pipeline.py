@@ -15,7 +15,8 @@ import pytest
 import raytrain_eks.train.data as data_module
 from raytrain_eks.errors import DataError
 from raytrain_eks.train.builtin import sample_data_path
-from raytrain_eks.train.data import IGNORE_INDEX, TOO_DEEP, prepare_dataset, prepared_in_driver
+from raytrain_eks.train.data import IGNORE_INDEX, prepare_dataset, prepared_in_driver
+from raytrain_eks.train.json_reader import TOO_DEEP
 
 pytestmark = pytest.mark.integration
 

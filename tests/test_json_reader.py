@@ -1,5 +1,5 @@
-"""Reading JSON and JSONL in bounded chunks: :func:`~raytrain_eks.train.data.json_rows` on byte streams cut at every
-possible place (rows, malformed lines, arrays that break off), and the Ray Data source built on it, which turns a
+"""Reading JSON and JSONL in bounded chunks: :func:`~raytrain_eks.train.json_reader.json_rows` on byte streams cut at
+every possible place (rows, malformed lines, arrays that break off), and the Ray Data source built on it, which turns a
 file larger than one chunk into several blocks (so no task holds the whole file) with every row, in order."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from raytrain_eks.train.data import READ_CHUNK_BYTES, TOO_DEEP, json_datasource, json_rows
+from raytrain_eks.train.json_reader import READ_CHUNK_BYTES, TOO_DEEP, json_datasource, json_rows
 
 ROWS = [{"instruction": f"Q{i} é ü", "output": str(i) * (i % 7 + 1), "n": 12345} for i in range(40)]
 ROWS += [7, 12.5, 1e20, -3, "s", None, True]
@@ -106,8 +106,9 @@ def test_a_row_the_reader_decodes_but_a_deeper_stack_cannot_is_one_malformed_row
     import inspect
     import sys
 
-    from raytrain_eks.train.data import _encode_batch, _rows_block
+    from raytrain_eks.train.data import _encode_batch
     from raytrain_eks.train.encoding import encoding_tokenizer
+    from raytrain_eks.train.json_reader import rows_block
 
     deep = '{"instruction": "Q", "output": "A", "extra": ' + "[" * 950 + "]" * 950 + "}"
     good = json.dumps({"instruction": "What is 2 plus 3?", "output": "5."})
@@ -128,7 +129,7 @@ def test_a_row_the_reader_decodes_but_a_deeper_stack_cannot_is_one_malformed_row
     encoding_tokenizer(builtin_model)  # loaded before the stack is cut short
     with frames_left(600):  # 600 frames left: a task's stack, Ray's frames above it
         out = _encode_batch(
-            _rows_block(rows), tokenizer_path=builtin_model, data_format="instruction", text_field="text"
+            rows_block(rows), tokenizer_path=builtin_model, data_format="instruction", text_field="text"
         )
     assert out.column("reason").to_pylist() == ["", TOO_DEEP]
     assert out.column("tokens").to_pylist()[0] > 0 and out.column("tokens").to_pylist()[1] == 0

@@ -1,19 +1,16 @@
-"""Training data: packing and the Ray Data pipeline (rows are encoded by :mod:`.encoding`, files found by
-:mod:`.sources`).
+"""Training data: the Ray Data pipeline (rows are encoded by :mod:`.encoding`, packed by :mod:`.packing`, files
+found by :mod:`.sources`).
 
-Pure pieces (tested on hand-made rows) come first:
-
-- :func:`pack` joins encoded rows into fixed ``seq_len`` blocks (the last one padded and masked), each row with
-  its own ``position_ids`` (``packing: documents``) so that no row attends to another, or run on (``concat``);
-- :func:`random_batch` makes the reference's synthetic token ids for one rank and step.
-
-Then :func:`prepare_dataset` builds the Ray Data pipeline the driver runs before any worker starts: read (JSONL
-and JSON here, Parquet, CSV, TSV and Arrow by :mod:`.tabular`; local or ``s3://``), tokenize, count malformed rows,
-shuffle, pack, materialize; and :func:`train_datasets` hands the packed set to Ray Train, whole, for every rank.
+:func:`prepare_dataset` builds the pipeline the driver runs before any worker starts: read (JSONL and JSON here,
+Parquet, CSV, TSV and Arrow by :mod:`.tabular`; local or ``s3://``), tokenize, count malformed rows, fit rows longer
+than ``seq_len`` (``training.overlong``), shuffle, pack, materialize; and :func:`train_datasets` hands the packed set
+to Ray Train, whole, for every rank. :func:`random_batch` makes the reference's synthetic token ids for one rank
+and step.
 
 Determinism: the shuffle orders rows by a keyed hash of their tokens (the key is the seed), so the order does
 not depend on how Ray Data cut the input into blocks or which task finished first; packing runs with Ray Data's
-``preserve_order`` on, so the packed blocks have one fixed order. Each epoch then walks the packed blocks in an
+``preserve_order`` on, in groups of rows fixed by the row count alone, so the packed blocks have one fixed order,
+the same on every world size and after a resume. Each epoch then walks the packed blocks in an
 order drawn from (seed, epoch) (:func:`epoch_order`), cut into global batches of which each rank takes its share
 (:func:`rank_epoch_blocks`). A rank's samples therefore depend only on the data, the seed, the epoch, the world
 size and the batch size, whichever node it runs on, and a position of (epoch, samples taken by all ranks in it)
@@ -36,7 +33,6 @@ from typing import Any
 
 import numpy as np
 
-from raytrain_eks.config import PACKING_MODES
 from raytrain_eks.errors import DataError
 from raytrain_eks.formats import FORMAT_NAMES, MalformedRow
 from raytrain_eks.train.encoding import (
@@ -46,83 +42,12 @@ from raytrain_eks.train.encoding import (
     encoding_tokenizer,
     load_tokenizer,
 )
+from raytrain_eks.train.json_reader import READ_CHUNK_BYTES, TOO_DEEP, json_datasource, json_rows, rows_block
+from raytrain_eks.train.packing import DROPPED, TRUNCATED, fit_rows, pack_table
 from raytrain_eks.train.sources import list_data_files
 from raytrain_eks.train.tabular import delimiter_hint, placed, read_dataset, read_table, unreadable
 
-PACK_ROWS = 1024  # rows packed together: only the last block of each group is padded
-
-
-def pack(
-    rows: Iterable[tuple[Sequence[int], Sequence[int]]], seq_len: int, pad_id: int, *, packing: str = "documents"
-) -> dict[str, np.ndarray]:
-    """Join encoded rows and cut them into ``seq_len`` blocks; the tail block is padded and masked.
-
-    Returns ``input_ids`` and ``labels`` (``int64``, shape ``[blocks, seq_len]``) and, with ``packing="documents"``
-    (:data:`PACKING_MODES`), ``position_ids`` (``int32``): each row's tokens numbered from 0 where the row starts
-    (and again where a block starts inside a row), so the model's attention and positions stay inside each row,
-    and the first token of each row is masked in ``labels``: the row before it does not predict it. With
-    ``packing="concat"`` the rows run on as one text (pre-training style), as if they were one document.
-    """
-    ids: list[np.ndarray] = []
-    labels: list[np.ndarray] = []
-    for row_ids, row_labels in rows:
-        if len(row_ids) != len(row_labels):
-            raise ValueError("input_ids and labels of a row differ in length")
-        ids.append(np.asarray(row_ids, dtype=np.int64))
-        labels.append(np.asarray(row_labels, dtype=np.int64))
-    lengths = np.array([len(i) for i in ids], dtype=np.int64)
-    if ids:
-        flat_ids, flat_labels = np.concatenate(ids), np.concatenate(labels)
-    else:
-        flat_ids, flat_labels = np.empty(0, np.int64), np.empty(0, np.int64)
-    return _cut(flat_ids, flat_labels, lengths, seq_len, pad_id, packing)
-
-
-def _cut(
-    ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, seq_len: int, pad_id: int, packing: str
-) -> dict[str, np.ndarray]:
-    """The joined tokens of :func:`pack` (rows of ``lengths``) cut into ``seq_len`` blocks, the tail padded and
-    masked; ``position_ids`` and the rows' first labels masked when ``packing`` is ``documents``."""
-    if packing not in PACKING_MODES:
-        raise ValueError(f"packing must be one of {', '.join(PACKING_MODES)}, not {packing!r}")
-    n_blocks = -(-len(ids) // seq_len)
-    out_ids = np.full((n_blocks, seq_len), pad_id, dtype=np.int64)
-    out_labels = np.full((n_blocks, seq_len), IGNORE_INDEX, dtype=np.int64)
-    out_ids.reshape(-1)[: len(ids)] = ids
-    out_labels.reshape(-1)[: len(labels)] = labels
-    out = {"input_ids": out_ids, "labels": out_labels}
-    if packing == "documents":
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) if len(lengths) else lengths
-        index = np.arange(n_blocks * seq_len, dtype=np.int64)
-        row_start = np.zeros(len(index), dtype=np.int64)  # the padded tail counts as part of the last row
-        row_start[: len(ids)] = np.repeat(starts, lengths)
-        if len(ids) < len(index) and len(starts):
-            row_start[len(ids) :] = starts[-1]
-        begins = np.maximum(row_start, index - index % seq_len)  # a row cut by a block starts again there
-        out["position_ids"] = (index - begins).astype(np.int32).reshape(n_blocks, seq_len)
-        out_labels.reshape(-1)[starts[lengths > 0]] = IGNORE_INDEX
-    return out
-
-
-def pack_table(table: Any, seq_len: int, pad_id: int, *, packing: str = "documents") -> dict[str, np.ndarray]:
-    """:func:`pack` of a pyarrow table's ``input_ids`` and ``labels`` list columns, from their values as they lie
-    (no Python int per token)."""
-    import pyarrow.compute as pc
-
-    ids, labels = table.column("input_ids"), table.column("labels")
-    lengths = pc.list_value_length(ids)
-    if pc.any(pc.not_equal(lengths, pc.list_value_length(labels))).as_py():
-        raise ValueError("input_ids and labels of a row differ in length")
-    counts = lengths.to_numpy(zero_copy_only=False).astype(np.int64) if len(lengths) else np.empty(0, np.int64)
-    return _cut(_values(ids), _values(labels), counts, seq_len, pad_id, packing)
-
-
-def _values(column: Any) -> np.ndarray:
-    """All the values of a list column, rows one after another (sliced and chunked columns included)."""
-    import pyarrow.compute as pc
-
-    chunks = [pc.list_flatten(chunk).to_numpy(zero_copy_only=False) for chunk in column.chunks]
-    return np.concatenate(chunks) if chunks else np.empty(0, np.int64)
+PACK_ROWS = 1024  # rows packed together (best fit within the group)
 
 
 def random_batch(
@@ -144,160 +69,6 @@ def random_batch(
 # --------------------------------------------------------------------------------------------- Ray Data
 
 
-def json_rows(chunks: Iterable[bytes]) -> Iterator[dict[str, str]]:
-    """The rows of one JSON or JSONL file given as a stream of byte chunks, each kept as a JSON string (so rows of
-    any shape fit one column), with ``error`` saying why a row cannot be used.
-
-    A file whose first character is ``[`` is one JSON array, read item by item; any other file is JSON lines.
-    Only the current chunk and the row being read are held, never the whole file. An array that breaks off yields
-    the items before the break, then one row with the error.
-
-    >>> list(json_rows([b'{"a": 1}\\n{no', b't json\\n']))
-    [{'json': '{"a": 1}', 'error': ''}, {'json': '', 'error': 'the line is not valid JSON'}]
-    """
-    import codecs
-
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    texts = (decoder.decode(c) for c in chunks)
-    buf = ""
-    for text in texts:
-        buf += text
-        if buf.strip():
-            break
-    if buf.lstrip().startswith("["):
-        yield from _array_items(buf[buf.index("[") + 1 :], texts)
-        return
-    while True:
-        *lines, buf = buf.split("\n")
-        for line in lines:
-            if line.strip():
-                yield _json_line(line)
-        chunk = next(texts, None)
-        if chunk is None:
-            break
-        buf += chunk
-    buf += decoder.decode(b"", final=True)
-    if buf.strip():
-        yield _json_line(buf)
-
-
-# A row nested more deeply than Python's JSON decoder recurses (about a thousand levels) is one malformed row.
-TOO_DEEP = "the row is nested too deeply to decode (over about a thousand levels of brackets)"
-
-
-def _json_line(line: str) -> dict[str, str]:
-    try:
-        json.loads(line)
-    except json.JSONDecodeError:
-        return {"json": "", "error": "the line is not valid JSON"}
-    except RecursionError:
-        return {"json": "", "error": TOO_DEEP}
-    return {"json": line.rstrip("\r"), "error": ""}
-
-
-class _ValueEnd:
-    """Finds where a bracketed JSON value ends without recursion, in text that arrives piece by piece: strings
-    (and their escapes) are skipped, brackets counted. ``scan(buf, start)`` goes on from where it stopped; it
-    returns the end's index in ``buf``, or ``None`` when ``buf`` ends first."""
-
-    def __init__(self) -> None:
-        self.done, self.depth, self.in_string, self.escaped = 0, 0, False, False
-
-    def scan(self, buf: str, start: int) -> int | None:
-        i = start + self.done
-        while i < len(buf):
-            c = buf[i]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif c == "\\":
-                    self.escaped = True
-                elif c == '"':
-                    self.in_string = False
-            elif c == '"':
-                self.in_string = True
-            elif c in "[{":
-                self.depth += 1
-            elif c in "]}":
-                self.depth -= 1
-                if self.depth == 0:
-                    return i + 1
-            i += 1
-        self.done = i - start
-        return None
-
-
-def _array_items(buf: str, texts: Iterator[str]) -> Iterator[dict[str, str]]:
-    """The items of a JSON array whose ``[`` has been read; ``buf`` holds what follows it, ``texts`` the rest."""
-    decoder = json.JSONDecoder()
-    pos, first, ended = 0, True, False
-
-    def more() -> bool:
-        nonlocal buf, pos
-        text = next(texts, None)
-        if text is None:
-            return False
-        buf, pos = buf[pos:] + text, 0
-        return True
-
-    def skip_space() -> bool:  # False at the end of the file
-        nonlocal pos
-        while True:
-            while pos < len(buf) and buf[pos].isspace():
-                pos += 1
-            if pos < len(buf) or not more():
-                return pos < len(buf)
-
-    def broken(why: str) -> dict[str, str]:
-        return {"json": "", "error": f"the file is not valid JSON ({why})"}
-
-    while True:
-        if not skip_space():
-            yield broken("the array is not closed")
-            return
-        if buf[pos] == "]":
-            pos += 1
-            break
-        if not first:
-            if buf[pos] != ",":
-                yield broken("expected ',' or ']' between items")
-                return
-            pos += 1
-            if not skip_space():
-                yield broken("the array is not closed")
-                return
-        first = False
-        deep = False
-        while True:
-            try:
-                item, end = decoder.raw_decode(buf, pos)
-                # A number at the end of what has been read ("12", "12.", "1e+") may go on in the next chunk.
-                number = isinstance(item, (int, float)) and not isinstance(item, bool)
-                if ended or not number or len(buf) - end > 2 or buf[end:].strip(".eE+-"):
-                    break
-            except json.JSONDecodeError as exc:
-                if not ended and more():
-                    continue
-                yield broken(exc.msg)
-                return
-            except RecursionError:
-                deep = True  # skipped by its brackets, counted as one malformed row
-                scanner = _ValueEnd()
-                while (found := scanner.scan(buf, pos)) is None:
-                    if not more():
-                        yield broken("the array is not closed")
-                        return
-                end = found
-                break
-            if not more():
-                ended = True
-        yield {"json": "", "error": TOO_DEEP} if deep else {"json": buf[pos:end], "error": ""}
-        pos = end
-    if skip_space():
-        yield broken("extra data after the array")
-
-
-READ_CHUNK_BYTES = 4 << 20  # bytes of a JSON/JSONL file read at once, and about the text of one block of rows
 # The largest block the pipeline makes (Ray Data's default is 128 MiB): a read task merges the rows it yields into
 # blocks up to this size, and every later step works a block at a time, so this bounds each task's memory.
 PIPELINE_BLOCK_BYTES = 16 << 20
@@ -305,32 +76,6 @@ PIPELINE_BLOCK_BYTES = 16 << 20
 # into map tasks of up to 1 GiB of rows, so the sort's tasks grew with the data set until they held 1 GiB (1.6 GB
 # of private memory for a 200 MB JSONL file); at four blocks a task they stay flat.
 SORT_BATCH_BYTES = 4 * PIPELINE_BLOCK_BYTES
-
-
-def _rows_block(rows: list[dict[str, str]]) -> Any:
-    import pyarrow as pa
-
-    return pa.table({"json": [r["json"] for r in rows], "error": [r["error"] for r in rows]})
-
-
-def json_datasource(files: list[str]) -> Any:
-    """A Ray Data source of JSON/JSONL rows (columns ``json`` and ``error``) read in bounded chunks."""
-    from ray.data.datasource import FileBasedDatasource
-
-    class JsonRowsDatasource(FileBasedDatasource):
-        def _read_stream(self, f: Any, path: str) -> Iterator[Any]:
-            rows: list[dict[str, str]] = []
-            size = 0
-            for row in json_rows(iter(lambda: f.read(READ_CHUNK_BYTES), b"")):
-                rows.append(row)
-                size += len(row["json"]) + 64
-                if size >= READ_CHUNK_BYTES:
-                    yield _rows_block(rows)
-                    rows, size = [], 0
-            if rows:
-                yield _rows_block(rows)
-
-    return JsonRowsDatasource(files)
 
 
 def _encode_batch(
@@ -380,9 +125,15 @@ def _encode_batch(
     )
 
 
-def _pack_batch(batch: Any, *, seq_len: int, pad_id: int, packing: str) -> dict[str, np.ndarray]:
+def _encode_fit_batch(batch: Any, *, fit: dict[str, Any], **encode: Any) -> Any:
+    """Ray Data ``map_batches`` step: :func:`_encode_batch`, then :func:`fit_rows` (``fit``: ``seq_len``, ``packing``
+    and ``overlong``): the rows as they will be packed, and what became of each."""
+    return fit_rows(_encode_batch(batch, **encode), **fit)
+
+
+def _pack_batch(batch: Any, *, seq_len: int, pad_id: int, packing: str, overlong: str) -> dict[str, np.ndarray]:
     """Ray Data ``map_batches`` step: a group of rows (a pyarrow table) packed into ``seq_len`` blocks."""
-    return pack_table(batch, seq_len, pad_id, packing=packing)
+    return pack_table(batch, seq_len, pad_id, packing=packing, overlong=overlong)
 
 
 @dataclass
@@ -399,15 +150,71 @@ class PreparedData:
     eval_dataset: Any = None  # the held-out rows, packed like the training set (``eval_fraction``)
     eval_rows: int = 0
     last_answer_only: int = 0  # usable rows of several answers of which only the last is trained (:func:`encode`)
+    seq_len: int = 0
+    eval_blocks: int = 0
+    eval_tokens: int = 0  # of ``tokens``, those of the held-out rows
+    truncated_rows: int = 0  # rows longer than seq_len of which the start is packed (``training.overlong``)
+    truncated_tokens: int = 0  # the tokens they lost
+    dropped_rows: int = 0  # rows longer than seq_len left out (``overlong: drop``, or nothing trained in the start)
+    dropped_tokens: int = 0
 
-    def describe(self, data: str, seq_len: int) -> str:
+    @property
+    def padding(self) -> int:
+        """Positions of the packed training blocks that hold no row."""
+        return self.blocks * self.seq_len - (self.tokens - self.eval_tokens)
+
+    @property
+    def efficiency(self) -> float:
+        """The share of the packed training blocks' positions that hold a row (the rest is padding, which trains
+        nothing)."""
+        positions = self.blocks * self.seq_len
+        return (self.tokens - self.eval_tokens) / positions if positions else 0.0
+
+    def counts(self) -> dict[str, Any]:
+        """What was read, kept and packed, by name (``summary.json``'s ``data``, ``raytrain-eks data --json``)."""
+        return {
+            "rows": self.rows,
+            "usable_rows": self.usable_rows,
+            "malformed_rows": sum(self.malformed.values()),
+            "malformed": dict(self.malformed),
+            "truncated_rows": self.truncated_rows,
+            "truncated_tokens": self.truncated_tokens,
+            "dropped_rows": self.dropped_rows,
+            "dropped_tokens": self.dropped_tokens,
+            "eval_rows": self.eval_rows,
+            "eval_tokens": self.eval_tokens,
+            "tokens": self.tokens,
+            "trained_tokens": self.trained_tokens,
+            "masked_tokens": self.tokens - self.trained_tokens,
+            "padding_tokens": self.padding,
+            "blocks": self.blocks,
+            "eval_blocks": self.eval_blocks,
+            "seq_len": self.seq_len,
+            "packing_efficiency": round(self.efficiency, 4),
+            "last_answer_only_rows": self.last_answer_only,
+        }
+
+    def describe(self, data: str, seq_len: int | None = None) -> str:
+        seq_len = seq_len or self.seq_len
         line = (
             f"data: {data}: {self.usable_rows}/{self.rows} rows usable, {self.tokens} tokens "
-            f"({self.trained_tokens} trained), {self.blocks} blocks of {seq_len}"
+            f"({self.trained_tokens} trained), {self.blocks} blocks of {seq_len}, "
+            f"{100 * self.efficiency:.1f}% of their positions filled"
         )
         if self.malformed:
             reasons = "; ".join(f"{n} x {why}" for why, n in sorted(self.malformed.items(), key=lambda kv: -kv[1]))
             line += f"\n  skipped {sum(self.malformed.values())} malformed rows: {reasons}"
+        if self.truncated_rows:
+            line += (
+                f"\n  truncated {self.truncated_rows} rows longer than {seq_len} tokens to their first {seq_len} "
+                f"({self.truncated_tokens} tokens cut; training.overlong: drop leaves them out)"
+            )
+        if self.dropped_rows:
+            line += (
+                f"\n  dropped {self.dropped_rows} rows longer than {seq_len} tokens ({self.dropped_tokens} tokens): "
+                "training.overlong is drop, or nothing of the row's answer lay within its first "
+                f"{seq_len} tokens (raise --seq-len to keep them)"
+            )
         if self.last_answer_only:
             line += (
                 f"\n  trained on the last answer only: {self.last_answer_only} rows (the chat template rewrites "
@@ -675,7 +482,7 @@ def prepared_in_driver(files: Sequence[str]) -> bool:
 
 
 def _encode_in_driver(files: Sequence[str], kind: str, csv_delimiter: str, **encode: Any) -> Any:
-    """The rows of ``files`` encoded by :func:`_encode_batch`, as one pyarrow table (the driver's path)."""
+    """The rows of ``files`` encoded by :func:`_encode_fit_batch`, as one pyarrow table (the driver's path)."""
     import pyarrow as pa
 
     tables = []
@@ -684,11 +491,11 @@ def _encode_in_driver(files: Sequence[str], kind: str, csv_delimiter: str, **enc
             raw = read_table(path, kind, csv_delimiter)
         else:
             with open(path, "rb") as f:
-                raw = _rows_block(list(json_rows(iter(functools.partial(f.read, READ_CHUNK_BYTES), b""))))
+                raw = rows_block(list(json_rows(iter(functools.partial(f.read, READ_CHUNK_BYTES), b""))))
         if raw.num_rows:
-            tables.append(_encode_batch(raw, **encode))
+            tables.append(_encode_fit_batch(raw, **encode))
     if not tables:
-        return _encode_batch(_rows_block([]), **encode)
+        return _encode_fit_batch(rows_block([]), **encode)
     return pa.concat_tables(tables, promote_options="permissive")
 
 
@@ -708,22 +515,50 @@ def _group_bounds(count: int) -> list[int]:
     return [*bounds, count]
 
 
-def _packed_in_driver(rows: Any, seq_len: int, pad_id: int, packing: str) -> Any:
-    """``rows`` (a pyarrow table, in order) packed like :func:`_packed`, as a Ray dataset of one block per group."""
+def _packed_in_driver(rows: Any, seq_len: int, pad_id: int, packing: str, overlong: str) -> list[Any]:
+    """``rows`` (a pyarrow table, in order) packed like :func:`_packed`: one pyarrow table of packed blocks per
+    group (:func:`as_ray_dataset` hands them to Ray Data)."""
     import pyarrow as pa
-    import ray.data
     from ray.data.extensions import ArrowTensorArray
 
     bounds = _group_bounds(rows.num_rows)
     blocks = []
     for start, end in zip(bounds, bounds[1:], strict=False):
         part = rows.slice(start, end - start)
-        packed = pack_table(part, seq_len, pad_id, packing=packing)
+        packed = pack_table(part, seq_len, pad_id, packing=packing, overlong=overlong)
         if len(packed["input_ids"]):
-            blocks.append(pa.table({k: ArrowTensorArray.from_numpy(v) for k, v in packed.items()}))
-    if not blocks:
+            blocks.append(
+                pa.table({k: ArrowTensorArray.from_numpy(v) if v.ndim > 1 else pa.array(v) for k, v in packed.items()})
+            )
+    return blocks
+
+
+def as_ray_dataset(tables: list[Any]) -> Any:
+    """Packed blocks made in the driver (:func:`_packed_in_driver`) as a materialized Ray dataset, a block each."""
+    import ray.data
+
+    if not tables:
         return ray.data.from_items([]).materialize()
-    return ray.data.from_arrow(blocks).materialize()
+    return ray.data.from_arrow(tables).materialize()
+
+
+def first_blocks(dataset: Any, count: int) -> dict[str, np.ndarray]:
+    """The first ``count`` packed blocks of a prepared set in their stored order, by column: of a Ray dataset
+    (read as the training ranks read it, :class:`PackedSet`) or of the tables made in the driver
+    (``prepare_dataset(..., ray_dataset=False)``)."""
+    if isinstance(dataset, list):
+        from ray.data.block import BlockAccessor
+
+        parts, taken = [], 0
+        for table in dataset:
+            if taken >= count:
+                break
+            part = table.slice(0, count - taken)
+            parts.append(BlockAccessor.for_block(part).to_batch_format("numpy"))
+            taken += part.num_rows
+        return {k: np.concatenate([p[k] for p in parts]).astype(np.int32) for k in parts[0]} if parts else {}
+    packed = PackedSet.of(dataset)
+    return packed.take(np.arange(min(count, packed.rows)))
 
 
 @_order_preserved()
@@ -737,6 +572,7 @@ def prepare_dataset(
     columns: dict[str, str] | None = None,
     csv_delimiter: str = ",",
     packing: str = "documents",
+    overlong: str = "truncate",
     chat_template: str | None = None,
     seed: int,
     min_blocks: int,
@@ -745,6 +581,7 @@ def prepare_dataset(
     stage: Callable[[str], None] | None = None,
     option: str = "--data",
     in_driver: bool | None = None,
+    ray_dataset: bool = True,
 ) -> PreparedData:
     """Read, tokenize, shuffle and pack the data with Ray Data; raise :class:`DataError` when it is unusable.
 
@@ -755,16 +592,18 @@ def prepare_dataset(
     is being done now, as a short line such as ``"packing 390 rows (13359 tokens)"``. ``option`` is the setting
     ``data`` came from, named in the errors (``training.eval_data`` for the evaluation set). ``in_driver`` forces
     where the work is done (default: :func:`prepared_in_driver`); both paths give the same packed blocks.
-    ``packing`` (:data:`PACKING_MODES`) keeps the rows of a block apart (``documents``) or runs them on (``concat``).
+    ``packing`` (:data:`PACKING_MODES`) packs whole rows into blocks, kept apart (``documents``), or runs them on
+    (``concat``); ``overlong`` (:data:`OVERLONG_MODES`) truncates or drops a row longer than ``seq_len`` under
+    ``documents`` (:func:`~raytrain_eks.train.packing.fit_rows`). ``ray_dataset=False`` (only with data prepared in
+    the driver) keeps the packed blocks as a list of pyarrow tables and needs no Ray (``raytrain-eks data``).
     ``chat_template`` (Jinja text) renders conversations instead of the tokenizer's own template.
     ``csv_delimiter`` (``training.csv_delimiter``) separates the fields of CSV files (a TSV file's: a tab).
     """
-    import ray.data
-    from ray.data.expressions import col
-
     say = stage or (lambda _: None)
     files, kind = listed or list_data_files(data, option)
     in_driver = prepared_in_driver(files) if in_driver is None else in_driver
+    if not in_driver and not ray_dataset:
+        raise ValueError("packed blocks are kept out of Ray only when the data is prepared in the driver")
     say(f"reading and tokenizing {len(files)} file{'s' if len(files) > 1 else ''}")
     encode = {
         "tokenizer_path": tokenizer_path,
@@ -772,11 +611,14 @@ def prepare_dataset(
         "text_field": text_field,
         "columns": columns,
         "chat_template": chat_template,
+        "fit": {"seq_len": seq_len, "packing": packing, "overlong": overlong},
     }
     try:
         if in_driver:
             encoded = _encode_in_driver(files, kind, csv_delimiter, **encode)
         else:
+            import ray.data
+
             # Local files (a hf: dataset's cache included) lie on this node only: their reads run here.
             where = _reads_here(files)
             with _blocks_bounded():  # the steps below inherit the read's settings
@@ -785,21 +627,29 @@ def prepare_dataset(
                     if kind != "json"
                     else ray.data.read_datasource(json_datasource(files), **placed(ray.data.read_datasource, where))
                 )
-            encoded = raw.map_batches(_encode_batch, batch_format="pyarrow", fn_kwargs=encode).materialize()
+            encoded = raw.map_batches(_encode_fit_batch, batch_format="pyarrow", fn_kwargs=encode).materialize()
     except DataError:
         raise
     except Exception as exc:  # Ray wraps reader errors; show the root cause, not Ray's traceback.
         raise unreadable(exc, option, data, csv_delimiter) from None
 
-    counted = ["reason", "tokens", "trained", "last_only"]
-    reasons, tokens, trained, last_only = _tally(
+    counted = ["reason", "tokens", "trained", "last_only", "fate", "cut"]
+    tally = _tally(
         [encoded.select(counted)]
         if in_driver
         else encoded.select_columns(counted).iter_batches(batch_size=None, batch_format="pyarrow")
     )
+    reasons, tokens, fates = tally.reasons, tally.tokens, tally.fates
     total = sum(reasons.values())
     malformed = {why: n for why, n in reasons.items() if why}
-    usable = reasons.get("", 0)
+    usable = reasons.get("", 0) - fates[DROPPED]
+    if usable == 0 and fates[DROPPED]:
+        raise DataError(
+            f"{option} {data!r}: every usable row is longer than seq_len = {seq_len} tokens and was dropped "
+            f"({fates[DROPPED]} rows; training.overlong = {overlong!r}, or nothing of a row's answer lay within its "
+            f"first {seq_len} tokens)",
+            hint="Raise --seq-len, or set training.overlong to truncate (keep each row's start).",
+        )
     if usable == 0:
         detail = "; ".join(f"{n} x {why}" for why, n in malformed.items()) or "the data set is empty"
         raise DataError(
@@ -811,17 +661,22 @@ def prepare_dataset(
     tokenizer = load_tokenizer(tokenizer_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
     eval_rows, eval_dataset = (max(1, round(eval_fraction * usable)) if eval_fraction else 0), None
+    shape = (seq_len, pad_id, packing, overlong)
     if in_driver:
         import pyarrow.compute as pc
 
-        kept = encoded.filter(pc.equal(encoded["reason"], "")).drop_columns(counted)
-        rows = _shuffle_key(kept, seed=seed).sort_by("order").drop_columns(["order"])
+        keep = pc.and_(pc.equal(encoded["reason"], ""), pc.not_equal(encoded["fate"], DROPPED))
+        rows = _shuffle_key(encoded.filter(keep).drop_columns(counted), seed=seed).sort_by("order")
+        rows = rows.drop_columns(["order"])
+        wrap = as_ray_dataset if ray_dataset else (lambda tables: tables)
         if eval_rows:
-            eval_dataset = _packed_in_driver(rows.slice(0, eval_rows), seq_len, pad_id, packing)
-        packed = _packed_in_driver(rows.slice(eval_rows), seq_len, pad_id, packing)
+            eval_dataset = wrap(_packed_in_driver(rows.slice(0, eval_rows), *shape))
+        packed = wrap(_packed_in_driver(rows.slice(eval_rows), *shape))
     else:
+        from ray.data.expressions import col
+
         rows = (
-            encoded.filter(expr=col("reason") == "")
+            encoded.filter(expr=(col("reason") == "") & (col("fate") != DROPPED))
             .drop_columns(counted)
             .map_batches(_shuffle_key, batch_format="pyarrow", fn_kwargs={"seed": seed})
             .sort("order")
@@ -830,9 +685,9 @@ def prepare_dataset(
         )
         if eval_rows:
             held, rows = rows.split_at_indices([eval_rows])
-            eval_dataset = _packed(held, eval_rows, seq_len, pad_id, packing)
-        packed = _packed(rows, usable - eval_rows, seq_len, pad_id, packing)
-    blocks = packed.count()
+            eval_dataset = _packed(held, eval_rows, *shape)
+        packed = _packed(rows, usable - eval_rows, *shape)
+    blocks = _count(packed)
     if blocks < min_blocks:
         left = f" left after {eval_rows} held out for evaluation" if eval_rows else ""
         raise DataError(
@@ -847,11 +702,32 @@ def prepare_dataset(
         malformed=malformed,
         blocks=blocks,
         tokens=tokens,
-        trained_tokens=trained,
+        trained_tokens=tally.trained,
         eval_dataset=eval_dataset,
         eval_rows=eval_rows,
-        last_answer_only=last_only,
+        last_answer_only=tally.last_only,
+        seq_len=seq_len,
+        eval_blocks=_count(eval_dataset) if eval_dataset is not None else 0,
+        eval_tokens=_filled(eval_dataset) if eval_dataset is not None else 0,
+        truncated_rows=fates[TRUNCATED],
+        truncated_tokens=tally.cut[TRUNCATED],
+        dropped_rows=fates[DROPPED],
+        dropped_tokens=tally.cut[DROPPED],
     )
+
+
+def _count(packed: Any) -> int:
+    """The blocks of a packed set: a Ray dataset, or the driver's list of tables."""
+    return sum(t.num_rows for t in packed) if isinstance(packed, list) else int(packed.count())
+
+
+def _filled(packed: Any) -> int:
+    """The positions of a packed set's blocks that hold a row (its ``filled`` column summed)."""
+    if isinstance(packed, list):
+        import pyarrow.compute as pc
+
+        return sum(int(pc.sum(t.column("filled")).as_py() or 0) for t in packed)
+    return int(packed.sum("filled") or 0)
 
 
 def _reads_here(files: Sequence[str]) -> dict[str, str] | None:
@@ -867,23 +743,41 @@ def _reads_here(files: Sequence[str]) -> dict[str, str] | None:
     return {NODE_ID_LABEL_KEY: ray.get_runtime_context().get_node_id()}
 
 
-def _tally(tables: Iterable[Any]) -> tuple[Counter[str], int, int, int]:
-    """Rows by reason (``""``: usable), tokens, trained tokens and rows trained on their last answer only, of encoded
-    tables (counted column-wise)."""
+@dataclass
+class _Tally:
+    """What the encoded rows hold: rows by reason (``""``: usable), usable rows by fate (:func:`fit_rows`) and the
+    tokens each fate cut, and of the rows that will be packed: tokens, trained tokens, rows trained on their last
+    answer only."""
+
+    reasons: Counter[str] = field(default_factory=Counter)
+    fates: Counter[str] = field(default_factory=Counter)
+    cut: Counter[str] = field(default_factory=Counter)
+    tokens: int = 0
+    trained: int = 0
+    last_only: int = 0
+
+
+def _tally(tables: Iterable[Any]) -> _Tally:
+    """:class:`_Tally` of encoded tables (counted column-wise)."""
     import pyarrow.compute as pc
 
-    reasons: Counter[str] = Counter()
-    tokens = trained = last_only = 0
+    tally = _Tally()
     for table in tables:
         for pair in pc.value_counts(table.column("reason")).to_pylist():
-            reasons[pair["values"]] += pair["counts"]
-        tokens += pc.sum(table.column("tokens")).as_py() or 0
-        trained += pc.sum(table.column("trained")).as_py() or 0
-        last_only += pc.sum(table.column("last_only")).as_py() or 0
-    return reasons, tokens, trained, last_only
+            tally.reasons[pair["values"]] += pair["counts"]
+        usable = table.filter(pc.equal(table.column("reason"), ""))
+        for pair in pc.value_counts(usable.column("fate")).to_pylist():
+            tally.fates[pair["values"]] += pair["counts"]
+        for fate in (TRUNCATED, DROPPED):
+            tally.cut[fate] += pc.sum(usable.filter(pc.equal(usable.column("fate"), fate)).column("cut")).as_py() or 0
+        packed = usable.filter(pc.not_equal(usable.column("fate"), DROPPED))
+        tally.tokens += pc.sum(packed.column("tokens")).as_py() or 0
+        tally.trained += pc.sum(packed.column("trained")).as_py() or 0
+        tally.last_only += pc.sum(packed.column("last_only")).as_py() or 0
+    return tally
 
 
-def _packed(rows: Any, count: int, seq_len: int, pad_id: int, packing: str) -> Any:
+def _packed(rows: Any, count: int, seq_len: int, pad_id: int, packing: str, overlong: str) -> Any:
     """``rows`` (``count`` of them, in order) packed into ``seq_len`` blocks, in groups of rows fixed by the row count
     alone (not by how the blocks happen to be cut)."""
     return (
@@ -892,7 +786,7 @@ def _packed(rows: Any, count: int, seq_len: int, pad_id: int, packing: str) -> A
             _pack_batch,
             batch_size=None,
             batch_format="pyarrow",
-            fn_kwargs={"seq_len": seq_len, "pad_id": pad_id, "packing": packing},
+            fn_kwargs={"seq_len": seq_len, "pad_id": pad_id, "packing": packing, "overlong": overlong},
         )
         .materialize()
     )

@@ -16,8 +16,8 @@ from typing import Any
 from raytrain_eks.errors import DataError
 from raytrain_eks.formats import MalformedRow, renamed
 from raytrain_eks.formats import data_format as registered_format
-from raytrain_eks.train.data import json_rows
 from raytrain_eks.train.encoding import _segments
+from raytrain_eks.train.json_reader import json_rows
 from raytrain_eks.train.storage import filesystem
 
 DEFAULT_COUNT = 3
@@ -52,9 +52,9 @@ def _prompt_of(
 
 def first_rows(files: list[str], kind: str, count: int, csv_delimiter: str = ",") -> list[dict[str, Any]]:
     """Up to ``count`` rows (and a few more, for rows that turn out malformed) from the start of the first data file
-    (local or ``s3://``), read as training reads it (:func:`~raytrain_eks.train.data.json_rows`): chunk by chunk, a
-    JSON array item by item, so however large the file or its first rows, only what they need is read. A CSV file's
-    fields are separated by ``csv_delimiter`` (``training.csv_delimiter``), as training separates them."""
+    (local or ``s3://``), read as training reads it (:func:`~raytrain_eks.train.json_reader.json_rows`): chunk by
+    chunk, a JSON array item by item, so however large the file or its first rows, only what they need is read. A CSV
+    file's fields are separated by ``csv_delimiter`` (``training.csv_delimiter``), as training separates them."""
     wanted = count * 4
     fs, path = filesystem(files[0])
     if kind == "parquet":

@@ -23,7 +23,7 @@ from typing import Any
 from raytrain_eks.errors import DataError
 from raytrain_eks.train.sources import DATA_SUFFIXES, root_cause
 
-TABLE_KINDS = ("parquet", "csv", "tsv", "arrow")  # the readers of this module (JSON is read by .data's json_rows)
+TABLE_KINDS = ("parquet", "csv", "tsv", "arrow")  # the readers of this module (JSON: .json_reader's json_rows)
 DELIMITED = ("csv", "tsv")  # text files of delimited fields under a header line, read by pyarrow's CSV reader
 _NAMES = {"parquet": "Parquet", "csv": "CSV", "tsv": "TSV", "arrow": "Arrow"}
 # Ray Data's CSV reader names the file it failed on in the error it raises around pyarrow's.
