@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain_eks.train.data import IGNORE_INDEX, MalformedRow, encode_row, pack, pack_table, random_batch
+from raytrain_eks.train.data import IGNORE_INDEX, MalformedRow, encode_row, random_batch
 
 
 def trained_text(tok, ids, labels) -> str:
@@ -89,64 +89,6 @@ def test_without_a_chat_template_a_plain_layout_is_used(tokenizer):
 def test_malformed_rows_say_why(tokenizer, row, fmt, reason):
     with pytest.raises(MalformedRow, match=reason.replace("|", r"\|").replace("{", r"\{")):
         encode_row(row, fmt, tokenizer)
-
-
-def test_pack_concat_runs_the_rows_on_and_pads_the_tail_block():
-    rows = [([1, 2, 3], [-100, 2, 3]), ([4, 5], [4, 5]), ([6], [-100])]
-    packed = pack(rows, seq_len=4, pad_id=0, packing="concat")
-    ids, labels = packed["input_ids"], packed["labels"]
-    assert set(packed) == {"input_ids", "labels"}, "concat gives no positions: the model counts them itself"
-    assert ids.dtype == np.int64 and ids.shape == (2, 4)
-    assert ids.tolist() == [[1, 2, 3, 4], [5, 6, 0, 0]]
-    assert labels.tolist() == [[-100, 2, 3, 4], [5, -100, -100, -100]]
-
-
-def test_pack_documents_numbers_each_row_from_its_start_and_masks_its_first_token():
-    rows = [([1, 2, 3], [-100, 2, 3]), ([4, 5], [4, 5]), ([6], [-100]), ([7, 8, 9], [7, 8, 9])]
-    packed = pack(rows, seq_len=4, pad_id=0)  # documents is the default
-    assert packed["input_ids"].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 0, 0, 0]]
-    # Row 2 starts in block 0 and goes on in block 1 (from 0 again there: the block cannot see its start); the
-    # padded tail goes on from the last row.
-    assert packed["position_ids"].tolist() == [[0, 1, 2, 0], [0, 0, 0, 1], [0, 1, 2, 3]]
-    assert packed["position_ids"].dtype == np.int32
-    # No row's first token is a target: the token before it belongs to another row.
-    assert packed["labels"].tolist() == [[-100, 2, 3, -100], [5, -100, -100, 8], [9, -100, -100, -100]]
-    with pytest.raises(ValueError, match="packing must be one of documents, concat"):
-        pack(rows, seq_len=4, pad_id=0, packing="sorted")
-
-
-def test_pack_exact_fit_has_no_padding_and_rejects_ragged_rows():
-    packed = pack([([1, 2], [1, 2]), ([3, 4], [3, 4])], seq_len=2, pad_id=9, packing="concat")
-    assert packed["input_ids"].tolist() == [[1, 2], [3, 4]] and packed["labels"].tolist() == [[1, 2], [3, 4]]
-    with pytest.raises(ValueError, match="differ in length"):
-        pack([([1, 2], [1])], seq_len=2, pad_id=0)
-
-
-def test_pack_table_packs_a_sliced_chunked_table_as_pack_packs_its_rows():
-    import pyarrow as pa
-
-    rng = np.random.default_rng(7)
-    rows = [rng.integers(0, 50_000, int(n)).tolist() for n in rng.integers(0, 40, 60)]
-    labels = [[t if i % 3 else -100 for i, t in enumerate(r)] for r in rows]
-    tokens = pa.list_(pa.int32())
-    table = pa.Table.from_batches(
-        [
-            pa.record_batch({"input_ids": pa.array(rows[a:b], tokens), "labels": pa.array(labels[a:b], tokens)})
-            for a, b in [(0, 25), (25, 26), (26, 60)]
-        ]
-    )
-    part = table.slice(10, 41)  # across all three chunks, starting inside the first
-    assert part.column("input_ids").num_chunks == 3
-    for packing in ("documents", "concat"):
-        got = pack_table(part, seq_len=16, pad_id=5, packing=packing)
-        want = pack(list(zip(rows[10:51], labels[10:51], strict=True)), seq_len=16, pad_id=5, packing=packing)
-        assert got["input_ids"].dtype == np.int64 and len(got["input_ids"]) > 10 and set(got) == set(want)
-        for k, v in want.items():
-            assert got[k].shape == v.shape and got[k].tolist() == v.tolist(), k
-    assert pack_table(table.slice(0, 0), seq_len=16, pad_id=5)["input_ids"].shape == (0, 16)
-    ragged = pa.table({"input_ids": pa.array([[1, 2]], tokens), "labels": pa.array([[1]], tokens)})
-    with pytest.raises(ValueError, match="differ in length"):
-        pack_table(ragged, seq_len=2, pad_id=0)
 
 
 def test_random_batch_gives_the_same_global_batch_for_any_world_size():

@@ -17,6 +17,7 @@ from raytrain_eks.errors import DataError
 from raytrain_eks.train.builtin import sample_data_path
 from raytrain_eks.train.data import IGNORE_INDEX, prepare_dataset, prepared_in_driver
 from raytrain_eks.train.json_reader import TOO_DEEP
+from raytrain_eks.train.packing import block_documents
 
 pytestmark = pytest.mark.integration
 
@@ -55,10 +56,10 @@ def trained_and_whole(tokenizer, prepared) -> tuple[str, str]:
 
 
 def blocks(dataset) -> np.ndarray:
-    """The packed blocks, in order: input ids, labels and positions side by side."""
+    """The packed blocks, in order: input ids, labels, positions and the count of filled positions side by side."""
     rows = dataset.take_all()
-    assert all(set(r) == {"input_ids", "labels", "position_ids"} for r in rows)
-    return np.array([np.concatenate([r["input_ids"], r["labels"], r["position_ids"]]) for r in rows])
+    assert all(set(r) == {"input_ids", "labels", "position_ids", "filled"} for r in rows)
+    return np.array([np.concatenate([r["input_ids"], r["labels"], r["position_ids"], [r["filled"]]]) for r in rows])
 
 
 def test_driver_and_ray_data_pack_the_same_blocks(tmp_path, ray_local, builtin_model, monkeypatch):
@@ -180,10 +181,15 @@ def test_parquet_text_format(tmp_path, ray_local, builtin_model, where):
     assert prepared.trained_tokens == prepared.tokens - prepared.usable_rows
     rows = prepared.dataset.take_all()
     assert sum(int((r["labels"] != IGNORE_INDEX).sum()) for r in rows) == prepared.trained_tokens
-    # Each row's positions count from 0 where it starts, and again where a block of 16 starts inside it.
-    positions = np.concatenate([r["position_ids"] for r in rows])[: prepared.tokens]
+    # Each row lies whole in one block of 16, its positions counting from 0 where it starts.
     per_row = prepared.tokens // 6
-    assert positions.tolist() == [i - max(i - i % per_row, i - i % 16) for i in range(prepared.tokens)]
+    documents = [block_documents(r["position_ids"], int(r["filled"])) for r in rows]
+    assert [n for block in documents for _, n in block] == [per_row] * 6
+    assert all(
+        r["position_ids"][s : s + n].tolist() == list(range(n))
+        for r, b in zip(rows, documents, strict=True)
+        for s, n in b
+    )
 
 
 def test_no_usable_row_is_a_clear_error(tmp_path, ray_local, builtin_model, where):

@@ -27,7 +27,7 @@ from raytrain_eks.train.data import IGNORE_INDEX, first_blocks, prepare_dataset
 from raytrain_eks.train.encoding import encode
 from raytrain_eks.train.loop import train
 from raytrain_eks.train.model import chunked_cross_entropy, forward_inputs, load_model, output_projection_deferred
-from raytrain_eks.train.packing import block_documents, fullest_bins, pack, place_rows
+from raytrain_eks.train.packing import block_documents, fullest_bins, pack, pack_table, place_rows
 
 LENGTHS = (9, 14, 6, 11)  # four rows in one block of SEQ tokens, the tail padded
 SEQ = 48
@@ -322,3 +322,67 @@ def test_the_built_in_data_fills_its_blocks(builtin_model):
     assert prepared.counts()["padding_tokens"] == prepared.blocks * prepared.seq_len - (
         prepared.tokens - prepared.eval_tokens
     )
+
+
+def test_pack_concat_runs_the_rows_on_and_pads_the_tail_block():
+    rows = [([1, 2, 3], [-100, 2, 3]), ([4, 5], [4, 5]), ([6], [-100])]
+    packed = pack(rows, seq_len=4, pad_id=0, packing="concat")
+    ids, labels = packed["input_ids"], packed["labels"]
+    assert set(packed) == {"input_ids", "labels", "filled"}, "concat gives no positions: the model counts them itself"
+    assert ids.dtype == np.int64 and ids.shape == (2, 4)
+    assert ids.tolist() == [[1, 2, 3, 4], [5, 6, 0, 0]]
+    assert labels.tolist() == [[-100, 2, 3, 4], [5, -100, -100, -100]]
+    assert packed["filled"].tolist() == [4, 2]
+
+
+def test_pack_documents_keeps_each_row_whole_numbered_from_its_start_with_its_first_token_masked():
+    rows = [([1, 2, 3], [-100, 2, 3]), ([4, 5], [4, 5]), ([6], [-100]), ([7, 8, 9], [7, 8, 9])]
+    packed = pack(rows, seq_len=4, pad_id=0)  # documents is the default
+    # Longest first, each into the fullest block that takes it: [1 2 3] + [6], [7 8 9], then [4 5] (no block has 2
+    # free positions left but a new one). No row is cut at a block's edge.
+    assert packed["input_ids"].tolist() == [[1, 2, 3, 6], [7, 8, 9, 0], [4, 5, 0, 0]]
+    # The padded tail goes on from the block's last row.
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0], [0, 1, 2, 3], [0, 1, 2, 3]]
+    assert packed["position_ids"].dtype == np.int32
+    # No row's first token is a target: the token before it belongs to another row, or to none.
+    assert packed["labels"].tolist() == [[-100, 2, 3, -100], [-100, 8, 9, -100], [-100, 5, -100, -100]]
+    assert packed["filled"].tolist() == [4, 3, 2]
+    with pytest.raises(ValueError, match="packing must be one of documents, concat"):
+        pack(rows, seq_len=4, pad_id=0, packing="sorted")
+    with pytest.raises(ValueError, match="overlong must be one of truncate, drop"):
+        pack(rows, seq_len=4, pad_id=0, overlong="split")
+
+
+def test_pack_exact_fit_has_no_padding_and_rejects_ragged_rows():
+    for packing in ("concat", "documents"):
+        packed = pack([([1, 2], [1, 2]), ([3, 4], [3, 4])], seq_len=2, pad_id=9, packing=packing)
+        assert packed["input_ids"].tolist() == [[1, 2], [3, 4]] and packed["filled"].tolist() == [2, 2]
+    with pytest.raises(ValueError, match="differ in length"):
+        pack([([1, 2], [1])], seq_len=2, pad_id=0)
+
+
+def test_pack_table_packs_a_sliced_chunked_table_as_pack_packs_its_rows():
+    import pyarrow as pa
+
+    rng = np.random.default_rng(7)
+    rows = [rng.integers(0, 50_000, int(n)).tolist() for n in rng.integers(0, 40, 60)]
+    labels = [[t if i % 3 else -100 for i, t in enumerate(r)] for r in rows]
+    tokens = pa.list_(pa.int32())
+    table = pa.Table.from_batches(
+        [
+            pa.record_batch({"input_ids": pa.array(rows[a:b], tokens), "labels": pa.array(labels[a:b], tokens)})
+            for a, b in [(0, 25), (25, 26), (26, 60)]
+        ]
+    )
+    part = table.slice(10, 41)  # across all three chunks, starting inside the first
+    assert part.column("input_ids").num_chunks == 3
+    for packing in ("documents", "concat"):
+        got = pack_table(part, seq_len=16, pad_id=5, packing=packing)
+        want = pack(list(zip(rows[10:51], labels[10:51], strict=True)), seq_len=16, pad_id=5, packing=packing)
+        assert got["input_ids"].dtype == np.int64 and len(got["input_ids"]) > 10 and set(got) == set(want)
+        for k, v in want.items():
+            assert got[k].shape == v.shape and got[k].tolist() == v.tolist(), k
+    assert pack_table(table.slice(0, 0), seq_len=16, pad_id=5)["input_ids"].shape == (0, 16)
+    ragged = pa.table({"input_ids": pa.array([[1, 2]], tokens), "labels": pa.array([[1]], tokens)})
+    with pytest.raises(ValueError, match="differ in length"):
+        pack_table(ragged, seq_len=2, pad_id=0)

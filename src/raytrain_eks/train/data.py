@@ -730,6 +730,26 @@ def _filled(packed: Any) -> int:
     return int(packed.sum("filled") or 0)
 
 
+def prepare_for(training: Any, tokenizer_path: str, **given: Any) -> PreparedData:
+    """:func:`prepare_dataset` with the data settings of ``training`` (a :class:`~raytrain_eks.config.TrainingConfig`):
+    format, fields, template, packing, ``seq_len`` and seed; ``given`` adds the rest (``data``, ``min_blocks``,
+    ``listed``, ``eval_fraction``, ``stage``, ``option``, ``in_driver``, ``ray_dataset``). ``train`` and
+    ``raytrain-eks data`` both prepare through it, so they make the same blocks."""
+    return prepare_dataset(
+        data_format=training.data_format,
+        text_field=training.text_field,
+        columns=training.columns or None,
+        csv_delimiter=training.csv_delimiter,
+        packing=training.packing,
+        overlong=training.overlong,
+        chat_template=training.chat_template,
+        tokenizer_path=tokenizer_path,
+        seq_len=training.seq_len,
+        seed=training.seed,
+        **given,
+    )
+
+
 def _reads_here(files: Sequence[str]) -> dict[str, str] | None:
     """The label selector that keeps the read tasks of local ``files`` on this node (on a cluster, another node has
     no such files): Ray's own node-id label; none for remote storage, which every node reaches."""

@@ -276,7 +276,7 @@ def _train_in(
         list_checkpoints,
         storage_root,
     )
-    from raytrain_eks.train.data import encoding_tokenizer, prepare_dataset, train_datasets
+    from raytrain_eks.train.data import encoding_tokenizer, prepare_for, train_datasets
     from raytrain_eks.train.export import export_hf
     from raytrain_eks.train.prompts import sample_prompts, write_samples
 
@@ -287,24 +287,19 @@ def _train_in(
     say(f"ray: {num_workers} {'GPU' if use_gpu else 'CPU'} workers, model {training.model_id}")
 
     datasets = {}
+    data_counts: dict[str, Any] | None = None  # what the data held and how it packed (summary.json's data_counts)
     if not training.uses_random_data:
-        prepared = prepare_dataset(
+        prepared = prepare_for(
+            training,
+            model_path,
             data=_data_source(cfg),
             listed=data_files,
-            data_format=training.data_format,
-            text_field=training.text_field,
-            columns=training.columns or None,
-            csv_delimiter=training.csv_delimiter,
-            packing=training.packing,
-            chat_template=training.chat_template,
-            tokenizer_path=model_path,
-            seq_len=training.seq_len,
-            seed=training.seed,
             min_blocks=num_workers * training.batch_size * training.grad_accum_steps,
             eval_fraction=training.effective_eval_fraction,
             stage=getattr(progress, "stage", None),
         )
         say(prepared.describe(training.data, training.seq_len))
+        data_counts = prepared.counts()
         stage = getattr(progress, "stage", None)
         if stage is not None:
             stage("ready; starting the training workers")
@@ -444,6 +439,8 @@ def _train_in(
     summary["wall_s"] = time.perf_counter() - t_start
     summary["model_id"] = training.model_id
     summary["data"] = training.data
+    summary["data_counts"] = data_counts
+    summary["packing_efficiency"] = data_counts["packing_efficiency"] if data_counts else None
     if price is not None:
         summary["cost"] = price(summary)
     elif unpriced is not None:
@@ -485,7 +482,7 @@ def _eval_dataset(
 ) -> Any:
     """The packed held-out data: the rows held out of the training data, or ``training.eval_data`` (``eval_files``,
     its listing); ``None`` without either."""
-    from raytrain_eks.train.data import prepare_dataset
+    from raytrain_eks.train.data import prepare_for
 
     training = cfg.training
     if prepared.eval_dataset is not None:
@@ -493,20 +490,8 @@ def _eval_dataset(
         return prepared.eval_dataset
     if not training.eval_data:
         return None
-    held = prepare_dataset(
-        data=training.eval_data,
-        listed=eval_files,
-        option="training.eval_data",
-        data_format=training.data_format,
-        text_field=training.text_field,
-        columns=training.columns or None,
-        csv_delimiter=training.csv_delimiter,
-        packing=training.packing,
-        chat_template=training.chat_template,
-        tokenizer_path=model_path,
-        seq_len=training.seq_len,
-        seed=training.seed,
-        min_blocks=1,
+    held = prepare_for(
+        training, model_path, data=training.eval_data, listed=eval_files, option="training.eval_data", min_blocks=1
     )
     say("eval " + held.describe(training.eval_data, training.seq_len).removeprefix("data: "))
     return held.dataset
