@@ -255,10 +255,12 @@ def prepare_model(
     adapters = initial_adapters(model, cfg.seed)  # the same on every rank, whatever its model holds
     # Buffers outside the state dict: computed here where nothing sends them (rank 0's start broadcasts them).
     buffers = computed_buffers(model) if start in ("own-shard", "checkpoint") else {}
-    full_state = None
-    if reads_whole:
-        if start == "rank0":  # what rank 0 sends, taken before sharding
-            full_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    weights = None
+    if start == "rank0" and ctx.rank == 0:  # sent from the CPU: the model shards empty, as on the other ranks
+        from raytrain_eks.train.start import take_weights
+
+        weights = take_weights(model)
+    elif start == "whole":
         model.to(device)
     trainable, total = parameter_counts(model)
     output_weight = output_projection_deferred(model)
@@ -266,8 +268,8 @@ def prepare_model(
         ctx.emit(Note(f"compile: {compile_layers(model)} decoder layers with torch.compile (inductor)"))
     shard_model(model, layout, precision=precision, reduce_precision=cfg.reduce_precision, device=device)
     if start == "rank0":
-        fill_from_rank0(model, full_state, device)
-        del full_state
+        fill_from_rank0(model, weights, device)
+        del weights  # the CPU copy of the whole model
     elif start != "whole":  # storage for this rank's shard, then its values
         model.to_empty(device=device)
         restore_buffers(model, buffers)

@@ -151,20 +151,28 @@ def check_attention(requested: str, precision: str, config: Any, *, local: bool)
         choose_attention(requested, causal_lm_class(config), cuda=cuda, precision=precision)
 
 
-def fill_from_rank0(model: Any, full_state: dict[str, Any] | None, device: torch.device) -> None:
-    """After sharding: every rank's shard of the weights from rank 0's ``full_state`` (the model's state dict,
-    taken before sharding; ``None`` on the ranks that built :func:`load_model_shell`, which get storage on
-    ``device`` here). Buffers outside the state dict (rotary frequencies) are sent whole. A collective: every
-    rank of the default group calls it."""
+def fill_from_rank0(model: Any, weights: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    """After sharding a model that holds no weights (on the meta device: a :func:`load_model_shell`, or rank 0's
+    model after :func:`~raytrain_eks.train.start.take_weights`): storage for every rank's shard on ``device``, then
+    its values from rank 0's ``weights`` (``take_weights``'s, on the CPU; ``None`` on the other ranks). Buffers
+    outside the state dict (rotary frequencies) are sent whole. A collective: every rank of the default group
+    calls it."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    if full_state is None:
-        model.to_empty(device=device)
+    model.to_empty(device=device)
+    held = set(model.state_dict())
+    # torch sends rank 0's weights one at a time, each moved to the device only while it is sent (the
+    # broadcast_from_rank0 load), and every rank keeps its shard of it: rank 0's CPU copy is never on the device.
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full_state or {}, options=options)
-    for buffer in model.buffers():
-        dist.broadcast(buffer, src=0)
+    set_model_state_dict(model, {k: v for k, v in (weights or {}).items() if k in held}, options=options)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in held:
+                continue
+            if weights is not None:
+                buffer.copy_(weights[name])
+            dist.broadcast(buffer, src=0)
 
 
 def compile_layers(model: Any) -> int:

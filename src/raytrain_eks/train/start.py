@@ -9,7 +9,9 @@ memory), the model is sharded, and then each rank fills only its own shard:
   checkpoint (a full fine-tune's checkpoint holds them all);
 - ``rank0``: rank 0 reads the whole model and sends each rank its shard (the fallback when the files cannot be read
   by shard: no safetensors, names or shapes that differ from the model's, or a conversion on load other than a
-  renaming or a stack of experts). The run says why.
+  renaming or a stack of experts). The run says why. Rank 0 keeps the loaded tensors on the CPU, once
+  (:func:`take_weights`), and shards an empty model like the other ranks; its shards are sent from the CPU one weight
+  at a time (:func:`~raytrain_eks.train.model.fill_from_rank0`), so no device ever holds the whole model.
 
 Files that transformers converts while loading are read by shard too, with transformers' own conversion table for
 the model (:func:`transformers.conversion_mapping.get_model_conversion_mapping`): a renamed weight (GPT-NeoX's
@@ -280,6 +282,33 @@ def computed_buffers(model: Any) -> dict[str, torch.Tensor]:
         for b in own:
             values[f"{prefix}.{b}" if prefix else b] = module._buffers[b]
     return values
+
+
+def take_weights(model: Any) -> dict[str, torch.Tensor]:
+    """The weights of a loaded ``model``, taken out of it for rank 0 to send: its state dict and the buffers outside
+    it (rotary frequencies), the loaded tensors themselves where they are (the CPU), not a copy. ``model`` is left
+    holding none, its parameters and buffers on the meta device like a
+    :func:`~raytrain_eks.train.model.load_model_shell`'s, to be sharded and filled like one.
+
+    Example::
+
+        model = load_model(path, activation_checkpointing=False)
+        weights = take_weights(model)       # the one copy of the weights, on the CPU
+        shard_model(model, ...)
+        fill_from_rank0(model, weights, device)
+    """
+    weights = model.state_dict()  # detached views: the loaded storage
+    weights.update((k, b.detach()) for k, b in model.named_buffers() if k not in weights)
+    made: dict[int, torch.Tensor] = {}  # a tensor held under two names (tied embeddings) stays one
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if id(param) not in made:
+                    made[id(param)] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                setattr(module, name, made[id(param)])
+            for name, buffer in list(module.named_buffers(recurse=False)):
+                setattr(module, name, made.setdefault(id(buffer), buffer.to("meta")))
+    return weights
 
 
 def restore_buffers(model: Any, values: dict[str, torch.Tensor]) -> None:
