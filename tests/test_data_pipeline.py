@@ -315,7 +315,7 @@ def test_openai_rows_with_tool_calls_are_prepared(ray_local, builtin_model, toke
     # tool call and the answers are trained; the tool's result, its definition and the prompts are context.
     template = (FIXTURES / "chat_templates" / "Qwen-Qwen2.5-7B-Instruct.jinja").read_text()
     path = FIXTURES / "data" / "openai.jsonl"
-    prepared = prep(path, builtin_model, fmt="openai", seq_len=512, where="driver", chat_template=template)
+    prepared = prep(path, builtin_model, fmt="openai", seq_len=1024, where="driver", chat_template=template)
     assert (prepared.rows, prepared.usable_rows) == (3, 2)
     assert prepared.malformed == {"a message's role is 'function', not one of system, user, assistant, tool": 1}
     trained, whole = trained_and_whole(tokenizer, prepared)
@@ -341,6 +341,7 @@ def test_sharegpt_speakers_and_renamed_columns_from_files(ray_local, builtin_mod
     qa = prep(
         FIXTURES / "data" / "qa-columns.jsonl",
         builtin_model,
+        seq_len=64,  # each row whole in a block
         where="driver",
         columns={"instruction": "question", "input": "context", "output": "answer"},
     )

@@ -1,6 +1,7 @@
 """The ``raytrain-eks`` command: a thin layer over library functions.
 
 raytrain-eks train                 # local fine-tune of the built-in tiny model on the shipped data
+raytrain-eks data --show 2         # what it trains on: counts, and the first packed blocks
 raytrain-eks init                  # write a commented raytrain-eks.yaml
 raytrain-eks config show           # the resolved configuration (file + environment + flags)
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -30,7 +32,7 @@ from raytrain_eks.eks import commands as deploy_commands
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.fabric import commands as fabric_commands
 from raytrain_eks.formats import FORMAT_NAMES
-from raytrain_eks.options import AddressOpt, ConfigOpt, PresetOpt, SetOpt, VerboseOpt
+from raytrain_eks.options import AddressOpt, ConfigOpt, JsonOpt, PresetOpt, SetOpt, VerboseOpt
 from raytrain_eks.report import commands as report_commands
 
 app = typer.Typer(
@@ -177,6 +179,54 @@ def train(
         f"{s['tokens_per_s']:.0f} tokens/s, MFU {mfu}, {s['wall_s']:.0f} s"
     )
     out.print(f"Run folder: {result.run_dir}")
+
+
+@app.command()
+def data(
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    data_path: Annotated[
+        str | None,
+        typer.Option("--data", help="The training data, as train takes it (default: training.data)."),
+    ] = None,
+    data_format: Annotated[str | None, typer.Option(help=f"Data format: {', '.join(FORMAT_NAMES)}.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="The model whose tokenizer (and chat template) encodes the data.")
+    ] = None,
+    seq_len: Annotated[int | None, typer.Option(help="Tokens per packed sample.")] = None,
+    show: Annotated[int, typer.Option(help="Packed blocks to print, from the first.")] = 1,
+    json_output: JsonOpt = False,
+    sets: SetOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """What the model will be trained on: rows read, kept, malformed, truncated and dropped; tokens trained, masked
+    and padding; blocks and how full they are; and the first packed blocks with the trained tokens marked. Prepared
+    as train prepares it, with no cluster and no GPU."""
+    from raytrain_eks.train.preview import preview_data, render_block
+
+    flags = {"model_id": model, "data": data_path, "data_format": data_format, "seq_len": seq_len}
+    cfg = load_config(preset=presets.choose(preset), path=config, overrides={"training": flags}, sets=sets)
+    shown = preview_data(cfg, show=show, verbose=verbose, say=None if json_output else err.print)
+    if json_output:
+        typer.echo(json.dumps(shown.to_json(), indent=2))
+        return
+    out.print(shown.line, markup=False)
+    c = shown.counts
+    out.print(
+        f"tokens: {c['trained_tokens']} trained, {c['masked_tokens']} masked (prompts, each row's first), "
+        f"{c['padding_tokens']} padding; {c['blocks']} blocks of {c['seq_len']}, "
+        f"{100 * c['packing_efficiency']:.1f}% filled"
+        + (f"; {c['eval_rows']} rows held out for evaluation" if c["eval_rows"] else ""),
+        markup=False,
+    )
+    if shown.blocks:
+        from raytrain_eks.train.encoding import encoding_tokenizer
+
+        tokenizer = encoding_tokenizer(shown.tokenizer_path, shown.chat_template)
+        marks = "colour" if out.is_terminal else "brackets"
+        out.print("trained tokens " + ("in green" if marks == "colour" else "between [[ and ]]"), markup=False)
+        for block in shown.blocks:
+            out.print(render_block(block, tokenizer, marks=marks))
 
 
 _RESUME_TMP = "raytrain-eks-resume-"

@@ -106,7 +106,7 @@ def _resume_source(resume: Path | str | None, cfg: Config, runs_root: Path) -> t
     return run_dir, (checkpoint_root(run_dir, storage) if storage else run_dir)
 
 
-def _data_source(cfg: Config) -> str:
+def data_source(cfg: Config) -> str:
     if cfg.training.data == BUILTIN_DATA:
         from raytrain_eks.train.builtin import sample_data_path
 
@@ -165,7 +165,7 @@ def run_training(
     # the model's config and tokenizer, which load torch and transformers (seconds on one core of a small machine),
     # while a local Ray starts on the other core.
     model_path = resolve_model_path(training.model_id)
-    data_files = None if training.uses_random_data else list_data_files(_data_source(cfg))
+    data_files = None if training.uses_random_data else list_data_files(data_source(cfg))
     eval_files = list_data_files(training.eval_data, option="training.eval_data") if training.eval_data else None
     resume_dir, resume_root = _resume_source(resume, cfg, runs_root)
     resume_from: str | None = None
@@ -292,7 +292,7 @@ def _train_in(
         prepared = prepare_for(
             training,
             model_path,
-            data=_data_source(cfg),
+            data=data_source(cfg),
             listed=data_files,
             min_blocks=num_workers * training.batch_size * training.grad_accum_steps,
             eval_fraction=training.effective_eval_fraction,
