@@ -351,3 +351,27 @@ def test_sharegpt_speakers_and_renamed_columns_from_files(ray_local, builtin_mod
     assert "Jupiter.<|im_end|>" in trained and "danke<|im_end|>" in trained
     assert "<|im_start|>user\nTranslate to German:\n\nthank you<|im_end|>" in whole and "thank" not in trained
     assert "astronomy" not in whole  # a column no field reads is left out
+
+
+def test_the_data_command_shows_the_blocks_train_trains_on(ray_local, builtin_model, tmp_path):
+    # `raytrain-eks data` prepares with no Ray; train hands its packed set to the workers through Ray. The blocks the
+    # command shows are the first blocks the workers read, with the same counts.
+    from raytrain_eks.presets import local_tiny
+    from raytrain_eks.train.data import PackedSet, prepare_for
+    from raytrain_eks.train.launch import data_source
+    from raytrain_eks.train.preview import preview_data
+
+    cfg = local_tiny()
+    shown = preview_data(cfg, show=4)
+    training = cfg.training
+    trained = prepare_for(
+        training, builtin_model, data=data_source(cfg), min_blocks=1, eval_fraction=training.effective_eval_fraction
+    )
+    assert shown.counts == trained.counts()
+    read = PackedSet.of(trained.dataset).take(np.arange(4))
+    assert [b.input_ids for b in shown.blocks] == read["input_ids"].tolist()
+    assert [b.labels for b in shown.blocks] == read["labels"].tolist()
+    assert [b.filled for b in shown.blocks] == read["filled"].tolist()
+    assert [b.documents for b in shown.blocks] == [
+        block_documents(p, int(f)) for p, f in zip(read["position_ids"], read["filled"], strict=True)
+    ]
