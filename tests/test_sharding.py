@@ -8,6 +8,7 @@ mixed-precision policies. Then real runs of the training loop under torchrun wit
 node id the loop's context reports. Every mode, with gradient accumulation and activation checkpointing, gives
 the losses of one process training on the whole batch (fp32, to 1e-5) and its gradient norms (to 5e-5: matmuls of
 another shape round differently, 1.4e-5 apart after two updates on an AVX-512 Xeon; a wrong reduction is off by 2x).
+Last, HSDP with bf16 reduction adds up many micro-batches in fp32, as fp32 reduction does.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from raytrain_eks.train.torchrun_entry import run
 
 STEPS = 3
 GLOBAL_BATCH = 8
+MICRO_BATCHES = 32  # of the accumulation probe (tests/sharding_runs.py): enough for a bf16 sum to lose bits
 
 
 # ------------------------------------------------------------------------------------------------ the choice
@@ -202,10 +204,11 @@ def four_ranks(tmp_path_factory, builtin_cache) -> dict[str, Any]:
     """The runs of :data:`PLAN` on 4 ranks: two torchrun agents (``--nnodes 2``) of 2 processes each, all on this
     machine, one rendezvous; each run's ``(summary, records, all_reduces on subgroups)`` and rank 0's output."""
     tmp = tmp_path_factory.mktemp("four-ranks")
-    plan = [
+    plan: list[dict[str, Any]] = [
         {"name": name, "training": _training(GLOBAL_BATCH // 4, **extra), "one_node": one_node}
         for name, extra, one_node in PLAN
     ]
+    plan.append({"name": "accumulation", "micro_batches": MICRO_BATCHES})
     (tmp / "plan.json").write_text(json.dumps(plan))
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAYTRAIN_EKS_CACHE": str(builtin_cache)}
@@ -228,7 +231,8 @@ def four_ranks(tmp_path_factory, builtin_cache) -> dict[str, Any]:
     for code, stdout, stderr in outputs:
         assert code == 0, f"torchrun exited with {code}:\n{stdout[-3000:]}\n{stderr[-3000:]}"
     runs: dict[str, Any] = {"output": outputs[0][1]}
-    for entry in plan:
+    runs["accumulation"] = json.loads((tmp / "accumulation" / "gradients.json").read_text())
+    for entry in plan[: len(PLAN)]:
         out = tmp / entry["name"]
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         runs[entry["name"]] = (
@@ -294,7 +298,8 @@ def test_every_mode_trains_as_one_process(one_process, four_ranks):
 
 def test_hsdp_reduces_across_nodes_once_per_optimizer_step(builtin_model, four_ranks):
     """With 2 micro-batches per step, the replicas' gradient all-reduce still runs once per step and sharded
-    module: the first micro-batch's gradients stay on the ranks (no traffic between nodes)."""
+    module: the first micro-batch's gradients stay on the ranks (no traffic between nodes). Reduced in bf16, it runs
+    every micro-batch (so that they add up in fp32), each of half the bytes: with 2, the bytes of one fp32 step."""
     from raytrain_eks.train.model import load_model
     from raytrain_eks.train.sharding import decoder_layers
 
@@ -306,7 +311,8 @@ def test_hsdp_reduces_across_nodes_once_per_optimizer_step(builtin_model, four_r
     _, _, flat = four_ranks["fsdp-2x2"]
     assert flat == []  # one flat group: its reduce-scatter is over all ranks, nothing over a subgroup
     _, _, bf16 = four_ranks["hsdp-bf16-2x2"]
-    assert len(bf16) == len(reductions) and sum(r["bytes"] for r in bf16) * 2 == sum(r["bytes"] for r in reductions)
+    assert {tuple(r["ranks"]) for r in bf16} == {(0, 2)}
+    assert len(bf16) == 2 * len(reductions) and sum(r["bytes"] for r in bf16) == sum(r["bytes"] for r in reductions)
 
 
 def test_hsdp_with_bf16_reduction_stays_close(one_process, four_ranks):
@@ -322,3 +328,23 @@ def test_hsdp_with_bf16_reduction_stays_close(one_process, four_ranks):
     assert any(
         a["grad_norm"] != pytest.approx(b["grad_norm"], rel=1e-6) for a, b in zip(records, reference, strict=True)
     )
+
+
+def test_hsdp_with_bf16_reduction_adds_up_micro_batches_in_fp32(four_ranks):
+    """32 micro-batches of gradient accumulation under HSDP (2 nodes x 2 ranks), every rank's gradient and every mean
+    of them exact in bf16 (tests/sharding_runs.py), so reducing one micro-batch rounds nothing. Their sum, 33.5, is
+    what fp32 reduction gets; reduced in bf16, the micro-batches add up in fp32 too. Summed in bf16 they would not:
+    each addition rounds to the sum's step, 1/8 past 16, where the 3/64s vanish (FSDP2's per-node bf16 running sums
+    came to 32.5, 3% off)."""
+    probe = four_ranks["accumulation"]
+    want = MICRO_BATCHES * (1 + 3 / 64)
+    in_bf16 = torch.zeros((), dtype=torch.bfloat16)
+    for _ in range(MICRO_BATCHES):
+        in_bf16 += 1 + 3 / 64
+    assert want - float(in_bf16) == 0.5  # what this test tells apart: even the mean's bf16 sum is 1.5% off
+    fp32, bf16 = probe["fp32"]["gradients"], probe["bf16"]["gradients"]
+    assert len(fp32) == len(bf16) == 3 * 32 and set(fp32) == {want}  # the root's and two layers' 4 x 8
+    assert bf16 == pytest.approx(fp32, rel=2**-8)  # bf16's rounding of one reduction, at most
+    # Each micro-batch crosses the nodes in bf16 (2 bytes a value): one all-reduce per micro-batch and sharded module.
+    assert len(probe["bf16"]["all_reduces"]) == MICRO_BATCHES * 3 and len(probe["fp32"]["all_reduces"]) == 3
+    assert {r["bytes"] for r in probe["bf16"]["all_reduces"]} == {2 * 16}

@@ -7,7 +7,8 @@
 - ranks on several nodes, the same number on each: HSDP, a 2-D mesh ``(replicate, shard)`` whose rows are the
   nodes. Parameters are sharded inside a node (all-gathers never leave it) and replicated across nodes, so the
   only traffic between nodes is one gradient all-reduce of each rank's shard per optimizer step (none on the
-  accumulation micro-batches, whose gradient sync the loop turns off).
+  accumulation micro-batches, whose gradient sync the loop turns off) -- or, with ``reduce_precision: bf16``, one
+  bf16 all-reduce per micro-batch, so that the micro-batches still add up in fp32 (:func:`set_gradient_sync`).
 
 Sharding itself is one function, :func:`apply_fsdp`: ``fully_shard`` on each decoder layer, then on the root, with
 one mixed-precision policy. On GPUs this shards over NCCL, on CPUs over gloo; the code is the same. Example::
@@ -27,7 +28,7 @@ from raytrain_eks.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where a model is sharded: choosing a layout (plan) needs none of it
     import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 SHARDING_MODES = ("auto", "fsdp", "hsdp", "none")
 MESH_DIMS = ("replicate", "shard")  # HSDP's mesh: one row per node, one column per rank of a node
@@ -223,12 +224,44 @@ def shard_model(
 def set_gradient_sync(model: torch.nn.Module, mode: str, last: bool) -> None:
     """How a micro-batch's backward reduces gradients under gradient accumulation, keeping them sharded: FSDP
     reduce-scatters every micro-batch (each rank then holds only its shard of the running sum, never the whole
-    gradient); HSDP reduce-scatters inside the node every micro-batch and all-reduces across nodes only on the
-    ``last`` (no traffic between nodes before it). A model without a wrapper (``none``) has nothing to reduce."""
+    gradient, and adds each micro-batch's reduced shard to it in fp32); HSDP reduce-scatters inside the node every
+    micro-batch and all-reduces across nodes only on the ``last`` (no traffic between nodes before it), unless
+    gradients are reduced in bf16: then it all-reduces every micro-batch, so that the running sum stays fp32 as
+    FSDP's does (one bf16 all-reduce of the rank's shard per micro-batch instead of one per step). A model without a
+    wrapper (``none``) has nothing to reduce. Example, one step of ``k`` micro-batches::
+
+        for i, batch in enumerate(micro_batches):
+            set_gradient_sync(model, layout.mode, last=i == k - 1)
+            loss(model, batch).backward()
+    """
     from torch.distributed.fsdp import FSDPModule
 
     if mode == "none" or not isinstance(model, FSDPModule):
         return
     model.set_requires_gradient_sync(True)
-    if mode == "hsdp":
-        model.set_requires_all_reduce(last)
+    if mode != "hsdp":
+        return
+    # torch 2.13's FSDP2 (FSDPParamGroup.post_backward -> _fsdp_collectives.foreach_reduce) keeps the reduce-scattered
+    # sum of the micro-batches that skip the all-reduce in FSDPParamGroup._partial_reduce_output, in the reduce dtype;
+    # only the micro-batch that all-reduces casts it to the parameters' fp32 and adds it to the sharded gradient. In
+    # bf16 each addition rounds to the running sum's step (1/128 to 1/256 of it): 32 micro-batches of 1 + 3/64 came
+    # to 32.5 instead of 33.5. FSDP2 offers no fp32 running sum with a bf16 all-reduce: the policy's one reduce dtype
+    # serves both collectives, set_all_reduce_hook runs after the native all-reduce (and only on micro-batches that
+    # do it), set_custom_reduce_scatter replaces only the collective inside the node. So a module reduced in bf16
+    # all-reduces on every micro-batch: foreach_reduce then never holds a partial sum, and adds each micro-batch's
+    # bf16 result, cast to fp32, to the fp32 sharded gradient, as flat FSDP does. The cost: grad_accum_steps bf16
+    # all-reduces of the shard per step instead of one, 2 x grad_accum_steps bytes per parameter of the shard
+    # across nodes, against 4 for fp32 reduction (no partial-sum buffer is held, so no memory is added).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_requires_all_reduce(last or _reduces_below_fp32(module), recurse=False)
+
+
+def _reduces_below_fp32(module: FSDPModule) -> bool:
+    """Whether FSDP reduces ``module``'s gradients in a dtype narrower than fp32: its policy's ``reduce_dtype``, or
+    without one the compute dtype ``param_dtype`` (``MixedPrecisionPolicy``'s rule), or else the fp32 gradients."""
+    import torch
+
+    policy = module._get_fsdp_state()._mp_policy  # the policy apply_fsdp gave it: FSDP2 has no public getter
+    dtype = policy.reduce_dtype or policy.param_dtype
+    return dtype is not None and dtype != torch.float32
