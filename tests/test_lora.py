@@ -25,7 +25,7 @@ from raytrain_eks.config import LoraSettings, load_config
 from raytrain_eks.eks.buckets import storage_estimate
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.train.checkpoint import check_compatible, list_checkpoints
-from raytrain_eks.train.flops import flops_per_token, matmul_params
+from raytrain_eks.train.flops import flops_per_token, matmul_flops_per_token, matmul_params
 from raytrain_eks.train.launch import run_training
 from raytrain_eks.train.lora import apply_lora, linear_layers
 
@@ -129,8 +129,11 @@ def test_a_lora_run_trains_and_checkpoints_only_the_adapters(lora_run):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(lora_run.run_dir / "model")
-    assert summary["flops_per_token"] == flops_per_token(config, 64, adapters=adapter_params)
-    assert summary["flops_per_token"] == 4 * matmul_params(config) + 6 * adapter_params + 12 * layers * h * 64
+    per_token = matmul_flops_per_token(config, adapters=adapter_params)
+    assert per_token == 4 * matmul_params(config) + 6 * adapter_params
+    assert flops_per_token(config, 64, adapters=adapter_params) == per_token + 12 * layers * h * 64
+    # The run's rows are shorter than its blocks of 64: each attends over its own length, padding is no token.
+    assert per_token < summary["flops_per_token"] < flops_per_token(config, 64, adapters=adapter_params)
     # Checkpoints hold the adapters and their optimizer moments, never a weight of the frozen base.
     newest = list_checkpoints(lora_run.run_dir / "ray")[-1][1]
     held = saved_tensors(newest)

@@ -25,6 +25,7 @@ from raytrain_eks.train.builtin import sample_data_path
 from raytrain_eks.train.context import DataCursor, ProcessContext, take_from_parts
 from raytrain_eks.train.data import IGNORE_INDEX, first_blocks, prepare_dataset
 from raytrain_eks.train.encoding import encode
+from raytrain_eks.train.flops import documents_flops
 from raytrain_eks.train.loop import train
 from raytrain_eks.train.model import chunked_cross_entropy, forward_inputs, load_model, output_projection_deferred
 from raytrain_eks.train.packing import block_documents, fullest_bins, pack, pack_table, place_rows
@@ -246,9 +247,16 @@ def test_the_training_loop_keeps_packed_rows_apart(tmp_path, one_process_group, 
         precision="fp32",
     )
     (tmp_path / "out").mkdir()
-    train(cfg, builtin_model, _PackedContext(tmp_path / "out", blocks))
+    summary = train(cfg, builtin_model, _PackedContext(tmp_path / "out", blocks))
     record = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert record["loss"] == pytest.approx(alone / trained, rel=1e-5)
+    # Throughput counts the rows' tokens, not the padding after them, and charges each row's attention over its own
+    # length: the FLOPs of the eight rows as eight documents, not of two blocks of SEQ tokens.
+    lengths = [len(ids) for ids, _ in rows]
+    assert summary["trained_tokens"] == record["tokens"] == sum(lengths) < 2 * SEQ
+    config = own.config
+    assert summary["flops_per_token"] == pytest.approx(documents_flops(config, lengths) / sum(lengths), rel=1e-9)
+    assert summary["flops_per_token"] < documents_flops(config, [SEQ, SEQ]) / (2 * SEQ)
 
 
 def _prepared(path, builtin_model, *, seq_len: int, overlong: str = "truncate", eval_fraction: float = 0.0):

@@ -32,8 +32,9 @@ Batch = dict[str, torch.Tensor]
 # Writes this rank's files of a checkpoint into a folder: at once (the process group None), or in the background over
 # the given process group, returning the write's future.
 CheckpointWriter = Callable[[Path, Any], "Future[Any] | None"]
-# What a packed block holds: the tokens, their labels and (``packing: documents``) each row's own positions.
-BATCH_COLUMNS = ("input_ids", "labels", "position_ids")
+# What a packed block holds: the tokens, their labels, (``packing: documents``) each row's own positions, and how many
+# of its positions hold a row (the rest is padding).
+BATCH_COLUMNS = ("input_ids", "labels", "position_ids", "filled")
 
 
 class WorkerContext(Protocol):

@@ -28,7 +28,7 @@ from raytrain_eks.train.data import IGNORE_INDEX, load_tokenizer, random_batch
 from raytrain_eks.train.evaluation import HeldOut, greedy_samples
 from raytrain_eks.train.fabric_gate import check_transport
 from raytrain_eks.train.faults import maybe_die
-from raytrain_eks.train.flops import flops_per_token, mfu, peak_flops_for
+from raytrain_eks.train.flops import documents_flops, mfu, peak_flops_for
 from raytrain_eks.train.lora import apply_lora, parameter_counts
 from raytrain_eks.train.memory import LOSS_CHUNK_LOGITS, check_run, refuse_unless_fits  # logits held at once
 from raytrain_eks.train.model import (
@@ -46,6 +46,7 @@ from raytrain_eks.train.model import (
     output_projection_deferred,
     router_aux_loss,
 )
+from raytrain_eks.train.packing import block_documents
 from raytrain_eks.train.precision import resolve_precision
 from raytrain_eks.train.records import FabricLook, Note, Samples, StepRecord, WorkerJob
 from raytrain_eks.train.sharding import Layout, choose_sharding, set_gradient_sync, shard_model
@@ -379,33 +380,71 @@ class ThroughputWindow:
     """
 
     def __init__(self) -> None:
-        self.steps, self.tokens = 0, 0
+        self.steps, self.tokens, self.flops = 0, 0, 0.0  # this rank's, since the window opened
         self.start = time.perf_counter()
-        self.closed: list[tuple[float, int, int]] = []  # (seconds, steps, tokens) of each closed window
+        self.closed: list[tuple[float, int, float, float]] = []  # (seconds, steps, tokens, FLOPs) of every rank
 
-    def add(self, tokens: int) -> None:
+    def add(self, tokens: int, flops: float) -> None:
+        """One step of this rank: its tokens (padding left out) and their training FLOPs."""
         self.steps += 1
         self.tokens += tokens
+        self.flops += flops
 
     def leave_out(self, seconds: float) -> None:
         """Time spent on something other than training (a checkpoint) while this window is open."""
         self.start += seconds
 
-    def close(self) -> tuple[float, float]:
-        """Close the window at this logged step: (its step time, its tokens per second)."""
+    def close(self, tokens: float, flops: float) -> tuple[float, float, float]:
+        """Close the window at this logged step, given every rank's ``tokens`` and ``flops`` in it: (its step time,
+        its tokens per second, its FLOPs per second)."""
         seconds = time.perf_counter() - self.start
-        self.closed.append((seconds, self.steps, self.tokens))
-        return seconds / self.steps, self.tokens / seconds
+        self.closed.append((seconds, self.steps, tokens, flops))
+        return seconds / self.steps, tokens / seconds, flops / seconds
 
     def reopen(self) -> None:
-        self.steps, self.tokens, self.start = 0, 0, time.perf_counter()
+        self.steps, self.tokens, self.flops, self.start = 0, 0, 0.0, time.perf_counter()
 
-    def steady(self) -> tuple[float | None, float]:
-        """The median step time and the tokens per second over the windows after the first."""
+    def steady(self) -> tuple[float | None, float, float]:
+        """The median step time, and the tokens and FLOPs per second, over the windows after the first."""
         windows = self.closed[1:] or self.closed
         seconds = sum(w[0] for w in windows)
         step_time = statistics.median(w[0] / w[1] for w in windows) if windows else None
-        return step_time, sum(w[2] for w in windows) / seconds if seconds > 0 else 0.0
+        if seconds <= 0:
+            return step_time, 0.0, 0.0
+        return step_time, sum(w[2] for w in windows) / seconds, sum(w[3] for w in windows) / seconds
+
+    @property
+    def trained(self) -> float:
+        """Every rank's tokens in the closed windows."""
+        return sum(w[2] for w in self.closed)
+
+
+def batch_work(batch: dict[str, torch.Tensor], config: Any, *, adapters: int = 0) -> tuple[int, float]:
+    """The tokens of a packed batch that hold a row (padding left out) and their training FLOPs, each row's
+    attention charged over its own length (:func:`~raytrain_eks.train.flops.documents_flops`), counted on the host
+    from the batch's ``filled`` and ``position_ids``. A block without positions (``packing: concat``, random ids)
+    attends across all its filled positions."""
+    seq_len = batch["input_ids"].shape[-1]
+    rows = batch["input_ids"].shape[0]
+    filled = batch.get("filled")
+    positions = batch.get("position_ids")
+    lengths: list[int] = []
+    for r in range(rows):
+        n = int(filled[r]) if filled is not None else seq_len
+        if positions is not None:
+            lengths += [length for _, length in block_documents(positions[r].numpy(), n)]
+        else:
+            lengths.append(n)
+    return sum(lengths), documents_flops(config, lengths, adapters=adapters)
+
+
+def _all_ranks(window: ThroughputWindow, device: torch.device) -> tuple[float, float]:
+    """Every rank's tokens and FLOPs in the open window (a collective, on logged steps only)."""
+    totals = _to_device(torch.tensor([float(window.tokens), window.flops], dtype=torch.float64), device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    tokens, flops = totals.tolist()
+    return tokens, flops
 
 
 @dataclass
@@ -485,22 +524,23 @@ def run_summary(
     tally: Tally,
     window: ThroughputWindow,
     fabric_require: str,
-    tokens_per_step: int,
-    fpt: float,
     peak: float | None,
 ) -> dict[str, Any]:
-    """The run's ``summary.json`` fields, from what it counted (``tally``) and its steady-state throughput
-    (``tokens_per_step``, the FLOPs per token ``fpt`` and the device's ``peak`` as the loop computed them)."""
+    """The run's ``summary.json`` fields, from what it counted (``tally``), its steady-state throughput (``window``:
+    tokens and FLOPs of every rank) and the device's ``peak``."""
     device = ctx.device
-    steady_step_time, tps = window.steady()
+    steady_step_time, tps, flops_per_s = window.steady()
+    fpt = flops_per_s / tps if tps else 0.0  # the FLOPs of a real token: its row's own attention, no padding
     last_step = start.step + tally.done  # cfg.steps, unless the transport gate stopped the run early
     checkpoints, checkpoint_s, train_s = tally.checkpoints, tally.checkpoint_s, tally.train_s
+    trained = round(window.trained)  # by this attempt, padding left out
     return {
         "steps": last_step,
         "first_loss": tally.losses.get(start.step + 1),
         "final_loss": tally.losses.get(cfg.steps),
-        "tokens": last_step * tokens_per_step,
-        "trained_tokens": tally.done * tokens_per_step,  # by this attempt (a resumed run's first steps were before)
+        # a resumed run's steps before it are counted at this attempt's tokens per step (the same data)
+        "tokens": trained + round(start.step * trained / tally.done) if tally.done else 0,
+        "trained_tokens": trained,
         "train_s": train_s,
         "tokens_per_s": tps,
         "step_time_s": steady_step_time,
@@ -590,9 +630,8 @@ def train(
     if note:  # a data position in an earlier checkpoint format, converted
         ctx.emit(Note(note))
 
-    fpt = flops_per_token(model.config, cfg.seq_len, adapters=prepared.trainable if prepared.lora_targets else 0)
+    adapters = prepared.trainable if prepared.lora_targets else 0
     peak = peak_flops_for(device_name(device), precision) if device.type == "cuda" else None
-    tokens_per_step = ctx.world_size * cfg.batch_size * cfg.grad_accum_steps * cfg.seq_len
     eval_source = ctx.eval_batches(cfg.batch_size)
     held_out = (
         HeldOut(eval_source, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_logits=LOSS_CHUNK_LOGITS)
@@ -638,7 +677,8 @@ def train(
             prepared, optimizer, scheduler, micro, cfg=cfg, mode=layout.mode, world_size=ctx.world_size, device=device
         )
         tally.done += 1
-        window.add(tokens_per_step)
+        work = [batch_work(mb, model.config, adapters=adapters) for mb in micro]  # on the host, while the device works
+        window.add(sum(t for t, _ in work), sum(f for _, f in work))
         ctx.settle()  # a checkpoint still being written or uploaded goes on (reported, then marked complete)
 
         record = None
@@ -647,7 +687,7 @@ def train(
             loss, grad_norm = logged_loss(result, ctx.world_size)
             _sync(device)
             tally.losses[step] = loss
-            step_time, tps = window.close()
+            step_time, tps, flops_per_s = window.close(*_all_ranks(window, device))
             if eval_due and held_out is not None:  # after the window's timing: left out of throughput, like checkpoints
                 t = time.perf_counter()
                 tally.last_eval = held_out.evaluate(model, prepared.output_weight, device)
@@ -657,10 +697,15 @@ def train(
                 loss=loss,
                 lr=scheduler.get_last_lr()[0],
                 grad_norm=grad_norm,
-                tokens=step * tokens_per_step,
+                tokens=round(window.trained),
                 tokens_per_s=tps,
                 step_time_s=step_time,
-                mfu=mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
+                mfu=mfu(
+                    tokens_per_s=tps,
+                    flops_per_token=flops_per_s / tps if tps else 0.0,
+                    peak_flops=peak,
+                    devices=ctx.world_size,
+                ),
                 resumed_from_step=start.from_step,
                 **(tally.last_eval if eval_due else {}),
             )
@@ -701,8 +746,6 @@ def train(
         tally=tally,
         window=window,
         fabric_require=fabric_require,
-        tokens_per_step=tokens_per_step,
-        fpt=fpt,
         peak=peak,
     )
     ctx.finish(summary)
