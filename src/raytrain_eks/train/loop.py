@@ -419,6 +419,13 @@ class ThroughputWindow:
         return sum(w[2] for w in self.closed)
 
 
+def _through(trained: float, *, done: int, before: int) -> int:
+    """Tokens trained through the last step: ``trained`` in this attempt's ``done`` steps, and a resumed run's
+    ``before`` steps counted at this attempt's tokens per step (the same data, so a close estimate; exact for
+    random ids)."""
+    return round(trained + before * trained / done) if done else 0
+
+
 def batch_work(batch: dict[str, torch.Tensor], config: Any, *, adapters: int = 0) -> tuple[int, float]:
     """The tokens of a packed batch that hold a row (padding left out) and their training FLOPs, each row's
     attention charged over its own length (:func:`~raytrain_eks.train.flops.documents_flops`), counted on the host
@@ -538,8 +545,7 @@ def run_summary(
         "steps": last_step,
         "first_loss": tally.losses.get(start.step + 1),
         "final_loss": tally.losses.get(cfg.steps),
-        # a resumed run's steps before it are counted at this attempt's tokens per step (the same data)
-        "tokens": trained + round(start.step * trained / tally.done) if tally.done else 0,
+        "tokens": _through(window.trained, done=tally.done, before=start.step),
         "trained_tokens": trained,
         "train_s": train_s,
         "tokens_per_s": tps,
@@ -697,7 +703,7 @@ def train(
                 loss=loss,
                 lr=scheduler.get_last_lr()[0],
                 grad_norm=grad_norm,
-                tokens=round(window.trained),
+                tokens=_through(window.trained, done=tally.done, before=start.step),
                 tokens_per_s=tps,
                 step_time_s=step_time,
                 mfu=mfu(
