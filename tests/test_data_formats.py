@@ -1,10 +1,10 @@
-"""Data formats on small hand-made rows: tokenization, prompt masking and packing; random data's global batch."""
+"""Data formats on small hand-made rows: tokenization, prompt masking, message contents of text parts; random data's
+global batch."""
 
 from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 
@@ -185,11 +185,59 @@ def test_openai_rows_with_tool_calls_train_the_assistants_calls_and_answers(toke
             "openai",
             "'tools' is not a list",
         ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]},
+                    {"role": "assistant", "content": "A cat."},
+                ]
+            },
+            "openai",
+            "a user message's content holds a part of type 'image_url': only text is trained",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}, {"role": "assistant", "content": "A"}]},
+            "chat",
+            "a text part of a user message's content has no string 'text'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": 3}]},
+            "openai",
+            "an assistant message's content is not a string or a list of text parts",
+        ),
     ],
 )
 def test_malformed_rows_of_the_new_formats_say_why(tokenizer, row, fmt, reason):
     with pytest.raises(MalformedRow, match=reason):
         encode_row(row, fmt, tokenizer)
+
+
+def test_a_content_of_text_parts_is_read_as_its_text(tokenizer):
+    said = [{"role": "user", "content": "Weather in Oslo?"}, {"role": "assistant", "content": "Rain."}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Oslo?"}]},
+        {"role": "assistant", "content": ["Rain", "."]},
+    ]
+    for fmt in ("chat", "openai"):
+        assert encode_row({"messages": parts}, fmt, tokenizer) == encode_row({"messages": said}, fmt, tokenizer)
+
+
+def test_an_assistants_tool_calls_beside_text_parts_train_without_a_chat_template(tokenizer):
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    call = {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    row = {
+        "messages": [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}], "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "4 C, rain"},
+            {"role": "assistant", "content": "4 degrees and rain."},
+        ]
+    }
+    ids, labels = encode_row(row, "openai", plain)
+    trained = trained_text(plain, ids, labels)
+    assert trained.startswith('Let me look.\n[{"type": "function", "function": {"name": "weather"')
+    assert "4 degrees and rain." in trained and "4 C, rain" not in trained
 
 
 def test_columns_read_the_formats_fields_from_the_datas_own(tokenizer):

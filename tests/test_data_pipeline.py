@@ -353,6 +353,33 @@ def test_sharegpt_speakers_and_renamed_columns_from_files(ray_local, builtin_mod
     assert "astronomy" not in whole  # a column no field reads is left out
 
 
+def test_a_row_that_fails_to_encode_is_counted_and_the_rest_of_the_file_trains(
+    tmp_path, ray_local, builtin_model, tokenizer, where
+):
+    # One row's text holds a lone surrogate (a character cut in half by whatever wrote the file): JSON reads it, and
+    # the tokenizer refuses it with its own TypeError. Another asks to train on an image. Each is one counted row.
+    def said(user: object, answer: str) -> dict[str, object]:
+        return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
+
+    good = [said(f"What is {i} plus 1?", f"{i + 1}.") for i in range(6)]
+    good.append(said([{"type": "text", "text": "What is 6 "}, {"type": "text", "text": "plus 1?"}], "7."))
+    image = said([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}], "A cat.")
+    lines = [json.dumps(r) for r in good[:3]]
+    lines += [json.dumps(said("Cut \ud800 here", "x")), json.dumps(image)]  # json.dumps writes it as \ud800
+    lines += [json.dumps(r) for r in good[3:]]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    prepared = prep(path, builtin_model, fmt="openai", seq_len=64, where=where)
+    assert (prepared.rows, prepared.usable_rows) == (9, 7)
+    failed = [why for why in prepared.malformed if why.startswith("could not be encoded (TypeError: ")]
+    assert len(failed) == 1 and prepared.malformed[failed[0]] == 1
+    summary = prepared.describe(str(path), 64)
+    assert "skipped 2 malformed rows: " in summary and f"1 x {failed[0]}" in summary
+    assert "1 x a user message's content holds a part of type 'image_url': only text is trained" in summary
+    trained, _ = trained_and_whole(tokenizer, prepared)
+    assert all(f"{i + 1}.<|im_end|>" in trained for i in range(7))
+
+
 def test_the_data_command_shows_the_blocks_train_trains_on(ray_local, builtin_model, tmp_path):
     # `raytrain-eks data` prepares with no Ray; train hands its packed set to the workers through Ray. The blocks the
     # command shows are the first blocks the workers read, with the same counts.

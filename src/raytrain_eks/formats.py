@@ -24,6 +24,13 @@ ROLES = ("system", "user", "assistant")
 class MalformedRow(ValueError):
     """A row that cannot be used; the message says why (it is counted, not raised to the user)."""
 
+    @classmethod
+    def of(cls, exc: Exception) -> MalformedRow:
+        """The row whose encoding raised ``exc``, named by its type and first line: one row a tokenizer refuses
+        (``could not be encoded (TypeError: ...)``) is counted, and the rest of its file trains."""
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        return cls(f"could not be encoded ({type(exc).__name__}{': ' + first if first else ''})")
+
 
 @dataclass(frozen=True)
 class Conversation:
@@ -106,6 +113,32 @@ def field_text(row: Mapping[str, Any], key: str, *, required: bool) -> str:
     return value
 
 
+def content_text(content: Any, role: str) -> str:
+    """A message's ``content`` as text: a string as it is, a list of parts (OpenAI's ``{"type": "text", "text": ...}``
+    or plain strings) as their texts joined, as chat templates that take parts write them. A part that is not text
+    (an image, audio) makes the row malformed: only text is trained."""
+    if isinstance(content, str):
+        return content
+    speaker = f"{'an' if role == 'assistant' else 'a'} {role} message"
+    if not isinstance(content, list):
+        raise MalformedRow(f"{speaker}'s content is not a string or a list of text parts")
+    texts = []
+    for part in content:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type", "text") if isinstance(part, dict) else type(part).__name__
+        if kind != "text":
+            raise MalformedRow(
+                f"{speaker}'s content holds a part of type {kind!r}: only text is trained (give the row's "
+                "text parts only, or leave the row out)"
+            )
+        if not isinstance(part.get("text"), str):
+            raise MalformedRow(f"a text part of {speaker}'s content has no string 'text'")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def _needs_an_answer(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     if not any(m["role"] == "assistant" for m in messages):
         raise MalformedRow("no assistant message to learn from")
@@ -122,15 +155,16 @@ def instruction_conversation(row: Mapping[str, Any]) -> Conversation:
 
 
 def chat_conversation(row: Mapping[str, Any]) -> Conversation:
-    """The ``messages`` of a chat row, checked: roles system/user/assistant, string contents, an assistant turn."""
+    """The ``messages`` of a chat row, checked: roles system/user/assistant, text contents (a string, or text parts:
+    :func:`content_text`), an assistant turn."""
     messages = row.get("messages")
     if not isinstance(messages, (list, tuple)) or not messages:
         raise MalformedRow("missing field 'messages' (a list of {role, content})")
     out = []
     for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise MalformedRow("a message is not {role: system|user|assistant, content: string}")
-        out.append({"role": m["role"], "content": m["content"]})
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str | list):
+            raise MalformedRow("a message is not {role: system|user|assistant, content: string or text parts}")
+        out.append({"role": m["role"], "content": content_text(m["content"], m["role"])})
     return Conversation(_needs_an_answer(out))
 
 
@@ -156,7 +190,8 @@ def sharegpt_conversation(row: Mapping[str, Any]) -> Conversation:
 
 def openai_conversation(row: Mapping[str, Any]) -> Conversation:
     """OpenAI's chat fine-tuning rows: ``messages`` of system, user, assistant (``content``, or ``tool_calls``
-    with ``content`` null) and ``tool`` (``tool_call_id``, ``content``) turns, and an optional ``tools`` list."""
+    with ``content`` null) and ``tool`` (``tool_call_id``, ``content``) turns, and an optional ``tools`` list. A
+    ``content`` of text parts is read as its text (:func:`content_text`)."""
     messages = row.get("messages")
     if not isinstance(messages, (list, tuple)) or not messages:
         raise MalformedRow("missing field 'messages' (a list of {role, content})")
@@ -166,14 +201,15 @@ def openai_conversation(row: Mapping[str, Any]) -> Conversation:
         if role not in (*ROLES, "tool"):
             raise MalformedRow(f"a message's role is {role!r}, not one of system, user, assistant, tool")
         content = m.get("content")
-        msg: dict[str, Any] = {"role": role, "content": content if content is not None else ""}
-        if role == "assistant" and m.get("tool_calls"):
-            calls = m["tool_calls"]
+        calls = m.get("tool_calls") if role == "assistant" else None
+        msg: dict[str, Any] = {
+            "role": role,
+            "content": "" if content is None and calls else content_text(content, role),
+        }
+        if calls:
             if not isinstance(calls, list) or not all(isinstance(c, dict) and "function" in c for c in calls):
                 raise MalformedRow("an assistant's tool_calls are not a list of {function: {name, arguments}}")
             msg["tool_calls"] = [_tool_call(c) for c in calls]
-        elif not isinstance(content, str):
-            raise MalformedRow(f"a {role} message's content is not a string")
         if role == "tool":
             msg["tool_call_id"] = str(m.get("tool_call_id", ""))
         out.append(msg)

@@ -106,6 +106,8 @@ def _encode_batch(
             reason = str(exc)
         except RecursionError:  # the reader decoded it higher up its stack; this task runs deeper (Ray's frames)
             reason = TOO_DEEP
+        except Exception as exc:  # any other failure is this row's (a tokenizer refusing its text), not the file's
+            reason = str(MalformedRow.of(exc))
         ids_out.append(encoded.ids if encoded else [])
         labels_out.append(encoded.labels if encoded else [])
         reasons.append(reason)
