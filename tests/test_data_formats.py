@@ -1,14 +1,40 @@
-"""Data formats on small hand-made rows: tokenization, prompt masking, message contents of text parts; random data's
-global batch."""
+"""Data formats on small hand-made rows: tokenization, prompt masking, the BOS token a tokenizer adds on its own,
+message contents of text parts; random data's global batch."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
 from raytrain_eks.train.data import IGNORE_INDEX, MalformedRow, encode_row, random_batch
+
+LLAMA31_TEMPLATE = Path(__file__).parent / "fixtures" / "chat_templates" / "meta-llama-Llama-3.1-8B-Instruct.jinja"
+BOS = "<|begin_of_text|>"
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(builtin_model):
+    """The built-in tokenizer given a BOS token that it puts first on its own, as Llama 3's and Gemma's tokenizers
+    do (the built-in one, like Qwen2's, has none); no chat template."""
+    from tokenizers import AddedToken, Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_file(str(Path(builtin_model) / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken(BOS, special=True)])
+    bos_id = backend.token_to_id(BOS)
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=BOS,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
 
 
 def trained_text(tok, ids, labels) -> str:
@@ -24,6 +50,45 @@ def test_text_format_trains_every_token_and_ends_with_eos(tokenizer):
     assert labels == ids
     assert ids[-1] == tokenizer.eos_token_id
     assert tokenizer.decode(ids[:-1]) == "the river runs"
+
+
+def test_text_rows_start_with_the_bos_token_a_tokenizer_adds_on_its_own(tokenizer, bos_tokenizer):
+    from raytrain_eks.train.prompts import sample_prompts
+
+    bos = bos_tokenizer.bos_token_id
+    assert bos_tokenizer("x")["input_ids"][0] == bos, "the tokenizer of this test adds its BOS token itself"
+    ids, labels = encode_row({"text": "the river runs"}, "text", bos_tokenizer)
+    assert ids[0] == bos and ids[1:].count(bos) == 0 and ids[-1] == bos_tokenizer.eos_token_id
+    assert bos_tokenizer.decode(ids[1:-1]) == "the river runs"
+    assert labels == [IGNORE_INDEX, *ids[1:]], "the BOS token is never a label; the rest and the EOS are trained"
+    # A text that begins with the BOS token's own text has it once.
+    assert encode_row({"text": BOS + "the river runs"}, "text", bos_tokenizer) == (ids, labels)
+    # The sample prompts of a run start as its rows do.
+    assert sample_prompts(["the river"], None, "text", "text", bos_tokenizer) == (["the river"], [BOS + "the river"])
+    # A tokenizer that adds no BOS token of its own (Qwen2's, the built-in model's) gets none.
+    plain_ids, _ = encode_row({"text": "the river runs"}, "text", tokenizer)
+    assert plain_ids == [*tokenizer("the river runs", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+    assert sample_prompts(["the river"], None, "text", "text", tokenizer) == (["the river"], ["the river"])
+
+
+def test_rows_in_the_plain_layout_start_with_bos_and_a_templates_rows_as_it_writes_them(bos_tokenizer):
+    from raytrain_eks.train.prompts import render
+
+    row = {"instruction": "Say hi.", "output": "hi"}
+    ids, labels = encode_row(row, "instruction", bos_tokenizer)
+    assert ids[0] == bos_tokenizer.bos_token_id and labels[0] == IGNORE_INDEX
+    assert masked_text(bos_tokenizer, ids, labels) == BOS + "user: Say hi.\nassistant: "
+    assert trained_text(bos_tokenizer, ids, labels) == "hi<|endoftext|>\n"
+    # The sample prompts of a run start as its rows do.
+    assert render([{"role": "user", "content": "Say hi."}], bos_tokenizer) == BOS + "user: Say hi.\nassistant: "
+    # A chat template's rendering is kept as it is: Llama 3.1's writes the BOS token itself, once.
+    templated = copy.deepcopy(bos_tokenizer)
+    templated.chat_template = LLAMA31_TEMPLATE.read_text()
+    ids, labels = encode_row(row, "instruction", templated)
+    messages = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
+    assert templated.decode(ids) == templated.apply_chat_template(messages, tokenize=False)
+    assert ids.count(templated.bos_token_id) == 1 and ids[0] == templated.bos_token_id
+    assert labels[0] == IGNORE_INDEX
 
 
 def test_instruction_format_masks_the_prompt(tokenizer):

@@ -5,7 +5,9 @@
 tokenizer's chat template (or ``training.chat_template``, :func:`encoding_tokenizer`): a template with
 ``{% generation %}`` blocks marks the assistant's tokens itself; otherwise the conversation is rendered prefix by
 prefix (:func:`_segments`), and a template that rewrites earlier turns has its last answer trained
-(:func:`_last_answer`). A row that does not fit raises :class:`MalformedRow` with the reason.
+(:func:`_last_answer`). Text rows, and conversations in the plain layout used without a template, start with the
+tokenizer's BOS token where it adds one on its own (:func:`leading_bos`); a template writes its own. A row that does
+not fit raises :class:`MalformedRow` with the reason.
 
 Example::
 
@@ -68,6 +70,21 @@ def chat_template_text(value: str | None, option: str = "training.chat_template"
     return text
 
 
+def leading_bos(tokenizer: Any) -> list[int]:
+    """``[bos_token_id]`` when the tokenizer starts what it encodes with its BOS token on its own (Llama 3's and
+    Gemma's do), else ``[]`` (Qwen2's has none). A model of such a tokenizer saw every text begin with it."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return []
+    return [bos] if tokenizer("x")["input_ids"][:1] == [bos] else []
+
+
+def text_start(tokenizer: Any) -> str:
+    """The text a row or prompt without a chat template starts with: the BOS token's, where :func:`leading_bos`
+    finds one, else ``""``."""
+    return str(tokenizer.bos_token) if leading_bos(tokenizer) else ""
+
+
 # A chat template that marks what the assistant writes: transformers then gives each token's mask itself.
 _GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
 
@@ -120,8 +137,9 @@ def _split(
     turns once later ones follow (Qwen3 drops the reasoning of earlier answers, Mistral Nemo moves the system prompt
     into the last user message) renders no such prefixes: then the last answer is trained, found between its
     prompt and its end in the whole rendering, and the earlier turns are its context (:func:`_last_answer`).
-    Without a template, a plain ``role: content`` layout is used (an assistant's tool calls written as JSON) and
-    the answer ends with the EOS token. ``tools`` (OpenAI-style tool definitions) go to the chat template.
+    Without a template, a plain ``role: content`` layout is used (an assistant's tool calls written as JSON), after
+    the BOS token where the tokenizer adds one on its own (:func:`text_start`), and the answer ends with the EOS
+    token. ``tools`` (OpenAI-style tool definitions) go to the chat template.
     """
     if getattr(tokenizer, "chat_template", None):
         pieces: list[tuple[str, bool]] = []
@@ -141,7 +159,8 @@ def _split(
             done = full
         return pieces, False
     eos = tokenizer.eos_token or ""
-    pieces = []
+    start = text_start(tokenizer)
+    pieces = [(start, False)] if start else []
     for msg in messages:
         content = msg["content"]
         if msg.get("tool_calls"):
@@ -231,10 +250,14 @@ def encode(
     except MalformedRow as exc:
         raise MalformedRow(column_reason(str(exc), columns)) from None
     if conversation is None:
-        tokens: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if tokenizer.eos_token_id is not None:
-            tokens = tokens + [tokenizer.eos_token_id]
-        return Encoded(tokens, list(tokens))
+        # The text as the model read text in pre-training: after the BOS token its tokenizer puts first (never a
+        # label: nothing in the row predicts it), and trained up to its EOS token.
+        start = leading_bos(tokenizer)
+        body: list[int] = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if start and body[:1] == start:  # the text begins with the BOS token's own text
+            body = body[1:]
+        end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        return Encoded(start + body + end, [IGNORE_INDEX] * len(start) + body + end)
     if _GENERATION_BLOCK.search(getattr(tokenizer, "chat_template", None) or ""):
         return Encoded(*_masked_by_template(conversation.messages, tokenizer, conversation.tools))
     ids: list[int] = []

@@ -2,7 +2,8 @@
 
 A prompt is shown to the model as training showed it: for instruction and chat data, the conversation up to the
 assistant's turn, rendered with the tokenizer's chat template (or the plain ``role: content`` layout without
-one); for text data, the text as it is. Example::
+one); for text data, the text as it is, after the BOS token its rows start with (where the tokenizer adds one on
+its own). Example::
 
     shown, rendered = sample_prompts(None, data_files, "instruction", "text", tokenizer, count=3)
 """
@@ -16,7 +17,7 @@ from typing import Any
 from raytrain_eks.errors import DataError
 from raytrain_eks.formats import MalformedRow, renamed
 from raytrain_eks.formats import data_format as registered_format
-from raytrain_eks.train.encoding import _segments
+from raytrain_eks.train.encoding import _segments, text_start
 from raytrain_eks.train.json_reader import json_rows
 from raytrain_eks.train.storage import filesystem
 
@@ -101,7 +102,7 @@ def sample_prompts(
     """
     if given:
         if registered_format(data_format).conversation is None:  # plain text: the prompts as given
-            return list(given), list(given)
+            return list(given), [text_start(tokenizer) + p for p in given]
         try:
             return list(given), [render([{"role": "user", "content": p}], tokenizer) for p in given]
         except MalformedRow as exc:
@@ -120,7 +121,7 @@ def sample_prompts(
             text, before = _prompt_of(row, data_format, text_field, columns)
             if not text:
                 continue
-            prompt = text if before is None else render(before, tokenizer)
+            prompt = text_start(tokenizer) + text if before is None else render(before, tokenizer)
         except (MalformedRow, StopIteration):
             continue
         shown.append(text)
