@@ -12,7 +12,6 @@ where it came from and what is allowed. Example::
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -850,53 +849,11 @@ def load_config(
     ``"training.steps=5"``: any setting by its dotted name, the value read as YAML (as in the file), last of all.
     """
     tree = (preset or Config()).model_dump(mode="python")
-    sources: dict[tuple[str, ...], str] = {}
-
     file = Path(path) if path is not None else Path(DEFAULT_CONFIG_FILE)
     if path is not None and not file.exists():
-        raise ConfigError(
-            [f"config file {str(file)!r} does not exist; create one with `raytrain-eks init {file}`"],
-        )
-    if file.exists():
-        data = layers.read_yaml(file, Config.model_fields)
-        tree = layers.merge(tree, data)
-        for section, values in data.items():
-            layers.record_file(sources, (str(section),), values, str(file))
-
-    env = os.environ if environ is None else environ
-    for name, (section, field) in layers.ENV_VARS.items():
-        if name in env:
-            # env.sh exports its optional settings empty (GPU_AZ=""): empty means not set, where not set is allowed.
-            model = Config.model_fields[section].annotation
-            optional = isinstance(model, type) and model.model_fields[field].default is None
-            layers.put(tree, section, field, None if optional and env[name] == "" else env[name])
-            layers.record(sources, (section, field), f"environment variable {name}")
-
-    for section, values in (overrides or {}).items():
-        for field, value in values.items():
-            if value is not None:
-                layers.put(tree, section, field, value)
-                layers.record(sources, (section, field), f"flag --{field.replace('_', '-')}")
-
-    bad_sets = []
-    for item in sets or ():
-        key, sep, raw = item.partition("=")
-        parts = tuple(p.strip() for p in key.split("."))
-        if not sep or len(parts) < 2 or not all(parts):
-            bad_sets.append(f"--set {item!r}: write SECTION.FIELD=VALUE, e.g. --set training.steps=20")
-            continue
-        node = tree
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                bad_sets.append(f"--set {item!r}: {'.'.join(parts[:-1])} is a value, not a section of settings")
-                break
-        else:
-            node[parts[-1]] = layers.set_value(raw)
-            layers.record(sources, parts, f"--set {key.strip()}")
-    if bad_sets:
-        raise ConfigError(bad_sets)
-
+        raise ConfigError([f"config file {str(file)!r} does not exist; create one with `raytrain-eks init {file}`"])
+    sources: dict[tuple[str, ...], str] = {}
+    tree = layers.lay(tree, sources, Config, file if file.exists() else None, environ, overrides or {}, sets or ())
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as exc:

@@ -6,6 +6,7 @@ given there, where it came from). :mod:`raytrain_eks.config` builds and validate
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,60 @@ def format_errors(
         if msg not in found.setdefault(head, []):
             found[head].append(msg)
     return [f"{head}: {'; or '.join(msgs)}" for head, msgs in found.items()]
+
+
+def lay(
+    tree: dict[str, Any],
+    sources: dict[tuple[str, ...], str],
+    root: type[BaseModel],
+    file: Path | None,
+    environ: Mapping[str, str] | None,
+    overrides: Mapping[str, Mapping[str, Any]],
+    sets: Sequence[str],
+) -> dict[str, Any]:
+    """A new tree: the layers laid on ``tree`` (the settings of ``root``, dumped) in order, each setting's source
+    recorded in ``sources``. The YAML ``file``; the env.sh variables of ``environ`` (only :data:`ENV_VARS`; ``None``:
+    this process's); the flags' ``overrides`` (``{"training": {"steps": 5}}``, ``None`` not given); the ``--set``
+    items last (``"training.steps=5"``: any setting by its dotted name, the value read as YAML). A
+    :class:`ConfigError` names the ``--set`` items that cannot be laid."""
+    tree = copy.deepcopy(tree)
+    environ = os.environ if environ is None else environ
+    if file is not None:
+        data = read_yaml(file, root.model_fields)
+        tree = merge(tree, data)
+        for section, values in data.items():
+            record_file(sources, (str(section),), values, str(file))
+    for name, (section, field) in ENV_VARS.items():
+        if name in environ:
+            # env.sh exports its optional settings empty (GPU_AZ=""): empty means not set, where not set is allowed.
+            model = root.model_fields[section].annotation
+            optional = isinstance(model, type) and model.model_fields[field].default is None
+            put(tree, section, field, None if optional and environ[name] == "" else environ[name])
+            record(sources, (section, field), f"environment variable {name}")
+    for section, values in overrides.items():
+        for field, value in values.items():
+            if value is not None:
+                put(tree, section, field, value)
+                record(sources, (section, field), f"flag --{field.replace('_', '-')}")
+    bad = []
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        parts = tuple(p.strip() for p in key.split("."))
+        if not sep or len(parts) < 2 or not all(parts):
+            bad.append(f"--set {item!r}: write SECTION.FIELD=VALUE, e.g. --set training.steps=20")
+            continue
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                bad.append(f"--set {item!r}: {'.'.join(parts[:-1])} is a value, not a section of settings")
+                break
+        else:
+            node[parts[-1]] = set_value(raw)
+            record(sources, parts, f"--set {key.strip()}")
+    if bad:
+        raise ConfigError(bad)
+    return tree
 
 
 def set_value(raw: str) -> Any:
