@@ -346,8 +346,9 @@ def check_packed_attention(args: argparse.Namespace, work: Path) -> dict[str, An
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from raytrain_eks.train.data import IGNORE_INDEX, pack
+    from raytrain_eks.train.data import IGNORE_INDEX
     from raytrain_eks.train.model import choose_attention, forward_inputs, packing_told_by_host
+    from raytrain_eks.train.packing import pack
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
