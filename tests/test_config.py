@@ -240,6 +240,43 @@ def test_config_show_prints_resolved_yaml_and_env(tmp_path, monkeypatch, capsys)
     assert "export GPU_NODE_COUNT=3" in capsys.readouterr().out
 
 
+def test_lora_trains_at_loras_learning_rate_unless_one_is_set(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    lora = load_config(environ={}, sets=["training.method=lora"]).training
+    assert lora.learning_rate == 2e-4 and lora.learning_rate_reason == "LoRA's default; full fine-tuning's is 2e-05"
+    full = load_config(environ={}).training
+    assert full.learning_rate == 2e-5 and full.learning_rate_reason == "full fine-tuning's default; LoRA's is 0.0002"
+    # A preset's own rate is a set one (local-tiny's, tuned for its tiny model).
+    tiny = load_config(preset=presets.local_tiny(), environ={}, sets=["training.method=lora"]).training
+    assert tiny.learning_rate == 3e-3
+    # A rate given in any layer is the one used, whatever the method; given empty, it is the method's again.
+    (tmp_path / "raytrain-eks.yaml").write_text(yaml.safe_dump({"training": {"method": "lora", "learning_rate": 1e-3}}))
+    assert load_config(environ={}).training.learning_rate == 1e-3
+    assert load_config(environ={"LEARNING_RATE": "5e-4"}).training.learning_rate == 5e-4
+    assert load_config(environ={"LEARNING_RATE": ""}).training.learning_rate == 2e-4
+    kept = load_config(environ={}, sets=["training.learning_rate=2e-5"]).training
+    assert kept.learning_rate == 2e-5 and kept.learning_rate_reason == "as set; LoRA's default is 0.0002"
+    # A method that is refused is the one problem reported, not a learning rate that could not follow it.
+    with pytest.raises(ConfigError) as info:
+        load_config(environ={}, sets=["training.method=qlora"])
+    assert len(info.value.problems) == 1 and info.value.problems[0].startswith("training.method = 'qlora'")
+
+
+def test_init_leaves_the_learning_rate_to_the_method_and_config_show_says_which(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    main(["init"])
+    path = tmp_path / "raytrain-eks.yaml"
+    written = yaml.safe_load(path.read_text())
+    assert written["training"]["learning_rate"] is None
+    written["training"]["method"] = "lora"  # the user's one edit
+    path.write_text(yaml.safe_dump(written))
+    capsys.readouterr()
+    main(["config", "show"])
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["training"]["learning_rate"] == 2e-4
+    assert "  learning_rate: 0.0002  # LoRA's default; full fine-tuning's is 2e-05\n" in out
+
+
 def test_config_objects_are_immutable():
     cfg = Config()
     with pytest.raises(ValidationError, match="frozen"):

@@ -1,10 +1,11 @@
-"""AdamW as the loop builds it: decay on matrices only (never on norm scales or biases), fused only on CUDA."""
+"""AdamW as the loop builds it: decay on matrices only (never on norm scales or biases), fused only on CUDA; the peak
+learning rate of the method unless one is set."""
 
 from __future__ import annotations
 
 import torch
 
-from raytrain_eks.config import BUILTIN_MODEL, TrainingConfig
+from raytrain_eks.config import BUILTIN_MODEL, TrainingConfig, load_config
 from raytrain_eks.train.loop import build_optimizer
 from raytrain_eks.train.model import load_model
 
@@ -24,3 +25,19 @@ def test_norms_and_biases_get_no_weight_decay(builtin_model):
     assert all(n.endswith(".weight") and "norm" not in n for n in decay), decay
     assert "model.embed_tokens.weight" in decay
     assert not any(g["fused"] for g in optimizer.param_groups)  # the fused kernel is CUDA-only here
+
+
+def test_a_lora_jobs_optimizer_peaks_at_loras_learning_rate_unless_one_is_set(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = torch.nn.Linear(4, 4)
+    for sets, peak in [
+        (["training.method=lora"], 2e-4),
+        (["training.method=lora", "training.learning_rate=1e-3"], 1e-3),
+        ([], 2e-5),
+    ]:
+        cfg = load_config(environ={}, path=None, sets=sets)
+        # The settings reach each worker as JSON (the job's training section), and a resumed run from its config.yaml.
+        _, scheduler = build_optimizer(model, TrainingConfig.model_validate(cfg.training.model_dump(mode="json")))
+        assert scheduler.base_lrs == [peak, peak], sets
+        (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+        assert load_config(environ={}, path=tmp_path / "config.yaml").training.learning_rate == peak, sets

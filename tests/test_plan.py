@@ -592,6 +592,20 @@ def test_plan_refuses_lora_layers_the_model_lacks_naming_those_it_has():
     assert build_plan(load_config(environ={}, path=None, sets=fine)).summary["memory_per_gpu"]["settings"]["method"]
 
 
+def test_plan_shows_the_learning_rate_the_job_trains_with_and_why(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LEARNING_RATE", raising=False)
+    result = CliRunner().invoke(_app(), ["plan", "--set", "training.method=lora", "-o", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "learning_rate 0.0002 (LoRA's default; full fine-tuning's is 2e-05)" in result.output
+    shipped = yaml.safe_load((tmp_path / "out" / JOB_CONFIG_FILE).read_text())["data"][m.CONFIG_FILE]
+    assert yaml.safe_load(shipped)["training"]["learning_rate"] == 2e-4  # what the job's optimizer is given
+    result = CliRunner().invoke(
+        _app(), ["plan", "--set", "training.method=lora", "--set", "training.learning_rate=1e-4"]
+    )
+    assert "learning_rate 0.0001 (as set; LoRA's default is 0.0002)" in result.output
+
+
 def test_plan_refuses_a_hub_model_under_offline():
     with pytest.raises(UserError, match="training.model_id 'Qwen/Qwen2.5-1.5B' is a Hub model") as err:
         build_plan(load_config(environ={}, path=None, sets=["ray.offline=true"]))

@@ -501,6 +501,10 @@ def check_sharding_for_nodes(training: TrainingConfig, nodes: int, workers: int 
 
 PACKING_MODES = ("documents", "concat")  # whole rows kept apart in a block (their own positions), or run on as one text
 OVERLONG_MODES = ("truncate", "drop")  # a row longer than seq_len under documents packing: its start kept, or left out
+# The peak learning rate of a method when none is set: full fine-tuning moves every weight a little; LoRA's few adapters
+# start at zero and take about ten times more (peft's and TRL's LoRA recipes use 1e-4 to 3e-4).
+DEFAULT_LEARNING_RATES = {"full": 2e-5, "lora": 2e-4}
+_METHOD_NAMES = {"full": "full fine-tuning's", "lora": "LoRA's"}
 LORA_ALL_LINEAR = "all-linear"  # peft's name for every linear layer of the decoder blocks
 FLASH_ATTN_MIN = "2.3.3"  # the oldest flash-attn 2 transformers' is_flash_attn_2_available accepts
 
@@ -588,7 +592,13 @@ class TrainingConfig(_Section):
     seq_len: int = Field(1024, ge=8, le=131072)
     batch_size: int = Field(2, ge=1, le=4096, description="packed samples per worker per micro-batch")
     grad_accum_steps: int = Field(1, ge=1, le=1024)
-    learning_rate: float = Field(2e-5, gt=0, le=1)
+    learning_rate: float = Field(
+        default_factory=lambda data: DEFAULT_LEARNING_RATES[data["method"]],
+        gt=0,
+        le=1,
+        description="peak learning rate; empty = the method's default: "
+        + ", ".join(f"{rate!r} for {method}" for method, rate in DEFAULT_LEARNING_RATES.items()),
+    )
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int | None = Field(
         None, ge=0, description="linear warm-up before the cosine decay; empty = 5% of the steps"
@@ -677,6 +687,14 @@ class TrainingConfig(_Section):
         allowed = """one ASCII character, not '"' or a line break; quote it in YAML: ';', '|', "\\t" (a tab)"""
         return _check(_DELIMITER, v, allowed)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_learning_rate(cls, data: Any) -> Any:
+        """An empty learning_rate (``learning_rate:`` in the file, ``LEARNING_RATE=``) is not set: the method's."""
+        if isinstance(data, dict) and data.get("learning_rate") in (None, ""):
+            return {k: v for k, v in data.items() if k != "learning_rate"}
+        return data
+
     @model_validator(mode="after")
     def _warmup(self) -> TrainingConfig:
         if self.warmup_steps is not None and self.warmup_steps > self.steps:
@@ -733,6 +751,16 @@ class TrainingConfig(_Section):
         if self.eval_fraction is not None:
             return self.eval_fraction
         return 0.0 if self.eval_data or self.uses_random_data else 0.05
+
+    @property
+    def learning_rate_reason(self) -> str:
+        """Why ``learning_rate`` is what it is: ``LoRA's default; full fine-tuning's is 2e-05`` when the method chose
+        it, ``as set`` (and the method's default, where it differs) when it was given."""
+        mine, default = _METHOD_NAMES[self.method], DEFAULT_LEARNING_RATES[self.method]
+        if "learning_rate" in self.model_fields_set:
+            return "as set" + (f"; {mine} default is {default!r}" if self.learning_rate != default else "")
+        other = next(m for m in DEFAULT_LEARNING_RATES if m != self.method)
+        return f"{mine} default; {_METHOD_NAMES[other]} is {DEFAULT_LEARNING_RATES[other]!r}"
 
     @property
     def effective_warmup_steps(self) -> int:
@@ -830,7 +858,10 @@ class Config(_Section):
         )
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        """The settings as YAML, the learning rate in force with a comment saying why."""
+        text = yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        why = f"  # {self.training.learning_rate_reason}"
+        return re.sub(r"(?m)^  learning_rate: .*$", lambda line: line.group(0) + why, text, count=1)
 
 
 def load_config(
@@ -848,7 +879,10 @@ def load_config(
     values, ``{"training": {"steps": 5}}``; ``None`` values are ignored. ``sets`` are ``--set`` items,
     ``"training.steps=5"``: any setting by its dotted name, the value read as YAML (as in the file), last of all.
     """
-    tree = (preset or Config()).model_dump(mode="python")
+    base = preset or Config()
+    tree = base.model_dump(mode="python")
+    if "learning_rate" not in base.training.model_fields_set:  # the method's, once the layers have chosen the method
+        del tree["training"]["learning_rate"]
     file = Path(path) if path is not None else Path(DEFAULT_CONFIG_FILE)
     if path is not None and not file.exists():
         raise ConfigError([f"config file {str(file)!r} does not exist; create one with `raytrain-eks init {file}`"])

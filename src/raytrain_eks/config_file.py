@@ -28,6 +28,8 @@ def commented_yaml(cfg: Config) -> str:
         "",
     ]
     data = cfg.model_dump(mode="json")
+    if "learning_rate" not in cfg.training.model_fields_set:  # left empty, it stays the method's when that changes
+        data["training"]["learning_rate"] = None
     for section, values in data.items():
         lines.append(f"# {SECTION_HELP[section]}")
         lines.append(f"{section}:")

@@ -182,6 +182,8 @@ def format_errors(
     """One line per setting in error: the members of a union that each refused the value share one line."""
     found: dict[str, list[str]] = {}
     for err in errors:
+        if err["type"] == "default_factory_not_called":  # a default that follows another setting, itself refused
+            continue
         head, msg = describe(err, sources, tree, root)
         if msg not in found.setdefault(head, []):
             found[head].append(msg)

@@ -250,7 +250,8 @@ def job_steps(
         Step(
             "job-config",
             f"Store the resolved configuration as ConfigMap {ns}/{m.config_map_name(cfg)}, mounted in the head pod "
-            f"at {m.CONFIG_DIR}.",
+            f"at {m.CONFIG_DIR}: training.method {cfg.training.method}, learning_rate {cfg.training.learning_rate!r} "
+            f"({cfg.training.learning_rate_reason}).",
             [*kubectl, "apply", "-f", JOB_CONFIG_FILE],
             [JOB_CONFIG_FILE],
         )
