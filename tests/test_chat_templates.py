@@ -173,13 +173,14 @@ def test_a_template_with_generation_blocks_gives_the_mask_itself(with_template):
 
 
 def _prepare(path, tokenizer_path, template):
-    """The chat rows of ``path`` prepared in the driver with ``template``, in 64-token blocks."""
+    """The chat rows of ``path`` prepared in the driver with ``template``, in 256-token blocks (each row whole: Llama
+    3.1's system header alone is longer than 64 tokens)."""
     return prepare_dataset(
         data=str(path),
         data_format="chat",
         text_field="text",
         tokenizer_path=tokenizer_path,
-        seq_len=64,
+        seq_len=256,
         seed=0,
         min_blocks=1,
         chat_template=template,

@@ -320,7 +320,12 @@ def test_a_set_of_rows_all_too_long_to_keep_is_refused_with_what_to_do(builtin_m
     path.write_text(json.dumps({"instruction": "tell me " * 40, "output": "a long answer " * 40}) + "\n")
     with pytest.raises(DataError, match=r"every usable row is longer than seq_len = 32 tokens and was dropped") as err:
         _prepared(path, builtin_model, seq_len=32, overlong="drop")
-    assert "Raise --seq-len" in err.value.hint
+    assert "training.overlong is 'drop'" in str(err.value)
+    assert "Raise --seq-len, or set training.overlong to truncate" in err.value.hint
+    # Truncated, the row keeps only its prompt: nothing to train, so it is dropped too, and the message says why.
+    with pytest.raises(DataError, match=r"nothing of a row's answer lay within its first 32 tokens") as err:
+        _prepared(path, builtin_model, seq_len=32, overlong="truncate")
+    assert err.value.hint == "Raise --seq-len."
 
 
 def test_the_built_in_data_fills_its_blocks(builtin_model):

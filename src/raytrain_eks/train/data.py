@@ -646,11 +646,16 @@ def prepare_dataset(
     malformed = {why: n for why, n in reasons.items() if why}
     usable = reasons.get("", 0) - fates[DROPPED]
     if usable == 0 and fates[DROPPED]:
+        why = (
+            "training.overlong is 'drop'"
+            if overlong == "drop"
+            else f"nothing of a row's answer lay within its first {seq_len} tokens"
+        )
         raise DataError(
             f"{option} {data!r}: every usable row is longer than seq_len = {seq_len} tokens and was dropped "
-            f"({fates[DROPPED]} rows; training.overlong = {overlong!r}, or nothing of a row's answer lay within its "
-            f"first {seq_len} tokens)",
-            hint="Raise --seq-len, or set training.overlong to truncate (keep each row's start).",
+            f"({fates[DROPPED]} rows: {why})",
+            hint="Raise --seq-len"
+            + (", or set training.overlong to truncate (keep each row's start)." if overlong == "drop" else "."),
         )
     if usable == 0:
         detail = "; ".join(f"{n} x {why}" for why, n in malformed.items()) or "the data set is empty"
