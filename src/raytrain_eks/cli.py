@@ -73,7 +73,10 @@ def train(
     steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
     seq_len: Annotated[int | None, typer.Option(help="Tokens per packed sample.")] = None,
     batch_size: Annotated[int | None, typer.Option(help="Samples per worker per micro-batch.")] = None,
-    learning_rate: Annotated[float | None, typer.Option(help="Peak learning rate.")] = None,
+    learning_rate: Annotated[
+        float | None,
+        typer.Option(help="Peak learning rate (default: the method's, 2e-05 for full fine-tuning, 0.0002 for LoRA)."),
+    ] = None,
     num_workers: Annotated[int | None, typer.Option(help="Training workers; 0 = one per GPU (2 on CPU).")] = None,
     checkpoint_every: Annotated[
         int | None, typer.Option(help="Save a checkpoint every N steps (and at the end); 0 = only at the end.")
