@@ -16,7 +16,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -35,8 +35,43 @@ from raytrain_eks.formats import FORMAT_NAMES
 from raytrain_eks.options import AddressOpt, ConfigOpt, JsonOpt, PresetOpt, SetOpt, VerboseOpt
 from raytrain_eks.report import commands as report_commands
 
+# Typer's rich help gives each option a table row of five narrow columns and cuts what does not fit with "…": option
+# names, defaults and paths, at 80 columns. Click's plain help wraps instead, so it is the help of pipes and narrow
+# terminals; rich's panels only where a terminal is wide enough for every command's panel (tests/test_help.py).
+RICH_HELP_MIN_COLUMNS = 120
+# Plain help as wide as the terminal up to this (click's own cap is 80, which breaks phrases a wider terminal holds).
+PLAIN_HELP_MAX_COLUMNS = 120
+
+
+def help_markup_mode() -> Literal["rich"] | None:
+    """Typer's ``rich_markup_mode`` for this process: ``"rich"`` on a terminal at least
+    :data:`RICH_HELP_MIN_COLUMNS` wide, else ``None`` (click's plain help).
+
+    >>> help_markup_mode()  # piped, as under pytest
+    """
+    stdout = sys.stdout
+    if stdout is None or not stdout.isatty():
+        return None
+    return "rich" if shutil.get_terminal_size().columns >= RICH_HELP_MIN_COLUMNS else None
+
+
+class _AppGroup(typer.core.TyperGroup):
+    """The app's root command: plain help, its own and every command's under it, is laid out for the terminal's
+    width when the command runs (``COLUMNS``, else the terminal's), up to :data:`PLAIN_HELP_MAX_COLUMNS`."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> typer.Context:
+        if parent is None:  # commands' contexts take their width from this one
+            columns = min(shutil.get_terminal_size().columns, PLAIN_HELP_MAX_COLUMNS)
+            extra.setdefault("terminal_width", max(columns - 2, 50))  # click's own margin and floor
+        return super().make_context(info_name, args, parent, **extra)
+
+
 app = typer.Typer(
-    no_args_is_help=True, add_completion=False, help="Fine-tune LLMs with Ray Train + FSDP on EKS (or locally)."
+    no_args_is_help=True,
+    add_completion=False,
+    help="Fine-tune LLMs with Ray Train + FSDP on EKS (or locally).",
+    rich_markup_mode=help_markup_mode(),
+    cls=_AppGroup,
 )
 config_app = typer.Typer(no_args_is_help=True, help="Show the resolved configuration.")
 app.add_typer(config_app, name="config")
