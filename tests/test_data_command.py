@@ -11,22 +11,12 @@ import json
 
 import numpy as np
 import pytest
+from test_json_output import run_cli
 
-from raytrain_eks.cli import main
 from raytrain_eks.train.encoding import IGNORE_INDEX
 
 # Words of the generated rows (each a token or two of the built-in tokenizer).
 WORDS = "the model reads each row whole and learns to answer from its prompt while rivers run to the sea".split()  # noqa: SIM905
-
-
-def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _text(rng: np.random.Generator, median: float) -> str:
@@ -87,7 +77,7 @@ def test_data_json_gives_the_counts_and_the_first_blocks(mix, builtin_model, tmp
         args += ["--data", str(alpaca_like(tmp_path / "alpaca.jsonl")), "--seq-len", "512"]
     elif mix == "chat":
         args += ["--data", str(chat_like(tmp_path / "chat.jsonl")), "--data-format", "chat", "--seq-len", "256"]
-    code, out, err = _run(args, capsys)
+    code, out, err = run_cli(args, capsys)
     assert code == 0, err
     got = json.loads(out)
     _check_counts(got)
@@ -109,7 +99,7 @@ def test_data_marks_the_trained_tokens_between_brackets_when_piped(builtin_model
             json.dumps({"instruction": f"Name river {i}.", "output": f"River number {i}."}) + "\n" for i in range(12)
         )
     )
-    code, out, err = _run(["data", "--data", str(path), "--seq-len", "64", "--show", "1"], capsys)
+    code, out, err = run_cli(["data", "--data", str(path), "--seq-len", "64", "--show", "1"], capsys)
     assert code == 0, err
     assert "12/12 rows usable" in out and "trained tokens between [[ and ]]" in out
     block = out[out.index("block 0:") :]
@@ -121,5 +111,5 @@ def test_data_marks_the_trained_tokens_between_brackets_when_piped(builtin_model
 
 def test_data_on_random_ids_says_there_is_nothing_to_show(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    code, _, err = _run(["data", "--data", "random"], capsys)
+    code, _, err = run_cli(["data", "--data", "random"], capsys)
     assert code != 0 and "training.data is 'random'" in err and "--data" in err

@@ -16,7 +16,8 @@ from raytrain_eks.cli import main
 NCCL = Path(__file__).parent / "fixtures" / "nccl"
 
 
-def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """The console entry run with ``args``: its exit status, stdout and stderr."""
     try:
         main(args)
         code = 0
@@ -31,7 +32,7 @@ def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
     [("efa_2node_nccl2.29_ray.log", 0, "efa"), ("socket_fallback_nccl2.27_kubectl.log", 1, "socket")],
 )
 def test_verify_transport_json(capsys, log, code, verdict):
-    got, out, _ = _run(["verify-transport", "--json", str(NCCL / log)], capsys)
+    got, out, _ = run_cli(["verify-transport", "--json", str(NCCL / log)], capsys)
     assert got == code
     assert json.loads(out)["verdict"] == verdict
 
@@ -44,7 +45,7 @@ def test_capacity_json(aws_env, capsys, monkeypatch, quota, code):
 
     fakes = services.Services(FakeQuotas({("us-east-1", "L-DB2E81BA"): quota}), FakeSpotScores({}), FakeReservations())
     monkeypatch.setattr(services, "boto3_services", lambda _aws: fakes)
-    got, out, err = _run(["capacity", "--json", "--regions", "us-east-1"], capsys)
+    got, out, err = run_cli(["capacity", "--json", "--regions", "us-east-1"], capsys)
     assert got == code
     data = json.loads(out)
     assert data["instance_type"] == "g6.12xlarge" and data["ok"] is (code == 0)
