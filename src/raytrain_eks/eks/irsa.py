@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raytrain_eks.aws import eksctl
+from raytrain_eks.aws import eksctl, stacks
 from raytrain_eks.eks.buckets import bucket_kms_key
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
@@ -173,13 +173,12 @@ def delete_created(d: Deployment, cluster_exists: bool, item: dict[str, Any] | N
     """``down``: delete the role and service account ``up`` made with eksctl (:func:`delete_argv`), or only the
     role when the service account existed before (``item["restore"]``, see :func:`created_item`); ``True`` when
     eksctl ran. eksctl needs the cluster for it (its OIDC provider, the ServiceAccount); without it, the stack may be
-    left, and the line said names the command that deletes it."""
+    left, and the line said names the commands that delete it."""
     c = d.cfg.cluster
     if not cluster_exists:
-        delete_stack = ["aws", "cloudformation", "delete-stack", "--stack-name", stack_name(d), "--region", c.region]
         d.say(
             f"EKS has no cluster {c.name}, so eksctl cannot delete the Ray pods' IAM role: if CloudFormation still "
-            f"has the stack {stack_name(d)}, delete it with `{shlex.join(delete_stack)}`"
+            f"has the stack {stack_name(d)}, {stacks.delete_hint(stack_name(d), c.region)}"
         )
         return False
     restore = (item or {}).get("restore")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_eks.aws import eksctl
+from raytrain_eks.aws.stacks import NotEksctlStack
 from raytrain_eks.config import Config
 from raytrain_eks.eks.buckets import bucket_exists, bucket_objects, delete_bucket, ensure_bucket, kept_note
 from raytrain_eks.eks.fit import fit_on_image
@@ -45,6 +46,7 @@ from raytrain_eks.eks.nodegroups import (
     create_nodegroup_argv,
     created_gpu_node_labels,
     delete_cluster_argv,
+    delete_cluster_stack,
     delete_nodegroup_argv,
     eksctl_copies,
     ensure_cluster,
@@ -351,19 +353,25 @@ def _delete(d: Deployment, item: dict[str, Any], cluster_exists: bool) -> bool:
         return True
     if kind == "cluster":
         c = d.cfg.cluster
-        left = None if cluster_exists else leftover_cluster_stack(d)
-        if not cluster_exists and left is None:
+        if cluster_exists:
+            d.run(
+                delete_cluster_argv(d.cfg),
+                timeout=CLUSTER_TIMEOUT_S,
+                on_output=d.say,
+                hint="Run `raytrain-eks down` again; if it keeps failing, the CloudFormation console shows which "
+                f"resource of the stacks eksctl-{c.name}-* could not be deleted.",
+            )
+            return True
+        # A create that failed: EKS has no cluster, its stack holds the name (and maybe a VPC). eksctl cannot delete
+        # it (`eksctl delete cluster` stops at the missing cluster, and with --force dies on it), so CloudFormation
+        # does, once the stack's termination protection is off.
+        if leftover_cluster_stack(d) is None:
             return False
-        if left is not None:  # a create that failed: EKS has no cluster, its stack holds the name (and maybe a VPC)
-            d.say(f"EKS has no cluster {c.name}, but its CloudFormation stack is left ({left}): deleting it")
-        d.run(
-            delete_cluster_argv(d.cfg, force=left is not None),
-            timeout=CLUSTER_TIMEOUT_S,
-            on_output=d.say,
-            hint="Run `raytrain-eks down` again; if it keeps failing, the CloudFormation console shows which "
-            f"resource of the stacks eksctl-{c.name}-* could not be deleted.",
-        )
-        return True
+        try:
+            return delete_cluster_stack(d, f"while EKS has no cluster {c.name}")
+        except NotEksctlStack as exc:
+            d.say(f"{exc.message}. {exc.hint}")
+            return False
     raise ValueError(f"unknown item in the state file: {item}")
 
 

@@ -418,12 +418,40 @@ def leftover_cluster_stack(d: Deployment) -> str | None:
     )  # fmt: skip
 
 
+def delete_cluster_stack(d: Deployment, why: str) -> bool:
+    """EKS has no cluster of this name, and no stack of its name is in progress (:func:`leftover_cluster_stack` has
+    waited): delete the stack eksctl left under the name, its termination protection turned off first as eksctl
+    does, and wait until it is gone; ``False`` when there is none. ``why`` is said before the delete: "left by a
+    create that failed".
+
+    A stack whose tags do not name the cluster is never touched (:class:`~raytrain_eks.aws.stacks.NotEksctlStack`);
+    one that CloudFormation could not delete (``DELETE_FAILED``) is a ``UserError`` naming what to do."""
+    from raytrain_eks.aws.session import connect
+
+    c = d.cfg.cluster
+    aws = connect(c.region)
+    stack = stacks.describe_stack(aws, c.region, stacks.cluster_stack_name(c.name))
+    if stack is None:
+        return False
+    if not stack.made_for(c.name):
+        raise stacks.not_made_for(stack, c.name, c.region)
+    d.say(f"CloudFormation stack {stack.name} is {stack.status}, {why}: deleting it")
+    stacks.delete_eksctl_stack(aws, c.region, stack, c.name)
+    after = leftover_cluster_stack(d)
+    if after is not None:
+        raise UserError(
+            f"the CloudFormation stack {stack.name} could not be deleted: it is {after}",
+            hint="Its Events in the CloudFormation console name the resource that could not be deleted; remove that, "
+            "then run the same raytrain-eks command again.",
+        )
+    return True
+
+
 def remove_stale_cluster_stack(d: Deployment) -> None:
     """Before creating the cluster (EKS has none): delete, through CloudFormation, a stack of the cluster's name that
     a failed create left (``ROLLBACK_COMPLETE``, ``CREATE_FAILED``, ``ROLLBACK_FAILED``, ``DELETE_FAILED``), which
-    would make eksctl fail on the name; wait out one in progress; stop on one in use."""
-    from raytrain_eks.aws.session import connect
-
+    would make eksctl fail on the name; wait out one in progress; stop on one in use, or one eksctl did not make
+    for this cluster."""
     c = d.cfg.cluster
     name = stacks.cluster_stack_name(c.name)
     status = leftover_cluster_stack(d)
@@ -432,18 +460,10 @@ def remove_stale_cluster_stack(d: Deployment) -> None:
     if not stacks.stale_stack(status):
         raise UserError(
             f"the CloudFormation stack {name} exists ({status}) in {c.region}, but EKS has no cluster {c.name}",
-            hint="It is not what a failed create leaves. If nothing uses it, delete it (`aws cloudformation "
-            f"delete-stack --stack-name {name} --region {c.region}`), then run `raytrain-eks up` again.",
-        )
-    d.say(f"CloudFormation stack {name} is {status}, left by a create that failed: deleting it first")
-    stacks.delete_stack(connect(c.region), c.region, name)
-    after = leftover_cluster_stack(d)
-    if after is not None:
-        raise UserError(
-            f"the CloudFormation stack {name} could not be deleted: it is {after}",
-            hint="Its Events in the CloudFormation console name the resource that could not be deleted; remove that, "
+            hint=f"It is not what a failed create leaves. If nothing uses it, {stacks.delete_hint(name, c.region)}; "
             "then run `raytrain-eks up` again.",
         )
+    delete_cluster_stack(d, "left by a create that failed (EKS has no cluster of its name)")
 
 
 def no_existing_cluster(cfg: Config) -> UserError:
@@ -508,15 +528,15 @@ def delete_nodegroup_argv(cfg: Config, name: str) -> list[str]:
     return ["eksctl", "delete", "nodegroup", "--cluster", c.name, "--region", c.region, *wait, "--name", name, "--wait"]
 
 
-def delete_cluster_argv(cfg: Config, *, force: bool = False) -> list[str]:
-    """``eksctl delete cluster``, its stacks included. ``force``: EKS has no such cluster but its stack is left (a
-    create that failed): without ``--force`` eksctl stops at describing the missing cluster; with it, it goes on
-    and deletes the stacks it finds (eksctl v0.230.0, pkg/ctl/delete/cluster.go and pkg/actions/cluster/cluster.go).
-    eksctl does not apply ``--timeout`` to this wait (pkg/ctl/delete/cluster.go says so); it is given all the same,
-    for the day it does."""
+def delete_cluster_argv(cfg: Config) -> list[str]:
+    """``eksctl delete cluster``, its stacks included, for a cluster EKS has. Never for one it has not: eksctl
+    v0.230.0 then stops at describing the missing cluster, and with ``--force`` dies on a nil pointer before it
+    looks for the stack (pkg/ctl/delete/cluster.go, pkg/actions/cluster/cluster.go ``New``);
+    :func:`delete_cluster_stack` deletes what such a create left. eksctl does not apply ``--timeout`` to this wait
+    (pkg/ctl/delete/cluster.go says so); it is given all the same, for the day it does."""
     c = cfg.cluster
     argv = ["eksctl", "delete", "cluster", "--name", c.name, "--region", c.region, "--wait"]
-    return argv + (["--force"] if force else []) + eksctl.wait_flag(eksctl.CLUSTER_WAIT_MIN)
+    return argv + eksctl.wait_flag(eksctl.CLUSTER_WAIT_MIN)
 
 
 def ensure_system_nodegroup(d: Deployment, plan: ZonePlan) -> None:
