@@ -1,4 +1,5 @@
-"""Stated, stateful fakes of the three AWS interfaces moto 5.2 does not implement (see raytrain_eks.aws.services).
+"""Stated, stateful fakes of the three AWS interfaces moto 5.2 does not implement (see raytrain_eks.aws.services),
+and CloudFormation's termination protection, which moto's server does not keep.
 
 - :class:`FakeQuotas`: moto's Service Quotas knows only the ``vpc`` service, so EC2's vCPU quotas
   (``L-DB2E81BA``, ``L-417A185B``, ``L-1216C47A``) are values the test states.
@@ -7,10 +8,14 @@
   ``DescribeCapacityReservations``; this keeps every reservation with its state and tags, holds free capacity per
   zone, can fail the ways AWS does (no capacity, a create whose answer is lost after the reservation was made,
   cancels that fail), and lists the account's own reservations as the test states them.
+- :func:`keep_termination_protection`: moto records a stack's ``EnableTerminationProtection`` and reports it, but
+  deletes a protected stack all the same and has no ``UpdateTerminationProtection``; after this call its server
+  refuses the delete as CloudFormation does, and turns the protection on and off.
 
 Everything else ``capacity`` reads comes from moto's server. Example::
 
     services = Services(FakeQuotas({("us-east-1", "L-DB2E81BA"): 96}), FakeSpotScores({}), FakeReservations())
+    keep_termination_protection()  # before a test deletes stacks through moto's server
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from raytrain_eks.aws.services import ExistingReservation, NoCapacity, QuotaLimit, Reservation, SpotSignal
 
@@ -127,3 +133,52 @@ class FakeReservations:
     @property
     def open(self) -> list[FakeReservation]:
         return [r for r in self.reservations.values() if r.state in ("active", "pending")]
+
+
+# CloudFormation's answer to DeleteStack for a stack whose termination protection is on: error code ValidationError
+# and this message, NAME the stack's name (the text SDK callers match, "ValidationError: Stack [NAME] cannot be deleted
+# while TerminationProtection is enabled"). The CloudFormation User Guide, "Protect CloudFormation stacks from being
+# deleted" (using-cfn-protect-stacks.html): "If a user attempts to delete a stack with termination protection
+# enabled, the deletion fails and the stack, including its status, remains unchanged."
+PROTECTED_STACK_REFUSAL = "Stack [{name}] cannot be deleted while TerminationProtection is enabled"
+
+
+def keep_termination_protection() -> None:
+    """Make moto's CloudFormation (its server included: it runs in this process) keep termination protection.
+
+    ``DeleteStack`` of a live stack whose ``EnableTerminationProtection`` is on fails with ValidationError
+    :data:`PROTECTED_STACK_REFUSAL` and leaves the stack as it was; ``UpdateTerminationProtection`` (CloudFormation
+    API Reference: StackName and EnableTerminationProtection in, StackId out) sets the flag moto already stores from
+    ``CreateStack`` and reports in ``DescribeStacks``. It lasts for the rest of the process and a second call changes
+    nothing: it only makes moto refuse what CloudFormation refuses, so nothing that works against CloudFormation
+    works differently."""
+    from moto.cloudformation.exceptions import ValidationError
+    from moto.cloudformation.responses import CloudFormationResponse
+    from moto.core.responses import ActionResult
+
+    if getattr(CloudFormationResponse, "keeps_termination_protection", False):
+        return
+    moto_delete = CloudFormationResponse.delete_stack
+
+    def live_stack(response: CloudFormationResponse, name_or_id: str) -> Any:
+        backend = response.cloudformation_backend
+        by_id = backend.stacks.get(name_or_id)
+        return by_id or next((s for s in backend.stacks.values() if s.name == name_or_id), None)
+
+    def delete_stack(self: CloudFormationResponse) -> Any:
+        stack = live_stack(self, self._get_param("StackName"))
+        if stack is not None and stack.enable_termination_protection:
+            raise ValidationError(message=PROTECTED_STACK_REFUSAL.format(name=stack.name))
+        return moto_delete(self)
+
+    def update_termination_protection(self: CloudFormationResponse) -> ActionResult:
+        name_or_id = self._get_param("StackName")
+        stack = live_stack(self, name_or_id)
+        if stack is None:  # CloudFormation's answer for a stack it does not have, as moto gives it elsewhere
+            raise ValidationError(name_or_id)
+        stack.enable_termination_protection = bool(self._get_bool_param("EnableTerminationProtection"))
+        return ActionResult({"StackId": stack.stack_id})
+
+    CloudFormationResponse.delete_stack = delete_stack  # type: ignore[method-assign]
+    CloudFormationResponse.update_termination_protection = update_termination_protection  # type: ignore[attr-defined]
+    CloudFormationResponse.keeps_termination_protection = True  # type: ignore[attr-defined]

@@ -1,8 +1,11 @@
 """What eksctl v0.230.0 does with the CloudFormation stack of a cluster, and what it prints, for the tests' FakeTools.
 
 eksctl keeps a cluster's VPC and control plane in the stack ``eksctl-<name>-cluster``; here that stack lives in moto's
-CloudFormation (so the tool's own boto3 reads see it), holding the VPC alone, with eksctl's tags. A create that fails
-leaves it rolled back; moto cannot fail a stack, so :func:`fail_cluster_stack` sets the status moto then reports.
+CloudFormation (so the tool's own boto3 reads see it), holding the VPC alone, with eksctl's tags and its termination
+protection on, as eksctl creates every stack (pkg/cfn/manager/api.go DoCreateStackRequest); moto's server refuses to
+delete it while that is on once fake_aws.keep_termination_protection() has run, and eksctl's own deletes turn it off
+first. A create that fails leaves it rolled back; moto cannot fail a stack, so :func:`fail_cluster_stack` sets the
+status moto then reports.
 Every text is eksctl's, from its source at tag v0.230.0 (commit 6ee3b761771c4ae78c76c82bbf2ea168afd61a9e) vendored
 under ``tests/fixtures/eksctl/``, named where it is used; the AWS SDK for Go's error wording is marked as such.
 Example::
@@ -47,7 +50,10 @@ def create_cluster_stack(cluster: str, region: str) -> str | None:
     tags = [{"Key": key, "Value": cluster} for key in CLUSTER_NAME_TAGS]
     name = cluster_stack(cluster)
     try:
-        _cfn(region).create_stack(StackName=name, TemplateBody=json.dumps(template), Tags=tags)
+        # pkg/cfn/manager/api.go DoCreateStackRequest: EnableTerminationProtection: aws.Bool(true), for every stack.
+        _cfn(region).create_stack(
+            StackName=name, TemplateBody=json.dumps(template), Tags=tags, EnableTerminationProtection=True
+        )
     except botocore.exceptions.ClientError as exc:
         if exc.response["Error"]["Code"] != "AlreadyExistsException":
             raise
@@ -80,12 +86,58 @@ def stack_status(cluster: str, region: str) -> str | None:
         raise
 
 
-def delete_cluster_stack(cluster: str, region: str) -> bool:
-    """Delete the cluster's stack as eksctl does (DeleteStack, then wait); False when there is none."""
-    if stack_status(cluster, region) is None:
-        return False
-    _cfn(region).delete_stack(StackName=cluster_stack(cluster))
+def delete_stack(cluster: str, region: str, name: str) -> bool:
+    """Delete a stack as eksctl does (pkg/cfn/manager/api.go DeleteStackBySpec): only one whose tags name the
+    cluster (matchesCluster; eksctl's error otherwise), its termination protection turned off first, both by the
+    stack's ID; False when there is none."""
+    cfn = _cfn(region)
+    try:
+        (stack,) = cfn.describe_stacks(StackName=name)["Stacks"]
+    except botocore.exceptions.ClientError as exc:
+        if "does not exist" in exc.response["Error"]["Message"]:
+            return False
+        raise
+    tags = {t["Key"]: t["Value"] for t in stack.get("Tags", [])}
+    if cluster not in (tags.get(key) for key in CLUSTER_NAME_TAGS):
+        old, new = CLUSTER_NAME_TAGS[1], CLUSTER_NAME_TAGS[0]
+        raise AssertionError(
+            f'cannot delete stack "{name}" as it doesn\'t bear our "{old}:{cluster}", "{new}:{cluster}" tags'
+        )
+    if stack.get("EnableTerminationProtection"):
+        cfn.update_termination_protection(StackName=stack["StackId"], EnableTerminationProtection=False)
+    cfn.delete_stack(StackName=stack["StackId"])
     return True
+
+
+def delete_cluster_stack(cluster: str, region: str) -> bool:
+    """Delete the cluster's stack as eksctl does (DeleteStackBySpec, then wait); False when there is none."""
+    return delete_stack(cluster, region, cluster_stack(cluster))
+
+
+def delete_cluster_panics(cluster: str) -> tuple[str, str]:
+    """(stdout, stderr) of ``eksctl delete cluster --force`` when EKS has no such cluster: eksctl dies (exit 2) and
+    deletes nothing.
+
+    pkg/ctl/delete/cluster.go doDeleteCluster: describing the missing cluster fails, and --force logs that as a
+    warning and goes on with a provider that has no cluster status, logging 'deleting EKS cluster "NAME"'; then
+    pkg/actions/cluster/cluster.go New reads ``ctl.Status.ClusterInfo.Cluster`` (its line 40 at v0.230.0) with
+    ClusterInfo nil, before it looks for the cluster's stack. The first lines on stderr are Go's panic as eksctl's
+    issue #7450 ("SIGSEGV when trying to clean up a deleted eks cluster", github.com/eksctl-io/eksctl, open) quotes
+    them for this command, its program counter included; the frame after them is where v0.230.0's source panics
+    (the issue's older eksctl got further, to OwnedCluster.Delete). Go writes a panic to stderr and exits 2."""
+    warning = no_cluster(cluster, wrap="unable to describe cluster control plane").removeprefix("Error: ").rstrip()
+    out = (
+        f"[!]  failed to create provider for cluster; force = true skipping: {warning}\n"
+        f'[ℹ]  deleting EKS cluster "{cluster}"\n'
+    )
+    err = (
+        "panic: runtime error: invalid memory address or nil pointer dereference\n"
+        "[signal SIGSEGV: segmentation violation code=0x1 addr=0x0 pc=0x5042d9b]\n\n"
+        "goroutine 1 [running]:\n"
+        "github.com/weaveworks/eksctl/pkg/actions/cluster.New(...)\n"
+        "\tgithub.com/weaveworks/eksctl/pkg/actions/cluster/cluster.go:40\n"
+    )
+    return out, err
 
 
 def create_cluster_failed(cluster: str, region: str, status: str) -> tuple[str, str]:
@@ -183,6 +235,7 @@ def nodegroup_launch_failed(cluster: str, region: str, nodegroup: str, az: str, 
         StackName=name,
         TemplateBody=json.dumps(template),
         Tags=[{"Key": k, "Value": cluster} for k in CLUSTER_NAME_TAGS],
+        EnableTerminationProtection=True,  # as every stack eksctl creates (api.go DoCreateStackRequest)
     )
     (stack,) = [s for s in get_backend("cloudformation")[DEFAULT_ACCOUNT_ID][region].stacks.values() if s.name == name]
     reason = no_capacity_reason(nodegroup, az, instance_type)
@@ -201,5 +254,5 @@ def nodegroup_launch_failed(cluster: str, region: str, nodegroup: str, az: str, 
 
 
 def delete_nodegroup_stack(cluster: str, region: str, nodegroup: str) -> None:
-    """``eksctl delete nodegroup`` deletes the node group's stack (a no-op when there is none)."""
-    _cfn(region).delete_stack(StackName=nodegroup_stack(cluster, nodegroup))
+    """``eksctl delete nodegroup`` deletes the node group's stack as it deletes any (a no-op when there is none)."""
+    delete_stack(cluster, region, nodegroup_stack(cluster, nodegroup))

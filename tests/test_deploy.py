@@ -33,6 +33,7 @@ import pytest
 import typer
 import yaml
 from charts import crds, eksctl_efa_daemon_set, rendered, values_path, vendored
+from fake_aws import keep_termination_protection
 from fake_eksctl_auth import FakeIamServiceAccounts, kubeconfig
 from fake_kube import CLUSTER_SCOPED, PULL_NO_CREDENTIALS, PULL_NOT_FOUND, FakeKube, parse_quantity
 from packaging.utils import canonicalize_name
@@ -227,13 +228,10 @@ class FakeTools:
             name, region = self._opt(argv, "--name"), self._opt(argv, "--region")
             if self.cluster is None:
                 # pkg/ctl/delete/cluster.go: describing the missing cluster fails, and only --force goes on; then
-                # pkg/actions/cluster/cluster.go deletes the cluster's stack when there is one, else says it is not.
+                # pkg/actions/cluster/cluster.go New dies on the missing cluster's status, before any stack.
                 if "--force" not in argv:
                     return 1, "", cfn.no_cluster(name, wrap="unable to describe cluster control plane")
-                if not cfn.delete_cluster_stack(name, region):
-                    return 1, "", f'Error: cluster "{name}" does not exist\n'
-                stack = cfn.cluster_stack(name)
-                return 0, f'[ℹ]  deleting EKS cluster "{name}"\n[ℹ]  will delete stack "{stack}"\n', ""
+                return 2, *cfn.delete_cluster_panics(name)
             cfn.delete_cluster_stack(name, region)
             self.cluster, self.nodegroups, self.releases = None, {}, {}
             self.kube.remove_nodes({})
@@ -569,6 +567,7 @@ class World:
     """One deployment against the fakes: ``d`` (the Deployment), ``kube``, ``tools``, ``ray`` and ``lines`` said."""
 
     def __init__(self, tmp: Path, cfg: Config) -> None:
+        keep_termination_protection()  # moto's CloudFormation refuses to delete a protected stack, as AWS does
         self.kube = FakeKube()
         self.tools = FakeTools(self.kube)
         self.ray = FakeRay(tmp)
