@@ -109,8 +109,9 @@ def test_down_after_the_cluster_is_gone_names_the_stack_it_cannot_delete(world: 
     assert not world.tools.commands("eksctl", "delete", "iamserviceaccount"), "eksctl needs the cluster for it"
     stack = irsa.stack_name(world.d)
     assert (
-        f"if CloudFormation still has the stack {stack}, delete it with `aws cloudformation delete-stack "
-        f"--stack-name {stack} --region us-east-1`" in world.said()
+        f"if CloudFormation still has the stack {stack}, turn its termination protection off with `aws cloudformation "
+        f"update-termination-protection --no-enable-termination-protection --stack-name {stack} --region us-east-1`, "
+        f"then delete it with `aws cloudformation delete-stack --stack-name {stack} --region us-east-1`" in world.said()
     )
     assert not world.store.path.exists()
 
