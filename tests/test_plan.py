@@ -606,6 +606,30 @@ def test_plan_shows_the_learning_rate_the_job_trains_with_and_why(tmp_path, monk
     assert "learning_rate 0.0001 (as set; LoRA's default is 0.0002)" in result.output
 
 
+def test_plan_states_the_sharding_the_job_will_choose_beside_its_memory_estimate(cfg_for, tmp_path):
+    # The reference, 2 nodes x 4 GPUs under training.sharding auto: HSDP, each parameter sharded over a node's GPUs.
+    plan = build_plan(cfg_for())
+    assert plan.summary["sharding"]["mode"] == "hsdp" and plan.summary["sharding"]["mesh_shape"] == [2, 4]
+    assert plan.summary["memory_per_gpu"]["settings"]["shard_ranks"] == 4  # the layout the estimate assumes
+    one_node = build_plan(cfg_for(GPU_NODE_COUNT="1")).summary["sharding"]
+    assert one_node["mode"] == "fsdp" and one_node["mesh_shape"] == [4]
+    assert one_node["line"].startswith("sharding: fsdp, 4 ranks in one group on one node")
+    said = (
+        "sharding: hsdp, 2 nodes x 4 ranks: parameters sharded over the 4 GPUs of a node, replicated across the 2 "
+        "nodes (auto: 8 ranks on 2 nodes"
+    )
+    for mode in ("raycluster", "rayjob"):
+        result = CliRunner().invoke(_app(), ["plan", "--mode", mode], env={"COLUMNS": "400"})
+        assert result.exit_code == 0, result.output
+        assert said in result.output
+    # config show: the line after its memory estimate (a progress bar on stderr may share the estimate's line).
+    from raytrain_eks.cli import app
+
+    shown = CliRunner().invoke(app, ["config", "show"], env={"COLUMNS": "400"}).output.splitlines()
+    memory_line = next(i for i, line in enumerate(shown) if "# memory: " in line)
+    assert shown[memory_line + 1].startswith(f"# {said}")
+
+
 def test_plan_refuses_a_hub_model_under_offline():
     with pytest.raises(UserError, match="training.model_id 'Qwen/Qwen2.5-1.5B' is a Hub model") as err:
         build_plan(load_config(environ={}, path=None, sets=["ray.offline=true"]))

@@ -440,6 +440,19 @@ def config_show(
             soft_wrap=True,
         )
         out.print(f"# {_memory_line(cfg)}", markup=False, soft_wrap=True)
+        out.print(f"# {_sharding_line(cfg)}", markup=False, soft_wrap=True)
+
+
+def _sharding_line(cfg: Any) -> str:
+    """``config show``'s line on how a GPU run of the configuration shards the model (the layout the memory estimate
+    assumes), or why there is none: an explicit ``training.sharding`` the placement cannot give."""
+    from raytrain_eks.eks.fit import sharding_line
+    from raytrain_eks.train.sharding import ShardingError
+
+    try:
+        return sharding_line(cfg)
+    except ShardingError as exc:
+        return f"sharding: {exc.message} (plan and up refuse this)"
 
 
 def _memory_line(cfg: Any) -> str:

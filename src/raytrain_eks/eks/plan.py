@@ -23,7 +23,7 @@ from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
 from raytrain_eks.eks import irsa
 from raytrain_eks.eks.buckets import planned_bucket, storage_estimate
-from raytrain_eks.eks.fit import fit_on_image
+from raytrain_eks.eks.fit import fit_on_image, sharding_line
 from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
 from raytrain_eks.eks.submit import job_config
 from raytrain_eks.errors import UserError
@@ -38,7 +38,7 @@ from raytrain_eks.k8s import wheelhouse
 from raytrain_eks.k8s.addons import HelmRelease, helm_releases
 from raytrain_eks.k8s.manifests import to_yaml
 from raytrain_eks.k8s.state import with_bucket_storage, with_shared_volume
-from raytrain_eks.train.memory import unknown_shape_note
+from raytrain_eks.train.memory import planned_layout, unknown_shape_note
 
 Mode = Literal["raycluster", "rayjob"]
 MODES: tuple[Mode, ...] = ("raycluster", "rayjob")
@@ -257,6 +257,7 @@ def job_steps(
         )
     )
     manifest = MANIFEST_FILE[mode]
+    sharding = sharding_line(cfg)
     head_exec = [*kubectl, "exec", "--namespace", ns, f"service/{r.cluster_name}-head-svc", "-c", "ray-head"]
     workers = f"{c.gpu_node_count} worker pods (one per GPU node, {d.ray_gpus_per_worker_pod} GPUs each)"
     if mode == "raycluster":
@@ -280,10 +281,10 @@ def job_steps(
             Step(
                 "submit",
                 f"Run the job from inside the head pod (the dashboard port stays inside the cluster): "
-                f"{shlex.join(m.train_argv())} on {d.world_size} workers, with a runtime_env that ships the package "
-                "unpacked above and pip-installs those of " + ", ".join(job_files.job_requirements()) + " the image "
-                "does not have in range (asked of the head pod's python3 first; the command below lists them all). "
-                + image_installs(cfg)["how"],
+                f"{shlex.join(m.train_argv())} on {d.world_size} workers; {sharding}; with a runtime_env that ships "
+                f"the package unpacked above and pip-installs those of {', '.join(job_files.job_requirements())} the "
+                "image does not have in range (asked of the head pod's python3 first; the command below lists them "
+                "all). " + image_installs(cfg)["how"],
                 [*head_exec, "--", *job_files.ray_job_submit_argv(code_dir)],
             ),
         ]
@@ -307,8 +308,9 @@ def job_steps(
             Step(
                 "apply-rayjob",
                 f"Apply RayJob {ns}/{r.cluster_name}: its own RayCluster ({workers}) runs "
-                f"{shlex.join(m.train_argv())}, submitted by its submitter pod under {m.IMAGE_PYTHON}; the job is "
-                f"stopped after {r.job_deadline_s} s, or if it is not running within {r.job_start_deadline_s} s. "
+                f"{shlex.join(m.train_argv())}, submitted by its submitter pod under {m.IMAGE_PYTHON}; {sharding}; "
+                f"the job is stopped after {r.job_deadline_s} s, or if it is not running within "
+                f"{r.job_start_deadline_s} s. "
                 f"KubeRay deletes the cluster {m.RAYJOB_TTL_S} s after the job ended unless submit has (below). "
                 "Its runtime_env lists all of " + ", ".join(job_files.job_requirements()) + ", fixed before a pod "
                 "exists; pip installs only those the image lacks in range. " + image_installs(cfg)["how"],
@@ -321,6 +323,14 @@ def job_steps(
         at = next(i for i, s in enumerate(steps) if s.name in ("hf-token-secret", "job-config"))
         steps.insert(at, Step("offline-wheelhouse", _offline_step(cfg, mode)))
     return steps
+
+
+def planned_sharding(cfg: Config) -> dict[str, Any]:
+    """For plan.json: the sharding the job's ``training.sharding`` gives on the planned GPUs, the one the memory
+    estimate assumes: ``mode``, ``mesh_shape`` (``[nodes, ranks per node]`` for hsdp, ``[ranks]`` for fsdp, ``[]``
+    for none) and ``line`` (:func:`~raytrain_eks.eks.fit.sharding_line`, which the job's step says too)."""
+    layout = planned_layout(cfg)
+    return {"mode": layout.mode, "mesh_shape": list(layout.mesh_shape), "line": sharding_line(cfg)}
 
 
 def image_installs(cfg: Config) -> dict[str, Any]:
@@ -480,6 +490,7 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
         "checkpoint_storage": checkpoint_storage(cfg),  # what they take, and cost in S3
         "runtime_env": image_installs(cfg),
         "memory_per_gpu": memory.to_dict() if memory else None,
+        "sharding": planned_sharding(cfg),
     }
     return Plan(
         mode=mode,

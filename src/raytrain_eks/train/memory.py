@@ -29,6 +29,7 @@ from raytrain_eks.errors import UserError
 
 if TYPE_CHECKING:  # the settings' type only: the job ships this module, which imports nothing of them at run time
     from raytrain_eks.config import Config
+    from raytrain_eks.train.sharding import Layout
 
 
 class NodeGpu(Protocol):
@@ -490,15 +491,23 @@ def layout_shard_ranks(layout: Any) -> int:
     return layout.world_size if layout.mode == "fsdp" else 1
 
 
-def shard_ranks_for(training: Any, nodes: int, world: int, precision: str) -> int:
-    """How many ranks split each parameter for ``training.sharding`` with ``world`` ranks spread evenly over
-    ``nodes`` nodes (:func:`raytrain_eks.train.sharding.choose_sharding` decides, as the job will)."""
+def planned_precision(training: Any) -> str:
+    """The compute precision of a GPU run of ``training``: bf16 unless it says fp32 (every GPU type this tool deploys
+    has bf16)."""
+    return "fp32" if training.precision == "fp32" else "bf16"
+
+
+def planned_layout(cfg: Config) -> Layout:
+    """The sharding :class:`~raytrain_eks.train.sharding.Layout` of a GPU run of ``cfg``, as the job's
+    :func:`~raytrain_eks.train.sharding.choose_sharding` will choose it: ``training.sharding`` for the run's ranks
+    placed ``derived.workers_per_node`` to a GPU node, in :func:`planned_precision`. Example: the reference (2 nodes
+    x 4 GPUs, ``auto``) is ``hsdp`` with mesh shape ``(2, 4)``."""
     from raytrain_eks.train.sharding import choose_sharding
 
-    per_node = max(1, world // max(1, nodes))
-    return layout_shard_ranks(
-        choose_sharding(training.sharding, [f"node-{rank // per_node}" for rank in range(world)], precision)
-    )
+    d = cfg.derived
+    per_node = max(1, d.workers_per_node)
+    node_of_rank = [f"node-{rank // per_node}" for rank in range(d.world_size)]
+    return choose_sharding(cfg.training.sharding, node_of_rank, planned_precision(cfg.training))
 
 
 def check_training(
@@ -580,11 +589,11 @@ def check_config(cfg: Config, gpu: NodeGpu, *, image_flash: bool = False) -> Mem
     shape = model_shape(t.model_id)
     if shape is None or not gpu.gpu_mib:
         return None
-    precision = "fp32" if t.precision == "fp32" else "bf16"
+    precision = planned_precision(t)
     return check_training(
         shape,
         t,
-        shard_ranks=shard_ranks_for(t, cfg.cluster.gpu_node_count, cfg.derived.world_size, precision),
+        shard_ranks=layout_shard_ranks(planned_layout(cfg)),
         precision=precision,
         gpu_bytes=gpu.gpu_mib * 2**20,
         gpu_name=gpu.gpu_model or gpu.name,
