@@ -163,19 +163,33 @@ class Placement:
 _ANYWHERE = Placement(tolerations=({"operator": "Exists"},))
 
 
+ZONE_LABEL = "topology.kubernetes.io/zone"
+
+
 @dataclass(frozen=True)
 class NodePool:
     """GPU nodes an autoscaler adds on demand, as Karpenter does (https://karpenter.sh/docs/: it watches for pods
     the scheduler has marked unschedulable, evaluates their requests, node selectors, affinities and tolerations,
     and provisions a node that meets them): here one node of this shape per unschedulable pod that fits it,
     joining ``launch_s`` after the pod was found unschedulable. The node advertises its GPUs and EFA interfaces
-    itself (a node image whose device plugins come with it)."""
+    itself (a node image whose device plugins come with it). ``zones``: the zones the pool may launch in (a
+    NodePool's ``topology.kubernetes.io/zone`` requirement); a node goes to the zone its pod's node selector names,
+    else to the pool's zones in turn, as nothing then keeps a job's nodes together."""
 
     name: str
     labels: dict[str, str]
     allocatable: dict[str, str]
     taints: tuple[dict[str, Any], ...] = ()
     launch_s: float = 90.0
+    zones: tuple[str, ...] = ()
+
+    def labels_for(self, placement: Placement, launched: int) -> dict[str, str]:
+        """The labels of the node launched for a pod of ``placement``, the pool's ``launched``-th."""
+        if not self.zones:
+            return dict(self.labels)
+        wanted = placement.node_selector.get(ZONE_LABEL)
+        zone = wanted if wanted in self.zones else self.zones[launched % len(self.zones)]
+        return {**self.labels, ZONE_LABEL: zone}
 
 
 @dataclass
@@ -301,7 +315,8 @@ class FakeKube:
         self.exiting: set[tuple[str, str]] = set()
         self._nodes: dict[str, _FakeNode] = {}
         self.node_pool: NodePool | None = None
-        self._launching: dict[tuple[str, str], tuple[float, str]] = {}  # pod -> (when its node joins, node name)
+        # pod -> (when its node joins, node name, its labels)
+        self._launching: dict[tuple[str, str], tuple[float, str, dict[str, str]]] = {}
         self._daemon_sets: dict[tuple[str, str], _FakeDaemonSet] = {}
         self._pods: dict[tuple[str, str], _FakePod] = {}
         self._events: dict[tuple[str, str], list[Event]] = {}
@@ -729,11 +744,9 @@ class FakeKube:
 
     def _schedule(self) -> None:
         pool = self.node_pool
-        for key, (joins, node_name) in list(self._launching.items()):
+        for key, (joins, node_name, labels) in list(self._launching.items()):
             if pool is not None and joins <= self.time:
-                self.add_node(
-                    node_name, labels=pool.labels, allocatable=pool.allocatable, taints=pool.taints, devices={}
-                )
+                self.add_node(node_name, labels=labels, allocatable=pool.allocatable, taints=pool.taints, devices={})
                 del self._launching[key]
         for (ns, name), pod in self._pods.items():
             if pod.owner is None or pod.owner[0] not in ("RayCluster", "Deployment", "Pod"):
@@ -778,9 +791,10 @@ class FakeKube:
         placement = pod.placement or Placement(pod.node_selector, tolerations=_ANYWHERE.tolerations)
         room = {k: parse_quantity(v) for k, v in pool.allocatable.items()}
         fits = all(room.get(res, 0.0) >= parse_quantity(qty) for res, qty in pod.requests.items())
-        if fits and placement.refusal(pool.labels, list(pool.taints)) is None:
-            launched = len(self._launching) + sum(1 for n in self._nodes if n.startswith(f"{pool.name}-"))
-            self._launching[(ns, name)] = (self.time + pool.launch_s, f"{pool.name}-{launched}")
+        launched = len(self._launching) + sum(1 for n in self._nodes if n.startswith(f"{pool.name}-"))
+        labels = pool.labels_for(placement, launched)
+        if fits and placement.refusal(labels, list(pool.taints)) is None:
+            self._launching[(ns, name)] = (self.time + pool.launch_s, f"{pool.name}-{launched}", labels)
 
     def _event(self, ns: str, pod: str, event: Event) -> None:
         events = self._events.setdefault((ns, pod), [])
