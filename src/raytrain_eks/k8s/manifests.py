@@ -53,6 +53,9 @@ IMAGE_PYTHON = "python3"
 # Before a Ray pod is killed, a clean `ray stop` lets its raylet and workers (and on the head the GCS and the job's
 # driver) shut down instead of dying mid-write; the reference has it on the head and on the workers.
 RAY_STOP_HOOK: dict[str, Any] = {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}}
+# The environment of a container that must see no GPU (the Ray head; a RayJob's submitter): "void" keeps the NVIDIA
+# container runtime from exposing any GPU to it, whatever node it lands on.
+NO_GPU_ENV: dict[str, str] = {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -224,8 +227,7 @@ def _guaranteed(resources: dict[str, str]) -> dict[str, dict[str, str]]:
 
 def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
     cpu, mem = head_pod_resources(cfg)
-    # "void" keeps the NVIDIA container runtime from exposing any GPU to the head, whatever node it lands on.
-    env: list[dict[str, Any]] = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
+    env: list[dict[str, Any]] = [dict(NO_GPU_ENV)]
     if hf_token:
         env.append(hf_token_env(cfg))
     mounts, volumes = shared_volume(cfg)
