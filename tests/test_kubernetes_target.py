@@ -10,14 +10,16 @@ installs nothing. Every helm and kubectl command line is then parsed by the real
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from charts import crds, vendored
-from fake_kube import FakeKube, NodePool
+from fake_kube import ZONE_LABEL, FakeKube, NodePool
 from test_charts import UNREACHABLE_KUBECONFIG
 from test_command_lines import Collector, chart_repo, check  # noqa: F401 - chart_repo: the fixture
 from test_deploy import TOKEN, FakeRay, FakeTools
@@ -113,21 +115,53 @@ def plain(tmp_path: Path, real_tools: Any, monkeypatch: pytest.MonkeyPatch) -> C
     return c
 
 
+def _eks_gpu_node(c: Cluster, name: str, zone: str) -> None:
+    """A GPU node of an EKS node group with EFA, in ``zone`` (as EKS labels every node)."""
+    c.kube.add_node(
+        name,
+        labels={
+            existing.INSTANCE_TYPE_LABEL: "g6.12xlarge",
+            "eks.amazonaws.com/nodegroup": "gpu",
+            "kubernetes.io/hostname": name,
+            ZONE_LABEL: zone,
+        },
+        allocatable={"cpu": "47", "memory": "185Gi", m.GPU_RESOURCE: "4", m.EFA_RESOURCE: "1"},
+    )
+
+
 @pytest.fixture
 def efa(tmp_path: Path, real_tools: Any, monkeypatch: pytest.MonkeyPatch) -> Cluster:
-    """An EKS cluster used as it is: its GPU nodes advertise GPUs and EFA, KubeRay's CRD is there."""
+    """An EKS cluster used as it is: its GPU nodes (one zone) advertise GPUs and EFA, KubeRay's CRD is there."""
     monkeypatch.chdir(tmp_path)
     c = Cluster(tmp_path, real_tools)
     for i in range(2):
-        c.kube.add_node(
-            f"ip-10-0-1-{i}",
-            labels={existing.INSTANCE_TYPE_LABEL: "g6.12xlarge", "eks.amazonaws.com/nodegroup": "gpu"},
-            allocatable={"cpu": "47", "memory": "185Gi", m.GPU_RESOURCE: "4", m.EFA_RESOURCE: "1"},
-        )
-    c.kube.add_node("ip-10-0-2-9", labels={}, allocatable={"cpu": "3920m", "memory": "14Gi"})
+        _eks_gpu_node(c, f"ip-10-0-1-{i}", "us-east-1a")
+    cpu = {"cpu": "3920m", "memory": "14Gi"}
+    c.kube.add_node("ip-10-0-2-9", labels={ZONE_LABEL: "us-east-1b"}, allocatable=cpu)
     for crd in crds(vendored("kuberay-operator")):  # installed earlier by the team: KubeRay 1.7.0's own CRDs
         c.kube.put(crd)
     return c
+
+
+def _two_zones(tmp: Path, real_tools: Any, *sets: str) -> Cluster:
+    """An EKS cluster whose GPU node group spans two zones: one GPU node in us-east-1b (listed first, so that a
+    scheduler filling nodes in order would split a job) and two in us-east-1a, all with EFA; KubeRay's CRDs."""
+    c = Cluster(tmp, real_tools, *sets)
+    _eks_gpu_node(c, "ip-10-0-2-0", "us-east-1b")
+    for i in range(2):
+        _eks_gpu_node(c, f"ip-10-0-1-{i}", "us-east-1a")
+    for crd in crds(vendored("kuberay-operator")):
+        c.kube.put(crd)
+    return c
+
+
+ON_DEMAND = (
+    "cluster.gpu_nodes_on_demand=true",
+    "cluster.gpu_node_selector={karpenter.sh/nodepool: gpu}",
+    "cluster.efa_per_node=1",
+    "ray.worker_cpu=39",
+    "ray.worker_memory_gib=154",
+)
 
 
 @pytest.fixture
@@ -135,15 +169,7 @@ def on_demand(tmp_path: Path, real_tools: Any, monkeypatch: pytest.MonkeyPatch) 
     """An EKS cluster with Karpenter: a CPU node now, and a GPU node pool whose nodes (EFA, the NVIDIA and EFA
     plugins in their image) are launched only for worker pods that cannot be scheduled; no KubeRay yet."""
     monkeypatch.chdir(tmp_path)
-    c = Cluster(
-        tmp_path,
-        real_tools,
-        "cluster.gpu_nodes_on_demand=true",
-        "cluster.gpu_node_selector={karpenter.sh/nodepool: gpu}",
-        "cluster.efa_per_node=1",
-        "ray.worker_cpu=39",
-        "ray.worker_memory_gib=154",
-    )
+    c = Cluster(tmp_path, real_tools, *ON_DEMAND)
     c.kube.add_node("ip-10-0-2-9", labels={}, allocatable={"cpu": "7910m", "memory": "29Gi"})
     c.kube.node_pool = NodePool(
         "gpu",
@@ -265,7 +291,8 @@ def test_an_efa_cluster_gets_efa_requested_and_required(efa: Cluster):
     (container,) = group["template"]["spec"]["containers"]
     assert container["resources"]["limits"][m.EFA_RESOURCE] == "1"
     assert (container["resources"]["limits"]["cpu"], container["resources"]["limits"]["memory"]) == ("39", "154Gi")
-    assert "nodeSelector" not in group["template"]["spec"]  # the GPU request alone keeps them on GPU nodes
+    # The GPU request alone keeps them on GPU nodes; EFA keeps them in the nodes' one zone.
+    assert group["template"]["spec"]["nodeSelector"] == {ZONE_LABEL: "us-east-1a"}
     config = yaml.safe_load(next(o for o in efa.kube.applied if o["kind"] == "ConfigMap")["data"][m.CONFIG_FILE])
     assert config["fabric"]["require"] == "efa" and config["cluster"]["gpu_node_type"] == "g6.12xlarge"
     assert "memory estimate is left out" not in efa.said()  # the nodes' EC2 type is known: it was made
@@ -622,3 +649,124 @@ def test_a_configured_gpu_node_type_gives_the_memory_estimate_where_the_nodes_na
     assert INSTANCE_TYPES["g5.12xlarge"].gpu_model in plain.said()
     plan = build_plan(plain.d().cfg, state_dir=plain.store.path.parent)
     assert plan.summary["gpu_node_type"] == "g5.12xlarge" and plan.summary["memory_per_gpu"] is not None
+
+
+# --- EFA and zones: the worker pods are kept to one zone where EFA is required ----------------------------------------
+
+
+def _worker_zones(c: Cluster) -> list[str | None]:
+    """The zones of the nodes the job's worker pods run on."""
+    zones = {n.name: n.zone for n in c.kube.nodes()}
+    pods = c.kube.pods("default", {"ray.io/cluster": c.cfg.ray.cluster_name})
+    return sorted(zones.get(p.node_name or "") for p in pods if "worker" in p.name)
+
+
+def test_efa_gpu_nodes_in_two_zones_without_a_choice_are_refused_before_anything(tmp_path: Path, real_tools: Any):
+    c = _two_zones(tmp_path, real_tools)
+    with pytest.raises(UserError) as refused:
+        c.target.up(c.d(), confirm=c.ask())
+    said = refused.value.message
+    assert "EFA is required" in said and "us-east-1a (2 GPU nodes), us-east-1b (1 GPU node)" in said, said
+    assert "--set cluster.gpu_az=us-east-1a" in str(refused.value.hint)
+    assert not c.questions and not c.kube.applied and not c.tools.commands("helm") and not c.store.created
+    # A zone with too few GPU nodes for cluster.gpu_node_count is refused as well, naming what each zone has.
+    short = _two_zones(tmp_path / "short", real_tools, "cluster.gpu_az=us-east-1b")
+    with pytest.raises(UserError, match=r"cluster.gpu_az = us-east-1b: .* 1 of the GPU nodes .*gpu_node_count = 2"):
+        short.target.up(short.d(), confirm=short.ask())
+    assert not short.questions and not short.kube.applied and not short.store.created
+
+
+def test_efa_gpu_nodes_in_two_zones_run_the_job_in_the_zone_chosen(tmp_path: Path, real_tools: Any):
+    c = _two_zones(tmp_path, real_tools, "cluster.gpu_az=us-east-1a")
+    c.target.up(c.d(), confirm=c.ask())
+    assert "in zone us-east-1a (the worker pods are kept there" in c.said()
+    assert json.loads(c.store.path.read_text())["gpu_az"] == "us-east-1a"
+    result = sub.submit(c.d())
+    assert result.exit_code == 0, c.said()
+    (group,) = _workers(c)
+    assert group["template"]["spec"]["nodeSelector"] == {ZONE_LABEL: "us-east-1a"}
+    assert _worker_zones(c) == ["us-east-1a", "us-east-1a"]
+
+
+def test_submit_refuses_worker_pods_that_efa_would_split_before_applying_anything(efa: Cluster):
+    efa.target.up(efa.d(), confirm=efa.ask())
+    assert json.loads(efa.store.path.read_text())["gpu_az"] == "us-east-1a"  # the nodes' one zone
+    _eks_gpu_node(efa, "ip-10-0-3-0", "us-east-1b")  # the node group grew into a second zone
+    efa.kube.remove_nodes({"kubernetes.io/hostname": "ip-10-0-1-1"})
+    applied = len(efa.kube.applied)
+    with pytest.raises(UserError, match=r"zone us-east-1a, which up chose before .* 1 of the GPU nodes") as refused:
+        sub.submit(efa.d())
+    assert "nothing was applied" in refused.value.message and len(efa.kube.applied) == applied
+    # An up that recorded no zone (nodes in one zone then): now in two, submit names them and the setting.
+    efa.store.update(gpu_az=None)
+    with pytest.raises(UserError, match=r"us-east-1a \(1 GPU node\), us-east-1b \(1 GPU node\)") as refused:
+        sub.submit(efa.d())
+    assert "cluster.gpu_az" in str(refused.value.hint) and len(efa.kube.applied) == applied
+
+
+def test_gpu_nodes_on_demand_come_up_in_the_zone_chosen(on_demand: Cluster, tmp_path: Path):
+    assert on_demand.kube.node_pool is not None
+    pool = dataclasses.replace(on_demand.kube.node_pool, zones=("us-east-1a", "us-east-1b"))  # Karpenter, two zones
+    on_demand.target.up(on_demand.d(), confirm=on_demand.ask())
+    assert "the worker pods may land in different zones" in on_demand.said()
+    assert "--set cluster.gpu_az=us-east-1a" in on_demand.said()
+    chosen = Cluster(tmp_path / "chosen", None, *ON_DEMAND, "cluster.gpu_az=us-east-1b")
+    chosen.kube = on_demand.kube
+    chosen.kube.node_pool = pool
+    chosen.tools, chosen.ray = on_demand.tools, on_demand.ray
+    chosen.target.up(chosen.d(), confirm=chosen.ask())
+    result = sub.submit(chosen.d())
+    assert result.exit_code == 0, chosen.said()
+    assert _worker_zones(chosen) == ["us-east-1b", "us-east-1b"]
+
+
+# --- the NVIDIA driver the image's CUDA needs -------------------------------------------------------------------------
+
+
+def _driver(version: str, *, old_names: bool = False) -> dict[str, str]:
+    """GPU feature discovery's driver labels for ``version`` (``old_names``: only the deprecated ones)."""
+    major, minor, rev = version.split(".")
+    if old_names:
+        return {"nvidia.com/cuda.driver.major": major, "nvidia.com/cuda.driver.minor": minor}
+    keys = ("major", "minor", "revision")
+    return {f"nvidia.com/cuda.driver-version.{k}": v for k, v in zip(keys, (major, minor, rev), strict=True)}
+
+
+def _relabel(c: Cluster, labels: dict[str, dict[str, str]]) -> None:
+    for name, extra in labels.items():
+        c.kube.add_node(
+            name,
+            labels={**GPU_LABELS, **extra},
+            allocatable={"cpu": "11", "memory": "80Gi"},
+            taints=[GPU_TAINT],
+            devices={m.GPU_RESOURCE: "4"},
+        )
+
+
+def test_a_driver_older_than_the_images_cuda_needs_is_refused_before_anything(plain: Cluster):
+    _relabel(plain, {"gpu-0": _driver("535.104.05"), "gpu-1": _driver("570.172.08", old_names=True)})
+    with pytest.raises(UserError) as refused:
+        plain.target.up(plain.d(), confirm=plain.ask())
+    said = refused.value.message
+    assert "gpu-0 (535.104), gpu-1 (570.172)" in said and "CUDA 13.0" in said and "580 or later" in said, said
+    assert "KubeRay replaces" in str(refused.value.hint)
+    assert not plain.questions and not plain.tools.commands("helm") and not plain.kube.applied
+    _relabel(plain, {"gpu-0": _driver("580.65.06"), "gpu-1": _driver("590.44.01", old_names=True)})
+    plain.target.up(plain.d(), confirm=plain.ask())
+    assert "could not be checked" not in plain.said()
+
+
+def test_nodes_without_the_driver_labels_are_said_to_be_unchecked(plain: Cluster):
+    _relabel(plain, {"gpu-0": _driver("580.95.05")})  # gpu-1 has no GPU feature discovery
+    plain.target.up(plain.d(), confirm=plain.ask())  # not a refusal: up goes on
+    (line,) = [line for line in plain.lines if "could not be checked" in line]
+    assert line.startswith("The NVIDIA driver of GPU node gpu-1 could not be checked: no GPU feature discovery label")
+    assert "580 or later" in line and "Ready: 2 GPU nodes" in plain.said()
+
+
+def test_the_cuda_the_driver_check_knows_is_the_images():
+    # The image's build files, vendored unchanged (tests/fixtures/ray-train-dlc/SOURCE.md).
+    dockerfile = Path(__file__).parent / "fixtures/ray-train-dlc/docker/ray-train/Dockerfile.cuda"
+    (version,) = re.findall(r"^ARG CUDA_VERSION=(\S+)$", dockerfile.read_text(), re.M)
+    assert ".".join(version.split(".")[:2]) == existing.IMAGE_CUDA
+    assert existing.MIN_DRIVER[0] == 580  # NVIDIA's minimum for CUDA 13.x

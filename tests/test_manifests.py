@@ -20,11 +20,14 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from fake_kube import ZONE_LABEL
 from schema_errors import schema_errors
 
 from raytrain_eks.config import Config, load_config
+from raytrain_eks.k8s import existing
 from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.state import StateStore
 
 SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md
 K8S_VERSION = "1.33"
@@ -284,6 +287,43 @@ def test_rayjob_entrypoint_is_a_quoted_argv(cfg_for):
 def test_rayjob_runtime_env_is_yaml(cfg_for):
     spec = m.rayjob(cfg_for(), runtime_env={"pip": ["a==1"], "env_vars": {"X": "1"}})["spec"]
     assert yaml.safe_load(spec["runtimeEnvYAML"]) == {"pip": ["a==1"], "env_vars": {"X": "1"}}
+
+
+# --- the kubernetes target: where EFA is required, the worker pods stay in one zone ----------------------------------
+
+
+def _kubernetes(tmp_path: Path, *sets: str, **recorded: Any) -> Config:
+    """A kubernetes target's configuration as submit gets it after an up that recorded ``recorded``."""
+    store = StateStore(tmp_path / ".raytrain-eks")
+    store.update(target="kubernetes", worker_cpu=39, worker_memory_gib=154, **recorded)
+    return existing.remembered(load_config(environ={}, path=None, sets=["cluster.target=kubernetes", *sets]), store)
+
+
+@pytest.mark.parametrize("selected", [{}, {"pool": "gpu"}], ids=["gpu-request-only", "labelled"])
+def test_on_the_kubernetes_target_efa_keeps_the_worker_pods_in_one_zone(
+    tmp_path, monkeypatch, raycluster_schema, rayjob_schema, selected
+):
+    monkeypatch.chdir(tmp_path)
+    labels = [f"cluster.gpu_node_selector={json.dumps(selected)}"] if selected else []
+    cfg = _kubernetes(tmp_path, *labels, efa_per_node=1, gpu_az="us-east-1b")  # the zone up found the nodes in
+    rc, job = m.raycluster(cfg), m.rayjob(cfg)
+    assert schema_errors(raycluster_schema, rc) == [] and schema_errors(rayjob_schema, job) == []
+    for i, template in enumerate(m.pod_templates(rc) + m.pod_templates(job)):
+        _strict(_as_pod(template, f"pod-{i}"))
+    for doc in (rc, job["spec"]["rayClusterSpec"]):
+        spec = doc.get("spec", doc)
+        worker = spec["workerGroupSpecs"][0]["template"]["spec"]
+        assert worker["nodeSelector"] == {**selected, ZONE_LABEL: "us-east-1b"}
+        assert "nodeSelector" not in spec["headGroupSpec"]["template"]["spec"]  # the head needs no EFA
+    # cluster.gpu_az, when set, is the zone (and the one up checks the nodes of).
+    chosen = _kubernetes(tmp_path / "chosen", *labels, "cluster.gpu_az=us-east-1c", efa_per_node=1, gpu_az="us-east-1b")
+    assert _workers(m.raycluster(chosen))["template"]["spec"]["nodeSelector"][ZONE_LABEL] == "us-east-1c"
+    # Without EFA required nothing changes: no EFA on the nodes, or fabric.require any.
+    for without in (
+        _kubernetes(tmp_path / "none", *labels, "cluster.gpu_az=us-east-1c", efa_per_node=0),
+        _kubernetes(tmp_path / "any", *labels, "fabric.require=any", efa_per_node=1, gpu_az="us-east-1b"),
+    ):
+        assert _workers(m.raycluster(without))["template"]["spec"].get("nodeSelector", {}) == selected
 
 
 # --- the RayJob's submitter, against KubeRay's own source ------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from fake_kube import ZONE_LABEL
 from test_command_lines import Collector, chart_repo, check  # noqa: F401 - chart_repo: the fixture
 from test_deploy import TOKEN
 from test_kubernetes_target import CONTEXT, Cluster, efa, plain  # noqa: F401 - efa, plain: the fixtures
@@ -125,6 +126,27 @@ def test_gpu_nodes_on_demand_plan_no_device_plugin(tmp_path, monkeypatch):
     assert pod["containers"][0]["resources"]["limits"][m.EFA_RESOURCE] == "1"
 
 
+def test_the_plan_keeps_efa_worker_pods_in_the_zone_chosen_and_says_how_up_finds_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    state = tmp_path / ".raytrain-eks"
+    chosen = plan_existing.build_plan(
+        _cfg(*SHAPE, "cluster.efa_per_node=1", "cluster.gpu_az=us-east-1c"), state_dir=state
+    )
+    assert _worker(chosen.files["raycluster.yaml"][0])["nodeSelector"] == {ZONE_LABEL: "us-east-1c"}
+    assert chosen.summary["gpu_zone"] == "us-east-1c"
+    assert "the worker pods are kept to zone us-east-1c" in chosen.steps[0].action
+    assert "NVIDIA driver" in chosen.steps[0].action and "580 or later" in chosen.steps[0].action
+    found = plan_existing.build_plan(_cfg(*SHAPE, "cluster.efa_per_node=1"), state_dir=state)
+    assert "nodeSelector" not in _worker(found.files["raycluster.yaml"][0]) and found.summary["gpu_zone"] is None
+    assert (
+        "up stops, naming the zones, when they are in several and cluster.gpu_az chooses none" in found.steps[0].action
+    )
+    without = plan_existing.build_plan(
+        _cfg(*SHAPE, "cluster.efa_per_node=0", "cluster.gpu_az=us-east-1c"), state_dir=state
+    )
+    assert "nodeSelector" not in _worker(without.files["raycluster.yaml"][0]) and "zone" not in without.steps[0].action
+
+
 # --- the shape from up's record --------------------------------------------------------------------------------------
 
 
@@ -152,6 +174,7 @@ def test_after_up_the_plans_worker_pods_are_those_submit_applies(which, request,
         assert plan.summary["fabric_require"] == "efa" and plan.summary["gpu_node_type"] == "g6.12xlarge"
         assert plan.summary["memory_per_gpu"] is not None
         assert "helm-aws-efa-k8s-device-plugin" in [s.name for s in plan.steps]
+        assert plan.summary["gpu_zone"] == "us-east-1a" and planned["nodeSelector"] == {ZONE_LABEL: "us-east-1a"}
     config = yaml.safe_load(next(o for o in c.kube.applied if o["kind"] == "ConfigMap")["data"][m.CONFIG_FILE])
     assert config["fabric"]["require"] == plan.summary["fabric_require"]
 

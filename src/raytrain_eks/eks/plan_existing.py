@@ -132,9 +132,35 @@ def _releases(cfg: Config, store: StateStore) -> list[tuple[HelmRelease, str]]:
     return out
 
 
+def _zone_words(cfg: Config) -> str:
+    """What up does about zones and the NVIDIA driver, in words: where EFA is required the worker pods are kept to
+    one zone, the one they select or the one up will find."""
+    cuda = existing.image_cuda(cfg)
+    driver = (
+        f" It checks the GPU nodes' NVIDIA driver (GPU feature discovery's labels): {existing.MIN_DRIVER[0]} or later "
+        f"for the image's CUDA {cuda}."
+        if cuda
+        else f" The GPU nodes' NVIDIA driver is not checked: the CUDA of ray.image {cfg.ray.image} is not known here."
+    )
+    if cfg.fabric.require != "efa" or not m.efa_per_pod(cfg):
+        return driver
+    zone = m.gpu_node_selector(cfg).get(existing.ZONE_LABEL)
+    if zone:
+        return f" EFA does not cross zones: the worker pods are kept to zone {zone}." + driver
+    if cfg.cluster.gpu_nodes_on_demand:
+        return (
+            " EFA does not cross zones: the worker pods are kept to the zone of the GPU nodes there are, and with "
+            "none, to no zone unless cluster.gpu_az chooses one (the nodes they bring may then be apart)." + driver
+        )
+    return (
+        " EFA does not cross zones: the worker pods are kept to the zone of the EFA-capable GPU nodes, and up stops, "
+        "naming the zones, when they are in several and cluster.gpu_az chooses none." + driver
+    )
+
+
 def _up_steps(cfg: Config, releases: list[tuple[HelmRelease, str]], where: str) -> list[Step]:
     c, d = cfg.cluster, cfg.derived
-    selector = m.gpu_node_selector(cfg)
+    selector = existing.node_labels(cfg)
     which = f"the nodes labelled {selector}" if selector else f"every node that advertises {m.GPU_RESOURCE}"
     efa = m.efa_per_pod(cfg)
     advertise = f"{m.GPU_RESOURCE}={d.ray_gpus_per_worker_pod}" + (f" and {m.EFA_RESOURCE}={efa}" if efa else "")
@@ -153,7 +179,9 @@ def _up_steps(cfg: Config, releases: list[tuple[HelmRelease, str]], where: str) 
     steps = [
         Step(
             "find-gpu-nodes",
-            look + " Then up lists what is missing of the objects and charts below and asks once before it installs "
+            look
+            + _zone_words(cfg)
+            + " Then up lists what is missing of the objects and charts below and asks once before it installs "
             "anything; no cloud resource is created.",
         )
     ]
@@ -306,6 +334,7 @@ def build_plan(cfg: Config, *, state_dir: str | Path, mode: Mode = "raycluster",
         "context": c.context,
         "worker_pods_from": f"up's record in {store.path}" if recorded else "the settings",
         "gpu_node_selector": m.gpu_node_selector(cfg),
+        "gpu_zone": m.gpu_node_selector(cfg).get(existing.ZONE_LABEL),
         "gpu_nodes_on_demand": c.gpu_nodes_on_demand,
         "gpu_node_type": gpu.name if gpu else None,
         "gpu_node_type_from": gpu_from,
