@@ -1,6 +1,6 @@
-"""The package map in the README is the code's: each package imports only what the map allows, and no module of
-``raytrain_eks`` imports itself back through others (no import cycles). The test reads every import statement,
-including those inside functions, so a lazy import cannot slip past the map."""
+"""The package map in docs/architecture.md is the code's: each package imports only what the map allows, and no
+module of ``raytrain_eks`` imports itself back through others (no import cycles). The test reads every import
+statement, including those inside functions, so a lazy import cannot slip past the map."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ PKG = "raytrain_eks"
 
 
 def package_map() -> dict[str, set[str]]:
-    """``unit -> units it may import`` from the README's fenced block under '## Architecture'."""
-    text = (ROOT / "README.md").read_text()
+    """``unit -> units it may import`` from docs/architecture.md's fenced block under '## Architecture'."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
     section = text.split("## Architecture", 1)[1]
     block = re.search(r"```text\n(.*?)```", section, re.S)
-    assert block, "README.md's Architecture section has no ```text block with the package map"
+    assert block, "docs/architecture.md's Architecture section has no ```text block with the package map"
     rules: dict[str, set[str]] = {}
     for line in block.group(1).splitlines():
         if "->" not in line:
@@ -71,7 +71,7 @@ def unit_of(module: str, rules: dict[str, set[str]]) -> str:
     if len(parts) == 1:
         return PKG
     unit = parts[1]
-    assert unit in rules, f"{module}: '{unit}' is not in README.md's package map; add it with what it may import"
+    assert unit in rules, f"{module}: '{unit}' is not in docs/architecture.md's package map; add it with its imports"
     return unit
 
 
