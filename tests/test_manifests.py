@@ -394,6 +394,7 @@ def test_kuberay_runs_the_submitter_command_the_rayjob_gives(rayjob_doc, rayjob_
         assert f"{{Name: utils.{env}, Value: rayJobInstance.Status.{field}}}" in configure
     assert _go_const(constants, "RayDashboardGCSHealthPath") == shipping.DASHBOARD_HEALTH_PATH
     assert container["command"][:2] == [m.IMAGE_PYTHON, "-c"]
+    assert _env(container)["NVIDIA_VISIBLE_DEVICES"] == "void", "like the head, the submitter sees no GPU"
     assert schema_errors(rayjob_schema, rayjob_doc) == []
     _strict(_as_pod(rayjob_doc["spec"]["submitterPodTemplate"] | {"metadata": {}}, "submitter"))
 

@@ -381,6 +381,8 @@ def rayjob_manifest(
                     "image": cfg.ray.image,
                     # KubeRay keeps a command it is given (K8sJobMode) instead of its default, which calls `python`.
                     "command": submitter_argv(doc["spec"]["entrypoint"], json.dumps(env)),
+                    # As the head: a pod that asks for no GPU sees none, even where the node's runtime would show all.
+                    "env": [dict(m.NO_GPU_ENV)],
                     "resources": {
                         "requests": {"cpu": "500m", "memory": "512Mi"},
                         "limits": {"cpu": "1", "memory": "1Gi"},
