@@ -186,6 +186,18 @@ def test_every_eksctl_command_the_tool_builds_is_one_eksctl_accepts(world: World
     assert not any("--force" in a for a in built if a[1:3] == ["delete", "cluster"]), "eksctl dies on a missing cluster"
 
 
+def test_scaling_the_gpu_group_waits_until_eks_has_scaled_it():
+    """eksctl's --wait on `scale nodegroup` is off by default (AddWaitFlag binds cmd.Wait, false): without it eksctl
+    returns once EKS accepts the update, and a RayJob submitted straight after meets a scale in progress. With it,
+    eksctl waits for the node group (--timeout, below the runner's limit)."""
+    cfg = load_config(environ={}, path=None)
+    for nodes in (0, cfg.cluster.gpu_node_count):
+        cmd, given = check_argv(eksctl.scale_gpu_nodegroup_argv(cfg, nodes))
+        assert (cmd.verb, cmd.resource) == ("scale", "nodegroup") and cmd.flags["wait"].is_bool
+        assert given.get("wait") is True, given
+        assert eksctl_source.wait_seconds(cmd, given) < nodegroups.NODEGROUP_TIMEOUT_S
+
+
 def test_the_missing_helm_message_names_the_helm_commands_up_and_down_run(world: World):
     world.up()
     world.tools.missing = {"helm"}

@@ -198,6 +198,10 @@ def scale_gpu_nodegroup_argv(cfg: Config, nodes: int) -> list[str]:
         str(nodes),
         "--nodes-min",
         str(min(nodes, c.gpu_node_count)),
+        # Without --wait eksctl returns once EKS accepts the update; with it, once the node group is ACTIVE again
+        # (pkg/actions/nodegroup/scale.go), within --timeout: a node group's wait, as a scale up launches instances.
+        # A job started next never meets a scale still in progress.
+        "--wait",
         *wait_flag(NODEGROUP_WAIT_MIN),
     ]
 
