@@ -308,6 +308,13 @@ class FakeKube:
         self.exec_calls: list[tuple[str, str, list[str], str | None]] = []
         self.applied: list[dict[str, Any]] = []
         self.deleted: list[tuple[str, str, str, str | None]] = []
+        # KubeApi.delete deletes in the foreground: the API server sets the object's metadata.deletionTimestamp and
+        # the foregroundDeletion finalizer, and the object stays, still readable, until the garbage collector has
+        # deleted its dependents (https://kubernetes.io/docs/concepts/architecture/garbage-collection/, "Foreground
+        # cascading deletion"). ``foreground_delete_s``: how long a DaemonSet's or Deployment's pods take to go
+        # here (0: the object is gone at once); ``_deleting``: (api_version, kind, name, namespace) -> when.
+        self.foreground_delete_s = 0.0
+        self._deleting: dict[tuple[str, str, str, str | None], float] = {}
         self.patched: list[tuple[str, str, str, str | None, dict[str, Any]]] = []
         self.crashing: set[tuple[str, str]] = set()  # (namespace, DaemonSet): its pods never become ready
         # (namespace, bare pod): its container exits at once with status 1 (restartPolicy Never: the pod is Failed,
@@ -436,6 +443,10 @@ class FakeKube:
 
     def tick(self) -> None:
         """One round of every controller: DaemonSets, RayJobs, RayClusters, then the scheduler and kubelets."""
+        for key, gone_at in list(self._deleting.items()):  # the garbage collector: dependents gone, then the owner
+            if self.time >= gone_at:
+                del self._deleting[key]
+                self._remove(*key)
         self._run_daemon_sets()
         self._run_deployments()
         self._run_rayjobs()
@@ -523,7 +534,15 @@ class FakeKube:
 
     def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
         self.deleted.append((api_version, kind, name, namespace))
-        return self._remove(api_version, kind, name, namespace)
+        obj = self._objects.get((api_version, kind, namespace, name))
+        if obj is None or not self.foreground_delete_s or kind not in ("DaemonSet", "Deployment"):
+            return self._remove(api_version, kind, name, namespace)
+        meta = obj["metadata"]
+        if "deletionTimestamp" not in meta:  # a second delete changes nothing
+            meta["deletionTimestamp"] = f"2026-12-02T10:{int(self.time) // 60 % 60:02d}:{int(self.time) % 60:02d}Z"
+            meta["finalizers"] = [*meta.get("finalizers", []), "foregroundDeletion"]
+            self._deleting[(api_version, kind, name, namespace)] = self.time + self.foreground_delete_s
+        return True
 
     def _remove(self, api_version: str, kind: str, name: str, namespace: str | None) -> bool:
         if kind == "DaemonSet" and namespace is not None:

@@ -18,9 +18,11 @@ import pytest
 import yaml
 from charts import CHARTS, VENDORED, crds, eksctl_efa_daemon_set, rendered, rendered_path, values_path, vendored
 from fake_kube import FakeKube, Placement, device_plugin_resource
+from test_deploy import World
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config, load_config
+from raytrain_eks.errors import UserError
 from raytrain_eks.instances import EFA_GPU_TYPES
 from raytrain_eks.k8s import addons
 from raytrain_eks.k8s import manifests as m
@@ -271,6 +273,53 @@ def test_eksctls_efa_plugin_has_the_charts_name_and_no_helm_ownership(cfg):
     nvidia = (CHARTS.parent / "eksctl" / "pkg" / "addons" / "assets" / "nvidia-device-plugin.yaml").read_text()
     (doc,) = [d for d in yaml.safe_load_all(nvidia) if d]
     assert doc["metadata"]["name"] == eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET
+
+
+def test_the_fake_keeps_an_object_deleted_in_the_foreground_until_its_pods_are_gone():
+    kube = FakeKube()
+    kube.foreground_delete_s = 30.0
+    kube.put(eksctl_efa_daemon_set())
+    assert kube.delete("apps/v1", "DaemonSet", eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET, "kube-system")
+    kept = kube.get("apps/v1", "DaemonSet", eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET, "kube-system")
+    assert kept is not None and kept["metadata"]["deletionTimestamp"]
+    assert kept["metadata"]["finalizers"] == ["foregroundDeletion"]
+    kube.sleep(29)
+    assert kube.has("apps/v1", "DaemonSet", eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET, "kube-system")
+    kube.sleep(1)
+    assert not kube.has("apps/v1", "DaemonSet", eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET, "kube-system")
+
+
+def _efa_installs(w: World) -> list[list[str]]:
+    return [c for c in w.tools.commands("helm", "upgrade") if c[3] == "aws-efa-k8s-device-plugin"]
+
+
+def test_up_installs_the_efa_chart_only_once_eksctls_daemonset_is_gone(tmp_path, monkeypatch, aws_env):
+    # eksctl's copy is deleted in the foreground and stays while its pods end: Helm would refuse to install over it.
+    monkeypatch.chdir(tmp_path)
+    w = World(tmp_path, load_config(environ={}, path=None))
+    w.kube.foreground_delete_s = 45.0
+    w.up()
+    where = f"DaemonSet kube-system/{eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET}"
+    waited = next(i for i, line in enumerate(w.lines) if line.startswith(f"Waiting for {where} to be deleted"))
+    assert "(finalizers: foregroundDeletion)" in w.lines[waited]
+    installing = next(i for i, line in enumerate(w.lines) if line.startswith("Installing eks/aws-efa-k8s-device"))
+    assert waited < installing and len(_efa_installs(w)) == 1
+    efa = w.kube.get("apps/v1", "DaemonSet", eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET, "kube-system")
+    (rel,) = [r for r in helm_releases(w.d.cfg) if r.name == "aws-efa-k8s-device-plugin"]
+    assert addons.owned_by(efa, rel) and "deletionTimestamp" not in efa["metadata"]
+
+
+def test_a_daemonset_that_is_never_deleted_stops_up_naming_it_before_helm_runs(tmp_path, monkeypatch, aws_env):
+    monkeypatch.chdir(tmp_path)
+    w = World(tmp_path, load_config(environ={}, path=None))
+    w.kube.foreground_delete_s = 1e9  # a pod that never ends (its node stopped answering)
+    with pytest.raises(UserError) as err:
+        w.up()
+    where = f"DaemonSet kube-system/{eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET}"
+    assert err.value.message.startswith(f"{where} is still there after {addons.WORKLOAD_GONE_TIMEOUT_S} s")
+    assert "the chart aws-efa-k8s-device-plugin cannot be installed" in err.value.message
+    assert "kubectl --kubeconfig" in (err.value.hint or "") and "raytrain-eks up" in (err.value.hint or "")
+    assert not _efa_installs(w)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -31,6 +31,10 @@ from raytrain_eks.k8s.state import Deployment
 
 HELM_TIMEOUT_S = 15 * 60
 GPU_READY_TIMEOUT_S = 15 * 60
+# How long a chart's workload that is being deleted may take to go before the chart is installed in its place:
+# KubeApi.delete deletes in the foreground, so the object stays (with a deletionTimestamp) until the garbage
+# collector has deleted its pods, each within its termination grace period (30 s unless the pod says otherwise).
+WORKLOAD_GONE_TIMEOUT_S = 5 * 60
 
 DEVICE_PLUGIN_RELEASES = ("nvidia-device-plugin", "aws-efa-k8s-device-plugin")
 KUBERAY_RELEASE = "kuberay-operator"
@@ -250,6 +254,41 @@ def workload_of(d: Deployment, rel: HelmRelease) -> dict[str, Any] | None:
     return d.kube.get("apps/v1", kind, name, rel.namespace)
 
 
+def settled_workload(
+    d: Deployment, rel: HelmRelease, timeout: float = WORKLOAD_GONE_TIMEOUT_S
+) -> dict[str, Any] | None:
+    """The release's workload (:func:`workload_of`) once it is not being deleted: while it has a
+    ``deletionTimestamp`` (eksctl's plugin DaemonSet just deleted in the foreground, its pods still terminating),
+    wait until it is gone. Helm refuses to install over an object it does not own, and what it would apply to one
+    being deleted goes with it. Raises :class:`UserError` naming the object when it is still there after
+    ``timeout`` seconds. Example: ``settled_workload(d, efa_release) is None`` right after eksctl's copy is gone."""
+    kind, name = rel.workload
+    where = f"{kind} {rel.namespace}/{name}"
+
+    def probe() -> tuple[tuple[dict[str, Any] | None] | None, str]:
+        found = workload_of(d, rel)
+        meta = (found or {}).get("metadata") or {}
+        if not meta.get("deletionTimestamp"):
+            return (found,), "not being deleted"
+        finalizers = ", ".join(meta.get("finalizers") or []) or "none"
+        return None, f"being deleted since {meta['deletionTimestamp']} (finalizers: {finalizers})"
+
+    (found,) = d.wait(
+        probe,
+        what=f"{where} to be deleted",
+        timeout=timeout,
+        on_timeout=lambda last, waited: UserError(
+            f"{where} is still there after {waited:.0f} s, {last}: the chart {rel.chart} cannot be installed in "
+            "its place until it is gone",
+            hint=f"`{shown(d, 'kubectl', '-n', rel.namespace, 'get', 'pods', '-o', 'wide')}` shows the pods its "
+            "deletion waits for (a node that stopped answering keeps its pods until the node is removed); once "
+            f"`{shown(d, 'kubectl', '-n', rel.namespace, 'get', kind.lower(), name)}` finds nothing, run "
+            "`raytrain-eks up` again.",
+        ),
+    )
+    return found
+
+
 def install_argv(rel: HelmRelease, values: str, kubeconfig: str, context: str | None = None) -> list[str]:
     """``helm upgrade --install`` of ``rel`` with its values file at ``values``: what ``up`` runs and ``up --plan``
     shows. helm's own wait stops before the runner's ``HELM_TIMEOUT_S``, so its message is the one seen."""
@@ -262,9 +301,9 @@ def ensure_release(d: Deployment, rel: HelmRelease) -> None:
     DaemonSet or Deployment) is there as the release's own: eksctl replaces the EFA chart's DaemonSet with its own
     whenever it creates an EFA node group, and the release's status does not show that."""
     info = release_info(d, rel.name, rel.namespace)
+    workload = settled_workload(d, rel)  # before helm: an object being deleted is neither installed nor replaceable
     if info and info.get("status") == "deployed" and info.get("version") == rel.version:
         kind, name = rel.workload
-        workload = workload_of(d, rel)
         if owned_by(workload, rel):
             d.say(f"Helm release {rel.name} ({rel.chart} {rel.version}) is installed")
             return

@@ -142,7 +142,10 @@ class KubeApi(Protocol):
         ...
 
     def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
-        """Delete the object; ``False`` when there was nothing to delete."""
+        """Delete the object in the foreground; ``False`` when there was nothing to delete. It returns once the
+        deletion is accepted: the object stays, readable with ``metadata.deletionTimestamp`` set, until its
+        dependents (a DaemonSet's pods) are gone; a caller that must see it gone waits for that
+        (:func:`raytrain_eks.k8s.addons.settled_workload`)."""
         ...
 
     def merge_patch(
