@@ -630,6 +630,33 @@ def test_plan_states_the_sharding_the_job_will_choose_beside_its_memory_estimate
     assert shown[memory_line + 1].startswith(f"# {said}")
 
 
+KUBERNETES = ["cluster.target=kubernetes", "ray.worker_cpu=8", "ray.worker_memory_gib=60", "cluster.efa_per_node=1"]
+
+
+def _kubernetes_plan(tmp_path: Path, *sets: str):
+    from raytrain_eks.eks import plan_existing
+
+    cfg = load_config(environ={}, path=None, sets=[*KUBERNETES, "training.storage_path=s3://b/runs", *sets])
+    return plan_existing.build_plan(cfg, state_dir=tmp_path / ".raytrain-eks")
+
+
+def test_the_plan_says_where_the_operator_and_the_head_run_on_each_target(cfg_for, tmp_path):
+    def where(plan) -> tuple[str, str]:
+        steps = {s.name: s.action for s in plan.steps}
+        return steps["helm-kuberay-operator"], steps["apply-raycluster"]
+
+    operator, head = where(build_plan(cfg_for()))
+    assert "runs the operator on the system node" in operator and "GPU-less head on the system node" in head
+    # A cluster of the user's kubeconfig has no system node: the operator and the head go where the settings say.
+    plan = _kubernetes_plan(tmp_path)
+    operator, head = where(plan)
+    assert "runs the operator on any node that takes it" in operator and "GPU-less head on any node that" in head
+    assert not [s.name for s in plan.steps if "system node" in s.action]
+    operator, head = where(_kubernetes_plan(tmp_path, "cluster.head_node_selector={pool: cpu}"))
+    assert "runs the operator on a node labelled pool=cpu" in operator
+    assert "GPU-less head on a node labelled pool=cpu" in head
+
+
 def test_plan_refuses_a_hub_model_under_offline():
     with pytest.raises(UserError, match="training.model_id 'Qwen/Qwen2.5-1.5B' is a Hub model") as err:
         build_plan(load_config(environ={}, path=None, sets=["ray.offline=true"]))

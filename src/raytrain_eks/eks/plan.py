@@ -35,7 +35,7 @@ from raytrain_eks.instances import (
 from raytrain_eks.k8s import job as job_files
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s import wheelhouse
-from raytrain_eks.k8s.addons import HelmRelease, helm_releases
+from raytrain_eks.k8s.addons import HelmRelease, helm_releases, node_words
 from raytrain_eks.k8s.manifests import to_yaml
 from raytrain_eks.k8s.state import with_bucket_storage, with_shared_volume
 from raytrain_eks.train.memory import planned_layout, unknown_shape_note
@@ -222,14 +222,14 @@ def job_steps(
     hf_token: bool,
     code_dir: str,
     kubectl: tuple[str, ...] = ("kubectl",),
-    head_where: str = "on the system node",
     after_namespace: tuple[Step, ...] = (),
 ) -> list[Step]:
     """The steps of ``submit`` on any target, in order: the namespace (when not ``default``), ``after_namespace``
     (a target's own objects there), the token's Secret, the job's ConfigMap, then the RayCluster or RayJob and what
     runs the job on it; ``--offline``'s wheelhouse comes before the Secret and the ConfigMap. ``kubectl``: the
-    program and flags the command lines start with; ``head_where``: where the head pod runs, in words."""
+    program and flags the command lines start with."""
     c, r, d = cfg.cluster, cfg.ray, cfg.derived
+    head_where = node_words(m.head_node_selector(cfg))
     ns = r.namespace
     steps: list[Step] = []
     if ns != "default":

@@ -274,17 +274,8 @@ def build_plan(cfg: Config, *, state_dir: str | Path, mode: Mode = "raycluster",
         [*kubectl, "apply", "-f", SERVICE_ACCOUNT_FILE],
         [SERVICE_ACCOUNT_FILE],
     )
-    head = m.head_node_selector(cfg)
     steps = _up_steps(cfg, releases, where)
-    steps += job_steps(
-        cfg,
-        mode,
-        hf_token=hf_token,
-        code_dir=code_dir,
-        kubectl=kubectl,
-        head_where=f"on a node labelled {head}" if head else "on any node that takes it",
-        after_namespace=(account,),
-    )
+    steps += job_steps(cfg, mode, hf_token=hf_token, code_dir=code_dir, kubectl=kubectl, after_namespace=(account,))
     require = cfg.fabric.require
     steps.append(
         Step(

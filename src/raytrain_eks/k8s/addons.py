@@ -127,6 +127,16 @@ def helm_releases(cfg: Config) -> list[HelmRelease]:
     )
 
 
+def node_words(selector: dict[str, str]) -> str:
+    """Where a pod whose node selector is ``selector`` runs, in words. Example: ``{"role": "system"}`` (the EKS
+    system node group's labels) -> ``on the system node``; ``{}`` -> ``on any node that takes it``."""
+    if selector == m.SYSTEM_NODE_LABELS:
+        return "on the system node"
+    if selector:
+        return "on a node labelled " + ", ".join(f"{key}={value}" for key, value in selector.items())
+    return "on any node that takes it"
+
+
 def _releases(
     cfg: Config, *, nvidia: dict[str, Any], efa: dict[str, Any], kuberay: dict[str, Any]
 ) -> list[HelmRelease]:
@@ -165,7 +175,8 @@ def _releases(
             chart="kuberay-operator",
             version=a.kuberay_version,
             values=kuberay,
-            purpose="installs the RayCluster/RayJob CRDs and runs the operator on the system node",
+            purpose="installs the RayCluster/RayJob CRDs and runs the operator "
+            + node_words(kuberay.get("nodeSelector") or {}),
             workload=("Deployment", "kuberay-operator"),
         ),
     ]
