@@ -657,6 +657,23 @@ def test_the_plan_says_where_the_operator_and_the_head_run_on_each_target(cfg_fo
     assert "GPU-less head on a node labelled pool=cpu" in head
 
 
+def test_the_kubernetes_plan_names_every_missing_setting_at_once(tmp_path):
+    from raytrain_eks.eks import plan_existing
+
+    # Neither the worker pods' shape nor storage every node reaches: one message names both.
+    cfg = load_config(environ={}, path=None, sets=["cluster.target=kubernetes"])
+    with pytest.raises(UserError) as err:
+        plan_existing.write_plan(cfg, tmp_path / "out", state_dir=tmp_path / ".raytrain-eks")
+    said = err.value.message
+    assert "ray.worker_cpu, ray.worker_memory_gib and cluster.efa_per_node are not set" in said
+    assert "training.storage_path = None: the training workers span 2 nodes" in said
+    assert err.value.exit_code == 2 and "checkpoints" in (err.value.hint or "")
+    assert not (tmp_path / "out").exists()
+    # With the shape given, storage alone is the one problem, as before.
+    with pytest.raises(ConfigError, match="training.storage_path = None"):
+        plan_existing.build_plan(load_config(environ={}, path=None, sets=KUBERNETES), state_dir=tmp_path / "s")
+
+
 def test_plan_refuses_a_hub_model_under_offline():
     with pytest.raises(UserError, match="training.model_id 'Qwen/Qwen2.5-1.5B' is a Hub model") as err:
         build_plan(load_config(environ={}, path=None, sets=["ray.offline=true"]))

@@ -38,7 +38,7 @@ from raytrain_eks.eks.plan import (
     write_files,
 )
 from raytrain_eks.eks.submit import job_config
-from raytrain_eks.errors import UserError
+from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.instances import INSTANCE_TYPES, InstanceType
 from raytrain_eks.k8s import existing
 from raytrain_eks.k8s import manifests as m
@@ -84,17 +84,25 @@ def _words(names: list[str]) -> str:
 
 def _refuse_unknown_shape(cfg: Config, store: StateStore) -> None:
     """One :class:`UserError` naming each setting of :data:`SHAPE_SETTINGS` that neither up's record nor the
-    configuration gives."""
+    configuration gives, and with them the storage problem the plan would refuse next
+    (:meth:`~raytrain_eks.config.Config.check_cluster_storage`): every missing setting in one message."""
     values = (cfg.ray.worker_cpu, cfg.ray.worker_memory_gib, cfg.cluster.efa_per_node)
     missing = [name for name, value in zip(SHAPE_SETTINGS, values, strict=True) if value is None]
     if missing:
+        try:
+            cfg.check_cluster_storage()
+            also: list[str] = []
+        except ConfigError as exc:
+            also = exc.problems
         raise ShapeUnknown(
             "plan on cluster.target kubernetes needs the worker pods' CPU, memory and EFA interfaces, and neither "
             f"{store.path} (what `raytrain-eks up` records from the GPU nodes) nor the settings give them: "
-            f"{_words(missing)} {'is' if len(missing) == 1 else 'are'} not set; nothing was written",
+            f"{_words(missing)} {'is' if len(missing) == 1 else 'are'} not set; nothing was written"
+            + "".join(f"\n  - and {problem}" for problem in also),
             hint=f"Run `raytrain-eks up` first (it reads them from the GPU nodes), or set {_words(missing)} (--set "
             + " --set ".join(f"{name}=N" for name in missing)
-            + ").",
+            + ")."
+            + (" Set where the checkpoints go too, as said above." if also else ""),
         )
 
 
