@@ -33,6 +33,7 @@ from raytrain_eks.ray_session import (
     worker_error,
     worker_hosts,
 )
+from raytrain_eks.train.bundle import RunBundle, bundle_note
 from raytrain_eks.train.fabric_gate import nccl_env
 from raytrain_eks.train.faults import ENV as FAULT_ENV
 from raytrain_eks.train.faults import SLOW_WRITE_ENV
@@ -49,6 +50,7 @@ class RunResult:
     run_dir: Path
     summary: dict[str, Any]
     records: list[dict[str, Any]]
+    bundle: str | None = None  # the run's bundle in its storage (training.storage_path), see train/bundle.py
 
 
 def new_run_dir(cfg: Config, root: Path = Path("runs")) -> Path:
@@ -149,6 +151,9 @@ def run_training(
     :func:`_resume_source`). ``price``, given the finished summary, returns what the run cost
     (or ``None``); it goes into ``summary.json`` and the report as ``cost``. ``unpriced`` (without ``price``) says
     why the run cannot be priced: ``cost`` is then null and ``cost_note`` says why.
+
+    With ``training.storage_path`` set, the run folder is also kept, as the run goes, in the run's storage folder
+    beside its checkpoints (its bundle, :mod:`raytrain_eks.train.bundle`), whether the run finishes or fails.
     """
     import ray
 
@@ -159,6 +164,8 @@ def run_training(
     from raytrain_eks.train.sources import list_data_files
 
     t_start = time.perf_counter()
+    lines: list[str] = []  # every line said, for the bundle's train.log
+    say = _keeping(say, lines)
     cfg = with_chat_template_text(cfg)
     training = cfg.training
     # Everything that can be checked before anything is created or started is checked first: the quick checks, then
@@ -171,6 +178,7 @@ def run_training(
     resume_from: str | None = None
     ray_was_running = ray.is_initialized()
     local_ray = None
+    bundle: RunBundle | None = None
     if address is None:  # a local run has one node
         check_sharding_for_nodes(training, 1, training.num_workers or LOCAL_CPU_WORKERS, counted="a local run")
         if resume_root is not None:  # before Ray starts: a run folder without a checkpoint stops here
@@ -204,6 +212,7 @@ def run_training(
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
         try:
             write_storage_config(run_dir, training.storage_path, cfg.to_yaml())
+            bundle = RunBundle.start(run_dir, training.storage_path, total_steps=training.steps, lines=lines, warn=say)
             if local_ray is not None:
                 local_ray.wait()
             return _train_in(
@@ -221,15 +230,22 @@ def run_training(
                 price=price,
                 unpriced=unpriced,
                 trained=local_ray.stop_soon if local_ray is not None else None,
+                bundle=bundle,
             )
         except Exception as exc:
             logged = _logged(exc, run_dir)
+            if bundle is not None:  # the evidence outlives this machine: the run folder's logs point into it
+                bundle.fail(getattr(logged, "message", str(logged)))
+                if isinstance(logged, UserError):
+                    logged.extend(f"(run bundle: {bundle.location})")
             if resume_dir is None and not training.storage_path and _remove_if_unused(run_dir, logged):
                 say(f"run folder {run_dir} removed: nothing was trained")
             if logged is exc:
                 raise
             raise logged from None
     finally:
+        if bundle is not None:  # interrupted: marked stopped, with what the run folder holds
+            bundle.close()
         # A Ray this run started (or joined) is this run's to stop: its workers and controller go with it, whether
         # the run was refused before anything started, failed, or finished.
         if local_ray is not None:
@@ -254,11 +270,13 @@ def _train_in(
     price: Callable[[dict[str, Any]], dict[str, Any] | None] | None,
     unpriced: str | None = None,
     trained: Callable[[], None] | None = None,
+    bundle: RunBundle | None = None,
 ) -> RunResult:
     """Everything of :func:`run_training` after the run folder exists: Ray, data, the trainer, the summary.
 
     ``trained`` (optional) is called once the trainer has returned and Ray is needed no more (a local Ray then shuts
-    down while the export and the report are written)."""
+    down while the export and the report are written). ``bundle``: told of every logged step, and finished with the
+    whole run folder at the end."""
     import ray
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -396,6 +414,8 @@ def _train_in(
                     metrics_file.write(json.dumps(line) + "\n")
                     metrics_file.flush()
                     tracker.log(line)
+                    if bundle is not None:
+                        bundle.step(line)
                     if progress is not None:
                         progress(line, training.steps)
     thread.join()
@@ -448,7 +468,12 @@ def _train_in(
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     tracker.finish(summary)
     say(f"report: {write_report([run_dir], run_dir)}")
-    return RunResult(run_dir=run_dir, summary=summary, records=records)
+    if bundle is not None:
+        bundle.finish(summary)
+        say(bundle_note(bundle.location))
+    return RunResult(
+        run_dir=run_dir, summary=summary, records=records, bundle=bundle.location if bundle is not None else None
+    )
 
 
 # PyTorch's caching allocator on the GPU workers: segments that grow in place instead of a new block per size, which
@@ -511,6 +536,16 @@ def _worker_entry(config: dict[str, WorkerJob]) -> None:
             rank = ray.train.get_context().get_world_rank()
             job.metrics_queue.put(WorkerFailure(rank=rank, traceback=traceback.format_exc()))
         raise
+
+
+def _keeping(say: Callable[[str], None], lines: list[str]) -> Callable[[str], None]:
+    """``say`` that also appends each line to ``lines``."""
+
+    def said(line: str) -> None:
+        lines.append(line)
+        say(line)
+
+    return said
 
 
 def _remove_if_unused(run_dir: Path, error: Exception) -> bool:

@@ -1,0 +1,294 @@
+"""A run's bundle: what its run folder holds, kept in its storage folder beside its checkpoints, so that the run's
+results outlive the machine (or the head pod) its driver ran on.
+
+With ``training.storage_path`` set, a run's storage folder ``STORAGE_PATH/RUN`` (see
+:func:`~raytrain_eks.train.checkpoint.storage_root`) holds its ``config.yaml`` and its checkpoints (``ray/``) from
+the start; :class:`RunBundle` adds the rest of the run folder, as the run goes:
+
+===================================  ==========================================================================
+``run.json``                         :data:`RUN_STATE`: running, finished, failed or stopped; times, steps, last
+                                     loss, cost, the one-line error (written first, refreshed every sync)
+``metrics.jsonl``, ``train.log``     every logged step (every attempt's), the driver's lines; uploaded every
+``nccl/rank*.log``, ``error.log``    :data:`SYNC_S` seconds while the run goes, on a thread of their own
+``summary.json``, ``samples.jsonl``  at the end: everything of the run folder (the export ``model/``, ``report.html``,
+``report.html``, ``plots/``,         ``plots/``, ``tensorboard/``); after a failure, what the run folder holds then
+``model/``, ``tensorboard/``         (``error.log`` with every failed rank's traceback among it)
+===================================  ==========================================================================
+
+``run.json`` is written last at the end, so a bundle that says ``finished`` is whole. A local run without a storage
+path keeps its run folder as it is, and has no bundle. Example::
+
+    bundle = RunBundle.start(run_dir, "s3://bucket/runs", total_steps=100, lines=said)  # None without storage
+    bundle.step({"step": 10, "loss": 2.1, ...})   # in the driver's loop: in memory; uploads happen on their thread
+    bundle.finish(summary)                        # the whole run folder, then run.json "finished"
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from raytrain_eks.train.checkpoint import RAY_DIR, storage_root
+from raytrain_eks.train.storage import filesystem, is_remote, join
+
+RUN_STATE = "run.json"
+DRIVER_LOG = "train.log"
+METRICS = "metrics.jsonl"
+ERROR_LOG = "error.log"
+# What the sync thread uploads while the run goes (small, and what a run that dies leaves as its evidence); the rest
+# of the run folder goes at the end.
+LIVE = (METRICS, ERROR_LOG, "nccl")
+# Seconds between two uploads of the live files: a few small PUTs every half minute, whatever the step rate.
+SYNC_S = 30.0
+# Files copied at once at the end (the export's safetensors files, the plots), each in pieces of COPY_CHUNK bytes.
+COPY_FILES = 4
+COPY_CHUNK = 8 << 20
+STATES = ("running", "finished", "failed", "stopped")
+
+
+def now_text() -> str:
+    """The time as run.json holds it: ISO 8601 in UTC, to the second (``2026-01-31T12:00:00Z``)."""
+    return f"{datetime.now(UTC):%Y-%m-%dT%H:%M:%SZ}"
+
+
+class RunBundle:
+    """The run folder ``run_dir`` mirrored into ``location`` (its storage folder); see the module's docstring.
+
+    ``lines`` is the list the driver appends its printed lines to (written as ``train.log``); ``warn`` prints a line
+    when storage cannot be written (once while the run goes: training is never stopped for it)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        location: str,
+        *,
+        total_steps: int | None = None,
+        lines: list[str] | None = None,
+        warn: Callable[[str], None] = print,
+        every_s: float = SYNC_S,
+    ) -> None:
+        self.run_dir = run_dir
+        self.location = location
+        self.every_s = every_s
+        self._fs, self._base = filesystem(location)
+        self._local = not is_remote(location)
+        self._lines = lines if lines is not None else []
+        self._warn = warn
+        self._warned = False
+        self._sent: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) as last uploaded
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.state: dict[str, Any] = {
+            "run": run_dir.name,
+            "state": "running",
+            "started": now_text(),
+            "updated": None,
+            "ended": None,
+            "steps": None,
+            "total_steps": total_steps,
+            "final_loss": None,
+            "cost": None,
+            "error": None,
+            "run_dir": str(run_dir),
+            "host": socket.gethostname(),
+        }
+
+    @classmethod
+    def start(
+        cls,
+        run_dir: Path,
+        storage_path: str | None,
+        *,
+        total_steps: int | None = None,
+        lines: list[str] | None = None,
+        warn: Callable[[str], None] = print,
+        every_s: float = SYNC_S,
+    ) -> RunBundle | None:
+        """The run's bundle, begun: ``run.json`` says ``running``, a run folder that lacks the bundle's metrics (a run
+        resumed on another machine) gets them first, and the sync thread runs. ``None`` without a storage path."""
+        if not storage_path:
+            return None
+        bundle = cls(
+            run_dir,
+            storage_root(run_dir, storage_path),
+            total_steps=total_steps,
+            lines=lines,
+            warn=warn,
+            every_s=every_s,
+        )
+        bundle._restore(METRICS, ERROR_LOG)
+        bundle.sync()
+        bundle._thread = threading.Thread(target=bundle._run, name="run-bundle-sync", daemon=True)
+        bundle._thread.start()
+        return bundle
+
+    # -- the run's side ------------------------------------------------------------------------------------------
+
+    def step(self, record: dict[str, Any]) -> None:
+        """Note a logged step (``metrics.jsonl``'s record): run.json's steps and last loss at the next sync."""
+        self.state["steps"] = record.get("step", self.state["steps"])
+        self.state["final_loss"] = record.get("loss", self.state["final_loss"])
+
+    def finish(self, summary: dict[str, Any]) -> bool:
+        """The whole run folder into the bundle, then run.json ``finished`` with the summary's figures. Returns
+        whether every file was written (when not, the line printed says which and why)."""
+        self._halt()
+        self.state.update(
+            steps=summary.get("steps", self.state["steps"]),
+            final_loss=summary.get("final_loss", self.state["final_loss"]),
+            cost=summary.get("cost"),
+            wall_s=summary.get("wall_s"),
+        )
+        return self._close("finished")
+
+    def fail(self, error: str) -> bool:
+        """What the run folder holds now (metrics, error.log, NCCL lines...) into the bundle, then run.json
+        ``failed`` with ``error`` (the one-line message the run stopped with)."""
+        self._halt()
+        self.state["error"] = error
+        return self._close("failed")
+
+    def close(self) -> None:
+        """Stop the sync thread; a bundle neither finished nor failed (the driver interrupted) is marked
+        ``stopped`` with what the run folder holds."""
+        if self.state["state"] == "running":
+            self._halt()
+            self._close("stopped")
+
+    # -- uploads -------------------------------------------------------------------------------------------------
+
+    def sync(self) -> bool:
+        """Upload the live files that changed since their last upload, ``train.log`` and ``run.json``."""
+        with self._lock:
+            files = [p for name in LIVE for p in self._files(name)]
+            ok = self._put_files(files)
+            ok = self._put_text(DRIVER_LOG, "".join(line + "\n" for line in list(self._lines))) and ok
+            return self._put_state() and ok
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sync()
+
+    def _halt(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _close(self, state: str) -> bool:
+        with self._lock:
+            self.state.update(state=state, ended=now_text())
+            ok = self._put_files(self._files(None))
+            ok = self._put_text(DRIVER_LOG, "".join(line + "\n" for line in list(self._lines))) and ok
+            return self._put_state() and ok  # last: a bundle that says it is finished is whole
+
+    def _files(self, name: str | None) -> list[Path]:
+        """The run folder's files under ``name`` (a file or folder of it; ``None``: all), checkpoints left out."""
+        top = self.run_dir if name is None else self.run_dir / name
+        if top.is_file():
+            return [top]
+        if not top.is_dir():
+            return []
+        return sorted(p for p in top.rglob("*") if p.is_file() and p.relative_to(self.run_dir).parts[0] != RAY_DIR)
+
+    def _put_files(self, files: list[Path]) -> bool:
+        changed = []
+        for path in files:
+            try:
+                st = path.stat()
+            except OSError:  # removed meanwhile
+                continue
+            rel = path.relative_to(self.run_dir).as_posix()
+            if self._sent.get(rel) != (st.st_size, st.st_mtime_ns):
+                changed.append((path, rel, (st.st_size, st.st_mtime_ns)))
+        if not changed:
+            return True
+
+        def put(item: tuple[Path, str, tuple[int, int]]) -> bool:
+            path, rel, stamp = item
+            ok = self._write(rel, lambda out: _copy_into(path, out))
+            if ok:
+                self._sent[rel] = stamp
+            return ok
+
+        with ThreadPoolExecutor(max_workers=COPY_FILES) as pool:
+            return all(list(pool.map(put, changed)))
+
+    def _put_text(self, rel: str, text: str) -> bool:
+        return self._write(rel, lambda out: out.write(text.encode()))
+
+    def _put_state(self) -> bool:
+        self.state["updated"] = now_text()
+        return self._put_text(RUN_STATE, json.dumps(self.state, indent=2) + "\n")
+
+    def _write(self, rel: str, fill: Callable[[Any], object]) -> bool:
+        target = f"{self._base}/{rel}"
+        try:
+            if self._local:
+                self._fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+            with self._fs.open_output_stream(target) as out:
+                fill(out)
+        except OSError as exc:
+            if not self._warned:
+                self._warned = True
+                why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                self._warn(
+                    f"run bundle: cannot write {join(self.location, rel)}: {why}; the run goes on, and its run folder "
+                    f"{self.run_dir} keeps everything"
+                )
+            return False
+        return True
+
+    def _restore(self, *names: str) -> None:
+        """Copy ``names`` from the bundle into a run folder that does not have them (a run resumed on a machine
+        without its folder), so the run appends to every earlier attempt's records rather than replacing them."""
+        from pyarrow import fs as pafs
+
+        for name in names:
+            local = self.run_dir / name
+            if local.exists():
+                continue
+            remote = f"{self._base}/{name}"
+            try:
+                if self._fs.get_file_info(remote).type != pafs.FileType.File:
+                    continue
+                with self._fs.open_input_stream(remote) as src:
+                    local.write_bytes(src.read())
+            except OSError:
+                continue  # nothing to continue from: the run writes its own
+
+
+def _copy_into(path: Path, out: Any) -> None:
+    with path.open("rb") as src:
+        while chunk := src.read(COPY_CHUNK):
+            out.write(chunk)
+
+
+def bundle_note(location: str) -> str:
+    """The line a run prints once its bundle is written: where it is, and the command that fetches it."""
+    return f"run bundle: {location} (`raytrain-eks results {location}` fetches it)"
+
+
+def stale_after_s(every_s: float = SYNC_S) -> float:
+    """How long after its last update a bundle that says ``running`` is taken as ``unknown`` (its driver was lost
+    without a word): a few missed syncs."""
+    return max(10 * every_s, 300.0)
+
+
+def age_s(updated: str | None) -> float | None:
+    """Seconds since run.json's ``updated`` time; ``None`` when it has none or it cannot be read."""
+    if not updated:
+        return None
+    try:
+        then = datetime.strptime(updated, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    except ValueError:
+        return None
+    return time.time() - then.timestamp()
