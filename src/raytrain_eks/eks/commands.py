@@ -8,6 +8,7 @@ raytrain-eks submit [--mode rayjob]           # run the job in the cluster; exit
 raytrain-eks status | logs [--follow]         # what is deployed; the last job's output
 raytrain-eks down [-y]                        # delete everything up and submit created, newest first
 raytrain-eks compare-fabric [-y]              # the job over EFA, then over TCP: the speed-up of EFA
+raytrain-eks results [RUN] [--to DIR]         # the runs in the deployment's storage; fetch one's bundle
 
 ``plan`` and ``up --plan`` are pure: no AWS credentials, and none of eksctl, helm or kubectl, are needed. The
 other commands remember the cluster, region and zone in ``.raytrain-eks/state.json`` of the working folder, and
@@ -50,7 +51,8 @@ class PlanMode(StrEnum):
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``plan``, ``up``, ``submit``, ``status``, ``logs``, ``down`` and ``compare-fabric`` to ``app``."""
+    """Add ``plan``, ``up``, ``submit``, ``status``, ``logs``, ``down``, ``compare-fabric`` and ``results`` to
+    ``app``."""
     app.command()(plan)
     app.command()(up)
     app.command()(submit)
@@ -58,6 +60,7 @@ def register(app: typer.Typer) -> None:
     app.command()(logs)
     app.command()(down)
     app.command("compare-fabric")(compare_fabric)
+    app.command()(results)
 
 
 KubeconfigOpt = Annotated[
@@ -376,11 +379,14 @@ def down(
     """Delete everything up and submit created (newest first), then check that nothing billable is left. The
     checkpoint bucket up created is kept while it holds anything, unless --delete-checkpoints is given. With
     cluster.target kubernetes: only what up and submit installed there; the cluster stays."""
+    from raytrain_eks.eks.results import lost_with_the_pods
     from raytrain_eks.eks.target import target_for
 
     cfg = _load(config, preset, None, kubeconfig, context)
     d, target = make_deployment(cfg, state_dir), target_for(cfg)
     _require_own_programs(d, target, "down")  # before the question: the kubeconfig's credential program, helm
+    for line in lost_with_the_pods(d):  # before anything is deleted (and before the question)
+        _say(line)
     target.down(d, confirm=_confirm(yes), delete_checkpoints=delete_checkpoints)
 
 
@@ -474,3 +480,62 @@ def compare_fabric(
     report = write_report(compare.write_run_folders(result, out), out, comparison=result.render())
     typer.echo(result.to_json() if json_output else result.render())
     say(f"report: {report.resolve()}")
+
+
+def results(
+    run: Annotated[
+        str | None,
+        typer.Argument(
+            help="A run to fetch: its name in the storage (as listed), or its whole location (s3://..., a folder).",
+            show_default=False,
+        ),
+    ] = None,
+    to: Annotated[Path | None, typer.Option("--to", help="Folder to fetch the run into (default: ./runs/RUN).")] = None,
+    storage_path: Annotated[
+        str | None,
+        typer.Option(
+            help="Where the runs are (default: the deployment's training.storage_path, its bucket on EKS); for "
+            "ray.shared_volume, the volume's runs folder as mounted on this machine."
+        ),
+    ] = None,
+    config: ConfigOpt = None,
+    preset: ClusterPresetOpt = "reference",
+    state_dir: StateDirOpt = Path(".raytrain-eks"),
+    sets: SetOpt = None,
+) -> None:
+    """List the deployment's runs from their bundles in its storage (state, start, steps, final loss, cost); with
+    RUN, fetch that run's bundle (export, metrics, summary, report, logs; not its checkpoints) into a folder, and
+    write its report.html here when the run wrote none."""
+    from raytrain_eks.eks.results import fetch_run, fetched_lines, list_runs, render_runs, run_location
+
+    storage = storage_path or _runs_storage(config, preset, sets, state_dir)
+    if run is None:
+        if not storage:
+            raise _no_storage()
+        for line in render_runs(storage, list_runs(storage)):
+            _say(line)
+        return
+    if storage is None:
+        run_location(None, run)  # a whole location needs no storage; a name without one is refused there
+    for line in fetched_lines(fetch_run(storage, run, to)):
+        _say(line)
+
+
+def _runs_storage(config: Path | None, preset: str, sets: list[str] | None, state_dir: Path) -> str | None:
+    """The deployment's ``training.storage_path``, with what ``up`` recorded in ``state_dir`` (EKS: its bucket)."""
+    from raytrain_eks.eks.target import target_for
+    from raytrain_eks.k8s.state import StateStore
+
+    cfg = _load(config, preset, sets)
+    return target_for(cfg).remembered(cfg, StateStore(state_dir)).training.storage_path
+
+
+def _no_storage() -> Exception:
+    from raytrain_eks.errors import UserError
+
+    return UserError(
+        "no storage to list runs from: training.storage_path is not set and this folder's deployment records no "
+        "checkpoint bucket",
+        hint="Run it in the folder where you ran `raytrain-eks up` (its .raytrain-eks/ names the bucket), or give "
+        "--storage-path s3://BUCKET/PREFIX (or a folder). A local run's results are in its run folder (runs/).",
+    )

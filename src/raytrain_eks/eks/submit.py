@@ -17,6 +17,7 @@ unless the job succeeded over the required fabric. Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import secrets
@@ -24,18 +25,21 @@ import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from raytrain_eks.config import BUILTIN_MODEL, Config
 from raytrain_eks.eks import offline as offline_wheels
 from raytrain_eks.eks.fit import fit_on_image
 from raytrain_eks.eks.pricing import deployment_record
+from raytrain_eks.eks.results import run_bundle, where_the_run_is
 from raytrain_eks.eks.target import target_for
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.decision import gate_decision
 from raytrain_eks.fabric.deployment import DEPLOYMENT_RECORD
 from raytrain_eks.fabric.nccl_lines import NCCL_LOG_DIR, NCCL_LOG_PREFIX
 from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
+from raytrain_eks.folders import new_folder
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import NodesNotReady, gpu_node_problems
 from raytrain_eks.k8s.cluster import ExecResult, KubeApiError, Pod, image_never_pulls
@@ -110,6 +114,8 @@ class SubmitResult:
     summary: list[str] = field(default_factory=list)
     exit_code: int = 0
     run_dir: str | None = None  # the run folder in the head pod, as the job's log said ("Run folder: ...")
+    bundle: str | None = None  # the run's bundle in its storage (training.storage_path), which outlives the pods
+    kept: str | None = None  # without a bundle, after a RayJob: the local folder its run folder's small files went to
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -604,27 +610,66 @@ def submit(
     d.state.update(job={"id": submission_id, "mode": mode, "namespace": ns, "raycluster": cluster, "status": "RUNNING"})
 
     run_dirs: list[str] = []
+    bundles: list[str] = []
 
     def echo(line: str) -> None:
         d.say(line)
-        found = _RUN_FOLDER.search(line)
-        if found:
-            run_dirs.append(found.group(1).strip())
+        for pattern, found in ((_RUN_FOLDER, run_dirs), (_RUN_BUNDLE, bundles)):
+            match = pattern.search(line)
+            if match:
+                found.append(match.group(1).strip())
 
     final = follow_job(d, head, submission_id, timeout=cfg.ray.job_deadline_s, on_output=echo)
     d.state.update(job={**d.state.get("job"), "status": final})
     result = _judge(d, submission_id, final, workers)
     result.run_dir = run_dirs[-1] if run_dirs else None
+    result.bundle = bundles[-1] if bundles else run_bundle(cfg, result.run_dir)
+    d.state.update(job={**d.state.get("job"), "run_dir": result.run_dir, "bundle": result.bundle})  # for `down`
     if mode == "rayjob":
+        if result.bundle is None and result.run_dir:  # no storage: what can be read goes here before the pods go
+            result.kept = keep_run_files(d, result.run_dir)
         # The evidence above was read from the RayJob's pods: only now may its cluster go (KubeRay's own deletion,
         # ttlSecondsAfterFinished after the job ended, is the backstop for when submit is not there).
         if d.kube.delete("ray.io/v1", "RayCluster", cluster, ns):
             d.say(f"Deleted RayCluster {ns}/{cluster} of the RayJob (its pods' evidence is read)")
         target.after_rayjob(d)
+    for line in where_the_run_is(result.bundle, result.run_dir, kept=result.kept, mode=mode, head=head.name):
+        d.say(line)
+        result.summary.append(line)
     return result
 
 
 _RUN_FOLDER = re.compile(r"^\s*Run folder: (/\S.*)$", re.IGNORECASE)  # printed by `train` (first and last line)
+# Printed by `train` once its bundle is whole (train/bundle.py).
+_RUN_BUNDLE = re.compile(r"^\s*run bundle: (\S+)", re.IGNORECASE)
+
+
+# What a RayJob without storage leaves here from its run folder: its small files, each cut at _RUN_FILE_LIMIT.
+KEPT_FILES = ("metrics.jsonl", "summary.json", "config.yaml", "samples.jsonl", "error.log")
+
+
+def keep_run_files(d: Deployment, run_dir: str) -> str | None:
+    """Copy the small files of the head pod's run folder ``run_dir`` into ``runs/<name>`` here (``-2``... when
+    taken), with its report written from them; the folder, or ``None`` when nothing could be read."""
+    try:
+        found = read_run_files(d, run_dir, KEPT_FILES)
+    except UserError:  # the head pod is gone already: nothing left to read
+        return None
+    if not found:
+        return None
+    folder = new_folder(Path("runs"), PurePosixPath(run_dir).name)
+    for name, text in found.items():
+        target = (folder / name).resolve()
+        if target.is_relative_to(folder.resolve()):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+    if "metrics.jsonl" in found:
+        from raytrain_eks.errors import RunFolderError
+        from raytrain_eks.report.html import write_report
+
+        with contextlib.suppress(RunFolderError):  # no step logged: the files are kept without a report
+            write_report([folder], folder)
+    return str(folder)
 
 
 def _judge(d: Deployment, submission_id: str, final: str, workers: list[Pod]) -> SubmitResult:
@@ -746,11 +791,11 @@ print(json.dumps(found))
 """
 
 
-def read_run_files(d: Deployment, run_dir: str) -> dict[str, str]:
-    """The small files of the last job's run folder in the head pod, by name relative to it: ``summary.json``,
-    ``config.yaml``, ``samples.jsonl`` and ``nccl/rank*.log`` where they exist (each cut at 4 MiB). Empty when
-    they cannot be read: the caller still has the metrics, so this never fails a command."""
-    argv = [m.IMAGE_PYTHON, "-c", _READ_RUN_FILES, run_dir.rstrip("/"), str(_RUN_FILE_LIMIT), *RUN_FILES]
+def read_run_files(d: Deployment, run_dir: str, names: tuple[str, ...] = RUN_FILES) -> dict[str, str]:
+    """The small files of the last job's run folder in the head pod, by name relative to it: ``names`` (default
+    ``summary.json``, ``config.yaml``, ``samples.jsonl``) and ``nccl/rank*.log`` where they exist (each cut at 4 MiB).
+    Empty when they cannot be read: the caller still has the metrics, so this never fails a command."""
+    argv = [m.IMAGE_PYTHON, "-c", _READ_RUN_FILES, run_dir.rstrip("/"), str(_RUN_FILE_LIMIT), *names]
     res = head_exec(d, _last_job_head(d, "run files"), argv)
     try:
         found = json.loads(res.stdout) if res.ok else {}
