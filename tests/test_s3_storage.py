@@ -1,17 +1,23 @@
-"""Checkpoints in S3 (moto's server on loopback): written there, resumed from there after a kill, exported."""
+"""Checkpoints in S3 (moto's server on loopback): written there, resumed from there after a kill, exported; and the
+run's bundle beside them (train/bundle.py): whole after the run, its evidence after a run that failed midway, listed
+and fetched by `raytrain-eks results` into a folder whose report opens in Chromium."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from typing import Any
 
 import procs
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_report_browser import browser  # noqa: F401 - the fixture: Chromium driven by selenium
 
 from raytrain_eks import presets
 from raytrain_eks.cli import main
 from raytrain_eks.config import load_config
+from raytrain_eks.errors import TrainingError
 from raytrain_eks.train.checkpoint import list_checkpoints
 from raytrain_eks.train.faults import ENV as FAULT_ENV
 from raytrain_eks.train.launch import run_training
@@ -96,6 +102,25 @@ def test_checkpoints_live_in_s3_and_survive_a_kill(tmp_path, monkeypatch, s3_and
     history = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in history].count(3) == 2  # steps 3-4 ran twice: before the kill and after the resume
 
+    # The run's bundle lies beside its checkpoints: the whole run folder (no checkpoint twice), and run.json.
+    def stored_text(name: str) -> str:
+        return s3_and_ray.get_object(Bucket=BUCKET, Key=f"runs/run/{name}")["Body"].read().decode()
+
+    assert result.bundle == f"s3://{BUCKET}/runs/run"
+    assert f"run bundle: s3://{BUCKET}/runs/run (`raytrain-eks results s3://{BUCKET}/runs/run` fetches it)" in said
+    keys = {o["Key"] for o in s3_and_ray.list_objects_v2(Bucket=BUCKET, Prefix="runs/run/")["Contents"]}
+    bundled = {k.removeprefix("runs/run/") for k in keys if not k.startswith("runs/run/ray/") and k[-1] != "/"}
+    local = {p.relative_to(result.run_dir).as_posix() for p in result.run_dir.rglob("*") if p.is_file()}
+    assert local <= bundled and bundled - local == {"run.json", "train.log"}, bundled ^ local
+    assert {"model/model.safetensors", "report.html", "summary.json", "metrics.jsonl", "plots/loss.png"} <= local
+    for name in ("metrics.jsonl", "summary.json", "report.html"):
+        assert stored_text(name) == (result.run_dir / name).read_text(), name
+    state = json.loads(stored_text("run.json"))
+    assert (state["state"], state["steps"], state["total_steps"], state["error"]) == ("finished", 6, 6, None)
+    assert state["final_loss"] == result.summary["final_loss"] and state["ended"] >= state["started"]
+    log = stored_text("train.log")  # the driver's lines, the workers' notes among them
+    assert "run folder: " in log and resumed in log and "model: " in log, log
+
 
 def test_a_resume_from_a_storage_folder_is_checked_before_anything_starts(aws_env, tmp_path, monkeypatch, capsys):
     import boto3
@@ -127,3 +152,82 @@ def test_a_resume_from_a_storage_folder_is_checked_before_anything_starts(aws_en
     err = refused("--resume", "s3://no-such-bucket/runs/r1")
     assert "--resume 's3://no-such-bucket/runs/r1'" in err and "Traceback" not in err, err
     assert not (tmp_path / "runs").exists(), "nothing is created on this machine before the checks pass"
+
+
+@pytest.fixture(scope="module")
+def failed_midway(s3_and_ray, tmp_path_factory):
+    """A run killed before its third optimizer step with no restart allowed: it fails after logging two steps, with
+    its storage in S3. Returns the error it raised, its run folder and its storage folder."""
+    root = tmp_path_factory.mktemp("failed")
+    with contextlib.suppress(s3_and_ray.exceptions.BucketAlreadyOwnedByYou):  # aws_env's tests reset moto
+        s3_and_ray.create_bucket(Bucket=BUCKET)
+    training = {
+        "data": "random",
+        "steps": 6,
+        "seq_len": 32,
+        "batch_size": 2,
+        "log_every": 1,
+        "checkpoint_every": 0,
+        "max_failures": 0,
+        "storage_path": f"s3://{BUCKET}/failing",
+        "output_dir": str(root / "broken"),
+    }
+    cfg = load_config(preset=presets.local_tiny(), environ={}, overrides={"training": training})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FAULT_ENV, f"step:3:0:{root / 'fired'}")
+        with pytest.raises(TrainingError) as info:
+            run_training(cfg, runs_root=root, say=lambda _: None)
+    assert (root / "fired").exists()
+    return {"error": info.value, "run_dir": root / "broken", "storage": f"s3://{BUCKET}/failing", "root": root}
+
+
+def test_a_run_that_fails_midway_leaves_its_metrics_and_error_log_in_the_bundle(failed_midway, s3_and_ray, capsys):
+    def stored(name: str) -> str:
+        return s3_and_ray.get_object(Bucket=BUCKET, Key=f"failing/broken/{name}")["Body"].read().decode()
+
+    error = failed_midway["error"]
+    assert error.message.endswith(f"(run bundle: s3://{BUCKET}/failing/broken)"), error.message
+    steps = [json.loads(line)["step"] for line in stored("metrics.jsonl").splitlines()]
+    assert steps == [1, 2]
+    log = stored("error.log")
+    assert log == (failed_midway["run_dir"] / "error.log").read_text()
+    assert "training failed" in log.splitlines()[0] and "Traceback (most recent call last)" in log
+    state = json.loads(stored("run.json"))
+    assert (state["state"], state["steps"]) == ("failed", 2) and state["error"].startswith("training failed"), state
+    failing = s3_and_ray.list_objects_v2(Bucket=BUCKET, Prefix="failing/broken/")["Contents"]
+    assert "failing/broken/report.html" not in {o["Key"] for o in failing}  # the run wrote none
+
+    # `results` lists the deployment's runs from its storage, with their state.
+    main(["results", "--storage-path", failed_midway["storage"]])
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if line.strip().startswith("broken")]
+    assert row.split()[:2] == ["broken", "failed"] and " 2/6 " in row and "training failed" in row, out
+
+
+def test_results_fetches_a_failed_runs_bundle_and_its_report_opens_in_chromium(
+    failed_midway,
+    capsys,
+    monkeypatch,
+    browser: Any,  # noqa: F811 - the fixture imported above
+    record_property,
+):
+    monkeypatch.chdir(failed_midway["root"])
+    main(["results", "broken", "--storage-path", failed_midway["storage"]])
+    out = " ".join(capsys.readouterr().out.split())
+    into = failed_midway["root"] / "runs" / "broken"  # the default: ./runs/RUN
+    assert f"Fetched s3://{BUCKET}/failing/broken (failed) into runs/broken" in out, out
+    assert "written here from the fetched metrics: the run wrote none" in out, out
+    assert (into / "error.log").read_text() == (failed_midway["run_dir"] / "error.log").read_text()
+    assert not (into / "ray").exists()  # the checkpoints stay in storage
+    # Fetching again updates the same folder in place.
+    main(["results", "broken", "--storage-path", failed_midway["storage"]])
+    capsys.readouterr()
+
+    browser.get((into / "report.html").resolve().as_uri())
+    assert browser.title == "raytrain-eks report: broken"
+    images = browser.execute_script("return Array.from(document.images).map(i => [i.alt, i.complete, i.naturalWidth])")
+    assert images and all(complete and width > 0 for _, complete, width in images), images
+    assert [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")] == []
+    shot = failed_midway["root"] / "fetched-report.png"
+    assert browser.save_screenshot(str(shot))
+    record_property("screenshot", str(shot))
