@@ -225,6 +225,8 @@ def test_results_fetches_a_failed_runs_bundle_and_its_report_opens_in_chromium(
 
     browser.get((into / "report.html").resolve().as_uri())
     assert browser.title == "raytrain-eks report: broken"
+    overview = browser.execute_script("return document.querySelector('table').innerText")
+    assert "outcome\tfailed: training failed: rank 0" in overview and "steps\t2\n" in overview, overview
     images = browser.execute_script("return Array.from(document.images).map(i => [i.alt, i.complete, i.naturalWidth])")
     assert images and all(complete and width > 0 for _, complete, width in images), images
     assert [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")] == []

@@ -2,7 +2,7 @@
 
 Everything comes from the run folders: ``metrics.jsonl`` (the curves), ``summary.json`` (totals, evaluation,
 checkpoints, cost, the fabric verdict), ``config.yaml``, ``samples.jsonl`` and ``nccl/`` (the evidence behind the
-verdict). Example::
+verdict); in a run's bundle fetched by ``raytrain-eks results``, ``run.json`` (how the run ended). Example::
 
     write_report([Path("runs/a"), Path("runs/b")], Path("report"))   # report/report.html, report/plots/*.png
 """
@@ -35,6 +35,7 @@ class Run:
     config: str = ""
     samples: list[dict[str, Any]] = field(default_factory=list)
     nccl: dict[str, list[str]] = field(default_factory=dict)
+    outcome: str = ""  # how the run ended, from a bundle's run.json ("failed: ..."); empty without one
 
     @property
     def label(self) -> str:
@@ -85,6 +86,12 @@ def load_run(path: Path) -> Run:
         if not isinstance(summary, dict):
             raise RunFolderError(f"{summary_file}: not a JSON object", hint="Was the run stopped while writing it?")
         run.summary = summary
+    else:  # stopped before its summary (a failed run): its totals as far as its metrics go
+        run.summary = {"steps": records[-1]["step"], "first_loss": records[0].get("loss")}
+        run.summary["final_loss"] = records[-1].get("loss")
+    state = _json_object(path / "run.json")
+    if state.get("state"):
+        run.outcome = str(state["state"]) + (f": {state['error']}" if state.get("error") else "")
     if (path / "config.yaml").is_file():
         run.config = (path / "config.yaml").read_text(errors="replace")
     if (path / "samples.jsonl").is_file():
@@ -92,6 +99,15 @@ def load_run(path: Path) -> Run:
     for log in sorted((path / "nccl").glob("rank*.log")) if (path / "nccl").is_dir() else []:
         run.nccl[log.stem] = log.read_text(errors="replace").splitlines()[:_NCCL_LINES_SHOWN]
     return run
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; empty when there is none (no file, not JSON, not an object)."""
+    try:
+        found = json.loads(path.read_text(errors="replace"))
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 def _num(value: Any, fmt: str = "{:.4g}") -> str:
@@ -145,7 +161,12 @@ def _overview(runs: list[Run]) -> str:
         f"<tr><th>{escape(name)}</th>" + "".join(f"<td>{fn(r.summary)}</td>" for r in runs) + "</tr>"
         for name, fn in rows
     )
-    return f"<table><tr><th></th>{head}</tr>{body}</table>"
+    outcome = (  # how each run ended, when a bundle says so (a failed run has no summary to show it)
+        "<tr><th>outcome</th>" + "".join(f"<td>{escape(r.outcome or '—')}</td>" for r in runs) + "</tr>"
+        if any(r.outcome for r in runs)
+        else ""
+    )
+    return f"<table><tr><th></th>{head}</tr>{outcome}{body}</table>"
 
 
 def cost_text(cost: dict[str, Any] | None, note: str | None = None) -> str:

@@ -5,18 +5,16 @@ With ``training.storage_path`` set, a run's storage folder ``STORAGE_PATH/RUN`` 
 :func:`~raytrain_eks.train.checkpoint.storage_root`) holds its ``config.yaml`` and its checkpoints (``ray/``) from
 the start; :class:`RunBundle` adds the rest of the run folder, as the run goes:
 
-===================================  ==========================================================================
-``run.json``                         :data:`RUN_STATE`: running, finished, failed or stopped; times, steps, last
-                                     loss, cost, the one-line error (written first, refreshed every sync)
-``metrics.jsonl``, ``train.log``     every logged step (every attempt's), the driver's lines; uploaded every
-``nccl/rank*.log``, ``error.log``    :data:`SYNC_S` seconds while the run goes, on a thread of their own
-``summary.json``, ``samples.jsonl``  at the end: everything of the run folder (the export ``model/``, ``report.html``,
-``report.html``, ``plots/``,         ``plots/``, ``tensorboard/``); after a failure, what the run folder holds then
-``model/``, ``tensorboard/``         (``error.log`` with every failed rank's traceback among it)
-===================================  ==========================================================================
+- ``run.json`` (:data:`RUN_STATE`): running, finished, failed or stopped; when it started, was last updated and
+  ended, steps, last loss, cost, the one-line error. Written first, refreshed at every sync, written last at the end,
+  so a bundle that says ``finished`` is whole.
+- every :data:`SYNC_S` seconds while the run goes, on a thread of its own: ``metrics.jsonl`` (every attempt's logged
+  steps), ``train.log`` (the driver's lines), ``error.log`` and ``nccl/rank*.log`` when they changed;
+- at the end, everything else of the run folder: the export ``model/``, ``summary.json``, ``samples.jsonl``,
+  ``report.html``, ``plots/``, ``tensorboard/``; after a failure, what the run folder holds then (``error.log`` with
+  every failed rank's traceback among it).
 
-``run.json`` is written last at the end, so a bundle that says ``finished`` is whole. A local run without a storage
-path keeps its run folder as it is, and has no bundle. Example::
+A local run without a storage path keeps its run folder as it is, and has no bundle. Example::
 
     bundle = RunBundle.start(run_dir, "s3://bucket/runs", total_steps=100, lines=said)  # None without storage
     bundle.step({"step": 10, "loss": 2.1, ...})   # in the driver's loop: in memory; uploads happen on their thread
@@ -82,6 +80,7 @@ class RunBundle:
         self._lines = lines if lines is not None else []
         self._warn = warn
         self._warned = False
+        self._unwritten: dict[str, str] = {}  # relative path -> why it could not be written, until it is
         self._sent: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) as last uploaded
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -188,7 +187,14 @@ class RunBundle:
             self.state.update(state=state, ended=now_text())
             ok = self._put_files(self._files(None))
             ok = self._put_text(DRIVER_LOG, "".join(line + "\n" for line in list(self._lines))) and ok
-            return self._put_state() and ok  # last: a bundle that says it is finished is whole
+            ok = self._put_state() and ok  # last: a bundle that says it is finished is whole
+        if not ok:
+            rel, why = next(iter(self._unwritten.items()))
+            self._warn(
+                f"run bundle: {len(self._unwritten)} file(s) of the run could not be written to {self.location} "
+                f"({rel}: {why}); the run folder {self.run_dir} keeps everything"
+            )
+        return ok
 
     def _files(self, name: str | None) -> list[Path]:
         """The run folder's files under ``name`` (a file or folder of it; ``None``: all), checkpoints left out."""
@@ -237,14 +243,16 @@ class RunBundle:
             with self._fs.open_output_stream(target) as out:
                 fill(out)
         except OSError as exc:
-            if not self._warned:
+            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self._unwritten[rel] = why
+            if not self._warned and self.state["state"] == "running":  # once while the run goes; its end says all
                 self._warned = True
-                why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 self._warn(
                     f"run bundle: cannot write {join(self.location, rel)}: {why}; the run goes on, and its run folder "
                     f"{self.run_dir} keeps everything"
                 )
             return False
+        self._unwritten.pop(rel, None)
         return True
 
     def _restore(self, *names: str) -> None:

@@ -468,8 +468,7 @@ def _train_in(
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     tracker.finish(summary)
     say(f"report: {write_report([run_dir], run_dir)}")
-    if bundle is not None:
-        bundle.finish(summary)
+    if bundle is not None and bundle.finish(summary):  # else its warning said what is missing
         say(bundle_note(bundle.location))
     return RunResult(
         run_dir=run_dir, summary=summary, records=records, bundle=bundle.location if bundle is not None else None
