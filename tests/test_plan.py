@@ -622,6 +622,9 @@ def test_plan_states_the_sharding_the_job_will_choose_beside_its_memory_estimate
         result = CliRunner().invoke(_app(), ["plan", "--mode", mode], env={"COLUMNS": "400"})
         assert result.exit_code == 0, result.output
         assert said in result.output
+        lines = result.output.splitlines()
+        memory = next(i for i, line in enumerate(lines) if line.startswith("memory: "))
+        assert lines[memory + 1].startswith(said), "the layout is said on the line after the estimate"
     # config show: the line after its memory estimate (a progress bar on stderr may share the estimate's line).
     from raytrain_eks.cli import app
 

@@ -216,6 +216,8 @@ def train(
         f"done: {s['steps']} steps, loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}, "
         f"{s['tokens_per_s']:.0f} tokens/s, MFU {mfu}, {s['wall_s']:.0f} s"
     )
+    if result.bundle:
+        out.print(f"Run bundle: {result.bundle}")
     out.print(f"Run folder: {result.run_dir}")
 
 

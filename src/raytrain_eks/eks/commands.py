@@ -132,6 +132,8 @@ def plan(
     summary = result.summary
     if summary["memory_per_gpu"]:
         out.print(summary["memory_per_gpu"]["line"], markup=False)
+    if summary.get("sharding"):
+        out.print(summary["sharding"]["line"], markup=False)  # the layout the estimate assumes
     out.print(f"[bold]Packages[/] the job adds to {cfg.ray.image}: " + summary["runtime_env"]["how"])
     out.print(f"[bold]Checkpoints[/] in {summary['checkpoints']} ({summary['checkpoint_role']})", markup=True)
     storage = summary["checkpoint_storage"]
