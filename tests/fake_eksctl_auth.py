@@ -1,5 +1,6 @@
 """What eksctl v0.230.0 does for identities, for the tests' FakeTools: the kubeconfig it writes (which credential
-program every call to the cluster runs) and the IAM roles of service accounts (IRSA), made in moto's IAM.
+program every call to the cluster runs), the IAM roles of service accounts (IRSA) and the cluster's IAM OIDC
+provider, made in moto's IAM.
 
 Each answer follows eksctl's source at tag v0.230.0 (commit 6ee3b761771c4ae78c76c82bbf2ea168afd61a9e), vendored
 under ``tests/fixtures/eksctl/`` (see its SOURCE.md); the file behind each is named where it is used. Example::
@@ -18,6 +19,7 @@ from collections.abc import Collection
 from typing import Any
 
 import boto3
+import botocore.exceptions
 from fake_kube import FakeKube
 
 # pkg/utils/kubeconfig/kubeconfig.go: authenticatorCommands() in the order lookupAuthenticator tries them.
@@ -26,6 +28,13 @@ AUTHENTICATORS = ("aws-iam-authenticator", "aws")
 ROLE_ARN_ANNOTATION = "eks.amazonaws.com/role-arn"
 # pkg/kubernetes/serviceaccount.go: the label MaybeCreateServiceAccountOrUpdateMetadata sets.
 MANAGED_BY = ("app.kubernetes.io/managed-by", "eksctl")
+# pkg/iam/oidc/api.go: defaultAudience, the one client id of the provider eksctl creates.
+OIDC_AUDIENCE = "sts.amazonaws.com"
+# eksctl computes the thumbprint from the issuer's root CA certificate (api.go getIssuerCAThumbprint: "%x" of its
+# SHA-1); no issuer is reached here, so a fixed value of that form stands for it.
+OIDC_THUMBPRINT = "9e99a48a9960b14926bb7f3b02e22da2b0ab7280"
+# pkg/eks/eks.go CanOperate: eksctl leaves the IAM resources of a cluster in these states when it deletes it.
+NOT_OPERABLE = ("CREATING", "DELETING", "FAILED")
 
 
 def kubeconfig(cluster: str, region: str, missing: Collection[str]) -> dict[str, Any]:
@@ -60,12 +69,17 @@ class FakeIamServiceAccounts:
     the ServiceAccount in the fake cluster, annotated with the role's ARN.
 
     ``stacks``: stack name -> role name, the stacks eksctl made. ``without_oidc``: clusters with no IAM OIDC
-    provider (one not created by eksctl with ``iam.withOIDC``)."""
+    provider (one not created by eksctl with ``iam.withOIDC``). ``providers``: cluster -> (ARN, region) of the
+    providers made in moto's IAM by :meth:`associate_oidc`; such a cluster has OIDC while IAM has its provider.
+    ``deleted_with_cluster``: the providers :meth:`delete_cluster` deleted, as ``eksctl delete cluster`` does."""
 
     def __init__(self, kube: FakeKube) -> None:
         self.kube = kube
         self.stacks: dict[str, str] = {}
         self.without_oidc: set[str] = set()
+        self.providers: dict[str, tuple[str, str]] = {}
+        self.deleted_with_cluster: list[str] = []
+        self._in_eks: set[tuple[str, str]] = set()
         self._clients: dict[str, Any] = {}
 
     @staticmethod
@@ -77,6 +91,27 @@ class FakeIamServiceAccounts:
         if region not in self._clients:
             self._clients[region] = boto3.client("iam", region_name=region)
         return self._clients[region]
+
+    def has_oidc(self, cluster: str) -> bool:
+        made = self.providers.get(cluster)
+        return cluster not in self.without_oidc if made is None else self._in_iam(*made)
+
+    def _in_iam(self, arn: str, region: str) -> bool:
+        try:
+            self._iam(region).get_open_id_connect_provider(OpenIDConnectProviderArn=arn)
+        except botocore.exceptions.ClientError:  # NoSuchEntity: deleted through IAM since
+            return False
+        return True
+
+    def _eks_cluster(self, cluster: str, region: str) -> dict[str, Any]:
+        """The cluster as EKS describes it (its ARN, its OIDC issuer: pkg/eks/eks.go ``NewOpenIDConnectManager`` reads
+        both). The tests' clusters live in FakeTools, so moto's EKS is given the cluster when first asked."""
+        eks = boto3.client("eks", region_name=region)
+        if (cluster, region) not in self._in_eks:
+            role = "arn:aws:iam::123456789012:role/eks-cluster"
+            eks.create_cluster(name=cluster, roleArn=role, resourcesVpcConfig={"subnetIds": []})
+            self._in_eks.add((cluster, region))
+        return dict(eks.describe_cluster(name=cluster)["cluster"])
 
     def make(self, cluster: str, region: str, sa: dict[str, Any]) -> str:
         """One service account's tasks (pkg/cfn/manager/create_tasks.go ``NewTasksToCreateIAMServiceAccounts``):
@@ -145,7 +180,7 @@ class FakeIamServiceAccounts:
         (pkg/ctl/cmdutils/filter/filter.go ``doSetExcludeExistingFilter``); a ServiceAccount that exists in the
         cluster is left out too, unless ``--override-existing-serviceaccounts`` (filter/iamserviceaccount_filter.go
         ``SetExcludeExistingFilter``), and then gets the annotation added to what it has."""
-        if cluster in self.without_oidc:
+        if not self.has_oidc(cluster):
             return 1, "", "Error: unable to create iamserviceaccount(s) without IAM OIDC provider enabled\n"
         accounts = doc["iam"]["serviceAccounts"]
         log = []
@@ -169,14 +204,46 @@ class FakeIamServiceAccounts:
             log.append(f"created serviceaccount {key!r}")
         return 0, "", "\n".join(log) + "\n"
 
-    def associate_oidc(self, cluster: str, *, approve: bool) -> tuple[int, str, str]:
-        """``eksctl utils associate-iam-oidc-provider`` (pkg/ctl/utils/associate_iam_oidc_provider.go): creates the
-        provider with ``--approve`` when there is none; says so and changes nothing when there is one."""
-        if cluster not in self.without_oidc:
-            return 0, "", f'IAM Open ID Connect provider is already associated with cluster "{cluster}"\n'
-        if approve:
-            self.without_oidc.discard(cluster)
-        return 0, "", f'created IAM Open ID Connect provider for cluster "{cluster}"\n'
+    def associate_oidc(self, cluster: str, region: str, *, approve: bool) -> tuple[int, str, str]:
+        """``eksctl utils associate-iam-oidc-provider`` (pkg/ctl/utils/associate_iam_oidc_provider.go): says so and
+        changes nothing when the cluster has a provider; else, with ``--approve``, creates it in IAM as pkg/iam/oidc/
+        api.go ``CreateProvider`` does (``CreateOpenIDConnectProvider``: the issuer's URL, client id
+        ``sts.amazonaws.com``, the thumbprint, pkg/eks/eks.go ``sharedTags``). eksctl gives IAM the URL with ":443"
+        added (``NewOpenIDConnectManager``); IAM keys the provider by host and path (eksctl's own
+        ``CheckProviderExists`` looks it up so), and moto keeps a port, so the issuer goes to moto as EKS gives it.
+        Its log lines go to stdout (cmd/eksctl/logger.go), with ``LogIntendedAction``'s prefix and
+        ``LogPlanModeWarning`` (pkg/ctl/cmdutils/cmdutils.go)."""
+        where = f'cluster "{cluster}" in "{region}"'
+        if self.has_oidc(cluster):
+            return 0, f"[ℹ]  IAM Open ID Connect provider is already associated with {where}\n", ""
+        if not approve:
+            log = f"[ℹ]  (plan) would create IAM Open ID Connect provider for {where}\n"
+            return 0, log + "[!]  no changes were applied, run again with '--approve' to apply the changes\n", ""
+        found = self._eks_cluster(cluster, region)
+        tags = {"alpha.eksctl.io/cluster-name": cluster, "alpha.eksctl.io/eksctl-version": "0.230.0"}
+        arn = self._iam(region).create_open_id_connect_provider(
+            Url=found["identity"]["oidc"]["issuer"],
+            ClientIDList=[OIDC_AUDIENCE],
+            ThumbprintList=[OIDC_THUMBPRINT],
+            Tags=[{"Key": k, "Value": v} for k, v in tags.items()],
+        )["OpenIDConnectProviderArn"]
+        self.providers[cluster] = (arn, region)
+        self.without_oidc.discard(cluster)
+        log = f"[ℹ]  will create IAM Open ID Connect provider for {where}\n"
+        return 0, log + f"[✔]  created IAM Open ID Connect provider for {where}\n", ""
+
+    def delete_cluster(self, cluster: str, *, operable: bool) -> None:
+        """What ``eksctl delete cluster`` does with the cluster's provider: pkg/actions/cluster/owned.go ``Delete``,
+        for a cluster it can operate, runs pkg/cfn/manager/delete_tasks.go
+        ``NewTasksToDeleteOIDCProviderWithIAMServiceAccounts``, whose "delete IAM OIDC provider" task deletes it
+        when IAM has it. The cluster leaves moto's EKS too."""
+        made = self.providers.pop(cluster, None)
+        if made is not None and operable and self._in_iam(*made):
+            self._iam(made[1]).delete_open_id_connect_provider(OpenIDConnectProviderArn=made[0])
+            self.deleted_with_cluster.append(made[0])
+        for name, region in [k for k in self._in_eks if k[0] == cluster]:
+            boto3.client("eks", region_name=region).delete_cluster(name=name)
+            self._in_eks.discard((name, region))
 
     def update(self, cluster: str, region: str, doc: dict[str, Any], *, approve: bool) -> tuple[int, str, str]:
         """``eksctl update iamserviceaccount -f FILE`` (pkg/ctl/update/iamserviceaccount.go, pkg/actions/irsa/
@@ -208,7 +275,7 @@ class FakeIamServiceAccounts:
         only started without it (``DeleteStackBySpec``: the stack is still there when eksctl returns); then the
         ServiceAccount, which pkg/kubernetes/serviceaccount.go ``MaybeDeleteServiceAccount`` deletes only when it
         carries eksctl's managed-by label."""
-        if cluster in self.without_oidc:
+        if not self.has_oidc(cluster):
             return 1, "", "Error: unable to delete iamserviceaccount(s) without IAM OIDC provider enabled\n"
         stack = self.stack_name(cluster, ns, name)
         log = [f'delete IAM role for serviceaccount "{ns}/{name}"'] if stack in self.stacks else []

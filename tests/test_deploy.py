@@ -34,7 +34,7 @@ import typer
 import yaml
 from charts import crds, eksctl_efa_daemon_set, rendered, values_path, vendored
 from fake_aws import keep_termination_protection
-from fake_eksctl_auth import FakeIamServiceAccounts, kubeconfig
+from fake_eksctl_auth import NOT_OPERABLE, FakeIamServiceAccounts, kubeconfig
 from fake_kube import CLUSTER_SCOPED, PULL_NO_CREDENTIALS, PULL_NOT_FOUND, FakeKube, parse_quantity
 from packaging.utils import canonicalize_name
 from typer.testing import CliRunner
@@ -156,7 +156,7 @@ class FakeTools:
             if self.cluster is None:
                 name = self._opt(argv, "--name")
                 return 1, "", cfn.no_cluster(name, wrap=f'unable to describe control plane "{name}"')
-            return 0, json.dumps([{"Name": self.cluster["name"], "Status": "ACTIVE"}]), ""
+            return 0, json.dumps([{"Name": self.cluster["name"], "Status": self.cluster.get("status", "ACTIVE")}]), ""
         if verb == ("eksctl", "create", "cluster"):
             doc = yaml.safe_load(Path(self._opt(argv, "-f")).read_text())
             assert doc["managedNodeGroups"] == [], "the cluster is created without node groups"
@@ -192,7 +192,7 @@ class FakeTools:
             if argv[1] == "update":
                 return self.iam.update(name, region, doc, approve="--approve" in argv)
             if argv[1] == "utils":
-                return self.iam.associate_oidc(name, approve="--approve" in argv)
+                return self.iam.associate_oidc(name, region, approve="--approve" in argv)
             include = self._opt(argv, "--include").split(",") if "--include" in argv else []
             override = "--override-existing-serviceaccounts" in argv
             return self.iam.create(name, region, doc, approve="--approve" in argv, override=override, include=include)
@@ -233,6 +233,7 @@ class FakeTools:
                     return 1, "", cfn.no_cluster(name, wrap="unable to describe cluster control plane")
                 return 2, *cfn.delete_cluster_panics(name)
             cfn.delete_cluster_stack(name, region)
+            self.iam.delete_cluster(name, operable=self.cluster.get("status", "ACTIVE") not in NOT_OPERABLE)
             self.cluster, self.nodegroups, self.releases = None, {}, {}
             self.kube.remove_nodes({})
             return 0, "", ""

@@ -33,7 +33,7 @@ from test_deploy import ZONES, World
 from raytrain_eks.aws import eksctl, stacks
 from raytrain_eks.aws.services import Services
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.eks import lifecycle, nodegroups, programs
+from raytrain_eks.eks import irsa, lifecycle, nodegroups, programs
 from raytrain_eks.eks.plan import write_plan
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.k8s.runner import CommandError, MissingToolsError
@@ -391,3 +391,34 @@ def test_create_cluster_writes_only_this_folders_kubeconfig(world: World):
     assert world.tools.kubeconfig_writes == [world.store.kubeconfig], "nothing but this folder's kubeconfig"
     (argv,) = world.tools.commands("eksctl", "create", "cluster")
     assert check_argv(argv)[1]["kubeconfig"] == str(world.store.kubeconfig)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The cluster's IAM OIDC provider: what eksctl says when it makes one, and when its delete leaves one
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_the_oidc_provider_facts_the_tool_reads_are_eksctls():
+    pkg = eksctl_source.ROOT / "pkg"
+    utils = (pkg / "ctl" / "utils" / "associate_iam_oidc_provider.go").read_text()
+    created = re.search(r'logger\.Success\("(created IAM Open ID Connect provider[^"]*)"', utils)
+    intended = re.search(r'LogIntendedAction\(cmd\.Plan, "([^"]*)"', utils)
+    existing = re.search(r'logger\.Info\("(IAM Open ID Connect provider is already[^"]*)"', utils)
+    assert created and intended and existing
+    assert irsa.OIDC_CREATED.search(created.group(1).replace("%q", '"ray-train-eks"', 1).replace("%q", '"us-east-1"'))
+    # LogIntendedAction prefixes "will " (or "(plan) would "): neither that line nor the one for an existing
+    # provider reads as made.
+    assert not irsa.OIDC_CREATED.search("will " + intended.group(1))
+    assert not irsa.OIDC_CREATED.search("(plan) would " + intended.group(1))
+    assert not irsa.OIDC_CREATED.search(existing.group(1))
+    # The provider is named by the issuer's host and path (api.go), and deleted with a cluster eksctl can operate:
+    # delete_tasks.go's task, and CanOperate's states in eks.go.
+    api = (pkg / "iam" / "oidc" / "api.go").read_text()
+    assert "m.issuerURL.Hostname() + m.issuerURL.Path" in api and 'const defaultAudience = "sts.amazonaws.com"' in api
+    assert 'info: "delete IAM OIDC provider"' in (pkg / "cfn" / "manager" / "delete_tasks.go").read_text()
+    states = re.findall(r"ekstypes\.ClusterStatus(\w+)", (pkg / "eks" / "eks.go").read_text().split("CanOperate(")[1])
+    assert {s.upper() for s in states[:3]} == irsa.NOT_OPERABLE
+    cluster = "arn:aws-cn:eks:cn-north-1:111122223333:cluster/c"
+    issuer = "https://oidc.eks.cn-north-1.amazonaws.com.cn/id/AB"
+    expected = "arn:aws-cn:iam::111122223333:oidc-provider/oidc.eks.cn-north-1.amazonaws.com.cn/id/AB"
+    assert irsa.provider_arn(cluster, issuer) == expected

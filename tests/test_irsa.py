@@ -34,6 +34,11 @@ def _roles() -> list[str]:
     return [r["RoleName"] for r in boto3.client("iam", region_name="us-east-1").list_roles()["Roles"]]
 
 
+def _providers() -> list[str]:
+    listed = boto3.client("iam", region_name="us-east-1").list_open_id_connect_providers()
+    return [p["Arn"] for p in listed["OpenIDConnectProviderList"]]
+
+
 def _existing_cluster(w: World) -> None:
     """A cluster made elsewhere: EKS has it, without an IAM OIDC provider or the Ray pods' service account."""
     w.tools.cluster = {"name": "ray-train-eks", "azs": ZONES}
@@ -107,6 +112,7 @@ def test_down_after_the_cluster_is_gone_names_the_stack_it_cannot_delete(world: 
     world.tools.cluster = None  # deleted elsewhere; the role's stack may be left
     lifecycle.down(world.d, confirm=lambda q: True)
     assert not world.tools.commands("eksctl", "delete", "iamserviceaccount"), "eksctl needs the cluster for it"
+    assert _providers() == [], "the IAM OIDC provider up made for the cluster is deleted through IAM"
     stack = irsa.stack_name(world.d)
     assert (
         f"if CloudFormation still has the stack {stack}, turn its termination protection off with `aws cloudformation "
@@ -144,3 +150,66 @@ def test_down_keeps_a_service_account_that_existed_before_up_and_deletes_only_th
     assert after["metadata"]["labels"] == {"team": "ml"}
     assert after["metadata"]["annotations"] == {"owner": "ml-platform"}
     assert not world.store.path.exists()
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The cluster's IAM OIDC provider, made by `eksctl utils associate-iam-oidc-provider` when the cluster had none
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_down_deletes_the_oidc_provider_up_made_on_a_cluster_it_did_not_create(world: World):
+    _existing_cluster(world)
+    world.up()
+    (arn,) = _providers()
+    iam = boto3.client("iam", region_name="us-east-1")
+    cluster = boto3.client("eks", region_name="us-east-1").describe_cluster(name="ray-train-eks")["cluster"]
+    issuer = cluster["identity"]["oidc"]["issuer"]  # https://oidc.eks.us-east-1.amazonaws.com/id/...
+    assert arn == f"arn:aws:iam::123456789012:oidc-provider/{issuer.removeprefix('https://')}"
+    assert iam.get_open_id_connect_provider(OpenIDConnectProviderArn=arn)["ClientIDList"] == ["sts.amazonaws.com"]
+    assert [i["name"] for i in world.store.created if i["type"] == "oidc-provider"] == [arn]
+    assert (
+        f"Recorded IAM OIDC provider {arn}, made by eksctl: `raytrain-eks down` deletes it, and keeps the cluster"
+        in world.said()
+    )
+    world.up()  # a second up finds everything in place and keeps the record
+    questions: list[str] = []
+    lifecycle.down(world.d, confirm=lambda q: questions.append(q) or True)
+    listing = questions[0]
+    # Newest first: eksctl deletes the service account's role while the provider it needs is still there.
+    assert listing.index(f"IAM role and service account {NS}/") < listing.index(f"IAM OIDC provider {arn}")
+    assert _roles() == [] and f"Deleted IAM OIDC provider {arn}" in world.said()
+    assert _providers() == [], "IAM lists no provider after down"
+    assert world.tools.cluster is not None and not world.tools.commands("eksctl", "delete", "cluster")
+    assert not world.store.path.exists()
+
+
+def test_an_oidc_provider_the_cluster_had_before_up_stays(world: World):
+    _existing_cluster(world)
+    world.tools.iam.associate_oidc("ray-train-eks", "us-east-1", approve=True)  # made before, outside this folder
+    theirs = _providers()
+    world.up()
+    assert "Cluster ray-train-eks had its IAM OIDC provider before `up`: `raytrain-eks down` leaves it" in world.said()
+    assert not [i for i in world.store.created if i["type"] == "oidc-provider"]
+    lifecycle.down(world.d, confirm=lambda q: True)
+    assert _roles() == [] and _providers() == theirs
+
+
+@pytest.mark.parametrize("status", ["ACTIVE", "FAILED"])
+def test_the_oidc_provider_up_made_for_its_own_cluster_goes_with_the_cluster(world: World, status: str):
+    # An up resumed after `eksctl create cluster` was stopped before its OIDC task: up has eksctl add it.
+    world.tools.fail_once["eksctl create cluster"] = "Error: context canceled"
+    with pytest.raises(Exception, match="context canceled"):
+        world.up()
+    _existing_cluster(world)
+    world.up()
+    (arn,) = _providers()
+    assert "made by eksctl: `eksctl delete cluster` deletes it with the cluster" in world.said()
+    world.tools.cluster["status"] = status
+    lifecycle.down(world.d, confirm=lambda q: True)
+    assert world.tools.cluster is None and _providers() == []
+    if status == "ACTIVE":  # eksctl deletes the provider of a cluster it can operate
+        assert world.tools.iam.deleted_with_cluster == [arn]
+        assert f"IAM OIDC provider {arn} goes with cluster ray-train-eks" in world.said()
+    else:  # and leaves it for a FAILED one: down deletes it through IAM
+        assert world.tools.iam.deleted_with_cluster == []
+        assert f"Deleted IAM OIDC provider {arn}" in world.said()

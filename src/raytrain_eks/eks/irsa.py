@@ -11,7 +11,8 @@ for a cluster this folder did not create and for an ``up`` resumed after the clu
 ServiceAccount through the Kubernetes API, the role and its policies through IAM: :func:`look`) and does nothing when
 all is in place. Otherwise it gives the cluster an IAM OIDC provider when it has none (``eksctl utils
 associate-iam-oidc-provider``: a cluster whose ``create cluster`` was stopped after its stack, or one made elsewhere,
-may lack it) and runs ``eksctl create iamserviceaccount --config-file FILE --approve
+may lack it; a provider eksctl creates is recorded, and ``down`` deletes it through IAM when the cluster stays:
+:func:`record_oidc_provider`) and runs ``eksctl create iamserviceaccount --config-file FILE --approve
 --override-existing-serviceaccounts``: eksctl makes the role in a CloudFormation stack of its own, then creates the
 ServiceAccount with the annotation, or, for one that exists already, adds the annotation to it (the override; without
 it eksctl leaves such a service account out). A service account whose stack exists already is always left out
@@ -40,10 +41,11 @@ from raytrain_eks.eks.buckets import bucket_kms_key
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.manifests import to_yaml
-from raytrain_eks.k8s.state import RUNS_PREFIX, Deployment
+from raytrain_eks.k8s.state import RUNS_PREFIX, Deployment, cluster_item, describe
 
 if TYPE_CHECKING:  # the session type only: boto3 is imported when AWS is first called
     from raytrain_eks.aws.session import Aws
+    from raytrain_eks.k8s.runner import Completed
 
 # The annotation eksctl puts on the service account (eksctl v0.230.0, pkg/apis/eksctl.io/v1alpha5/iam.go:
 # AnnotationEKSRoleARN), which EKS's pod identity webhook reads to give the pods the role's credentials.
@@ -343,7 +345,7 @@ def ensure_service_account(d: Deployment) -> None:
         argv = update_argv(str(path))
     else:
         d.say(f"Creating service account {ns}/{name} and its IAM role ({found.problems[0]})")
-        d.run(oidc_argv(str(path)), timeout=TIMEOUT_S, on_output=d.say, hint=hint)
+        record_oidc_provider(d, d.run(oidc_argv(str(path)), timeout=TIMEOUT_S, on_output=d.say, hint=hint))
         argv = create_argv(str(path))
         if not _recorded(d):  # before eksctl makes it: down deletes even a half-made stack
             d.state.record(created_item(d, d.kube.get("v1", "ServiceAccount", name, ns)))
@@ -358,6 +360,87 @@ def ensure_service_account(d: Deployment) -> None:
             f"and run `raytrain-eks up` again, or give the role that service account names these permissions.",
         )
     d.say(f"Service account {ns}/{name} uses IAM role {after.role}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The cluster's IAM OIDC provider, when up had eksctl create it
+# ----------------------------------------------------------------------------------------------------------------
+
+OIDC_ITEM = "oidc-provider"
+# What eksctl v0.230.0 logs once it has created the provider (pkg/ctl/utils/associate_iam_oidc_provider.go:
+# logger.Success after oidc.CreateProvider); "will create ..." before it, "... is already associated ..." when the
+# cluster has one and nothing is made.
+OIDC_CREATED = re.compile(r"created IAM Open ID Connect provider for cluster")
+# The states in which eksctl cannot operate a cluster (v0.230.0, pkg/eks/eks.go ``CanOperate``); deleting such a
+# cluster, eksctl leaves its OIDC provider alone.
+NOT_OPERABLE = frozenset({"CREATING", "DELETING", "FAILED"})
+
+
+def provider_arn(cluster_arn: str, issuer: str) -> str:
+    """The ARN of a cluster's IAM OIDC provider, as eksctl v0.230.0 names it: the partition and account of the
+    cluster's ARN (pkg/eks/eks.go ``NewOpenIDConnectManager``) and the issuer's host and path, without scheme or port
+    (pkg/iam/oidc/api.go ``CheckProviderExists``, ``hostnameAndPath``). Example::
+
+        provider_arn("arn:aws:eks:us-east-1:111122223333:cluster/c", "https://oidc.eks.us-east-1.amazonaws.com/id/AB")
+        # "arn:aws:iam::111122223333:oidc-provider/oidc.eks.us-east-1.amazonaws.com/id/AB"
+    """
+    parts = cluster_arn.split(":")
+    url = urllib.parse.urlsplit(issuer)
+    return f"arn:{parts[1]}:iam::{parts[4]}:oidc-provider/{url.hostname}{url.path}"
+
+
+def oidc_item(arn: str) -> dict[str, Any]:
+    return {"type": OIDC_ITEM, "kind": "IAM OIDC provider", "name": arn}
+
+
+def record_oidc_provider(d: Deployment, done: Completed) -> None:
+    """After :func:`oidc_argv` ran (``done``): when eksctl says it created the cluster's IAM OIDC provider, record
+    it (its ARN, from EKS's description of the cluster), so that ``down`` deletes it (:func:`delete_oidc_provider`).
+    A provider the cluster had already is not recorded and stays."""
+    c = d.cfg.cluster
+    if not OIDC_CREATED.search(done.stdout + done.stderr):
+        if not any(i.get("type") == OIDC_ITEM for i in d.state.created):  # else an earlier up made it
+            d.say(f"Cluster {c.name} had its IAM OIDC provider before `up`: `raytrain-eks down` leaves it")
+        return
+    from raytrain_eks.aws.session import aws_errors, connect
+
+    with aws_errors(f"reading the OIDC issuer of EKS cluster {c.name}"):
+        cluster = connect(c.region).client("eks", c.region).describe_cluster(name=c.name)["cluster"]
+    item = oidc_item(provider_arn(cluster["arn"], cluster["identity"]["oidc"]["issuer"]))
+    d.state.record(item)
+    if d.state.has(cluster_item(d.cfg)):
+        d.say(f"Recorded {describe(item)}, made by eksctl: `eksctl delete cluster` deletes it with the cluster")
+    else:
+        d.say(f"Recorded {describe(item)}, made by eksctl: `raytrain-eks down` deletes it, and keeps the cluster")
+
+
+def delete_oidc_provider(d: Deployment, item: dict[str, Any], cluster_status: str | None) -> bool:
+    """``down``: delete the IAM OIDC provider ``up`` had eksctl create (:func:`record_oidc_provider`) when IAM still
+    has it; ``True`` when it was deleted. ``cluster_status``: EKS's, ``None`` when the cluster is gone.
+
+    Of a cluster this folder created that eksctl can operate it is left to ``eksctl delete cluster``, which deletes
+    the provider of the cluster it deletes (eksctl v0.230.0, commit 6ee3b761771c4ae78c76c82bbf2ea168afd61a9e:
+    pkg/actions/cluster/owned.go ``OwnedCluster.Delete`` -> pkg/cfn/manager/delete_tasks.go
+    ``NewTasksToDeleteClusterWithNodeGroups`` -> ``NewTasksToDeleteOIDCProviderWithIAMServiceAccounts``, its "delete
+    IAM OIDC provider" task when ``CheckProviderExists``), but only when ``clusterOperable`` (:data:`NOT_OPERABLE`).
+    """
+    arn = item["name"]
+    if d.state.has(cluster_item(d.cfg)) and cluster_status is not None and cluster_status not in NOT_OPERABLE:
+        d.say(f"{describe(item)} goes with cluster {d.cfg.cluster.name}: `eksctl delete cluster` deletes it")
+        return False
+    import botocore.exceptions
+
+    from raytrain_eks.aws.session import aws_errors, connect
+
+    region = d.cfg.cluster.region
+    iam = connect(region).client("iam", region)
+    try:
+        with aws_errors(f"deleting {describe(item)}", expected=("NoSuchEntity",)):
+            iam.get_open_id_connect_provider(OpenIDConnectProviderArn=arn)  # NoSuchEntity: deleted already
+            iam.delete_open_id_connect_provider(OpenIDConnectProviderArn=arn)
+    except botocore.exceptions.ClientError:
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -33,9 +33,9 @@ from raytrain_eks.config import Config
 from raytrain_eks.eks.buckets import bucket_exists, bucket_objects, delete_bucket, ensure_bucket, kept_note
 from raytrain_eks.eks.fit import fit_on_image
 from raytrain_eks.eks.irsa import CONFIG_FILE as SERVICE_ACCOUNT_FILE
+from raytrain_eks.eks.irsa import OIDC_ITEM, delete_oidc_provider, ensure_service_account
 from raytrain_eks.eks.irsa import create_argv as create_service_account_argv
 from raytrain_eks.eks.irsa import delete_created as delete_service_account
-from raytrain_eks.eks.irsa import ensure_service_account
 from raytrain_eks.eks.nodegroups import (
     CLUSTER_TIMEOUT_S,
     NODEGROUP_TIMEOUT_S,
@@ -334,9 +334,10 @@ class DownResult:
     kept: list[str] = field(default_factory=list)  # what down keeps on purpose (a bucket holding checkpoints)
 
 
-def _delete(d: Deployment, item: dict[str, Any], cluster_exists: bool) -> bool:
-    """Delete one created item if it still exists; ``True`` when something was deleted."""
-    kind = item["type"]
+def _delete(d: Deployment, item: dict[str, Any], cluster: str | None) -> bool:
+    """Delete one created item if it still exists; ``True`` when something was deleted. ``cluster``: the EKS
+    cluster's status, ``None`` when EKS has no such cluster."""
+    kind, cluster_exists = item["type"], cluster is not None
     if kind == "bucket":
         if not bucket_exists(d, item["name"]):
             return False
@@ -344,6 +345,8 @@ def _delete(d: Deployment, item: dict[str, Any], cluster_exists: bool) -> bool:
         return True
     if kind == "iamserviceaccount":  # made by `eksctl create iamserviceaccount` (on a cluster up did not create)
         return delete_service_account(d, cluster_exists, item)
+    if kind == OIDC_ITEM:  # made by `eksctl utils associate-iam-oidc-provider` for that service account
+        return delete_oidc_provider(d, item, cluster)
     if kind in ("object", "helm"):
         return cluster_exists and delete_recorded(d, item)
     if kind == "nodegroup":
@@ -440,10 +443,10 @@ def _down(d: Deployment, *, confirm: Callable[[str], bool], delete_checkpoints: 
     keeping = "".join(f"\nKeep: {note}" for note in kept.values())
     if not confirm(f"Delete, in this order:\n{listing}{keeping}\nContinue?"):
         raise Cancelled("cancelled: nothing was deleted")
-    exists = cluster_status(d) is not None
+    cluster = cluster_status(d)
     deleted = []
     for item in reversed(created):
-        if _delete(d, item, exists):
+        if _delete(d, item, cluster):
             d.say(f"Deleted {describe(item)}")
             deleted.append(describe(item))
         d.state.forget(item)

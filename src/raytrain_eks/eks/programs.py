@@ -65,6 +65,7 @@ DELETE_STEPS: dict[str, tuple[str, ...]] = {
     "nodegroup": ("node-groups",),
     "cluster": ("cluster",),
     "iamserviceaccount": ("iam-service-account-delete",),
+    "oidc-provider": (),  # IAM, through boto3
 }
 
 
