@@ -1821,6 +1821,53 @@ def test_rayjob_evidence_is_read_before_its_cluster_is_deleted(ready: World):
     assert said.index(f"Deleted RayCluster default/{cluster}") < said.index("scaling GPU node group")
 
 
+def test_ctrl_c_while_following_a_rayjob_deletes_it_and_scales_the_gpu_group_to_zero(ready: World):
+    def interrupted(ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:
+        if argv[:3] == ["ray", "job", "logs"] and "--follow" in argv:
+            raise KeyboardInterrupt  # Ctrl-C while submit streams the job's log
+        return ready.ray(ns, pod, argv, stdin)
+
+    ready.kube.exec_handler = interrupted
+    with pytest.raises((UserError, KeyboardInterrupt)) as stopped:
+        ready.submit(mode="rayjob")
+    assert isinstance(stopped.value, UserError), "Ctrl-C left the RayJob running"
+    job = ready.store.get("job")
+    assert stopped.value.exit_code == 130 and job["status"] == "STOPPED"
+    assert stopped.value.message.startswith(
+        f"stopped by Ctrl-C: job {job['id']} is stopped, its RayJob default/ray-train deleted with its RayCluster and "
+        "pods, so nothing of it runs or holds GPU nodes any more"
+    )
+    assert "raytrain-eks submit --mode rayjob" in (stopped.value.hint or "")
+    assert ready.kube.get("ray.io/v1", "RayJob", "ray-train", "default") is None
+    assert not ready.kube.objects("RayCluster") and not ready.kube.pods("default", {})
+    scale = ready.tools.commands("eksctl", "scale", "nodegroup")
+    assert [c[c.index("--nodes") + 1] for c in scale] == ["0"]
+    assert not ready.kube.nodes({"role": "gpu-worker"}), "no GPU instance left billing"
+    said = ready.said()
+    assert said.index("Ctrl-C: stopping job") < said.index("scaling GPU node group gpu-efa to 0")
+
+
+def test_ctrl_c_again_before_the_rayjob_is_deleted_names_the_command_that_deletes_it(ready: World):
+    def interrupted(ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:
+        if argv[:3] == ["ray", "job", "logs"] and "--follow" in argv:
+            raise KeyboardInterrupt
+        return ready.ray(ns, pod, argv, stdin)
+
+    def delete(api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
+        if kind == "RayJob":
+            raise KeyboardInterrupt  # the second Ctrl-C, while submit deletes the RayJob
+        return deletes(api_version, kind, name, namespace)
+
+    ready.kube.exec_handler, deletes = interrupted, ready.kube.delete
+    ready.kube.delete = delete  # type: ignore[method-assign]
+    with pytest.raises((UserError, KeyboardInterrupt)) as stopped:
+        ready.submit(mode="rayjob")
+    assert isinstance(stopped.value, UserError) and stopped.value.exit_code == 130
+    assert "before RayJob default/ray-train was deleted" in stopped.value.message
+    assert f"`kubectl --kubeconfig {ready.d.kubeconfig} -n default delete rayjob ray-train`" in stopped.value.hint
+    assert ready.kube.get("ray.io/v1", "RayJob", "ray-train", "default") is not None
+
+
 KUBERAY_CONTROLLER = Path(__file__).parent / "fixtures/kuberay/ray-operator/controllers/ray/rayjob_controller.go"
 
 

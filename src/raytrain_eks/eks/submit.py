@@ -619,7 +619,12 @@ def submit(
             if match:
                 found.append(match.group(1).strip())
 
-    final = follow_job(d, head, submission_id, timeout=cfg.ray.job_deadline_s, on_output=echo)
+    try:
+        final = follow_job(d, head, submission_id, timeout=cfg.ray.job_deadline_s, on_output=echo)
+    except KeyboardInterrupt:
+        if mode != "rayjob":  # the job goes on in the RayCluster; `raytrain-eks logs --follow` follows it again
+            raise
+        raise stop_rayjob(d, submission_id, run_dirs[-1] if run_dirs else None, target.after_rayjob) from None
     d.state.update(job={**d.state.get("job"), "status": final})
     result = _judge(d, submission_id, final, workers)
     result.run_dir = run_dirs[-1] if run_dirs else None
@@ -670,6 +675,43 @@ def keep_run_files(d: Deployment, run_dir: str) -> str | None:
         with contextlib.suppress(RunFolderError):  # no step logged: the files are kept without a report
             write_report([folder], folder)
     return str(folder)
+
+
+class RayJobStopped(UserError):
+    """Ctrl-C while ``submit`` followed a RayJob: the RayJob, and so the job, is deleted (:func:`stop_rayjob`)."""
+
+    exit_code = 130  # as any Ctrl-C: 128 + SIGINT
+
+
+def stop_rayjob(
+    d: Deployment, submission_id: str, run_dir: str | None, let_go: Callable[[Deployment], None]
+) -> RayJobStopped:
+    """Ctrl-C while a RayJob runs: stop it and what it bills, and return the error that says so. KubeRay deletes a
+    RayJob's cluster (``shutdownAfterJobFinishes``) only once its job has ended, so a RayJob left running keeps its
+    pods, and on EKS the GPU node group at its size, until the next ``submit`` or ``down``. A run without storage
+    has its small files copied here first (:func:`keep_run_files`); then the RayJob is deleted, its RayCluster and
+    pods with it, and ``let_go`` (the target's ``after_rayjob``: on EKS the GPU group scaled to 0) runs."""
+    ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
+    d.say(f"Ctrl-C: stopping job {submission_id}: deleting RayJob {ns}/{name}, its RayCluster and pods with it")
+    try:
+        kept = keep_run_files(d, run_dir) if run_dir and run_bundle(d.cfg, run_dir) is None else None
+        d.kube.delete("ray.io/v1", "RayJob", name, ns)
+    except KeyboardInterrupt:
+        delete = ["kubectl", *d.kube_flags(), "-n", ns, "delete", "rayjob", name]
+        return RayJobStopped(
+            f"stopped by Ctrl-C twice, before RayJob {ns}/{name} was deleted: job {submission_id} may still run, "
+            "and its GPU nodes with it",
+            hint=f"Delete it with `{shlex.join(delete)}`. The GPU nodes stay until a next `raytrain-eks submit --mode "
+            "rayjob` ends (it lets them go) or `raytrain-eks down` removes the deployment.",
+        )
+    d.state.update(job={**(d.state.get("job") or {}), "status": "STOPPED"})
+    let_go(d)
+    return RayJobStopped(
+        f"stopped by Ctrl-C: job {submission_id} is stopped, its RayJob {ns}/{name} deleted with its RayCluster and "
+        "pods, so nothing of it runs or holds GPU nodes any more"
+        + (f"; its run's files are in {kept}" if kept else ""),
+        hint="Run `raytrain-eks submit --mode rayjob` to start the job again.",
+    )
 
 
 def _judge(d: Deployment, submission_id: str, final: str, workers: list[Pod]) -> SubmitResult:
