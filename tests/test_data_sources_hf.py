@@ -50,7 +50,7 @@ def prep(data: str, builtin_model: str, *, where: str, **kw):
         data_format="instruction",
         text_field="text",
         tokenizer_path=builtin_model,
-        seq_len=32,
+        seq_len=64,  # every row whole in a block
         seed=0,
         min_blocks=1,
         columns=kw.get("columns", COLUMNS),
