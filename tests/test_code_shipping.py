@@ -1,5 +1,6 @@
 """How ``--mode rayjob`` ships the package: the code ConfigMap (the package as one tar.gz), the submitter pod
-unpacking it, and Ray's ``py_modules`` reading the unpacked folder.
+unpacking it, and Ray's ``py_modules`` reading the unpacked folder; and the same for a package the image lacks,
+shipped as its unpacked pure-Python wheel in a second ConfigMap (no ``pip`` in the runtime_env).
 
 The kubelet does not mount a ConfigMap as plain files. Its atomic writer puts them (a ``binaryData`` key decoded)
 in a hidden timestamped folder, points ``..data`` at it and links each top-level path to ``..data/<path>``::
@@ -10,13 +11,15 @@ in a hidden timestamped folder, points ``..data`` at it and links each top-level
 
 The integration test builds that layout from the real ConfigMap, runs the submitter command's unpack step as the
 pod runs it, and lets embedded Ray ship the result with the runtime_env that ``ray job submit`` gets in the
-submitter pod, then proves the worker imported Ray's unpacked copy, complete and unchanged, and that nothing was
-written into the (read-only) mount. The fast tests hold the ConfigMap to Kubernetes' 1 MiB limit.
+submitter pod, then proves the worker imported Ray's unpacked copies (the package complete and unchanged; the shipped
+package with its ``.dist-info``, which ``importlib.metadata`` finds), and that nothing was written into the
+(read-only) mounts. The fast tests hold the ConfigMap to Kubernetes' 1 MiB limit.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
 import subprocess
 import sys
@@ -26,6 +29,7 @@ import pytest
 
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import job as shipping
+from raytrain_eks.k8s import wheelhouse as wh
 
 KUBELET_TIMESTAMP_DIR = "..2026_11_30_04_12_01.123456789"
 
@@ -51,6 +55,29 @@ def kubelet_config_map_volume(mount: Path, binary_data: dict[str, str], items: l
     for top in sorted({item["path"].split("/")[0] for item in items}):
         (mount / top).symlink_to(f"..data/{top}")
     return mount
+
+
+def pure_wheel(folder: Path) -> wh.Unpacked:
+    """A pure-Python wheel of ``rte-shipped`` 1.2.3 (as a build backend writes one), unpacked for py_modules."""
+    import hashlib
+    import zipfile
+
+    folder.mkdir(parents=True)
+    path = folder / "rte_shipped-1.2.3-py3-none-any.whl"
+    info = "rte_shipped-1.2.3.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("rte_shipped/__init__.py", "WHO = 'shipped 1.2.3'\n")
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: rte-shipped\nVersion: 1.2.3\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    data = path.read_bytes()
+    image = wh.ImagePython("3.13", "cp313", ("linux_x86_64",), {})
+    house = wh.Wheelhouse(
+        folder, ["rte-shipped>=1"], image, [wh.Wheel(path.name, len(data), hashlib.sha256(data).hexdigest())]
+    )
+    shipped = wh.unpack_pure(house)
+    assert isinstance(shipped, wh.Unpacked), shipped
+    return shipped
 
 
 def tree(root: Path) -> set[str]:
@@ -83,19 +110,40 @@ def test_ray_ships_the_package_from_the_mounted_config_map(cfg, tmp_path: Path, 
     code_map, items = shipping.code_config_map(cfg, expected)
     assert {"raytrain_eks/train/loop.py", "raytrain_eks/fabric/nccl_log.py"} <= set(expected)
     mount = kubelet_config_map_volume(tmp_path / "mount", code_map["binaryData"], items)
-    before = tree(mount)
+    packages = pure_wheel(tmp_path / "wheels")
+    packages_map, packages_items = shipping.packages_config_map(cfg, packages)
+    packages_mount = kubelet_config_map_volume(tmp_path / "packages-mount", packages_map["binaryData"], packages_items)
+    before = tree(mount), tree(packages_mount)
     # The submitter pod's command, its mount and unpack folders moved under this test's; its first step (the
     # unpack) run as the pod runs it, with python3 there and this interpreter here.
-    argv = shipping.submitter_argv("python3 -m raytrain_eks.cli train", "{}")
-    assert argv[-2:] == [f"{shipping.SUBMITTER_ARCHIVE_DIR}/{shipping.ARCHIVE_KEY}", shipping.SUBMITTER_CODE_DIR]
-    unpacked = tmp_path / "code"
-    argv[-2:] = [str(mount / shipping.ARCHIVE_KEY), str(unpacked)]
+    argv = shipping.submitter_argv("python3 -m raytrain_eks.cli train", "{}", packages=True)
+    assert argv[-4:] == [
+        f"{shipping.SUBMITTER_ARCHIVE_DIR}/{shipping.ARCHIVE_KEY}",
+        shipping.SUBMITTER_CODE_DIR,
+        f"{shipping.SUBMITTER_PACKAGES_ARCHIVE_DIR}/{shipping.PACKAGES_KEY}",
+        shipping.SUBMITTER_PACKAGES_DIR,
+    ]
+    unpacked, site = tmp_path / "code", tmp_path / "packages"
+    argv[-4:] = [
+        str(mount / shipping.ARCHIVE_KEY),
+        str(unpacked),
+        str(packages_mount / shipping.PACKAGES_KEY),
+        str(site),
+    ]
     step = shipping.submitter_unpack_argv(argv)
     done = subprocess.run([sys.executable, *step[1:]], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    # The path rayjob_manifest's runtime_env names, with the unpack folder moved to this test's.
-    (module,) = shipping.runtime_env(shipping.SUBMITTER_CODE_DIR)["py_modules"]
-    module = module.replace(shipping.SUBMITTER_CODE_DIR, str(unpacked), 1)
+    # The paths rayjob_manifest's runtime_env names, with the unpack folders moved to this test's: no pip.
+    job = shipping.rayjob_manifest(
+        cfg, hf_token=False, code_map=code_map, items=items, pip=[], packages=(packages_map, packages)
+    )
+    env = json.loads(job["spec"]["submitterPodTemplate"]["spec"]["containers"][0]["command"][3])
+    assert "pip" not in env
+    module, *shipped_modules = (
+        p.replace(shipping.SUBMITTER_CODE_DIR, str(unpacked), 1).replace(shipping.SUBMITTER_PACKAGES_DIR, str(site), 1)
+        for p in env["py_modules"]
+    )
+    assert shipped_modules == [str(site / "rte_shipped"), str(site / "rte_shipped-1.2.3.dist-info")]
 
     # A job-level runtime_env, as `ray job submit --runtime-env-json` gives it (Ray uploads local paths only there).
     # No pip key: nothing may be installed here. address="local" never joins another test run's Ray.
@@ -106,15 +154,18 @@ def test_ray_ships_the_package_from_the_mounted_config_map(cfg, tmp_path: Path, 
         include_dashboard=False,
         log_to_driver=False,
         configure_logging=False,
-        runtime_env={"py_modules": [module]},
+        runtime_env={"py_modules": [module, *shipped_modules]},
     )
     try:
 
         @ray.remote
         def import_shipped() -> dict:
+            import importlib.metadata
             import sys
 
             preloaded = "raytrain_eks" in sys.modules
+            import rte_shipped
+
             import raytrain_eks
             import raytrain_eks.fabric.nccl_log
             import raytrain_eks.train.loop
@@ -123,6 +174,7 @@ def test_ray_ships_the_package_from_the_mounted_config_map(cfg, tmp_path: Path, 
                 "preloaded": preloaded,
                 "package": raytrain_eks.__file__,
                 "modules": [raytrain_eks.train.loop.__file__, raytrain_eks.fabric.nccl_log.__file__],
+                "shipped": [rte_shipped.__file__, rte_shipped.WHO, importlib.metadata.version("rte-shipped")],
             }
 
         got = ray.get(import_shipped.remote(), timeout=60)
@@ -146,7 +198,10 @@ def test_ray_ships_the_package_from_the_mounted_config_map(cfg, tmp_path: Path, 
     assert not any(p.is_symlink() for p in package.rglob("*"))
     changed = [p for p, text in expected.items() if (package.parent / p).read_text(encoding="utf-8") != text]
     assert changed == []
-    assert tree(mount) == before, "Ray wrote into the mount, which is read-only in the submitter pod"
+    assert (tree(mount), tree(packages_mount)) == before, "Ray wrote into a mount: read-only in the submitter pod"
+    # The package the image lacks: imported from Ray's unpacked copy, its version read from its .dist-info there.
+    shipped_file, who, version = got["shipped"]
+    assert Path(shipped_file).is_relative_to(runtime_resources) and (who, version) == ("shipped 1.2.3", "1.2.3")
 
 
 def test_the_real_package_fits_a_config_map_with_room_to_grow(cfg):

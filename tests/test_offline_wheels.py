@@ -1,13 +1,22 @@
-"""``submit --offline``: the wheelhouse built for the image's Python, uploaded with its manifest to moto's S3, copied
-into a pod's folder by the init container's own script, and installed from there by pip with no index. Real pip
-builds, downloads and installs every wheel (from a local folder this test fills with packages it builds itself:
-``PIP_NO_INDEX``/``PIP_FIND_LINKS``, pip's own settings, stand in for PyPI); the manifests carrying the init
-container validate against the real schemas, and real Ray accepts the runtime_env."""
+"""How the job's packages beyond the image reach the cluster, with real pip and wheels built here.
+
+- ``submit --offline``: the wheelhouse built for the image's Python, uploaded with its manifest to moto's S3,
+  copied into a pod's folder by the init container's own script, and installed from there by pip with no index;
+  the manifests carrying the init container validate against the real schemas, and real Ray accepts the
+  runtime_env. The job requirement the stand-in image lacks here (``rich``) is built compiled, so pip installs it.
+- An image lacking a pure-Python package (``tensorboardX`` here): its wheel, downloaded for the image's Python,
+  travels unpacked beside the package (py_modules, into the head pod or a RayJob's packages ConfigMap) and the
+  runtime_env has no ``pip``, with and without ``--offline``; a compiled one, or too many, fall back to pip.
+
+Real pip builds, downloads and installs every wheel (from a local folder this test fills with packages it builds
+itself: ``PIP_NO_INDEX``/``PIP_FIND_LINKS``, pip's own settings, stand in for PyPI)."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,6 +30,7 @@ import boto3
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 from fake_kube import PULL_NO_CREDENTIALS, PULL_NOT_FOUND
 from schema_errors import schema_errors
 
@@ -33,10 +43,14 @@ from raytrain_eks.k8s import wheelhouse as wh
 BUCKET = "offline-wheels"
 SCHEMAS = Path(__file__).parent / "schemas" / "kuberay"
 IMAGE_HAS = {"rte-image-dep": "2.1.0"}  # what the stand-in image reports installed (any other name: not installed)
+# What the real peft (the release the job pins, installed here) requires, extras left out.
+PEFT_REQUIRES = [r for r in importlib.metadata.requires("peft") or [] if "extra ==" not in r]
+DLC = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
 
 
-def _package(root: Path, name: str, version: str, requires: list[str]) -> Path:
-    """A one-module project (setuptools) whose module says its name and version when imported."""
+def _package(root: Path, name: str, version: str, requires: list[str], *, compiled: bool = False) -> Path:
+    """A one-module project (setuptools) whose module says its name and version when imported; ``compiled``: its
+    wheel is tagged for this interpreter and platform (``Root-Is-Purelib: false``), as one with C code is."""
     src = root / f"{name}-{version}"
     module = name.replace("-", "_")
     (src / module).mkdir(parents=True)
@@ -55,6 +69,12 @@ def _package(root: Path, name: str, version: str, requires: list[str]) -> Path:
         packages = ["{module}"]
         """)
     )
+    if compiled:
+        (src / "setup.py").write_text(
+            "from setuptools import setup\nfrom setuptools.dist import Distribution\n\n\n"
+            "class Compiled(Distribution):\n    def has_ext_modules(self):\n        return True\n\n\n"
+            "setup(distclass=Compiled)\n"
+        )
     return src
 
 
@@ -70,10 +90,14 @@ def index(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("rte-offline-dep", "1.4.0", []),
         ("rte-offline-dep", "2.0.0", []),  # outside the range top asks for: never chosen
         ("rte-image-dep", "2.5.0", []),  # the image's 2.1.0 serves: never downloaded
-        ("rich", "15.0.0", []),  # a stand-in for the one job requirement the image of the submit test lacks
+        # Stand-ins for job requirements a submit test's image lacks: one compiled, two pure Python (peft with the
+        # real one's dependencies, which the DLC has; tensorboardX with one no image has).
+        ("rich", "15.0.0", []),
+        ("peft", "0.21.2", PEFT_REQUIRES),
+        ("tensorboardX", "2.6.5", ["rte-offline-dep>=1,<2"]),
     ]
     for name, version, requires in specs:
-        src = _package(projects, name, version, requires)
+        src = _package(projects, name, version, requires, compiled=name == "rich")
         argv = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w"]
         subprocess.run([*argv, str(root), str(src)], check=True, capture_output=True, timeout=300)
     # A project that publishes only a source distribution (pip never opens it: --only-binary skips it by name).
@@ -82,6 +106,12 @@ def index(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tar.add(_package(projects, "rte-sdist-only", "1.0", []), arcname="rte-sdist-only-1.0")
     (root / sdist.name).write_bytes(sdist.read_bytes())
     return root
+
+
+def _wheel_of(name: str) -> str:
+    """The file name of the one wheel of ``name`` in the local index."""
+    (found,) = Path(os.environ["PIP_FIND_LINKS"]).glob(f"{name}-*.whl")
+    return found.name
 
 
 @pytest.fixture
@@ -479,7 +509,8 @@ def test_submit_offline_asks_the_image_before_any_ray_object_then_installs_from_
         (init,) = template["spec"]["initContainers"]
         assert init["command"][-1] == folder
     said = world.said()
-    assert "Wheelhouse for CPython" in said and "rich-15.0.0-py3-none-any.whl" in said
+    assert "Wheelhouse for CPython" in said and _wheel_of("rich") in said and "rich-15.0.0-py3-none-any" not in said
+    assert "rich-15.0.0-cp" in said and "is compiled for" in said
     # The running pods run the same copy (a no-op where the init container did it; this fake runs no init
     # containers, so here it copies).
     assert sorted(world.copies) == [
@@ -645,6 +676,152 @@ def test_submit_offline_on_a_shared_volume_writes_the_wheels_through_the_probe_p
     folder = pip["pip_install_options"][-1]
     assert folder.startswith(f"/mnt/shared/runs/{wh.STORAGE_FOLDER}/")
     local = volume / folder.removeprefix("/mnt/shared/")
-    assert sorted(p.name for p in local.iterdir()) == sorted([wh.MANIFEST, "rich-15.0.0-py3-none-any.whl"])
+    assert sorted(p.name for p in local.iterdir()) == sorted([wh.MANIFEST, _wheel_of("rich")])
     assert not [i for i in c.store.created if i.get("kind") == "Pod"]
     assert "on the shared volume" in c.said()
+
+
+# --- pure-Python packages the image lacks: unpacked in py_modules, no pip ----------------------------------------
+
+
+def test_a_pure_python_wheel_unpacks_as_site_packages_and_a_compiled_one_is_refused(
+    pip_reads: Path, here: wh.ImagePython, tmp_path: Path
+):
+    house = wh.build_wheelhouse(["tensorboardX>=2.6.5,<3"], here, tmp_path / "pure", installed=_image_has([]))
+    shipped = wh.unpack_pure(house)
+    assert isinstance(shipped, wh.Unpacked), shipped
+    # The package and its dependency the image lacks, each beside its .dist-info (what importlib.metadata reads).
+    assert shipped.top_level == (
+        "rte_offline_dep",
+        "rte_offline_dep-1.4.0.dist-info",
+        "tensorboardX",
+        "tensorboardx-2.6.5.dist-info",
+    )
+    assert shipped.files["tensorboardX/__init__.py"] == b"WHO = 'tensorboardX 2.6.5'\n"
+    assert shipped.digest == house.digest and shipped.wheels == tuple(w.name for w in house.wheels)
+    compiled = wh.build_wheelhouse(["rich>=15"], here, tmp_path / "compiled", installed=_image_has([]))
+    why = wh.unpack_pure(compiled)
+    assert isinstance(why, str) and why.startswith(f"{_wheel_of('rich')} is compiled for cp")
+
+
+def _image_lacking(world: Any, name: str) -> None:
+    """The stand-in image has every job requirement at the oldest release in its range, but ``name``."""
+    world.ray.image = {
+        shipping.requirement_name(r): r.split(">=")[1].split(",")[0] for r in shipping.job_requirements()
+    }
+    del world.ray.image[name]
+
+
+@pytest.fixture
+def online_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str, pip_reads: Path) -> Any:
+    """test_deploy's world, submitting without --offline; the head pod's and the probe pod's python3 is this one."""
+    from test_deploy import World, run_script
+
+    monkeypatch.chdir(tmp_path)
+    world = World(tmp_path, load_config(environ={}, path=None))
+    world.up()
+    world.lines.clear()
+    answer = world.kube.exec_handler
+
+    def handler(ns: str, pod: str, argv: list[str], stdin: str | None) -> Any:
+        if argv[:2] == [m.IMAGE_PYTHON, "-c"] and argv[2] == wh.IMAGE_PLATFORM:
+            return run_script(argv[2], [])
+        return answer(ns, pod, argv, stdin)
+
+    world.kube.exec_handler = handler
+    return world
+
+
+def _runtime_env(world: Any) -> dict[str, Any]:
+    (argv,) = world.ray.submitted
+    return json.loads(argv[argv.index("--runtime-env-json") + 1])
+
+
+def test_on_the_dlcs_packages_submit_ships_peft_unpacked_into_the_head_pod_and_the_runtime_env_has_no_pip(
+    online_world: Any,
+):
+    world = online_world
+    world.ray.image = dict(shipping.known_image_packages(DLC)[0])  # the DLC's build lock, as its python3 reports it
+    assert world.submit().exit_code == 0, world.said()
+    env = _runtime_env(world)
+    assert "pip" not in env, "Ray's pip plugin would copy the image's virtualenv on every node"
+    code, *modules = env["py_modules"]
+    assert code.startswith(shipping.HEAD_CODE_ROOT) and code.endswith("/raytrain_eks")
+    folder = modules[0].rsplit("/", 1)[0]
+    assert folder.startswith(f"{shipping.HEAD_CODE_ROOT}/packages-")
+    # peft alone: each of its dependencies (torch, transformers, accelerate...) is in the DLC in range.
+    assert modules == [f"{folder}/peft", f"{folder}/peft-0.21.2.dist-info"]
+    # It really arrived in the head pod, by the package's own unpack script.
+    head = world.ray.tmp / "head" / folder.lstrip("/")
+    assert (head / "peft" / "__init__.py").read_text() == "WHO = 'peft 0.21.2'\n"
+    assert (head / "peft-0.21.2.dist-info" / "METADATA").is_file()
+    said = world.said()
+    assert "The image has 9 of the job's 10 packages in range" in said
+    assert "peft>=0.21.2,<0.22 travels unpacked beside the package" in said and "no pip" in said
+    assert "peft-0.21.2-py3-none-any.whl" in said and "Wheelhouse for CPython" in said
+    # A second submit to the same head pod finds them there and copies nothing.
+    unpacks = [c for c in world.kube.exec_calls if c[2][:3] == [m.IMAGE_PYTHON, "-c", shipping._UNPACK]]
+    assert len(unpacks) == 2  # the package, then the packages
+    world.ray.submitted.clear()
+    assert world.submit().exit_code == 0, world.said()
+    assert _runtime_env(world)["py_modules"] == env["py_modules"]
+    assert [c for c in world.kube.exec_calls if c[2][:3] == [m.IMAGE_PYTHON, "-c", shipping._UNPACK]] == unpacks
+
+
+def test_a_compiled_package_the_image_lacks_is_left_to_pip_saying_why(online_world: Any):
+    world = online_world
+    _image_lacking(world, "rich")
+    assert world.submit().exit_code == 0, world.said()
+    env = _runtime_env(world)
+    assert env["pip"] == ["rich>=15.0.0,<16"] and len(env["py_modules"]) == 1
+    assert (
+        f"pip installs rich>=15.0.0,<16 (Ray first copies the image's Python on every node): {_wheel_of('rich')}"
+        in (world.said())
+    )
+
+
+def test_submit_rayjob_ships_the_packages_in_a_config_map_the_submitter_unpacks(online_world: Any):
+    world = online_world
+    _image_lacking(world, "tensorboardX")
+    assert world.submit(mode="rayjob").exit_code == 0, world.said()
+    probe = _probe_name(world)
+    assert any(pod == probe for _, pod, _, _ in world.kube.exec_calls), "asked before the RayJob existed"
+    (job,) = [o for o in _ray_objects(world) if o["kind"] == "RayJob"]
+    jsonschema.Draft7Validator(json.loads((SCHEMAS / "rayjob.v1.schema.json").read_text())).validate(
+        {k: v for k, v in job.items() if k != "status"}
+    )
+    pod = job["spec"]["submitterPodTemplate"]["spec"]
+    (container,) = pod["containers"]
+    env = json.loads(container["command"][3])
+    assert "pip" not in env and yaml.safe_load(job["spec"]["runtimeEnvYAML"]) == env
+    assert env["py_modules"][1:] == [
+        f"{shipping.SUBMITTER_PACKAGES_DIR}/{n}"
+        for n in ("rte_offline_dep", "rte_offline_dep-1.4.0.dist-info", "tensorboardX", "tensorboardx-2.6.5.dist-info")
+    ]
+    assert container["command"][-2:] == [
+        f"{shipping.SUBMITTER_PACKAGES_ARCHIVE_DIR}/{shipping.PACKAGES_KEY}",
+        shipping.SUBMITTER_PACKAGES_DIR,
+    ]
+    packages = next(o for o in world.kube.applied if o["metadata"]["name"] == "ray-train-packages")
+    assert list(packages["binaryData"]) == [shipping.PACKAGES_KEY]
+    mount = {"name": "raytrain-eks-packages", "mountPath": shipping.SUBMITTER_PACKAGES_ARCHIVE_DIR, "readOnly": True}
+    assert mount in container["volumeMounts"]
+    assert {"name": "raytrain-eks-packages", "configMap": {"name": "ray-train-packages", "items": [
+        {"key": shipping.PACKAGES_KEY, "path": shipping.PACKAGES_KEY}]}} in pod["volumes"]  # fmt: skip
+    kubernetes_validate.validate(packages, "1.33", strict=True)
+    assert shipping.config_map_bytes(packages) < shipping.CONFIG_MAP_MAX_BYTES
+
+
+def test_submit_offline_ships_a_pure_package_with_no_wheelhouse_and_no_init_container(offline_world: Any):
+    world = offline_world
+    world.ray.image["rich"] = "15.0.0"
+    del world.ray.image["tensorboardX"]
+    assert world.submit().exit_code == 0, world.said()
+    env = _runtime_env(world)
+    assert "pip" not in env and env["py_modules"][-1].endswith("/tensorboardx-2.6.5.dist-info")
+    (rc,) = _ray_objects(world)
+    assert all("initContainers" not in t["spec"] for t in m.pod_templates(rc))
+    assert world.copies == []
+    storage = apply_bucket(world)
+    listed = boto3.client("s3").list_objects_v2(Bucket=storage).get("Contents", [])
+    assert not [o for o in listed if wh.STORAGE_FOLDER in o["Key"]], "no wheelhouse uploaded"

@@ -45,17 +45,15 @@ from raytrain_eks.k8s.addons import NodesNotReady, gpu_node_problems
 from raytrain_eks.k8s.cluster import ExecResult, KubeApiError, Pod, image_never_pulls
 from raytrain_eks.k8s.job import (
     DASHBOARD,
-    IMAGE_VERSIONS,
     code_config_map,
     head_code_dir,
     job_requirements,
     package_archive,
     package_files,
+    packages_config_map,
     ray_job_submit_argv,
     rayjob_manifest,
-    requirement_name,
     unpack_argv,
-    what_the_image_has,
 )
 from raytrain_eks.k8s.runner import CommandError
 from raytrain_eks.k8s.state import Deployment, object_item
@@ -239,18 +237,12 @@ AGENT_WAIT_S = 180.0  # how long submit keeps trying while the agent is not read
 AGENT_RETRY_S = 5.0
 
 
-def image_lacks(d: Deployment, head: Pod) -> list[str]:
-    """What the job's runtime_env must install: :func:`~raytrain_eks.k8s.job.job_requirements` less what the head
-    pod's image already has in range (asked of its python3); all of them when the image cannot be asked."""
-    wanted = job_requirements()
-    names = [requirement_name(r) for r in wanted]
-    installed, said = offline_wheels.ask_pod(d, head, IMAGE_VERSIONS, *names)
-    if installed is None:
-        d.say(f"Could not ask the image which packages it has ({said[:200]}): runtime_env installs all of them")
-        return wanted
-    left, has = what_the_image_has(wanted, installed)
-    d.say(f"{has}; runtime_env installs {', '.join(left) if left else 'nothing'}")
-    return left
+def image_lacks(d: Deployment, head: Pod) -> offline_wheels.JobPackages:
+    """How what the job needs beyond the image reaches it: :func:`~raytrain_eks.k8s.job.job_requirements` less what
+    the head pod's image already has in range (asked of its python3), as unpacked wheels in ``py_modules`` when they
+    can travel so, else for pip (:func:`~raytrain_eks.eks.offline.choose`); pip installs all of them when the image
+    cannot be asked."""
+    return offline_wheels.for_running_head(d, head, job_requirements())
 
 
 def submit_job(
@@ -258,19 +250,27 @@ def submit_job(
     head: Pod,
     code_dir: str,
     *,
-    pip: list[str] | None = None,
-    pip_options: list[str] | None = None,
+    packages: offline_wheels.JobPackages | None = None,
 ) -> str:
-    """``ray job submit --no-wait`` in the head pod; returns the submission id. ``pip``: what the runtime_env
-    installs (``None``: what :func:`image_lacks` finds), with ``pip_options`` (``submit --offline``'s wheelhouse).
+    """``ray job submit --no-wait`` in the head pod; returns the submission id. ``packages``: how the runtime_env
+    brings what the image lacks (``None``: what :func:`image_lacks` finds); unpacked wheels are copied into the head
+    pod first, and named in ``py_modules``.
 
     While the dashboard says its job agent is not ready, the same submission is tried again every
     :data:`AGENT_RETRY_S` for up to :data:`AGENT_WAIT_S`; a try that reached the agent after all (its status is
     known) is not submitted twice."""
     submission_id = time.strftime("raytrain-%Y%m%d-%H%M%S-", time.gmtime()) + secrets.token_hex(2)
-    if pip is None:
-        pip = image_lacks(d, head)
-    argv = ray_job_submit_argv(code_dir, submission_id=submission_id, wait=False, pip=pip, pip_options=pip_options)
+    if packages is None:
+        packages = image_lacks(d, head)
+    modules = offline_wheels.ship_into_head(d, head, packages.shipped) if packages.shipped else []
+    argv = ray_job_submit_argv(
+        code_dir,
+        submission_id=submission_id,
+        wait=False,
+        pip=packages.pip,
+        pip_options=packages.pip_options(),
+        modules=modules,
+    )
     start = d.clock()
     while True:
         res = head_exec(d, head, argv)
@@ -562,12 +562,11 @@ def submit(
     if problems:
         raise NodesNotReady(problems)  # at once: pods would only sit Pending
     apply_namespace(d)
-    pip: list[str] | None = None  # None: the head pod's image is asked once it runs (not --offline)
-    options, wheels = None, None
-    if offline:  # the image asked, the wheelhouse built and stored: a requirement without a wheel stops here
+    packages = None  # None: the head pod's image is asked once it runs (raycluster, not --offline)
+    if offline or mode == "rayjob":  # the image asked before any Ray object; --offline: a wheel missing stops here
         running = _running_head(d) if mode == "raycluster" else None
-        pip, wheels = offline_wheels.prepare(d, job_requirements(), head=running)
-        options = wheels.pip_options() if wheels is not None else None
+        packages = offline_wheels.prepare(d, job_requirements(), head=running, mode=mode)
+    wheels = packages.wheels if packages is not None else None
 
     apply_job_config(d, hf_token, env)
 
@@ -584,8 +583,15 @@ def submit(
             previous = {}
         code_map, items = code_config_map(cfg, package_files())
         _apply(d, code_map, f"ConfigMap {ns}/{code_map['metadata']['name']} (the raytrain_eks package)")
+        shipped = None
+        if packages is not None and packages.shipped is not None:
+            packages_map, _ = packages_config_map(cfg, packages.shipped)
+            _apply(d, packages_map, f"ConfigMap {ns}/{packages_map['metadata']['name']} (the packages it ships)")
+            shipped = (packages_map, packages.shipped)
+        pip = packages.pip if packages is not None else None
+        options = packages.pip_options() if packages is not None else None
         doc = rayjob_manifest(
-            cfg, hf_token=bool(hf_token), code_map=code_map, items=items, pip=pip, pip_options=options
+            cfg, hf_token=bool(hf_token), code_map=code_map, items=items, pip=pip, pip_options=options, packages=shipped
         )
         if wheels is not None:
             doc = wheels.into(doc, cfg)
@@ -604,9 +610,7 @@ def submit(
             d.say(f"Job {submission_id} from an earlier submit is {status}: following it instead of submitting again")
     if submission_id is None:
         code_dir = _upload_package(d, head) if rayjob_id is None else ""
-        submission_id = (
-            rayjob_id if rayjob_id is not None else submit_job(d, head, code_dir, pip=pip, pip_options=options)
-        )
+        submission_id = rayjob_id if rayjob_id is not None else submit_job(d, head, code_dir, packages=packages)
     d.state.update(job={"id": submission_id, "mode": mode, "namespace": ns, "raycluster": cluster, "status": "RUNNING"})
 
     run_dirs: list[str] = []

@@ -4,7 +4,9 @@ and ``plan`` (which writes them down), so the two can never differ.
 The package reaches the cluster image as Ray ``runtime_env`` ``py_modules`` (the image has no copy of it): in
 ``--mode raycluster`` unpacked into the head pod from a base64 tar.gz on an exec's stdin, in ``--mode rayjob`` as
 the same tar.gz in a ConfigMap (``binaryData``) mounted into the RayJob's submitter pod, which unpacks it before
-``ray job submit``. ``pip`` installs the pinned dependencies the image lacks.
+``ray job submit``. What the image lacks travels the same way when it can (:class:`~raytrain_eks.k8s.wheelhouse.
+Unpacked`: pure-Python wheels unpacked, one more archive, more ``py_modules`` entries); else ``pip`` installs it,
+which makes Ray copy the image's whole virtualenv on every node first (``ray/_private/runtime_env/pip.py``).
 Example::
 
     argv = ray_job_submit_argv(head_code_dir(package_files()))   # what runs in the head pod
@@ -21,7 +23,7 @@ import io
 import json
 import re
 import tarfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ import raytrain_eks
 from raytrain_eks.config import FLASH_ATTN_MIN, Config
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.wheelhouse import Unpacked
 
 DIST_NAME = "raytrain-eks"
 # Already in the cluster image (Ray 2.58 with Ray Train/Data, PyTorch): installing another copy would shadow the
@@ -36,6 +39,15 @@ DIST_NAME = "raytrain-eks"
 # the deploy side only.
 IMAGE_PROVIDED = frozenset({"torch", "torchvision", "ray", "pyarrow"})
 DEPLOY_ONLY = frozenset({"kubernetes", "boto3", "packaging"})
+# Needed here, not on the cluster: matplotlib draws the report's plots. Its wheels are compiled (for each Python and
+# platform) and pull four more the DLC lacks (contourpy, kiwisolver and fonttools, compiled too, and cycler): a
+# run on an image without it writes its metrics and no report (train/launch.py says so), and `raytrain-eks results`
+# draws the report here from the fetched metrics; an image that has matplotlib gets its report as before.
+LOCAL_ONLY = frozenset({"matplotlib"})
+# At most this many requirements the image lacks are tried as unpacked wheels when no --offline wheelhouse is built
+# anyway: a few are what an image made for the job lacks (the DLC: peft); an image lacking more is a plain Ray image,
+# whose missing packages include compiled ones (tokenizers, safetensors, pydantic-core), so pip installs them all.
+MAX_SHIPPED = 4
 
 DASHBOARD = f"http://127.0.0.1:{m.HEAD_PORTS['dashboard']}"
 # What KubeRay's RayJob controller gives the submitter container (configureSubmitterContainer in
@@ -49,6 +61,11 @@ HEAD_CODE_ROOT = "/tmp/raytrain-eks"  # where the package is unpacked in the hea
 SUBMITTER_ARCHIVE_DIR = "/opt/raytrain-eks"  # where the code ConfigMap is mounted (read-only) in the submitter pod
 ARCHIVE_KEY = "raytrain_eks.tar.gz"  # the ConfigMap's one key: the package_archive bytes
 SUBMITTER_CODE_DIR = "/tmp/raytrain-eks-code"  # where the submitter pod unpacks it; py_modules points there
+# The packages shipped unpacked (raycluster: a folder per wheelhouse digest in the head pod; rayjob: a second
+# ConfigMap, mounted and unpacked in the submitter pod as the package is).
+PACKAGES_KEY = "packages.tar.gz"
+SUBMITTER_PACKAGES_ARCHIVE_DIR = "/opt/raytrain-eks-packages"
+SUBMITTER_PACKAGES_DIR = "/tmp/raytrain-eks-packages"
 
 # Unpacks the tar.gz bytes ``data`` into ``dest``; only regular files and folders inside ``dest`` are written.
 _EXTRACT = """\
@@ -67,13 +84,15 @@ def extract(data, dest):
 # Runs in the head pod: unpack the base64 tar.gz read from stdin into argv[1].
 _UNPACK = _EXTRACT + "extract(base64.b64decode(sys.stdin.read()), sys.argv[1])\n"
 
-# The submitter pod's first step (argv: runtime_env, entrypoint, the mounted archive, where to unpack it): the
-# package out of the read-only mount into a folder ``ray job submit`` ships from. Runs alone too (the tests do).
+# The submitter pod's first step (argv: runtime_env, entrypoint, then pairs of a mounted archive and where to unpack
+# it): the package, and the packages shipped beside it, out of the read-only mounts into folders ``ray job submit``
+# ships from. Runs alone too (the tests do).
 _SUBMITTER_UNPACK = (
     _EXTRACT
     + """\
-with open(sys.argv[3], "rb") as archive:
-    extract(archive.read(), sys.argv[4])
+for path, dest in zip(sys.argv[3::2], sys.argv[4::2]):
+    with open(path, "rb") as archive:
+        extract(archive.read(), dest)
 """
 )
 
@@ -113,12 +132,16 @@ sys.exit(subprocess.run(["ray", "job", "logs", "--address", address, "--follow",
 )
 
 
-def submitter_argv(entrypoint: str, runtime_env_json: str) -> list[str]:
+def submitter_argv(entrypoint: str, runtime_env_json: str, *, packages: bool = False) -> list[str]:
     """The submitter container's command: :data:`_SUBMITTER` under ``python3`` with the RayJob's runtime_env (JSON,
     as KubeRay converts ``runtimeEnvYAML``), entrypoint (one string, split as the shell splits it for KubeRay), the
-    mounted package archive and :data:`SUBMITTER_CODE_DIR`, where it unpacks the archive first."""
+    mounted package archive and :data:`SUBMITTER_CODE_DIR`, where it unpacks the archive first; with ``packages``,
+    then the mounted packages archive and :data:`SUBMITTER_PACKAGES_DIR`."""
     archive = f"{SUBMITTER_ARCHIVE_DIR}/{ARCHIVE_KEY}"
-    return [m.IMAGE_PYTHON, "-c", _SUBMITTER, runtime_env_json, entrypoint, archive, SUBMITTER_CODE_DIR]
+    argv = [m.IMAGE_PYTHON, "-c", _SUBMITTER, runtime_env_json, entrypoint, archive, SUBMITTER_CODE_DIR]
+    if packages:
+        argv += [f"{SUBMITTER_PACKAGES_ARCHIVE_DIR}/{PACKAGES_KEY}", SUBMITTER_PACKAGES_DIR]
+    return argv
 
 
 def submitter_unpack_argv(argv: list[str]) -> list[str]:
@@ -144,7 +167,7 @@ def image_missing_requirements() -> list[str]:
         if "extra" in marker:
             continue
         name = re.match(r"\s*([A-Za-z0-9._-]+)", spec)
-        if name is None or name.group(1).lower().replace("_", "-") in IMAGE_PROVIDED | DEPLOY_ONLY:
+        if name is None or name.group(1).lower().replace("_", "-") in IMAGE_PROVIDED | DEPLOY_ONLY | LOCAL_ONLY:
             continue
         out.append(spec.replace(" ", ""))
     return out
@@ -174,7 +197,8 @@ def _range(version: str, oldest: str | None = None) -> str:
 
 
 def job_requirements() -> list[str]:
-    """What the job needs beyond the image's Ray and PyTorch, as ranges (:func:`_range`) of the pinned versions.
+    """What the job needs on the cluster beyond the image's Ray and PyTorch, as ranges (:func:`_range`) of the
+    pinned versions (:data:`LOCAL_ONLY` left out).
 
     Example (reference): ``["transformers>=5.13.0,<6", "tokenizers>=0.22.2,<0.24", "safetensors>=0.8.0,<0.9", ...]``.
     """
@@ -265,7 +289,7 @@ def planned_installs(image: str) -> tuple[list[str], str] | None:
     """What the job's runtime_env will install on ``image`` (:func:`job_requirements` the image lacks in range) and
     a sentence saying what the image has and how that is known; ``None`` for an image this tool does not know,
     where ``submit`` learns it by asking the image. Example (the default image):
-    ``(["peft>=0.21.2,<0.22", "matplotlib>=3.11.2,<4"], "The image has 9 of the job's 11 packages in range (...)")``.
+    ``(["peft>=0.21.2,<0.22"], "The image has 9 of the job's 10 packages in range (...)")``.
     """
     known = known_image_packages(image)
     if known is None:
@@ -279,6 +303,47 @@ def planned_installs(image: str) -> tuple[list[str], str] | None:
         wanted, {requirement_name(r): by_name.get(canonicalize_name(requirement_name(r))) for r in wanted}
     )
     return left, f"{said}, by {source}"
+
+
+def expected_not_shipped(image: str, left: list[str]) -> str | None:
+    """Why ``left`` (what the known ``image`` lacks, :func:`planned_installs`) would not all travel unpacked in
+    py_modules, or ``None`` when they would, judged without downloading: from the copies installed here (this
+    package pins the releases the job takes) and the image's package table. Each must be pure Python (its ``WHEEL``
+    says so) with every dependency in the image in range, or travelling too. ``submit`` decides on the wheels it
+    downloads for the image's Python; this is the plan's expectation. Example: ``expected_not_shipped(DLC, ["peft>=
+    0.21.2,<0.22"]) is None`` (peft's wheel is py3-none-any; accelerate, torch, transformers... are in the DLC)."""
+    import email.parser
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    if len(left) > MAX_SHIPPED:
+        return f"{len(left)} packages, more than the {MAX_SHIPPED} that are tried as unpacked wheels"
+    known = known_image_packages(image)
+    has = {canonicalize_name(n): v for n, v in (known[0] if known else {}).items()}
+    todo, seen = [Requirement(r) for r in left], set()
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = importlib.metadata.distribution(req.name)
+        except importlib.metadata.PackageNotFoundError:
+            return f"{req.name} is not installed here to look at"
+        wheel = email.parser.Parser().parsestr(dist.read_text("WHEEL") or "")
+        tags = wheel.get_all("Tag") or ["no tag"]
+        if str(wheel.get("Root-Is-Purelib", "")).lower() != "true" or any(not t.endswith("-none-any") for t in tags):
+            return f"{req.name} {dist.version} is compiled ({tags[0]})"
+        for line in dist.requires or []:
+            dep = Requirement(line)
+            if dep.marker is not None and not dep.marker.evaluate({"extra": ""}):
+                continue
+            version = has.get(canonicalize_name(dep.name))
+            if version is None or not dep.specifier.contains(version, prereleases=True):
+                todo.append(dep)
+    return None
 
 
 def package_files(root: Path | None = None) -> dict[str, str]:
@@ -300,10 +365,15 @@ def package_digest(files: Mapping[str, str]) -> str:
 
 def package_archive(files: Mapping[str, str]) -> str:
     """The files as a base64 tar.gz (text, to travel on an exec's stdin). Deterministic for the same files."""
+    return archive({name: text.encode("utf-8") for name, text in files.items()})
+
+
+def archive(files: Mapping[str, bytes]) -> str:
+    """:func:`package_archive` of files given as bytes (the unpacked wheels of :func:`packages_archive`)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for name in sorted(files):
-            data = files[name].encode("utf-8")
+            data = files[name]
             info = tarfile.TarInfo(name)
             info.size, info.mode, info.mtime = len(data), 0o644, 0
             tar.addfile(info, io.BytesIO(data))
@@ -311,16 +381,39 @@ def package_archive(files: Mapping[str, str]) -> str:
     return base64.b64encode(gzip.compress(buf.getvalue(), compresslevel=9, mtime=0)).decode("ascii")
 
 
-def runtime_env(code_dir: str, pip: list[str] | None = None, pip_options: list[str] | None = None) -> dict[str, Any]:
+def runtime_env(
+    code_dir: str,
+    pip: list[str] | None = None,
+    pip_options: list[str] | None = None,
+    modules: Sequence[str] = (),
+) -> dict[str, Any]:
     """The job's Ray ``runtime_env``: pip installs ``pip`` (default: all of :func:`job_requirements`; ``submit``
-    leaves out what the image has in range), ``py_modules`` ships ``raytrain_eks`` from ``code_dir`` (a path where
-    ``ray job submit`` runs). ``pip_options`` (``submit --offline``: the local wheelhouse, no index) go to ``pip
-    install`` in Ray's dict form. No secret is ever put here."""
-    env: dict[str, Any] = {"py_modules": [f"{code_dir}/raytrain_eks"]}
+    leaves out what the image has in range, and what travels in ``modules``), ``py_modules`` ships ``raytrain_eks``
+    from ``code_dir`` (a path where ``ray job submit`` runs) and then ``modules`` (:func:`shipped_modules`).
+    ``pip_options`` (``submit --offline``: the local wheelhouse, no index) go to ``pip install`` in Ray's dict form.
+    No secret is ever put here. Example: ``runtime_env("/c", [], modules=["/p/peft", "/p/peft-0.21.2.dist-info"])
+    == {"py_modules": ["/c/raytrain_eks", "/p/peft", "/p/peft-0.21.2.dist-info"]}``."""
+    env: dict[str, Any] = {"py_modules": [f"{code_dir}/raytrain_eks", *modules]}
     packages = job_requirements() if pip is None else pip
     if packages and pip_options:
         return {"pip": {"packages": packages, "pip_install_options": list(pip_options)}, **env}
     return {"pip": packages, **env} if packages else env
+
+
+def shipped_modules(folder: str, packages: Unpacked) -> list[str]:
+    """The py_modules entries of ``packages`` unpacked in ``folder`` (where ``ray job submit`` runs): one per top-level
+    folder or module. Example: ``["/tmp/raytrain-eks/packages-3f2a9c1d0b7e4a11/peft", ".../peft-0.21.2.dist-info"]``."""
+    return [f"{folder}/{top}" for top in packages.top_level]
+
+
+def head_packages_dir(packages: Unpacked) -> str:
+    """Where ``--mode raycluster`` unpacks ``packages`` in the head pod: one folder per wheelhouse."""
+    return f"{HEAD_CODE_ROOT}/packages-{packages.digest}"
+
+
+def packages_archive(packages: Unpacked) -> str:
+    """The unpacked wheels as a base64 tar.gz (:func:`archive`), for :func:`unpack_argv` or a ConfigMap."""
+    return archive(packages.files)
 
 
 CONFIG_MAP_MAX_BYTES = 1 << 20  # Kubernetes rejects a ConfigMap whose data exceeds 1 MiB
@@ -351,6 +444,27 @@ def code_config_map(cfg: Config, files: Mapping[str, str]) -> tuple[dict[str, An
     return doc, [{"key": ARCHIVE_KEY, "path": ARCHIVE_KEY}]
 
 
+def packages_config_map(cfg: Config, packages: Unpacked) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """The shipped packages as a ConfigMap of their own (for a RayJob's submitter pod, beside :func:`code_config_map`):
+    one ``binaryData`` key, :data:`PACKAGES_KEY`, and the volume ``items`` that mount it as that file. A UserError
+    when it exceeds 1 MiB (``submit`` checks first, and lets pip install such packages instead)."""
+    meta = {"name": f"{cfg.ray.cluster_name}-packages", "namespace": cfg.ray.namespace, "labels": m.labels(cfg)}
+    doc = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": meta,
+        "binaryData": {PACKAGES_KEY: packages_archive(packages)},
+    }
+    size = config_map_bytes(doc)
+    if size > CONFIG_MAP_MAX_BYTES:
+        raise UserError(
+            f"the packages shipped unpacked ({packages.describe()}) make ConfigMap {meta['namespace']}/{meta['name']} "
+            f"{size:,} bytes; Kubernetes accepts at most {CONFIG_MAP_MAX_BYTES:,}",
+            hint="Submit with --mode raycluster (it copies them into the head pod instead).",
+        )
+    return doc, [{"key": PACKAGES_KEY, "path": PACKAGES_KEY}]
+
+
 def config_map_bytes(doc: Mapping[str, Any]) -> int:
     """The ConfigMap's size as compact UTF-8 JSON: at least the sum of its values, which the API server holds to
     1 MiB, and about what etcd stores. Example: ``config_map_bytes({"data": {"a": "xy"}}) == 19``."""
@@ -365,13 +479,25 @@ def rayjob_manifest(
     items: list[dict[str, str]],
     pip: list[str] | None = None,
     pip_options: list[str] | None = None,
+    packages: tuple[dict[str, Any], Unpacked] | None = None,
 ) -> dict[str, Any]:
     """The RayJob of :func:`raytrain_eks.k8s.manifests.rayjob` (its entrypoint is the same driver command as
     :func:`submit_job`'s), plus the runtime_env (``pip``, ``pip_options``: as :func:`runtime_env` takes them) and a
     submitter pod that mounts the code ConfigMap and runs :func:`submitter_argv`: it unpacks the package where
-    ``py_modules`` points, then ``ray job submit``."""
-    env = runtime_env(SUBMITTER_CODE_DIR, pip, pip_options)
+    ``py_modules`` points, then ``ray job submit``. ``packages``: the :func:`packages_config_map` and what it holds,
+    mounted and unpacked beside the package, each of its top-level entries one more py_modules entry."""
+    modules = shipped_modules(SUBMITTER_PACKAGES_DIR, packages[1]) if packages else []
+    env = runtime_env(SUBMITTER_CODE_DIR, pip, pip_options, modules)
     doc = m.rayjob(cfg, hf_token=hf_token, runtime_env=env)
+    mounts = [{"name": "raytrain-eks-code", "mountPath": SUBMITTER_ARCHIVE_DIR, "readOnly": True}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "raytrain-eks-code", "configMap": {"name": code_map["metadata"]["name"], "items": items}}
+    ]
+    if packages:
+        mounts.append({"name": "raytrain-eks-packages", "mountPath": SUBMITTER_PACKAGES_ARCHIVE_DIR, "readOnly": True})
+        shipped = [{"key": PACKAGES_KEY, "path": PACKAGES_KEY}]
+        name = packages[0]["metadata"]["name"]
+        volumes.append({"name": "raytrain-eks-packages", "configMap": {"name": name, "items": shipped}})
     submitter = {
         "spec": {
             "restartPolicy": "Never",
@@ -380,21 +506,17 @@ def rayjob_manifest(
                     "name": SUBMITTER_CONTAINER,
                     "image": cfg.ray.image,
                     # KubeRay keeps a command it is given (K8sJobMode) instead of its default, which calls `python`.
-                    "command": submitter_argv(doc["spec"]["entrypoint"], json.dumps(env)),
+                    "command": submitter_argv(doc["spec"]["entrypoint"], json.dumps(env), packages=bool(packages)),
                     # As the head: a pod that asks for no GPU sees none, even where the node's runtime would show all.
                     "env": [dict(m.NO_GPU_ENV)],
                     "resources": {
                         "requests": {"cpu": "500m", "memory": "512Mi"},
                         "limits": {"cpu": "1", "memory": "1Gi"},
                     },
-                    "volumeMounts": [
-                        {"name": "raytrain-eks-code", "mountPath": SUBMITTER_ARCHIVE_DIR, "readOnly": True}
-                    ],
+                    "volumeMounts": mounts,
                 }
             ],
-            "volumes": [
-                {"name": "raytrain-eks-code", "configMap": {"name": code_map["metadata"]["name"], "items": items}}
-            ],
+            "volumes": volumes,
         }
     }
     return m.merge(doc, {"spec": {"submitterPodTemplate": submitter}})
@@ -419,14 +541,16 @@ def ray_job_submit_argv(
     wait: bool = True,
     pip: list[str] | None = None,
     pip_options: list[str] | None = None,
+    modules: Sequence[str] = (),
 ) -> list[str]:
-    """``ray job submit`` as run in the head pod: the job's ``runtime_env`` (:func:`runtime_env` of ``code_dir``) and
-    its entrypoint (:func:`raytrain_eks.k8s.manifests.train_argv`). ``submission_id``: Ray makes one when ``None``.
-    ``wait=False`` returns once submitted (``submit`` then follows the logs itself)."""
+    """``ray job submit`` as run in the head pod: the job's ``runtime_env`` (:func:`runtime_env` of ``code_dir``,
+    ``pip``, ``pip_options`` and ``modules``) and its entrypoint (:func:`raytrain_eks.k8s.manifests.train_argv`).
+    ``submission_id``: Ray makes one when ``None``. ``wait=False`` returns once submitted (``submit`` then follows
+    the logs itself)."""
     argv = ["ray", "job", "submit", "--address", DASHBOARD]
     if submission_id is not None:
         argv += ["--submission-id", submission_id]
     if not wait:
         argv.append("--no-wait")
-    env = runtime_env(code_dir, pip, pip_options)
+    env = runtime_env(code_dir, pip, pip_options, modules)
     return [*argv, "--runtime-env-json", json.dumps(env), "--", *m.train_argv()]

@@ -272,6 +272,86 @@ def build_wheelhouse(
     return house
 
 
+@dataclass(frozen=True)
+class Unpacked:
+    """Pure-Python wheels unpacked as pip would lay them out in site-packages, for the job's ``py_modules``.
+
+    ``files``: path (relative to that site-packages) -> bytes; ``top_level``: the folders and modules at its root, one
+    py_modules entry each (Ray puts the folder holding an entry on the workers' PYTHONPATH, so a package and its
+    ``.dist-info``, which ``importlib.metadata`` reads, are two entries side by side); ``digest``: the wheelhouse's.
+    Example: ``top_level == ("peft", "peft-0.21.2.dist-info")`` for peft's wheel."""
+
+    files: dict[str, bytes]
+    top_level: tuple[str, ...]
+    wheels: tuple[str, ...]
+    requirements: tuple[str, ...]
+    digest: str
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(len(data) for data in self.files.values())
+
+    def describe(self) -> str:
+        """``"peft-0.21.2-py3-none-any.whl unpacked: 261 files, 3.6 MiB"``."""
+        return f"{', '.join(self.wheels)} unpacked: {len(self.files)} files, {self.total_bytes / 2**20:,.1f} MiB"
+
+
+def not_pure(wheel: Path) -> str | None:
+    """Why ``wheel`` cannot travel unpacked in py_modules, or ``None`` when it can: it must be pure Python (its
+    ``WHEEL`` says ``Root-Is-Purelib: true`` and every tag is ``py3-none-any`` or alike: no compiled code, which
+    would tie it to one interpreter and platform) and install nothing outside site-packages but console scripts,
+    which the job never runs. Example: ``not_pure(Path("peft-0.21.2-py3-none-any.whl")) is None``."""
+    from packaging.utils import parse_wheel_filename
+
+    _, _, _, tags = parse_wheel_filename(wheel.name)
+    compiled = sorted({str(t) for t in tags if t.abi != "none" or t.platform != "any"})
+    if compiled:
+        return f"{wheel.name} is compiled for {compiled[0]}"
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        info = next((n for n in names if re.fullmatch(r"[^/]+\.dist-info/WHEEL", n)), None)
+        if info is None:
+            return f"{wheel.name} has no .dist-info/WHEEL"
+        wheel_meta = email.parser.Parser().parsestr(z.read(info).decode("utf-8"))
+    if str(wheel_meta.get("Root-Is-Purelib", "")).strip().lower() != "true":
+        return f"{wheel.name} is not pure Python (its WHEEL says Root-Is-Purelib: {wheel_meta.get('Root-Is-Purelib')})"
+    for name in names:
+        parts = name.split("/")
+        if parts[0].endswith(".data") and len(parts) > 2 and parts[1] not in ("scripts", "purelib"):
+            return f"{wheel.name} installs {parts[1]} files outside site-packages ({name})"
+        if len(parts) == 1 and not name.endswith(".py"):
+            return f"{wheel.name} puts {name} at the root of site-packages, which py_modules cannot carry"
+    return None
+
+
+def unpack_pure(house: Wheelhouse) -> Unpacked | str:
+    """Every wheel of ``house`` unpacked in memory (:class:`Unpacked`), or why they cannot all travel so (the first
+    :func:`not_pure` reason, or two wheels writing one file). ``.data/purelib`` goes to the root, console scripts
+    are left out."""
+    files: dict[str, bytes] = {}
+    for wheel in house.wheels:
+        path = house.folder / wheel.name
+        why = not_pure(path)
+        if why is not None:
+            return why
+        with zipfile.ZipFile(path) as z:
+            for member in z.infolist():
+                parts = member.filename.split("/")
+                if member.is_dir() or ".." in parts or member.filename.startswith("/"):
+                    continue
+                if parts[0].endswith(".data"):
+                    if parts[1] != "purelib":
+                        continue  # console scripts: the job imports packages, it never runs their commands
+                    parts = parts[2:]
+                rel = "/".join(parts)
+                if rel in files:
+                    return f"{wheel.name} and another wheel both hold {rel}"
+                files[rel] = z.read(member)
+    top = tuple(sorted({rel.split("/")[0] for rel in files}))
+    names = tuple(w.name for w in house.wheels)
+    return Unpacked(files, top, names, tuple(house.requirements), house.digest)
+
+
 def on_volume(cfg: Config) -> bool:
     """Whether ``training.storage_path`` lies on ``ray.shared_volume`` (a folder of its mount in every Ray pod)."""
     path, mount = cfg.training.storage_path or "", cfg.ray.shared_volume_path
