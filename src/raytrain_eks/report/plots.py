@@ -32,6 +32,15 @@ def _series(records: list[dict[str, Any]], field: str) -> tuple[list[int], list[
     return steps, [points[s] for s in steps]
 
 
+def can_draw() -> bool:
+    """Whether matplotlib can be imported here. The cluster image may lack it: ``submit`` does not ship it (its wheels
+    are compiled and pull four more packages the DLC lacks), so a run there writes no report and ``raytrain-eks
+    results`` draws it where the run is fetched, from its ``metrics.jsonl``."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def load_plotting() -> None:
     """Import matplotlib for :func:`draw_curves` (file output only): about a second on a small machine, which a
     caller can spend on a thread beside other work."""

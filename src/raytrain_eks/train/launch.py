@@ -283,8 +283,7 @@ def _train_in(
     from ray.util.queue import Queue
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from raytrain_eks.report.html import write_report
-    from raytrain_eks.report.plots import load_plotting
+    from raytrain_eks.report.plots import can_draw, load_plotting
     from raytrain_eks.report.tracking import Tracker
     from raytrain_eks.train.checkpoint import (
         RAY_DIR,
@@ -423,7 +422,8 @@ def _train_in(
     if trained is not None:
         trained()
     # The report's plotting library loads on a thread while the model is exported (both take a second or two).
-    threading.Thread(target=load_plotting, name="import-plotting", daemon=True).start()
+    if can_draw():
+        threading.Thread(target=load_plotting, name="import-plotting", daemon=True).start()
     tracker.close()
 
     if "error" in outcome:
@@ -467,12 +467,27 @@ def _train_in(
         summary["cost"], summary["cost_note"] = None, unpriced
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     tracker.finish(summary)
-    say(f"report: {write_report([run_dir], run_dir)}")
+    say(report_line(run_dir))
     if bundle is not None and bundle.finish(summary):  # else its warning said what is missing
         say(bundle_note(bundle.location))
     return RunResult(
         run_dir=run_dir, summary=summary, records=records, bundle=bundle.location if bundle is not None else None
     )
+
+
+def report_line(run_dir: Path) -> str:
+    """Write the run's ``report.html`` and return the line saying where it is; on an image without matplotlib (which
+    ``submit`` does not ship: :func:`~raytrain_eks.report.plots.can_draw`) write none, and say where it is drawn."""
+    from raytrain_eks.report.html import write_report
+    from raytrain_eks.report.plots import can_draw
+
+    if not can_draw():
+        return (
+            "report: not written here (this Python has no matplotlib, which draws its plots): `raytrain-eks results "
+            f"{run_dir.name}` writes it from the run's metrics where it fetches the run; `raytrain-eks report` does "
+            f"on a copy of {run_dir}"
+        )
+    return f"report: {write_report([run_dir], run_dir)}"
 
 
 # PyTorch's caching allocator on the GPU workers: segments that grow in place instead of a new block per size, which
