@@ -1,5 +1,7 @@
-"""What the job's runtime_env installs on AWS's Ray Train DLC, known without pulling the image: the package table
-raytrain-eks ships is checked against the image's own build files (tests/fixtures/ray-train-dlc, with their commit)."""
+"""What the job adds to AWS's Ray Train DLC, and how, known without pulling the image: the package table raytrain-eks
+ships is checked against the image's own build files (tests/fixtures/ray-train-dlc, with their commit); the one
+package it lacks (peft) is expected to travel unpacked in py_modules, and matplotlib, which only draws the report's
+plots, is never shipped; the plan says so."""
 
 from __future__ import annotations
 
@@ -41,14 +43,17 @@ def test_the_shipped_table_is_the_images_build_lock_and_dockerfile():
 def test_on_the_default_image_the_runtime_env_installs_only_what_it_lacks_in_range():
     assert load_config(environ={}, path=None).ray.image == DEFAULT_IMAGE  # the image a first run gets
     left, said = job.planned_installs(DEFAULT_IMAGE)
-    assert [job.requirement_name(r) for r in left] == ["peft", "matplotlib"], left  # neither is in the image
+    assert [job.requirement_name(r) for r in left] == ["peft"], left  # not in the image
+    # matplotlib is not in the image either, but the cluster never gets it: it draws the report's plots.
+    assert "matplotlib" not in {job.requirement_name(r) for r in job.job_requirements()}
+    assert "matplotlib" in job.LOCAL_ONLY and "matplotlib" not in _table()["packages"]
     have = {name.lower(): v for name, v in _table()["packages"].items()}
     for spec in job.job_requirements():
         name = job.requirement_name(spec)
         version = have.get(name.lower())
         usable = version is not None and SpecifierSet(spec[len(name) :]).contains(version)
         assert usable == (spec not in left), (spec, version)
-    assert "The image has 9 of the job's 11 packages in range" in said
+    assert "The image has 9 of the job's 10 packages in range" in said
     assert "transformers 5.13.0" in said and "aws/deep-learning-containers@e0ecedea" in said
 
 
@@ -67,20 +72,44 @@ def test_an_image_not_known_is_asked_at_submit_not_guessed():
         assert job.planned_installs(image) is None and job.known_image_packages(image) is None
 
 
-def test_plan_says_what_the_runtime_env_installs_on_the_image(tmp_path, monkeypatch, capsys):
+def test_peft_is_expected_to_travel_unpacked_and_a_compiled_package_is_not():
+    # Judged from the copies installed here (the releases the job pins) and the image's table, without a download.
+    (peft,) = job.planned_installs(DEFAULT_IMAGE)[0]
+    assert job.expected_not_shipped(DEFAULT_IMAGE, [peft]) is None  # py3-none-any; torch, accelerate... in the DLC
+    why = job.expected_not_shipped(DEFAULT_IMAGE, ["matplotlib>=3.11.2,<4"])
+    assert why is not None and why.startswith("matplotlib 3.11.2 is compiled (cp3")
+    # A pure package with compiled dependencies the image lacks: transformers needs tokenizers and safetensors, which
+    # an image this tool does not know is taken not to have.
+    why = job.expected_not_shipped("rayproject/ray:2.58.0-py312-gpu", ["transformers>=5.13.0,<6"])
+    assert why is not None and why.split()[0] in ("tokenizers", "safetensors") and "is compiled" in why
+    many = [f"p{i}>=1" for i in range(job.MAX_SHIPPED + 1)]
+    assert (
+        job.expected_not_shipped(DEFAULT_IMAGE, many)
+        == f"{len(many)} packages, more than the 4 that are tried as unpacked wheels"
+    )
+
+
+def test_plan_says_how_the_jobs_packages_reach_the_image(tmp_path, monkeypatch, capsys):
     from raytrain_eks.cli import main
     from raytrain_eks.eks.plan import build_plan
 
     plan = build_plan(load_config(environ={}, path=None))
-    assert plan.summary["runtime_env"]["installs"] == ["peft>=0.21.2,<0.22", "matplotlib>=3.11.2,<4"]
+    env = plan.summary["runtime_env"]
+    assert (env["installs"], env["ships"], env["local_only"]) == ([], ["peft>=0.21.2,<0.22"], ["matplotlib"])
     (submit,) = [s for s in plan.steps if s.name == "submit"]
-    assert "the runtime_env installs peft>=0.21.2,<0.22, matplotlib>=3.11.2,<4 there" in submit.action
+    assert "peft>=0.21.2,<0.22 travels unpacked beside the package (py_modules)" in submit.action
+    assert "the runtime_env has no pip, and no node copies the image's Python" in submit.action
+    assert "`raytrain-eks results` draws the report here" in submit.action
     other = "rayproject/ray:2.58.0-py312-gpu"
     plan = build_plan(load_config(environ={}, path=None, sets=[f"ray.image={other}"]), mode="rayjob")
-    assert plan.summary["runtime_env"]["installs"] is None
+    assert plan.summary["runtime_env"]["installs"] is None and plan.summary["runtime_env"]["ships"] is None
     (apply,) = [s for s in plan.steps if s.name == "apply-rayjob"]
     assert f"Which of them {other} has is known only once it runs" in apply.action
+    assert "pure-Python ones travel unpacked beside the package (py_modules)" in apply.action
+    assert "after Ray copies the image's whole virtualenv on every node" in apply.action
+    assert "submit first asks the image" in apply.action and "a short-lived pod of the image" in apply.action
     monkeypatch.chdir(tmp_path)
     main(["plan"])
     said = " ".join(capsys.readouterr().out.split())
-    assert f"Packages the job adds to {DEFAULT_IMAGE}: The image has 9 of the job's 11 packages in range" in said
+    assert f"Packages the job adds to {DEFAULT_IMAGE}: The image has 9 of the job's 10 packages in range" in said
+    assert "peft>=0.21.2,<0.22 travels unpacked beside the package (py_modules)" in said

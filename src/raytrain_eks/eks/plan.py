@@ -133,7 +133,8 @@ def _steps(
             f"Create EKS cluster {c.name} (Kubernetes {c.k8s_version}, OIDC; the Ray pods' service account "
             f"{m.RAY_SERVICE_ACCOUNT} gets an IAM role that may use bucket {bucket} only; private subnets in "
             f"{', '.join(zones.cluster_azs)} behind one NAT gateway), node group {eksctl.SYSTEM_NODEGROUP} "
-            f"({c.system_node_count} x {c.system_node_type}) and EFA node group {c.gpu_nodegroup_name} "
+            f"({c.system_node_count} x {c.system_node_type}, a {eksctl.SYSTEM_VOLUME_GIB} GiB gp3 root volume "
+            f"each: {eksctl.SYSTEM_VOLUME_REASON}) and EFA node group {c.gpu_nodegroup_name} "
             f"({c.gpu_node_count} x {gpu.name} in {zones.gpu_az}, "
             + (
                 f"launched into capacity reservation {c.capacity_reservation_id})."
@@ -273,7 +274,8 @@ def job_steps(
                 "upload-package",
                 f"Unpack the raytrain_eks package ({PACKAGE_ARCHIVE_FILE}, a base64 tar.gz read on stdin) into "
                 f"{code_dir} in the head pod: the image has no copy of it, and the job's runtime_env ships it to "
-                "every worker from there (py_modules).",
+                "every worker from there (py_modules). Packages the image lacks that travel unpacked (below) are "
+                f"unpacked the same way into {job_files.HEAD_CODE_ROOT}/packages-DIGEST by submit.",
                 [*head_exec, "-i", "--", *job_files.unpack_argv(code_dir)],
                 [PACKAGE_ARCHIVE_FILE],
                 stdin=PACKAGE_ARCHIVE_FILE,
@@ -282,9 +284,10 @@ def job_steps(
                 "submit",
                 f"Run the job from inside the head pod (the dashboard port stays inside the cluster): "
                 f"{shlex.join(m.train_argv())} on {d.world_size} workers; {sharding}; with a runtime_env that ships "
-                f"the package unpacked above and pip-installs those of {', '.join(job_files.job_requirements())} the "
-                "image does not have in range (asked of the head pod's python3 first; the command below lists them "
-                "all). " + image_installs(cfg)["how"],
+                f"the package unpacked above and brings those of {', '.join(job_files.job_requirements())} the "
+                "image does not have in range (asked of the head pod's python3 first): unpacked beside it, each "
+                "top-level folder one more py_modules entry, else pip (the command below lists them all for pip). "
+                + image_installs(cfg)["how"],
                 [*head_exec, "--", *job_files.ray_job_submit_argv(code_dir)],
             ),
         ]
@@ -301,7 +304,9 @@ def job_steps(
                 f"Store the raytrain_eks package (a tar.gz) as ConfigMap {ns}/{r.cluster_name}-code; the RayJob's "
                 f"submitter pod mounts it at {job_files.SUBMITTER_ARCHIVE_DIR} and unpacks it into "
                 f"{job_files.SUBMITTER_CODE_DIR}, where the job's runtime_env ships it to every worker from "
-                "(py_modules). Server-side apply: the package is too large for kubectl's last-applied annotation.",
+                "(py_modules). Server-side apply: the package is too large for kubectl's last-applied annotation. "
+                f"Packages that travel unpacked (below) go as ConfigMap {ns}/{r.cluster_name}-packages, unpacked by "
+                f"the submitter pod into {job_files.SUBMITTER_PACKAGES_DIR}.",
                 [*kubectl, "apply", "--server-side", "-f", CODE_CONFIG_MAP_FILE],
                 [CODE_CONFIG_MAP_FILE],
             ),
@@ -312,8 +317,11 @@ def job_steps(
                 f"the job is stopped after {r.job_deadline_s} s, or if it is not running within "
                 f"{r.job_start_deadline_s} s. "
                 f"KubeRay deletes the cluster {m.RAYJOB_TTL_S} s after the job ended unless submit has (below). "
-                "Its runtime_env lists all of " + ", ".join(job_files.job_requirements()) + ", fixed before a pod "
-                "exists; pip installs only those the image lacks in range. " + image_installs(cfg)["how"],
+                "Its runtime_env is fixed before a pod exists, so submit first asks the image which of "
+                + ", ".join(job_files.job_requirements())
+                + " it has in range (what an earlier submit remembered of it, else a short-lived pod of the image on "
+                "a node the workers use) and applies the RayJob with only the others; the file here lists them all "
+                "for pip. " + image_installs(cfg)["how"],
                 [*kubectl, "apply", "-f", manifest],
                 [manifest],
             ),
@@ -333,20 +341,49 @@ def planned_sharding(cfg: Config) -> dict[str, Any]:
     return {"mode": layout.mode, "mesh_shape": list(layout.mesh_shape), "line": sharding_line(cfg)}
 
 
+# How submit brings what the image lacks, in words (eks/offline.py's choose).
+_PACKAGES_RULE = (
+    "submit downloads here the wheels of what the image lacks in range, for its Python: pure-Python ones travel "
+    "unpacked beside the package (py_modules), so the runtime_env has no pip and no node copies the image's Python; "
+    "compiled ones (or more than {max} packages) pip installs, after Ray copies the image's whole virtualenv on every "
+    "node"
+)
+
+
 def image_installs(cfg: Config) -> dict[str, Any]:
-    """What the job's runtime_env installs on ``ray.image``: ``installs``, the requirements, where this tool knows the
-    image's packages (:func:`~raytrain_eks.k8s.job.planned_installs`), else ``None``; ``how``, that in words."""
+    """How the job's packages beyond ``ray.image`` reach it, where this tool knows the image's packages
+    (:func:`~raytrain_eks.k8s.job.planned_installs`): ``installs``, what pip installs, and ``ships``, what travels
+    unpacked in py_modules (:func:`~raytrain_eks.k8s.job.expected_not_shipped`; both ``None`` for an image not
+    known); ``local_only``, what the job never gets on the cluster; ``how``, that in words. Example (the DLC):
+    ``{"installs": [], "ships": ["peft>=0.21.2,<0.22"], "local_only": ["matplotlib"], "how": "The image has 9 of
+    ..."}``."""
+    local = sorted(job_files.LOCAL_ONLY)
+    kept = (
+        f"{', '.join(local)} (the report's plots) is not shipped: on an image without it the run writes its metrics "
+        "and no report, and `raytrain-eks results` draws the report here."
+    )
+    rule = _PACKAGES_RULE.format(max=job_files.MAX_SHIPPED)
     known = job_files.planned_installs(cfg.ray.image)
     if known is None:
-        return {
-            "installs": None,
-            "how": f"Which of them {cfg.ray.image} has is known only once it runs: submit says so.",
-        }
+        how = f"Which of them {cfg.ray.image} has is known only once it runs (submit says so): {rule}. {kept}"
+        return {"installs": None, "ships": None, "local_only": local, "how": how}
     left, said = known
-    return {
-        "installs": left,
-        "how": f"{said}: the runtime_env installs {', '.join(left) if left else 'nothing'} there.",
-    }
+    if not left:
+        return {"installs": [], "ships": [], "local_only": local, "how": f"{said}: the job adds nothing. {kept}"}
+    why = job_files.expected_not_shipped(cfg.ray.image, left)
+    if why is None:
+        how = (
+            f"{said}: {', '.join(left)} {'travels' if len(left) == 1 else 'travel'} unpacked beside the package "
+            "(py_modules), as pure-Python wheels whose dependencies the image has (so are the copies installed "
+            "here; submit checks the wheels it downloads for the image's Python): the runtime_env has no pip, and "
+            f"no node copies the image's Python. {kept}"
+        )
+        return {"installs": [], "ships": left, "local_only": local, "how": how}
+    how = (
+        f"{said}: pip installs {', '.join(left)} there ({why}), after Ray copies the image's whole virtualenv on "
+        f"every node. {kept}"
+    )
+    return {"installs": left, "ships": [], "local_only": local, "how": how}
 
 
 def _offline_step(cfg: Config, mode: Mode) -> str:
@@ -489,6 +526,12 @@ def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False
         ),
         "checkpoint_storage": checkpoint_storage(cfg),  # what they take, and cost in S3
         "runtime_env": image_installs(cfg),
+        # EBS is not priced here (the cost's note says so): the size and why.
+        "system_node_volume": {
+            "gib": eksctl.SYSTEM_VOLUME_GIB,
+            "type": "gp3",
+            "why": eksctl.SYSTEM_VOLUME_REASON,
+        },
         "memory_per_gpu": memory.to_dict() if memory else None,
         "sharding": planned_sharding(cfg),
     }
