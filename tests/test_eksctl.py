@@ -26,6 +26,7 @@ from typing import Any
 
 import eksctl_source
 import fake_eksctl_stacks as cfn
+import jsonschema
 import pytest
 from fake_aws import FakeQuotas, FakeReservations, FakeSpotScores
 from test_deploy import ZONES, World
@@ -422,3 +423,29 @@ def test_the_oidc_provider_facts_the_tool_reads_are_eksctls():
     issuer = "https://oidc.eks.cn-north-1.amazonaws.com.cn/id/AB"
     expected = "arn:aws-cn:iam::111122223333:oidc-provider/oidc.eks.cn-north-1.amazonaws.com.cn/id/AB"
     assert irsa.provider_arn(cluster, issuer) == expected
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The system node's root volume
+# ------------------------------------------------------------------------------------------------------------------
+
+
+def test_the_system_node_group_gets_a_root_volume_sized_for_the_image_and_the_heads_run_folder(cfg_for):
+    types = (eksctl_source.ROOT / "pkg" / "apis" / "eksctl.io" / "v1alpha5" / "types.go").read_text()
+    # eksctl's default, which the system node had, and the field a managed node group sets it with.
+    default = int(re.search(r"DefaultNodeVolumeSize = (\d+)", types).group(1))
+    base = types[types.index("type NodeGroupBase struct") :]
+    assert 'VolumeSize *int `json:"volumeSize,omitempty"`' in base[: base.index("\n}\n")]
+    path = Path(__file__).parent / "schemas" / "eksctl" / "clusterconfig.v1alpha5.schema.json"
+    schema = json.loads(path.read_text())
+    field = schema["definitions"]["ManagedNodeGroup"]["properties"]["volumeSize"]
+    assert (field["type"], field["default"]) == ("integer", default) == ("integer", 80)
+    assert default < eksctl.SYSTEM_VOLUME_GIB
+    # The ClusterConfig up writes (whole, and one node group at a time) carries it, and validates.
+    cfg = cfg_for()
+    doc = eksctl.cluster_config(cfg, eksctl.planned_zones(cfg), bucket="b")
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    assert not [e.message for e in validator.iter_errors(doc)]
+    system, gpu = doc["managedNodeGroups"]
+    assert (system["name"], system["volumeSize"], system["volumeType"]) == ("system", eksctl.SYSTEM_VOLUME_GIB, "gp3")
+    assert gpu["volumeSize"] == cfg.cluster.gpu_volume_gib  # the GPU nodes keep their own setting

@@ -257,6 +257,20 @@ def test_submit_runs_inside_the_head_pod(cfg_for):
     assert submit[-len(m.train_argv()) :] == m.train_argv()
 
 
+def test_plan_states_the_system_nodes_root_volume_and_why(cfg_for):
+    plan = build_plan(cfg_for())
+    volume = plan.summary["system_node_volume"]
+    assert (volume["gib"], volume["type"]) == (eksctl.SYSTEM_VOLUME_GIB, "gp3") and volume["gib"] > 80
+    assert "image" in volume["why"] and "run folder" in volume["why"] and "eksctl's default is 80 GiB" in volume["why"]
+    (create,) = [s for s in plan.steps if s.name == "create-cluster"]
+    assert (
+        f"node group system (1 x m7i.xlarge, a {eksctl.SYSTEM_VOLUME_GIB} GiB gp3 root volume each: " in create.action
+    )
+    # EBS has no price in the plan: its note says so, and the volume adds no line.
+    assert any("Excludes EBS volumes" in note for note in plan.cost["notes"])
+    assert not [i for i in plan.cost["items"] if "EBS" in i["name"] or "volume" in i["name"].lower()]
+
+
 def test_reference_cost_is_about_nine_and_a_half_dollars_an_hour(cfg_for):
     cost = build_plan(cfg_for()).cost
     assert cost["total_usd"] == pytest.approx(9.5498)

@@ -46,6 +46,22 @@ AVOIDED_ZONE_IDS: dict[str, tuple[str, ...]] = {
 EKSCTL_NVIDIA_PLUGIN_DAEMONSET = "nvidia-device-plugin-daemonset"
 EKSCTL_EFA_PLUGIN_DAEMONSET = "aws-efa-k8s-device-plugin"
 
+# The system node's root volume, GiB (gp3). eksctl's default is 80 (``DefaultNodeVolumeSize``, eksctl v0.230.0
+# pkg/apis/eksctl.io/v1alpha5/types.go), shared by everything the node keeps. The Ray head runs there (beside the
+# KubeRay operator), so it holds the cluster image, pulled and unpacked (containerd keeps the compressed layers
+# beside the unpacked snapshot; the DLC's /opt/venv alone is built from 2.5 GB of wheels by its uv.lock, several
+# times that unpacked, on a CUDA base: tens of GB), the head's run folder (the job's driver writes the model's
+# export there, 2 bytes a parameter, and for a LoRA run first fetches the base model it merges into: 30 GB for a
+# 7B model), and Ray's session folder (logs, the job's runtime_env files; a pip runtime_env would add a whole copy
+# of /opt/venv). The kubelet deletes images from 85% use (imageGCHighThresholdPercent) and evicts pods under 10%
+# free (nodefs.available): 200, as the GPU nodes' default, leaves room for a model of up to about 30B parameters.
+SYSTEM_VOLUME_GIB = 200
+SYSTEM_VOLUME_REASON = (
+    "room for the image pulled and unpacked (tens of GB), the head's run folder (the model's export, and a LoRA run's "
+    "base model: 30 GB for a 7B model) and Ray's session folder, under the kubelet's 85% image clean-up; eksctl's "
+    "default is 80 GiB"
+)
+
 
 @dataclass(frozen=True)
 class Zones:
@@ -96,6 +112,8 @@ def cluster_config(cfg: Config, zones: Zones, bucket: str | None = None, kms_key
         "minSize": c.system_node_count,
         "maxSize": c.system_node_count,
         "privateNetworking": True,
+        "volumeSize": SYSTEM_VOLUME_GIB,
+        "volumeType": "gp3",
         "labels": dict(SYSTEM_NODE_LABELS),
         "tags": dict(tags),
     }

@@ -550,7 +550,11 @@ def ensure_system_nodegroup(d: Deployment, plan: ZonePlan) -> None:
         d.run(delete_nodegroup_argv(d.cfg, name), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say)
     path = write_eksctl_config(d, plan, plan.candidates[0], name)
     d.state.record(nodegroup_item(name))
-    d.say(f"Creating node group {name} ({d.cfg.cluster.system_node_count} x {d.cfg.cluster.system_node_type})")
+    c = d.cfg.cluster
+    d.say(
+        f"Creating node group {name} ({c.system_node_count} x {c.system_node_type}, "
+        f"{eksctl.SYSTEM_VOLUME_GIB} GiB gp3 root volume each)"
+    )
     d.run(create_nodegroup_argv(path), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say)
 
 
