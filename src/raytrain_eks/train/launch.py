@@ -9,6 +9,7 @@ a running cluster (how it runs inside the head pod on EKS). Example::
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import shutil
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -496,11 +497,33 @@ def report_line(run_dir: Path) -> str:
 CUDA_ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
+def compile_cache_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables that keep what torch.compile compiled: the inductor's FX graph cache and AOT autograd's cache,
+    both on (torch 2.13's defaults, set so that no site default turns them off), in one folder per user on each
+    node, ``/tmp/raytrain-eks-<user>/inductor``. The folder outlives the worker processes, so a worker group Ray
+    Train restarts, or the next run on the node, loads the compiled layers rather than compiling them again. A value
+    the user set in ``environ`` is kept (``TORCHINDUCTOR_CACHE_DIR``, or ``TORCHINDUCTOR_FX_GRAPH_CACHE=0``)."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a container's user without a passwd entry (torch names it by its uid too)
+        user = f"uid{os.getuid()}"
+    # /tmp, not this process's temp folder: the path is chosen here but used on every node, and a driver on macOS
+    # has a per-user temp folder the Linux nodes lack.
+    default = f"/tmp/raytrain-eks-{re.sub(r'[^A-Za-z0-9._-]', '_', user)}/inductor"
+    wanted = {
+        "TORCHINDUCTOR_CACHE_DIR": default,
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
+    }
+    return {name: environ.get(name) or value for name, value in wanted.items()}
+
+
 def worker_environment(cfg: Config, nccl_name: str, *, use_gpu: bool) -> dict[str, str]:
     """The environment the training workers get. Workers inherit the raylet's environment, not the driver's, so
     what they need is passed explicitly: the staged model's offline switch, NCCL's evidence file (``nccl_name``
-    names it) unless the fabric requirement is ``any``, the allocator setting on GPU workers, and the test faults."""
-    env: dict[str, str] = {}
+    names it) unless the fabric requirement is ``any``, the allocator setting on GPU workers, the compile cache
+    (:func:`compile_cache_environment`) and the test faults."""
+    env: dict[str, str] = compile_cache_environment(os.environ)
     if is_staged_location(cfg.training.model_id):  # read from where it is staged: no worker asks the Hub
         env["HF_HUB_OFFLINE"] = "1"
         if os.environ.get(MODEL_CACHE_ENV):

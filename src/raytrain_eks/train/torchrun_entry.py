@@ -27,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from raytrain_eks.config import TrainingConfig
 from raytrain_eks.errors import UserError
 from raytrain_eks.train.context import ProcessContext
+from raytrain_eks.train.launch import compile_cache_environment
 from raytrain_eks.train.loop import quiet_libraries, train
 from raytrain_eks.train.model_source import resolve_model_path
 
@@ -87,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.config_json}: {exc}", file=sys.stderr)
         return 2
     quiet_libraries()
+    # The compile cache the Ray workers use (torch reads these when it compiles), so a run under torchrun and one
+    # under Ray on the same node reuse each other's compiled layers.
+    os.environ.update(compile_cache_environment(os.environ))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
