@@ -43,6 +43,7 @@ def test_default_run_end_to_end(tmp_path, builtin_cache):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert {"steps", "first_loss", "final_loss", "tokens", "wall_s", "tokens_per_s", "mfu"} <= set(summary)
     assert summary["steps"] == steps and summary["world_size"] == 2
+    assert summary["compile"] == "off" and summary["first_step_s"] > 0  # compile auto: not on CPUs
     assert summary["first_loss"] == records[0]["loss"] and summary["final_loss"] == records[-1]["loss"]
     assert summary["final_loss"] < 0.5 * summary["first_loss"], summary
     # Every step trains 2 workers' blocks; the tokens count the rows in them, not the padding after the rows.

@@ -140,7 +140,9 @@ def train(
     compile_layers: Annotated[
         bool | None,
         typer.Option(
-            "--compile/--no-compile", help="Compile each decoder layer with torch.compile (inductor) before sharding."
+            "--compile/--no-compile",
+            help="Compile each decoder layer with torch.compile before sharding (on), or never (off); unset: "
+            "training.compile, auto by default (compiled on CUDA GPUs, not on CPUs).",
         ),
     ] = None,
     resume: Annotated[

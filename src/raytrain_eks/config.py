@@ -637,10 +637,10 @@ class TrainingConfig(_Section):
         description="auto (flash_attention_2 on a bf16 CUDA run where flash-attn is installed and the model takes it, "
         "else sdpa), sdpa, flash_attention_2 (refused where it cannot run) or eager",
     )
-    compile: bool = Field(
-        False,
-        description="compile each decoder layer with torch.compile (the inductor) before sharding; the first steps "
-        "then take longer while it compiles",
+    compile: layers.CompileSetting = Field(
+        "auto",
+        description="auto (on CUDA GPUs, not on CPUs, decided by the workers), on or off: compile each decoder layer "
+        "with torch.compile before sharding; the first step takes longer while it compiles (summary: first_step_s)",
     )
     seed: int = Field(0, ge=0)
     log_every: int = Field(10, ge=1, description="steps between metric records sent to the driver")

@@ -9,10 +9,10 @@ import copy
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, BeforeValidator
 
 from raytrain_eks.errors import ConfigError
 
@@ -251,6 +251,16 @@ def set_value(raw: str) -> Any:
         return yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         return raw
+
+
+def on_off(value: Any) -> Any:
+    """A switch that has grown a third value (``auto``), read as older files and flags give it: ``true`` is ``on``
+    and ``false`` is ``off`` (YAML also reads ``on``, ``off``, ``yes`` and ``no`` unquoted as these booleans)."""
+    return ("on" if value else "off") if isinstance(value, bool) else value
+
+
+# training.compile: true and false (older files, --compile/--no-compile) are on and off.
+CompileSetting = Annotated[Literal["auto", "on", "off"], BeforeValidator(on_off)]
 
 
 def cluster_settings_refusal(c: Any) -> str | None:

@@ -44,6 +44,7 @@ from raytrain_eks.train.model import (
     load_model,
     load_model_shell,
     output_projection_deferred,
+    resolve_compile,
     router_aux_loss,
 )
 from raytrain_eks.train.packing import block_documents
@@ -205,6 +206,7 @@ class PreparedModel:
     trainable: int
     lora_targets: list[str] | None = None  # the layers given adapters (method lora); None for full fine-tuning
     attention: str = "sdpa"  # the attention implementation the model was built with (its config's)
+    compiled: bool = False  # its decoder layers compiled with torch.compile (training.compile, resolved)
 
 
 def prepare_model(
@@ -265,8 +267,11 @@ def prepare_model(
         model.to(device)
     trainable, total = parameter_counts(model)
     output_weight = output_projection_deferred(model)
-    if cfg.compile:  # before sharding: FSDP's gathers and reductions stay outside the compiled code
-        ctx.emit(Note(f"compile: {compile_layers(model)} decoder layers with torch.compile (inductor)"))
+    compiled, why = resolve_compile(cfg.compile, device)
+    if compiled:  # before sharding: FSDP's gathers and reductions stay outside the compiled code
+        ctx.emit(Note(f"compile: {compile_layers(model)} decoder layers with torch.compile ({why})"))
+    else:
+        ctx.emit(Note(f"compile: off ({why})"))
     shard_model(model, layout, precision=precision, reduce_precision=cfg.reduce_precision, device=device)
     if start == "rank0":
         fill_from_rank0(model, weights, device)
@@ -286,6 +291,7 @@ def prepare_model(
         trainable=trainable,
         lora_targets=targets,
         attention=str(model.config._attn_implementation),
+        compiled=compiled,
     )
 
 
@@ -518,6 +524,7 @@ class Tally:
     fabric: dict[str, Any] | None = None
     train_s: float = 0.0
     samples_s: float = 0.0
+    first_step_s: float | None = None  # from the start of train() to the end of this attempt's first step
 
 
 def run_summary(
@@ -553,6 +560,8 @@ def run_summary(
         "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
         "precision": precision,
         "attention": prepared.attention,
+        "compile": "on" if prepared.compiled else "off",
+        "first_step_s": tally.first_step_s,
         "sharding": layout.mode,
         "reduce_precision": cfg.reduce_precision,
         "flops_per_token": fpt,
@@ -600,6 +609,7 @@ def train(
     :func:`train_step`, on logged steps :func:`logged_loss` and a :class:`ThroughputWindow`, checkpoints through
     the context, and at the end the samples and :func:`run_summary`.
     """
+    began = time.perf_counter()  # the first step's time counts the model's start and its compiling
     torch.manual_seed(cfg.seed)
     device = ctx.device
     precision, layout, checkpointing, attention = decide_run(cfg, model_path, ctx)
@@ -692,6 +702,10 @@ def train(
         if eval_due or step == start.step + 1 or step % cfg.log_every == 0 or step == cfg.steps:
             loss, grad_norm = logged_loss(result, ctx.world_size)
             _sync(device)
+            if step == start.step + 1:  # what starting costs, compiling included: the cache of compiled code cuts it
+                tally.first_step_s = time.perf_counter() - began
+                held = "model start, compiling and the step" if prepared.compiled else "model start and the step"
+                ctx.emit(Note(f"first step: done {tally.first_step_s:.1f} s after training started ({held})"))
             tally.losses[step] = loss
             step_time, tps, flops_per_s = window.close(*_all_ranks(window, device))
             if eval_due and held_out is not None:  # after the window's timing: left out of throughput, like checkpoints

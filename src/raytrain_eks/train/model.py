@@ -175,6 +175,24 @@ def fill_from_rank0(model: Any, weights: dict[str, torch.Tensor] | None, device:
             dist.broadcast(buffer, src=0)
 
 
+def resolve_compile(requested: str, device: torch.device) -> tuple[bool, str]:
+    """Whether this worker compiles the decoder layers (``training.compile``: auto, on or off) on ``device``, and why.
+
+    ``auto`` compiles on CUDA, where the compiled layers train faster (benchmarks/results/2026-12-04-h200: 35-47% MFU
+    against 28.1% eager on an H200), and not on other devices: on a CPU compiling takes longer than a short run saves.
+    Example: ``resolve_compile("auto", torch.device("cpu"))`` is ``(False, "auto: the device is a CPU")``.
+    """
+    if requested in {"on", "off"}:
+        return requested == "on", "as configured"
+    if requested != "auto":
+        raise ValueError(f"compile must be auto, on or off, not {requested!r}")
+    if device.type == "cuda":
+        return True, "auto: CUDA"
+    if device.type == "cpu":
+        return False, "auto: the device is a CPU"
+    return False, f"auto: compiled by default on CUDA only, not on {device.type}"
+
+
 def compile_layers(model: Any) -> int:
     """Compile each decoder layer in place with ``torch.compile`` (the inductor); returns how many were compiled.
 
