@@ -191,8 +191,8 @@ class ClusterConfig(_Section):
     gpu_nodegroup_name: str = "gpu-efa"
     gpu_az: str | None = Field(
         None,
-        description="one availability zone for every GPU node (EFA cannot cross zones); empty = picked at deploy (eks), "
-        "the one zone of the EFA GPU nodes (kubernetes)",
+        description="one availability zone for every GPU node (EFA cannot cross zones); empty = picked at deploy "
+        "(eks), the one zone of the EFA GPU nodes (kubernetes)",
     )
     # An existing on-demand capacity reservation for the GPU nodes (its zone becomes the GPU zone).
     capacity_reservation_id: str | None = Field(
