@@ -94,8 +94,8 @@ def ask_image(d: Deployment, pod: Pod) -> wh.ImagePython:
     if found is None:
         raise UserError(
             f"{_flag(d)}cannot read the image's Python and platform in {pod.name}: {said[-300:]}. Nothing was applied",
-            hint="--offline needs a CPython image whose python3 imports packaging (Ray's images do); or submit "
-            "without --offline.",
+            hint="Asking the image needs a CPython image whose python3 imports packaging (Ray's images do)"
+            + ("; or submit without --offline." if d.cfg.ray.offline else "."),
         )
     image = wh.ImagePython.from_probe(found)
     old = _remembered(d) or {}
@@ -157,8 +157,7 @@ def image_pod(d: Deployment) -> Iterator[Pod]:
         events = [e for e in d.kube.pod_events(ns, name) if e.type == "Warning"] or d.kube.pod_events(ns, name)
         shown = "\n".join(f"  {e}" for e in events[-5:]) or "  (no events)"
         return ProbeNotRunning(
-            f"--offline: the pod {ns}/{name} of the image {why}:\n{shown}\nNothing else was applied; the pod is "
-            "deleted",
+            f"{_flag(d)}the pod {ns}/{name} of the image {why}:\n{shown}\nNothing else was applied; the pod is deleted",
             hint="Fix what the events say (FailedScheduling: no node the workers select has room for a 100m/256Mi "
             "pod; ImagePullBackOff: the image name, or the nodes' route to its registry; an ended pod: the image "
             f"has no {m.IMAGE_PYTHON}), then submit again.",
