@@ -401,7 +401,8 @@ def _offline_step(cfg: Config, mode: Mode) -> str:
         + ". Download here wheels (`pip download --no-deps --only-binary=:all:` for that Python "
         "and platform) of those of " + ", ".join(job_files.job_requirements()) + " the image lacks in range and of "
         "their dependencies the image does not meet; submit prints each wheel and the total size, and stops "
-        "(exit 2) naming a package without a wheel. "
+        "(exit 2) naming a package without a wheel. When every one is pure Python they travel unpacked beside the "
+        "package (py_modules), and what follows is not done. "
         + (
             f"Write them through that pod onto ray.shared_volume {cfg.ray.shared_volume} at "
             f"{wheelhouse.storage_location(cfg)}/DIGEST (in pieces, each file checked against the manifest, which is "
