@@ -423,21 +423,13 @@ def code_config_map(cfg: Config, files: Mapping[str, str]) -> tuple[dict[str, An
     """The package as a ConfigMap (for a RayJob's submitter pod): one ``binaryData`` key, :data:`ARCHIVE_KEY`, the
     :func:`package_archive` tar.gz (a quarter of the sources' size), and the volume ``items`` that mount it as that
     file. The submitter unpacks it (:func:`submitter_argv`)."""
-    meta = {"name": f"{cfg.ray.cluster_name}-code", "namespace": cfg.ray.namespace, "labels": m.labels(cfg)}
-    doc = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": meta,
-        "binaryData": {ARCHIVE_KEY: package_archive(files)},
-    }
-    size = config_map_bytes(doc)
+    doc, size = _archive_config_map(cfg, "code", ARCHIVE_KEY, package_archive(files))
     if size > CONFIG_MAP_MAX_BYTES:
         largest = sorted(files, key=lambda p: len(files[p].encode("utf-8")), reverse=True)[:3]
         sizes = ", ".join(f"{p} ({len(files[p].encode('utf-8')):,} bytes)" for p in largest)
         raise UserError(
-            f"the raytrain_eks package ({len(files)} files, compressed) makes ConfigMap "
-            f"{meta['namespace']}/{meta['name']} {size:,} bytes; Kubernetes accepts at most {CONFIG_MAP_MAX_BYTES:,}. "
-            f"Largest files: {sizes}",
+            f"the raytrain_eks package ({len(files)} files, compressed) makes ConfigMap {_where(doc)} {size:,} "
+            f"bytes; Kubernetes accepts at most {CONFIG_MAP_MAX_BYTES:,}. Largest files: {sizes}",
             hint="Submit with --mode raycluster (it copies the package into the head pod instead), "
             "or move large data files out of the package.",
         )
@@ -448,21 +440,25 @@ def packages_config_map(cfg: Config, packages: Unpacked) -> tuple[dict[str, Any]
     """The shipped packages as a ConfigMap of their own (for a RayJob's submitter pod, beside :func:`code_config_map`):
     one ``binaryData`` key, :data:`PACKAGES_KEY`, and the volume ``items`` that mount it as that file. A UserError
     when it exceeds 1 MiB (``submit`` checks first, and lets pip install such packages instead)."""
-    meta = {"name": f"{cfg.ray.cluster_name}-packages", "namespace": cfg.ray.namespace, "labels": m.labels(cfg)}
-    doc = {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": meta,
-        "binaryData": {PACKAGES_KEY: packages_archive(packages)},
-    }
-    size = config_map_bytes(doc)
+    doc, size = _archive_config_map(cfg, "packages", PACKAGES_KEY, packages_archive(packages))
     if size > CONFIG_MAP_MAX_BYTES:
         raise UserError(
-            f"the packages shipped unpacked ({packages.describe()}) make ConfigMap {meta['namespace']}/{meta['name']} "
-            f"{size:,} bytes; Kubernetes accepts at most {CONFIG_MAP_MAX_BYTES:,}",
+            f"the packages shipped unpacked ({packages.describe()}) make ConfigMap {_where(doc)} {size:,} bytes; "
+            f"Kubernetes accepts at most {CONFIG_MAP_MAX_BYTES:,}",
             hint="Submit with --mode raycluster (it copies them into the head pod instead).",
         )
     return doc, [{"key": PACKAGES_KEY, "path": PACKAGES_KEY}]
+
+
+def _archive_config_map(cfg: Config, suffix: str, key: str, archive: str) -> tuple[dict[str, Any], int]:
+    """A ConfigMap named ``<cluster>-<suffix>`` holding ``archive`` (base64 text) under ``key``, and its size."""
+    meta = {"name": f"{cfg.ray.cluster_name}-{suffix}", "namespace": cfg.ray.namespace, "labels": m.labels(cfg)}
+    doc = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "binaryData": {key: archive}}
+    return doc, config_map_bytes(doc)
+
+
+def _where(doc: Mapping[str, Any]) -> str:
+    return f"{doc['metadata']['namespace']}/{doc['metadata']['name']}"
 
 
 def config_map_bytes(doc: Mapping[str, Any]) -> int:
