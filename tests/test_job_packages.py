@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -68,3 +69,32 @@ def test_with_matplotlib_the_run_writes_its_report(tmp_path: Path):
     run = _run_folder(tmp_path)
     assert report_line(run) == f"report: {run / 'report.html'}"
     assert (run / "plots" / "loss.png").is_file()
+
+
+def test_a_configmap_over_kubernetes_limit_is_refused_naming_what_fills_it(monkeypatch):
+    from raytrain_eks.config import load_config
+    from raytrain_eks.errors import UserError
+    from raytrain_eks.k8s.wheelhouse import Unpacked
+
+    cfg = load_config(environ={}, path=None)
+    monkeypatch.setattr(shipping, "CONFIG_MAP_MAX_BYTES", 2_000)
+    small, items = shipping.code_config_map(cfg, {"raytrain_eks/small.py": "y = 1\n"})
+    assert small["metadata"]["name"] == f"{cfg.ray.cluster_name}-code"
+    assert items == [{"key": shipping.ARCHIVE_KEY, "path": shipping.ARCHIVE_KEY}]
+    noise = "".join(f"k{i} = '{hashlib.sha256(str(i).encode()).hexdigest()}'\n" for i in range(200))  # no gzip gain
+    big = {"raytrain_eks/big.py": noise, "raytrain_eks/small.py": "y = 1\n"}
+    with pytest.raises(
+        UserError, match=r"-code \S+ bytes; Kubernetes accepts at most 2,000\. Largest files: raytrain_eks/big"
+    ) as err:
+        shipping.code_config_map(cfg, big)
+    assert "--mode raycluster" in err.value.hint
+    packed = Unpacked(
+        files={"pkg/data.bin": b"".join(hashlib.sha256(i.to_bytes(2, "big")).digest() for i in range(200))},
+        top_level=("pkg",),
+        wheels=("pkg-1-py3-none-any.whl",),
+        requirements=("pkg",),
+        digest="d",
+    )
+    with pytest.raises(UserError, match=r"-packages \S+ bytes; Kubernetes accepts at most 2,000") as err:
+        shipping.packages_config_map(cfg, packed)
+    assert "pkg-1-py3-none-any.whl unpacked" in str(err.value) and "--mode raycluster" in err.value.hint
