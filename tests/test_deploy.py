@@ -21,7 +21,7 @@ import json
 import re
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -1845,6 +1845,30 @@ def test_ctrl_c_while_following_a_rayjob_deletes_it_and_scales_the_gpu_group_to_
     assert not ready.kube.nodes({"role": "gpu-worker"}), "no GPU instance left billing"
     said = ready.said()
     assert said.index("Ctrl-C: stopping job") < said.index("scaling GPU node group gpu-efa to 0")
+
+
+def test_ctrl_c_while_submit_waits_for_the_rayjobs_pods_deletes_it_too(ready: World):
+    listings = ready.kube.pods
+
+    def interrupted(namespace: str, selector: Mapping[str, str] | None = None) -> list[Pod]:
+        if "ray.io/cluster" in (selector or {}) and ready.kube.objects("RayJob"):
+            raise KeyboardInterrupt  # Ctrl-C while submit waits for the RayJob's pods to run
+        return listings(namespace, selector)
+
+    ready.kube.pods = interrupted  # type: ignore[method-assign]
+    with pytest.raises((UserError, KeyboardInterrupt)) as stopped:
+        ready.submit(mode="rayjob")
+    ready.kube.pods = listings  # type: ignore[method-assign]
+    assert isinstance(stopped.value, UserError), "Ctrl-C left the RayJob running"
+    assert stopped.value.exit_code == 130 and ("ray.io/v1", "RayJob", "ray-train", "default") in ready.kube.deleted
+    assert stopped.value.message.startswith("stopped by Ctrl-C: job "), stopped.value.message
+    assert "its RayJob default/ray-train deleted with its RayCluster and pods" in stopped.value.message
+    assert ready.kube.get("ray.io/v1", "RayJob", "ray-train", "default") is None
+    assert not ready.kube.objects("RayCluster") and not ready.kube.pods("default", {})
+    scale = ready.tools.commands("eksctl", "scale", "nodegroup")
+    assert [c[c.index("--nodes") + 1] for c in scale] == ["0"]
+    assert not ready.kube.nodes({"role": "gpu-worker"}), "no GPU instance left billing"
+    assert ready.store.get("job")["status"] == "STOPPED"
 
 
 def test_ctrl_c_again_before_the_rayjob_is_deleted_names_the_command_that_deletes_it(ready: World):

@@ -596,22 +596,15 @@ def submit(
         if wheels is not None:
             doc = wheels.into(doc, cfg)
         _apply(d, doc, f"RayJob {ns}/{cfg.ray.cluster_name}")
-        cluster, rayjob_id = _wait_rayjob_cluster(d, cfg.ray.job_start_deadline_s)
-
-    head, workers = wait_for_ray_pods(d, ns, cluster, cfg.ray.job_start_deadline_s)
-    if wheels is not None and mode == "raycluster":  # pods made before the init container was in the template
-        offline_wheels.copy_into(d, [head, *workers], wheels)
-
-    submission_id = None
-    if previous.get("mode") == mode and previous.get("id") and previous.get("raycluster") == cluster:
-        status = job_status(d, head, previous["id"])
-        if status in ("PENDING", "RUNNING"):
-            submission_id = previous["id"]
-            d.say(f"Job {submission_id} from an earlier submit is {status}: following it instead of submitting again")
-    if submission_id is None:
-        code_dir = _upload_package(d, head) if rayjob_id is None else ""
-        submission_id = rayjob_id if rayjob_id is not None else submit_job(d, head, code_dir, packages=packages)
-    d.state.update(job={"id": submission_id, "mode": mode, "namespace": ns, "raycluster": cluster, "status": "RUNNING"})
+        try:  # from here on its cluster starts and bills whether or not submit is there to follow it
+            cluster, rayjob_id = _wait_rayjob_cluster(d, cfg.ray.job_start_deadline_s)
+            head, workers = wait_for_ray_pods(d, ns, cluster, cfg.ray.job_start_deadline_s)
+        except KeyboardInterrupt:
+            raise stop_rayjob(d, rayjob_id, None, target.after_rayjob) from None
+    if mode == "raycluster":
+        head, workers = wait_for_ray_pods(d, ns, cluster, cfg.ray.job_start_deadline_s)
+        if wheels is not None:  # pods made before the init container was in the template
+            offline_wheels.copy_into(d, [head, *workers], wheels)
 
     run_dirs: list[str] = []
     bundles: list[str] = []
@@ -623,12 +616,27 @@ def submit(
             if match:
                 found.append(match.group(1).strip())
 
+    submission_id = None
     try:
+        if previous.get("mode") == mode and previous.get("id") and previous.get("raycluster") == cluster:
+            status = job_status(d, head, previous["id"])
+            if status in ("PENDING", "RUNNING"):
+                submission_id = previous["id"]
+                d.say(
+                    f"Job {submission_id} from an earlier submit is {status}: following it instead of submitting again"
+                )
+        if submission_id is None:
+            code_dir = _upload_package(d, head) if rayjob_id is None else ""
+            submission_id = rayjob_id if rayjob_id is not None else submit_job(d, head, code_dir, packages=packages)
+        d.state.update(
+            job={"id": submission_id, "mode": mode, "namespace": ns, "raycluster": cluster, "status": "RUNNING"}
+        )
         final = follow_job(d, head, submission_id, timeout=cfg.ray.job_deadline_s, on_output=echo)
     except KeyboardInterrupt:
         if mode != "rayjob":  # the job goes on in the RayCluster; `raytrain-eks logs --follow` follows it again
             raise
-        raise stop_rayjob(d, submission_id, run_dirs[-1] if run_dirs else None, target.after_rayjob) from None
+        job = submission_id or rayjob_id
+        raise stop_rayjob(d, job, run_dirs[-1] if run_dirs else None, target.after_rayjob) from None
     d.state.update(job={**d.state.get("job"), "status": final})
     result = _judge(d, submission_id, final, workers)
     result.run_dir = run_dirs[-1] if run_dirs else None
@@ -688,22 +696,24 @@ class RayJobStopped(UserError):
 
 
 def stop_rayjob(
-    d: Deployment, submission_id: str, run_dir: str | None, let_go: Callable[[Deployment], None]
+    d: Deployment, submission_id: str | None, run_dir: str | None, let_go: Callable[[Deployment], None]
 ) -> RayJobStopped:
     """Ctrl-C while a RayJob runs: stop it and what it bills, and return the error that says so. KubeRay deletes a
     RayJob's cluster (``shutdownAfterJobFinishes``) only once its job has ended, so a RayJob left running keeps its
     pods, and on EKS the GPU node group at its size, until the next ``submit`` or ``down``. A run without storage
     has its small files copied here first (:func:`keep_run_files`); then the RayJob is deleted, its RayCluster and
-    pods with it, and ``let_go`` (the target's ``after_rayjob``: on EKS the GPU group scaled to 0) runs."""
+    pods with it, and ``let_go`` (the target's ``after_rayjob``: on EKS the GPU group scaled to 0) runs.
+    ``submission_id`` is ``None`` before KubeRay has given the RayJob its job."""
     ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
-    d.say(f"Ctrl-C: stopping job {submission_id}: deleting RayJob {ns}/{name}, its RayCluster and pods with it")
+    job = f"job {submission_id}" if submission_id else "the RayJob's job (not started yet)"
+    d.say(f"Ctrl-C: stopping {job}: deleting RayJob {ns}/{name}, its RayCluster and pods with it")
     try:
         kept = keep_run_files(d, run_dir) if run_dir and run_bundle(d.cfg, run_dir) is None else None
         d.kube.delete("ray.io/v1", "RayJob", name, ns)
     except KeyboardInterrupt:
         delete = ["kubectl", *d.kube_flags(), "-n", ns, "delete", "rayjob", name]
         return RayJobStopped(
-            f"stopped by Ctrl-C twice, before RayJob {ns}/{name} was deleted: job {submission_id} may still run, "
+            f"stopped by Ctrl-C twice, before RayJob {ns}/{name} was deleted: {job} may still run, "
             "and its GPU nodes with it",
             hint=f"Delete it with `{shlex.join(delete)}`. The GPU nodes stay until a next `raytrain-eks submit --mode "
             "rayjob` ends (it lets them go) or `raytrain-eks down` removes the deployment.",
@@ -711,7 +721,7 @@ def stop_rayjob(
     d.state.update(job={**(d.state.get("job") or {}), "status": "STOPPED"})
     let_go(d)
     return RayJobStopped(
-        f"stopped by Ctrl-C: job {submission_id} is stopped, its RayJob {ns}/{name} deleted with its RayCluster and "
+        f"stopped by Ctrl-C: {job} is stopped, its RayJob {ns}/{name} deleted with its RayCluster and "
         "pods, so nothing of it runs or holds GPU nodes any more"
         + (f"; its run's files are in {kept}" if kept else ""),
         hint="Run `raytrain-eks submit --mode rayjob` to start the job again.",
