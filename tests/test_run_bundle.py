@@ -10,6 +10,7 @@ report opened in Chromium, are in test_s3_storage.py.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from raytrain_eks.eks import results
 from raytrain_eks.eks import submit as sub
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import ExecResult
+from raytrain_eks.train import bundle as bundle_module
 from raytrain_eks.train.bundle import RunBundle
 
 RUN = "20261207-120000-Qwen2.5-1.5B-Instruct"
@@ -103,6 +105,41 @@ def test_storage_that_cannot_be_written_warns_once_and_the_run_goes_on(tmp_path:
     assert first.startswith(f"run bundle: cannot write {tmp_path}/a-file/runs/r3/") and str(run_dir) in first, first
     assert last.startswith(f"run bundle: 3 file(s) of the run could not be written to {tmp_path}/a-file/runs/r3 ")
     assert f"the run folder {run_dir} keeps everything" in last, last
+
+
+def test_a_nodes_worker_logs_of_the_run_go_to_the_bundle_each_cut_to_its_tail(tmp_path: Path, monkeypatch):
+    # A node's Ray session log folder: the run's job's worker files, another job's, one from before the run, and
+    # one too long to keep whole. (Real runs' logs, copied by Ray tasks: test_s3_storage.py.)
+    logs, store = tmp_path / "session" / "logs", tmp_path / "store" / "r1"
+    logs.mkdir(parents=True)
+    monkeypatch.setattr(bundle_module, "_this_node", lambda: (logs, "host-1a2b3c4d"))
+    ours = [f"worker-{'ab' * 28}-01000000-4242.out", f"worker-{'ab' * 28}-01000000-4242.err"]
+    (logs / ours[0]).write_text(":job_id:01000000\n:actor_name:RayTrainWorker\n")
+    (logs / ours[1]).write_text("Setting up process group for: env:// [rank=0, world_size=2]\n")
+    (logs / f"worker-{'cd' * 28}-02000000-4343.err").write_text("another job's worker\n")
+    (logs / "raylet.err").write_text("not a worker's\n")
+    old = logs / f"worker-{'ef' * 28}-01000000-4444.out"
+    old.write_text("a run before this one\n")
+    os.utime(old, (time.time() - 600, time.time() - 600))
+    long = logs / f"worker-{'01' * 28}-01000000-4545.err"
+    long.write_text("".join(f"line {i:06d}\n" for i in range(200_000)))  # 2.6 MB
+
+    sent, problem = bundle_module._copy_node_logs(str(store), "01000000", time.time() - 60, {}, keep=1 << 20)
+    assert problem is None
+    copied = {p.name: p for p in (store / "logs" / "host-1a2b3c4d").iterdir()}
+    assert sorted(copied) == sorted([*ours, long.name]) == sorted(sent)
+    assert copied[ours[1]].read_text() == (logs / ours[1]).read_text()
+    note, first, *_, last = copied[long.name].read_text().splitlines()
+    assert note.startswith("[raytrain-eks: the first ") and "the last 1 MiB of each worker log" in note, note
+    assert first.startswith("line ") and len(first) == len("line 000000") and last == "line 199999"
+    assert copied[long.name].stat().st_size < (1 << 20) + len(note) + 1
+    # A later sync copies only what changed since.
+    copied[ours[1]].unlink()
+    with (logs / ours[0]).open("a") as f:
+        f.write("step 2\n")
+    again, _ = bundle_module._copy_node_logs(str(store), "01000000", time.time() - 60, sent, keep=1 << 20)
+    assert not copied[ours[1]].exists() and copied[ours[0]].read_text().endswith("step 2\n")
+    assert again[ours[0]] != sent[ours[0]]
 
 
 def _refused(capsys: pytest.CaptureFixture[str], *args: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from typing import Any
 
 import procs
@@ -109,7 +110,8 @@ def test_checkpoints_live_in_s3_and_survive_a_kill(tmp_path, monkeypatch, s3_and
     assert result.bundle == f"s3://{BUCKET}/runs/run"
     assert f"run bundle: s3://{BUCKET}/runs/run (`raytrain-eks results s3://{BUCKET}/runs/run` fetches it)" in said
     keys = {o["Key"] for o in s3_and_ray.list_objects_v2(Bucket=BUCKET, Prefix="runs/run/")["Contents"]}
-    bundled = {k.removeprefix("runs/run/") for k in keys if not k.startswith("runs/run/ray/") and k[-1] != "/"}
+    apart = ("runs/run/ray/", "runs/run/logs/")  # the checkpoints, and the workers' logs (below)
+    bundled = {k.removeprefix("runs/run/") for k in keys if not k.startswith(apart) and k[-1] != "/"}
     local = {p.relative_to(result.run_dir).as_posix() for p in result.run_dir.rglob("*") if p.is_file()}
     assert local <= bundled and bundled - local == {"run.json", "train.log"}, bundled ^ local
     assert {"model/model.safetensors", "report.html", "summary.json", "metrics.jsonl", "plots/loss.png"} <= local
@@ -120,6 +122,30 @@ def test_checkpoints_live_in_s3_and_survive_a_kill(tmp_path, monkeypatch, s3_and
     assert state["final_loss"] == result.summary["final_loss"] and state["ended"] >= state["started"]
     log = stored_text("train.log")  # the driver's lines, the workers' notes among them
     assert "run folder: " in log and resumed in log and "model: " in log, log
+    # Every rank's own output, as Ray wrote it on its node: the two ranks before the kill and the two after it.
+    assert not [line for line in said if line.startswith("run bundle: the workers' logs")], said
+    logs = worker_logs(s3_and_ray, "runs/run/")
+    ranks = [name for name, text in logs.items() if name.endswith(".out") and ":actor_name:RayTrainWorker" in text]
+    assert len(ranks) >= 4, sorted(logs)
+    said_by_workers = "".join(logs.values())
+    assert "Setting up process group for: env:// [rank=0, world_size=2]" in said_by_workers
+    assert "from rank 1" in said_by_workers  # Ray Train's "Reporting training result ... from rank 1" of rank 1
+
+
+def worker_logs(s3: Any, prefix: str) -> dict[str, str]:
+    """The bundle's ``logs/NODE/FILE`` under ``prefix`` by their name there, checked to be this Ray job's worker
+    output files (``worker-<worker id>-<job id>-<pid>.out``/``.err``) of the one node."""
+    import ray
+
+    job = ray.get_runtime_context().get_job_id()  # the driver's: Ray Train's workers run under it
+    objects = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}logs/").get("Contents", [])
+    logs = {o["Key"].removeprefix(f"{prefix}logs/"): o["Key"] for o in objects}
+    assert logs, f"no worker log in the bundle {prefix}"
+    for name in logs:
+        node, file = name.split("/")
+        assert re.fullmatch(rf"worker-[0-9a-f]+-{job}-\d+\.(out|err)", file), name
+    assert len({name.split("/")[0] for name in logs}) == 1, sorted(logs)  # one node
+    return {name: s3.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode() for name, key in logs.items()}
 
 
 def test_a_resume_from_a_storage_folder_is_checked_before_anything_starts(aws_env, tmp_path, monkeypatch, capsys):
@@ -196,6 +222,11 @@ def test_a_run_that_fails_midway_leaves_its_metrics_and_error_log_in_the_bundle(
     assert (state["state"], state["steps"]) == ("failed", 2) and state["error"].startswith("training failed"), state
     failing = s3_and_ray.list_objects_v2(Bucket=BUCKET, Prefix="failing/broken/")["Contents"]
     assert "failing/broken/report.html" not in {o["Key"] for o in failing}  # the run wrote none
+    # Each rank's own output: the rank killed midway and the one stopped with it.
+    logs = worker_logs(s3_and_ray, "failing/broken/")
+    ranks = [name for name, text in logs.items() if name.endswith(".out") and ":actor_name:RayTrainWorker" in text]
+    assert len(ranks) >= 2, sorted(logs)
+    assert "Setting up process group for: env:// [rank=0, world_size=2]" in "".join(logs.values())
 
     # `results` lists the deployment's runs from its storage, with their state.
     main(["results", "--storage-path", failed_midway["storage"]])

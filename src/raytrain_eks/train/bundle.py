@@ -13,6 +13,10 @@ the start; :class:`RunBundle` adds the rest of the run folder, as the run goes:
 - at the end, everything else of the run folder: the export ``model/``, ``summary.json``, ``samples.jsonl``,
   ``report.html``, ``plots/``, ``tensorboard/``; after a failure, what the run folder holds then (``error.log`` with
   every failed rank's traceback among it).
+- ``logs/NODE/`` (:data:`WORKER_LOGS`): the output of the run's Ray worker processes (the training ranks among them)
+  on each node, as Ray writes it in the node's session folder, each file's last :data:`LOG_TAIL` bytes; at every
+  sync once the driver names its Ray job (:meth:`RunBundle.follow_workers`), and a last time when training has ended
+  or failed (:meth:`RunBundle.last_worker_logs`).
 
 A local run without a storage path keeps its run folder as it is, and has no bundle. Example::
 
@@ -23,7 +27,9 @@ A local run without a storage path keeps its run folder as it is, and has no bun
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import socket
 import threading
 import time
@@ -49,6 +55,17 @@ SYNC_S = 30.0
 COPY_FILES = 4
 COPY_CHUNK = 8 << 20
 STATES = ("running", "finished", "failed", "stopped")
+# The workers' output: Ray writes each worker process's stdout and stderr to ``worker-<worker id>-<job id>-<pid>``
+# ``.out``/``.err`` in its node's session log folder (ray/_private/ray_logging's get_worker_log_file_name), and Ray
+# Train's workers run under the job of the driver that created them. Each file's last LOG_TAIL bytes are kept: a
+# rank's last words are at its end, and a chatty one stays affordable to upload at every sync.
+WORKER_LOGS = "logs"
+LOG_TAIL = 4 << 20
+# Seconds the driver waits for the nodes' copies; a node that does not answer by then is named in the warning.
+LOGS_WAIT_S = 60.0
+# A worker file last written before the bundle started (less this, for clocks a little apart) belongs to an earlier
+# run of the same Ray job (a driver that trains twice), not to this one.
+CLOCK_SLACK_S = 5.0
 
 
 def now_text() -> str:
@@ -85,6 +102,10 @@ class RunBundle:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._job: str | None = None  # the Ray job whose workers' logs the syncs copy, once named
+        self._since = time.time() - CLOCK_SLACK_S
+        self._logs_sent: dict[str, dict[str, tuple[int, int]]] = {}  # node id -> its files as last copied
+        self._logs_warned = False
         self.state: dict[str, Any] = {
             "run": run_dir.name,
             "state": "running",
@@ -162,15 +183,73 @@ class RunBundle:
             self._halt()
             self._close("stopped")
 
+    def follow_workers(self, job_id: str) -> None:
+        """From now on, every sync also copies the output of the Ray job ``job_id``'s workers into ``logs/``
+        (Ray is up, this process its driver)."""
+        self._job = job_id
+
+    def last_worker_logs(self) -> bool:
+        """Copy the workers' output a last time (training has ended or failed; Ray is still up) and stop copying it:
+        Ray may go from here on. Returns whether every node's copy was written (when not, a line said why)."""
+        with self._lock:
+            ok = self._put_worker_logs()
+            self._job = None
+            return ok
+
     # -- uploads -------------------------------------------------------------------------------------------------
 
     def sync(self) -> bool:
-        """Upload the live files that changed since their last upload, ``train.log`` and ``run.json``."""
+        """Upload the live files that changed since their last upload, ``train.log`` and ``run.json`` (and the
+        workers' output, once :meth:`follow_workers` named their job)."""
         with self._lock:
             files = [p for name in LIVE for p in self._files(name)]
             ok = self._put_files(files)
             ok = self._put_text(DRIVER_LOG, "".join(line + "\n" for line in list(self._lines))) and ok
+            self._put_worker_logs()  # its own warning: the run's files are whole without it
             return self._put_state() and ok
+
+    def _put_worker_logs(self) -> bool:
+        """One task on each alive node of the Ray cluster copies its files of the job's workers into
+        ``logs/NODE/`` (:func:`_copy_node_logs`); a failure is said once and never stops the run."""
+        if self._job is None:
+            return True
+        problems: list[str] = []
+        try:
+            import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+            task = _node_log_task()
+            refs = {
+                node: task.options(
+                    # There and nowhere else: another node's task would copy its own files, not this one's.
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+                ).remote(self.location, self._job, self._since, self._logs_sent.get(node, {}))
+                for node in nodes
+            }
+            done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=LOGS_WAIT_S) if refs else ([], [])
+            for node, ref in refs.items():
+                if ref not in done:
+                    ray.cancel(ref)
+                    problems.append(f"node {node[:8]} did not answer in {LOGS_WAIT_S:.0f} s")
+                    continue
+                try:
+                    sent, why = ray.get(ref)
+                except Exception as exc:  # the task failed, or its node went meanwhile
+                    problems.append(f"node {node[:8]}: {_first_line(exc)}")
+                    continue
+                self._logs_sent[node] = sent
+                if why:
+                    problems.append(why)
+        except Exception as exc:  # anything of Ray's: training goes on without the workers' logs
+            problems.append(_first_line(exc))
+        if problems and not self._logs_warned:
+            self._logs_warned = True
+            self._warn(
+                f"run bundle: the workers' logs were not all copied to {join(self.location, WORKER_LOGS)} "
+                f"({'; '.join(problems)}); the run goes on, and each node's Ray session folder keeps them"
+            )
+        return not problems
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
@@ -272,6 +351,90 @@ class RunBundle:
                     local.write_bytes(src.read())
             except OSError:
                 continue  # nothing to continue from: the run writes its own
+
+
+def worker_log_name(job_id: str) -> re.Pattern[str]:
+    """The names Ray gives the output files of the job ``job_id``'s workers: ``worker-<worker id>-<job id>-<pid>``
+    then ``.out`` or ``.err``. Example: ``worker_log_name("01000000").fullmatch("worker-ab12-01000000-4242.err")``."""
+    return re.compile(rf"worker-[0-9a-f]+-{re.escape(job_id)}-\d+\.(?:out|err)")
+
+
+def log_tail(path: Path, keep: int = LOG_TAIL) -> bytes:
+    """``path``'s bytes, or, when it holds more than ``keep``, its last ``keep`` from a line's start, after a line
+    saying how much was left out."""
+    with path.open("rb") as src:
+        src.seek(0, 2)
+        size = src.tell()
+        if size <= keep:
+            src.seek(0)
+            return src.read()
+        src.seek(size - keep)
+        tail = src.read(keep)
+    tail = tail[tail.find(b"\n") + 1 :]  # from a whole line
+    note = (
+        f"[raytrain-eks: the first {size - len(tail)} of this file's {size} bytes are left out: the run bundle keeps "
+        f"the last {keep >> 20} MiB of each worker log; the node's Ray session folder has it all]\n"
+    )
+    return note.encode() + tail
+
+
+def _copy_node_logs(
+    location: str, job_id: str, since: float, sent: dict[str, tuple[int, int]], keep: int = LOG_TAIL
+) -> tuple[dict[str, tuple[int, int]], str | None]:
+    """Run on a node (a Ray task): copy the output files of the job ``job_id``'s workers in this node's session log
+    folder, written to since ``since``, into ``location/logs/<host>-<node id>/`` (each its :func:`log_tail`),
+    leaving out those unchanged since ``sent`` (name -> (size, mtime_ns)). Returns the files as now copied and what
+    went wrong (``None``: nothing)."""
+    logs_dir, folder = _this_node()
+    if logs_dir is None:
+        return sent, f"{folder}: its Ray writes no log files (its workers' output goes to stderr)"
+    names = worker_log_name(job_id)
+    fs, base = filesystem(location)
+    copied = dict(sent)
+    problem = None
+    for path in sorted(logs_dir.iterdir()):
+        if not names.fullmatch(path.name):
+            continue
+        try:
+            st = path.stat()
+            if st.st_mtime < since or copied.get(path.name) == (st.st_size, st.st_mtime_ns):
+                continue
+            target = f"{base}/{WORKER_LOGS}/{folder}/{path.name}"
+            if not is_remote(location):
+                fs.create_dir(target.rsplit("/", 1)[0], recursive=True)
+            with fs.open_output_stream(target) as out:
+                out.write(log_tail(path, keep))
+        except OSError as exc:
+            problem = problem or f"{folder}: {path.name}: {_first_line(exc)}"
+            continue
+        copied[path.name] = (st.st_size, st.st_mtime_ns)
+    return copied, problem
+
+
+def _this_node() -> tuple[Path | None, str]:
+    """(this node's Ray session log folder, or ``None`` when its Ray writes none; the name of its folder in
+    ``logs/``: its host name and the start of its Ray node id), in a Ray worker process."""
+    import ray
+    from ray._private import worker as ray_worker
+
+    node = ray_worker._global_node  # the Ray node of this worker process (ray/_private/node.py's Node)
+    folder = f"{socket.gethostname()}-{ray.get_runtime_context().get_node_id()[:8]}"
+    if node is None or not node.should_redirect_logs():
+        return None, folder
+    return Path(node.get_logs_dir_path()), folder
+
+
+@functools.cache
+def _node_log_task() -> Any:
+    import ray
+
+    # No CPU asked: the training ranks may hold every CPU of a node, and the copy must not wait for one of them.
+    return ray.remote(num_cpus=0, max_retries=0)(_copy_node_logs)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _copy_into(path: Path, out: Any) -> None:

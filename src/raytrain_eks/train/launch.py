@@ -303,6 +303,8 @@ def _train_in(
     init_ray(address, training.num_workers or LOCAL_CPU_WORKERS, verbose)
     num_workers, use_gpu = resolve_num_workers(training.num_workers, int(ray.cluster_resources().get("GPU", 0)))
     say(f"ray: {num_workers} {'GPU' if use_gpu else 'CPU'} workers, model {training.model_id}")
+    if bundle is not None:  # the workers run under this driver's Ray job: their output joins the bundle's syncs
+        bundle.follow_workers(ray.get_runtime_context().get_job_id())
 
     datasets = {}
     data_counts: dict[str, Any] | None = None  # what the data held and how it packed (summary.json's data_counts)
@@ -419,6 +421,8 @@ def _train_in(
                     if progress is not None:
                         progress(line, training.steps)
     thread.join()
+    if bundle is not None:  # the ranks' output as they left it, finished or failed, before a local Ray goes
+        bundle.last_worker_logs()
     queue.shutdown(force=True)
     if trained is not None:
         trained()
