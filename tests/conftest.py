@@ -39,8 +39,10 @@ SESSION_MARK = "RAYTRAIN_EKS_TEST_SESSION"
 LEFTOVER_GRACE_S = float(os.environ.get("RAYTRAIN_EKS_TEST_LEFTOVER_GRACE_S", "20"))
 
 
-# When each test began (seconds after boot, the clock of /proc's start times), so that a process left over is named
-# with the test that was running when it started.
+# The test running now, in the environment every process started during it inherits: a process left over is named
+# with the test that started it (or, for one started by a process of an earlier test, that test), whatever the load.
+TEST_MARK = "RAYTRAIN_EKS_TEST_RUNNING"
+# When each test began (seconds after boot, the clock of /proc's start times): for a process without the mark.
 _TEST_STARTS: list[tuple[float, str]] = []
 
 
@@ -49,6 +51,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    os.environ[TEST_MARK] = nodeid
     _TEST_STARTS.append((time.clock_gettime(time.CLOCK_BOOTTIME), nodeid))
 
 
@@ -104,9 +107,13 @@ def _stop_leftovers(mark: str) -> str:
 def _whence(p: procs.Proc) -> str:
     """Where a left-over process came from: the test running when it started, its parent, and its Ray node's raylet
     (a Ray worker ends by itself once its raylet is gone)."""
-    tick = 1 / os.sysconf("SC_CLK_TCK")  # /proc's start times are whole ticks: a test's start is rounded down too
-    during = [nodeid for began, nodeid in _TEST_STARTS if began // tick * tick <= p.started]
-    parts = [f"started during {during[-1]}" if during else "started before the first test"]
+    started_by = procs.environ_value(p.pid, TEST_MARK)
+    if started_by:
+        parts = [f"started during {started_by}"]
+    else:  # by the clock (a process that cleared its environment): whole ticks, a test's start rounded down too
+        tick = 1 / os.sysconf("SC_CLK_TCK")
+        during = [nodeid for began, nodeid in _TEST_STARTS if began // tick * tick <= p.started]
+        parts = [f"started during {during[-1]}" if during else "started before the first test"]
     parts.append("an orphan (its parent exited)" if p.ppid == 1 else f"parent {p.ppid}")
     raylet = procs.environ_value(p.pid, "RAY_RAYLET_PID")
     if raylet and raylet.isdigit():

@@ -100,7 +100,16 @@ def _build(target: Path, data: Path) -> None:
     )
     torch.manual_seed(_RECIPE["seed"])
     model = Qwen2ForCausalLM(config)
-    model.save_pretrained(target)
+    from transformers.utils import logging as hf_logging
+
+    # A one-off save of a few MB: no progress bar of transformers' in the first run's display.
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(target)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def ensure_builtin_model(root: Path | None = None) -> Path:

@@ -9,6 +9,7 @@ a running cluster (how it runs inside the head pod on EKS). Example::
 
 from __future__ import annotations
 
+import gc
 import getpass
 import json
 import os
@@ -307,6 +308,7 @@ def _train_in(
         bundle.follow_workers(ray.get_runtime_context().get_job_id())
 
     datasets = {}
+    prepared: Any = None
     data_counts: dict[str, Any] | None = None  # what the data held and how it packed (summary.json's data_counts)
     if not training.uses_random_data:
         prepared = prepare_for(
@@ -425,6 +427,12 @@ def _train_in(
         bundle.last_worker_logs()
     queue.shutdown(force=True)
     if trained is not None:
+        # Ray begins to stop on another thread: first every object reference and actor handle of this run goes, while
+        # Ray still answers. One dropped later (by the collector, on any thread) reaches a core worker that has shut
+        # down, and Ray ends the whole process there with status 1 and no message.
+        del queue, trainer, datasets, prepared
+        outcome.pop("result", None)
+        gc.collect()
         trained()
     # The report's plotting library loads on a thread while the model is exported (both take a second or two).
     if can_draw():
