@@ -188,7 +188,7 @@ def run_training(
         if not ray_was_running:
             local_ray = LocalRayStart(training.num_workers or LOCAL_CPU_WORKERS, verbose)
     try:
-        if not verbose:  # no library progress bars (the built-in model's first save has one): the driver shows its own
+        if not verbose:  # no library progress bars or logs: the driver shows its own display
             from raytrain_eks.train.loop import quiet_libraries
 
             quiet_libraries()
