@@ -21,7 +21,8 @@ from schema_errors import schema_errors
 from typer.testing import CliRunner
 
 from raytrain_eks.aws import eksctl
-from raytrain_eks.config import AMI_FAMILIES, load_config
+from raytrain_eks.config import load_config
+from raytrain_eks.config_cluster import AMI_FAMILIES
 from raytrain_eks.eks.commands import register
 from raytrain_eks.eks.plan import CODE_CONFIG_MAP_FILE, JOB_CONFIG_FILE, PACKAGE_ARCHIVE_FILE, build_plan, write_plan
 from raytrain_eks.eks.pricing import cost_per_hour, run_cost
