@@ -5,7 +5,9 @@ the shape from ``bench_resume_bytes.shape_for``) is written to a folder, and :fu
 tokens with 2 CPU workers (embedded Ray, FSDP2), saving a checkpoint every ``--every`` steps into the run folder.
 Each save copies the model and AdamW state in memory and returns; the files are written and copied into the run's
 storage while the next steps train (:class:`~raytrain_eks.train.context.RayContext`). The run's ``summary.json``
-gives what training waited (``checkpoint_s``) and each save's time until it was complete (``checkpoint_done_s``).
+gives what training waited (``checkpoint_s``), what each save cost the training thread (``checkpoint_stall_s``: the
+staging into host buffers kept across saves, or the previous save's write where it still ran) and each save's time
+until it was complete (``checkpoint_done_s``).
 
 Example::
 
@@ -101,13 +103,18 @@ def main(argv: list[str] | None = None) -> None:
             f"training waited for its saves: {summary['checkpoint_s']:.2f} s in all "
             f"({summary['checkpoint_s'] / len(done):.2f} s per save)"
         )
+        stalls = summary["checkpoint_stall_s"]
+        print(
+            "each save's stall of the training thread (its staging; the save before it, where still written): "
+            + ", ".join(f"{s:.2f} s" for s in stalls)
+            + f" (max {summary['checkpoint_stall_s_max']:.2f} s, mean {summary['checkpoint_stall_s_mean']:.2f} s)"
+        )
         print(
             "each save until complete (written, copied into storage, marked), while training went on: "
             + ", ".join(f"{s:.2f} s" for s in done)
         )
-        print(
-            json.dumps({"params": n, "checkpoint_bytes": size, "checkpoint_s": summary["checkpoint_s"], "done_s": done})
-        )
+        figures = {"params": n, "checkpoint_bytes": size, "checkpoint_s": summary["checkpoint_s"], "done_s": done}
+        print(json.dumps({**figures, "stall_s": stalls}))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

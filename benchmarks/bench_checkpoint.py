@@ -261,7 +261,7 @@ def _train_step(model: Any, optimizer: Any, scheduler: Any, *, step: int, rank: 
     import torch
     import torch.nn.functional as F
 
-    from raytrain_eks.train.data import random_batch
+    from raytrain_eks.train.data.pipeline import random_batch
 
     t0 = time.perf_counter()
     mb = random_batch(

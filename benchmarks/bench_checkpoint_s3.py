@@ -182,7 +182,8 @@ def _work(rank: int, spec: dict[str, Any]) -> None:
     import torch.distributed as dist
     import transformers
 
-    from raytrain_eks.train.checkpoint import checkpoint_name, join, load_sharded
+    from raytrain_eks.train.checkpoint import checkpoint_name, load_sharded
+    from raytrain_eks.train.storage import join
 
     transformers.utils.logging.set_verbosity_error()
     os.environ.update(spec["env"])

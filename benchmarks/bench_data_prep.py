@@ -1,7 +1,7 @@
 """Peak memory of data preparation against the size of one JSONL file: is it flat?
 
 For each size (MB of JSONL, ``--sizes``), a file of ``text`` rows (about 2 KB each, words drawn with a fixed seed)
-is written, then :func:`raytrain_eks.train.data.prepare_dataset` prepares it (read, tokenize with the built-in
+is written, then :func:`raytrain_eks.train.data.pipeline.prepare_dataset` prepares it (read, tokenize with the built-in
 model's tokenizer, count malformed rows, shuffle, pack into ``--seq-len`` blocks, materialize) in a fresh Python
 process with its own embedded Ray (``--cpus`` CPUs), as ``raytrain-eks train`` does on the driver. Measured:
 
@@ -113,7 +113,7 @@ def measure_one(path: Path, cpus: int, seq_len: int) -> dict[str, Any]:
     import ray
 
     from raytrain_eks.train.builtin import ensure_builtin_model
-    from raytrain_eks.train.data import prepare_dataset
+    from raytrain_eks.train.data.pipeline import DataSettings, prepare_dataset
 
     model = str(ensure_builtin_model())
     # address="local": a Ray of this measurement's own, never one already running on the machine.
@@ -152,12 +152,14 @@ def measure_one(path: Path, cpus: int, seq_len: int) -> dict[str, Any]:
         stages.append((text.split(" ", 1)[0], time.perf_counter()))
 
     prepared = prepare_dataset(
+        DataSettings(
+            data_format="text",
+            text_field="text",
+            tokenizer_path=model,
+            seq_len=seq_len,
+            seed=0,
+        ),
         data=str(path),
-        data_format="text",
-        text_field="text",
-        tokenizer_path=model,
-        seq_len=seq_len,
-        seed=0,
         min_blocks=1,
         stage=stage,
     )

@@ -95,7 +95,8 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict[str, Any]:
 
     from raytrain_eks.config import TrainingConfig
     from raytrain_eks.train.flops import flops_per_token, mfu, peak_flops_for
-    from raytrain_eks.train.loop import LOSS_CHUNK_LOGITS, build_optimizer
+    from raytrain_eks.train.loop import build_optimizer
+    from raytrain_eks.train.memory import LOSS_CHUNK_LOGITS
     from raytrain_eks.train.model import chunked_cross_entropy, compile_layers, output_projection_deferred
     from raytrain_eks.train.sharding import apply_fsdp
 

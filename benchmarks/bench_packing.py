@@ -2,7 +2,7 @@
 
 For the built-in data (its real tokens, the default job's blocks of 128) and for synthetic log-normal length mixes
 of the shapes users bring (Alpaca-like, median 150 tokens; median 350; chat-like, median 600; each row's first third
-its prompt), packed by ``documents`` (whole rows, :func:`raytrain_eks.train.packing.place_rows`) and by ``concat``
+its prompt), packed by ``documents`` (whole rows, :func:`raytrain_eks.train.data.packing.place_rows`) and by ``concat``
 (rows run on and cut every ``seq_len``: what documents packing did before it kept rows whole), it prints:
 
 - efficiency: the share of the blocks' positions that hold a row;
@@ -20,9 +20,9 @@ import time
 
 import numpy as np
 
-from raytrain_eks.train.packing import best_fit_decreasing, place_rows
+from raytrain_eks.train.data.packing import best_fit_decreasing, place_rows
 
-GROUP = 1024  # rows packed together (raytrain_eks.train.data.PACK_ROWS)
+GROUP = 1024  # rows packed together (raytrain_eks.train.data.pipeline.PACK_ROWS)
 
 
 def synthetic(median: float, rows: int, seed: int) -> np.ndarray:
@@ -34,8 +34,8 @@ def builtin_lengths() -> np.ndarray:
     import json
 
     from raytrain_eks.train.builtin import sample_data_path
-    from raytrain_eks.train.encoding import encode, encoding_tokenizer
-    from raytrain_eks.train.json_reader import json_rows
+    from raytrain_eks.train.data.encoding import encode, encoding_tokenizer
+    from raytrain_eks.train.data.json_reader import json_rows
     from raytrain_eks.train.model_source import resolve_model_path
 
     tokenizer = encoding_tokenizer(resolve_model_path("builtin:tiny-qwen2"), None)

@@ -54,7 +54,17 @@ from bench_gpu_step import QWEN25_15B, _free_port  # the same folder: run as a s
 # here: the loop check's reserved memory is then what the job's would be.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
-CHECKS = ("default_job", "qwen_step", "nccl_gate", "chunked_loss", "packed_attention")
+CHECKS = (
+    "default_job",
+    "qwen_step",
+    "nccl_gate",
+    "chunked_loss",
+    "packed_attention",
+    "loss_kernels",
+    "memory_modes",
+    "job_step",
+    "best_setting",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -223,10 +233,10 @@ def check_qwen_step(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def judge_memory(estimate_gib: float, allocated_gib: float | None, reserved_gib: float | None) -> str | None:
     """What is wrong with the memory estimate against a run's measured peaks (``None``: nothing, or no GPU figures).
 
-    The estimate is of allocated memory and must be within 15% of the measured peak; the run is admitted when the
-    estimate is within ``HEADROOM`` of the device, so the allocator's reserve over the estimate must stay within
-    ``1 / HEADROOM``, else a device the estimate just fits could still run out."""
-    from raytrain_eks.train.memory import HEADROOM
+    The estimate is of allocated memory and must be within 15% of the measured peak; the run is admitted on the
+    estimate times ``RESERVED_PER_ALLOCATED`` (plus fixed terms outside torch's reserve), so the allocator's reserve
+    over the estimate must stay within that margin, else a device the estimate just fits could still run out."""
+    from raytrain_eks.train.memory import RESERVED_PER_ALLOCATED
 
     problems = []
     if allocated_gib:
@@ -235,10 +245,10 @@ def judge_memory(estimate_gib: float, allocated_gib: float | None, reserved_gib:
             problems.append(
                 f"the estimate {estimate_gib:.2f} GiB is {off:+.0%} off the allocated peak {allocated_gib:.2f} GiB"
             )
-    if reserved_gib and reserved_gib > estimate_gib / HEADROOM:
+    if reserved_gib and reserved_gib > estimate_gib * RESERVED_PER_ALLOCATED:
         problems.append(
             f"the allocator reserved {reserved_gib:.2f} GiB, {reserved_gib / estimate_gib:.2f} x the estimate: "
-            f"more than the {1 / HEADROOM:.2f} x the {HEADROOM:.0%} fit rule leaves"
+            f"more than the {RESERVED_PER_ALLOCATED:.2f} x margin the admission allows"
         )
     return "; ".join(problems) or None
 
@@ -346,9 +356,9 @@ def check_packed_attention(args: argparse.Namespace, work: Path) -> dict[str, An
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    from raytrain_eks.train.data import IGNORE_INDEX
+    from raytrain_eks.train.data.encoding import IGNORE_INDEX
+    from raytrain_eks.train.data.packing import pack
     from raytrain_eks.train.model import choose_attention, forward_inputs, packing_told_by_host
-    from raytrain_eks.train.packing import pack
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -426,12 +436,292 @@ def check_packed_attention(args: argparse.Namespace, work: Path) -> dict[str, An
     return found
 
 
+def check_loss_kernels(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Each loss kernel that runs on this device (``training.loss_kernel``: plain, chunked, and fused by each
+    installed library on CUDA) at the real vocabulary in bf16: forward and backward time, peak memory, and the loss
+    and gradients against plain's. A kernel that cannot run here is listed with why."""
+    import torch
+
+    from raytrain_eks.errors import UserError
+    from raytrain_eks.train.loss import FUSED_LIBRARIES, LossKernel, choose_loss_kernel
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    tokens, hidden, vocab = (256, 64, 4096) if args.tiny else (8192, 1536, 151936)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator(device=device).manual_seed(0)
+    h0 = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
+    w0 = (0.02 * torch.randn(vocab, hidden, device=device, generator=gen)).to(dtype)
+    y = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
+    capability = torch.cuda.get_device_capability(device) if cuda else None
+    kernels: dict[str, Any] = {"plain": LossKernel("plain"), "chunked": LossKernel("chunked")}
+    found: dict[str, Any] = {"tokens": tokens, "vocab": vocab, "dtype": str(dtype).removeprefix("torch.")}
+    for module in FUSED_LIBRARIES:
+        from importlib.util import find_spec
+
+        try:  # the selection's own refusal says why a fused kernel cannot run here
+            choose_loss_kernel(
+                "fused",
+                device_type=device.type,
+                capability=capability,
+                transform=None,
+                logits_fit=True,
+                library=module if find_spec(module) else None,
+            )
+            kernels[f"fused:{module}"] = LossKernel("fused", library=module)
+        except UserError as refused:  # reported, not raised
+            found[f"fused:{module}"] = {"skipped": str(refused).split(": ", 1)[-1]}
+    reference = None
+    for name, kernel in kernels.items():
+        h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t = time.perf_counter()
+        loss = kernel(h, w, y, max_logits=vocab * max(1, tokens // 9))
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        got = (loss.detach().float(), h.grad.float(), w.grad.float())
+        reference = reference or got
+        found[name] = {
+            "ms": round(1000 * (time.perf_counter() - t), 2),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
+            **{
+                f"{what}_rel_diff": _rel(a, b)
+                for what, a, b in zip(("loss", "hidden_grad", "weight_grad"), got, reference, strict=True)
+            },
+        }
+    bad = [
+        n
+        for n, r in found.items()
+        if isinstance(r, dict)
+        and max(r.get("loss_rel_diff", 0), r.get("hidden_grad_rel_diff", 0)) > CHUNKED_LIMITS[found["dtype"]]["grad"]
+    ]
+    return found | ({"error": f"off the plain loss beyond rounding: {', '.join(bad)}"} if bad else {})
+
+
+def _rel(a: Any, b: Any) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def check_memory_modes(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The job's loop on one rank for full fine-tuning, LoRA and LoRA with activation checkpointing: each one's
+    estimate (``train.memory.check_fit``: the peak, and what the GPU must hold with the allocator's margin and the
+    fixed terms) against the allocated and reserved peaks the run measured."""
+    import torch
+
+    from raytrain_eks.config import TrainingConfig
+    from raytrain_eks.train.memory import check_fit, shape_from_config
+    from raytrain_eks.train.torchrun_entry import run
+
+    cuda = torch.cuda.is_available()
+    model_id, seq, batch = _qwen_folder(args, work)
+    _one_rank("nccl" if cuda else "gloo", torch.device("cuda", 0) if cuda else None)
+    from transformers import AutoConfig
+
+    from raytrain_eks.train.model_source import resolve_model_path
+
+    shape = shape_from_config(model_id, AutoConfig.from_pretrained(resolve_model_path(model_id)))
+    found: dict[str, Any] = {}
+    for mode, method, ac in (("full", "full", False), ("lora", "lora", False), ("lora_ac", "lora", True)):
+        cfg = TrainingConfig(
+            model_id=model_id,
+            data="random",
+            steps=4,
+            seq_len=seq,
+            batch_size=batch,
+            method=method,
+            activation_checkpointing=ac,
+            log_every=2,
+            checkpoint_every=0,
+            num_workers=1,
+            compile="off",
+            loss_kernel="chunked",
+        )
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        summary = run(cfg, work / f"memory-{mode}")
+        gpu_bytes = torch.cuda.get_device_properties(0).total_memory if cuda else 2**40
+        check = check_fit(
+            shape,
+            gpu_bytes=gpu_bytes,
+            gpu_name=summary["device"],
+            shard_ranks=1,
+            precision=summary["precision"],
+            micro_batch=batch,
+            seq_len=seq,
+            activation_checkpointing=ac,
+            lora=cfg.lora if method == "lora" else None,
+            attention=summary.get("attention") or "sdpa",
+        )
+        reserved = summary.get("peak_reserved_gib")
+        found[mode] = {
+            "estimate_gib": round(check.estimate.peak_gib, 3),
+            "estimate_reserved_gib": round(check.reserved_bytes / 2**30, 3),
+            "peak_memory_gib": summary.get("peak_memory_gib"),
+            "peak_reserved_gib": reserved,
+            "estimate_over_reserved": round(check.estimate.peak_gib / reserved, 3) if reserved else None,
+        }
+        wrong = judge_memory(check.estimate.peak_gib, summary.get("peak_memory_gib"), reserved)
+        if wrong:
+            found.setdefault("error", []).append(f"{mode}: {wrong}")
+    if "error" in found:
+        found["error"] = "; ".join(found["error"])
+    return found
+
+
+def _qwen_folder(args: argparse.Namespace, work: Path) -> tuple[str, int, int]:
+    """The model, sequence and micro-batch of the Qwen checks: Qwen2.5-1.5B's architecture with random weights saved
+    to a folder (nothing downloaded), or the built-in model with ``--tiny``."""
+    if args.tiny:
+        return "builtin:tiny-qwen2", 64, 2
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    folder = work / "qwen2.5-1.5b-random"
+    if not folder.exists():
+        torch.manual_seed(0)
+        config = Qwen2Config(**{k: v for k, v in QWEN25_15B.items() if k != "model_type"})
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+        from raytrain_eks.train.builtin import ensure_builtin_model
+
+        for name in os.listdir(ensure_builtin_model()):  # a tokenizer, which the job's run reads
+            if name.startswith("tokenizer"):
+                (folder / name).write_bytes((ensure_builtin_model() / name).read_bytes())
+    return str(folder), args.seq_len, args.batch_size
+
+
+def check_job_step(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """``raytrain-eks train`` (Ray, one GPU worker) on the Qwen2.5-1.5B architecture at the goal's 4 x 2048 with every
+    setting auto (compile, loss kernel), a checkpoint every 10 steps, twice in the same compile cache: the job's own
+    step (tokens/s, MFU), the loss kernel it chose, what each save stalled the training thread, and the time to the
+    first step with a cold cache and a warm one."""
+    model_id, seq, _ = _qwen_folder(args, work)
+    steps = 4 if args.tiny else 30
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor")}  # cold for the first run
+    found: dict[str, Any] = {}
+    for attempt in ("cold", "warm"):
+        out = work / f"job-{attempt}"
+        argv = [
+            sys.executable,
+            "-m",
+            "raytrain_eks.cli",
+            "train",
+            "--output-dir",
+            str(out),
+            "--model",
+            model_id,
+            "--data",
+            "random",
+            "--steps",
+            str(steps),
+            "--seq-len",
+            str(seq),
+            "--batch-size",
+            "4" if not args.tiny else "2",
+            "--checkpoint-every",
+            str(max(2, steps // 3)),
+            "--set",
+            "training.sample_tokens=0",
+            "--set",
+            "training.export=false",
+            "--set",
+            "training.num_workers=1",
+        ]
+        proc = subprocess.run(argv, cwd=work, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"train exited {proc.returncode}: {' | '.join(tail)}")
+        s = json.loads((out / "summary.json").read_text())
+        found[f"first_step_s_{attempt}"] = s.get("first_step_s")
+        if attempt == "cold":
+            keep = (
+                "tokens_per_s",
+                "mfu",
+                "step_time_s",
+                "compile",
+                "loss_kernel",
+                "loss_kernel_reason",
+                "checkpoint_stall_s",
+                "checkpoint_stall_s_max",
+                "peak_memory_gib",
+                "peak_reserved_gib",
+                "device",
+            )
+            found |= {k: s.get(k) for k in keep}
+            interval = (s.get("step_time_s") or 0) * 100
+            stall = s.get("checkpoint_stall_s_max")
+            found["stall_share_of_100_steps"] = round(stall / interval, 4) if stall and interval else None
+    return found
+
+
+def check_best_setting(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """``bench_gpu_step``'s fastest settings at the same shape in this run (compiled, with and without FSDP), for the
+    job's step to be compared with (``main``: ``job_over_best``)."""
+    out = work / "gpu_step.json"
+    argv = [
+        sys.executable,
+        str(Path(__file__).with_name("bench_gpu_step.py")),
+        "--settings",
+        "plain+compile,fsdp+compile",
+        "--steps",
+        "14",
+        "--warmup",
+        "4",
+        "--json-out",
+        str(out),
+    ] + (["--tiny"] if args.tiny else [])
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"bench_gpu_step exited {proc.returncode}: {(proc.stderr or proc.stdout)[-300:]}")
+    results = json.loads(out.read_text())["results"]
+    best = max(results, key=lambda r: r.get("tokens_per_s") or 0)
+    return {
+        "settings": {r["setting"]: r.get("mfu") for r in results},
+        "best": best["setting"],
+        "best_tokens_per_s": best.get("tokens_per_s"),
+        "best_mfu": best.get("mfu"),
+    }
+
+
+def job_over_best(results: dict[str, Any]) -> float | None:
+    """The job's tokens/s over the best ``bench_gpu_step`` setting's in the same run (the goal: 0.9 or more)."""
+    job, best = results.get("job_step", {}), results.get("best_setting", {})
+    if not job.get("tokens_per_s") or not best.get("best_tokens_per_s"):
+        return None
+    return round(job["tokens_per_s"] / best["best_tokens_per_s"], 3)
+
+
+def results_folder(day: str, device: str) -> Path:
+    """Where a GPU run's files go: ``benchmarks/results/<day>-<gpu>``, the GPU by its model's word in the device's
+    name (``NVIDIA H100 80GB HBM3`` is ``h100``). Example: ``results_folder("2026-12-08", "NVIDIA H200")``."""
+    words = [w for w in device.upper().replace("-", " ").split() if w not in {"NVIDIA", "TESLA"}]
+    gpu = (words[0] if words else "gpu").lower()
+    return Path(__file__).resolve().parent / "results" / f"{day}-{gpu}"
+
+
+def refusal_without_cuda(tiny: bool, cuda: bool) -> str | None:
+    """Why the check will not run here: its figures are a GPU's (``--tiny`` checks the script on any device)."""
+    if tiny or cuda:
+        return None
+    return (
+        "gpu_check measures a GPU, and this machine has no CUDA device (torch.cuda.is_available() is False): run it "
+        "on a GPU machine, or with --tiny to check the script here"
+    )
+
+
 RUNNERS = {
     "default_job": check_default_job,
     "qwen_step": check_qwen_step,
     "nccl_gate": check_nccl_gate,
     "chunked_loss": check_chunked_loss,
     "packed_attention": check_packed_attention,
+    "loss_kernels": check_loss_kernels,
+    "memory_modes": check_memory_modes,
+    "job_step": check_job_step,
+    "best_setting": check_best_setting,
 }
 
 
@@ -441,6 +731,12 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix=f"gpu-check-{args.child}-") as work:
             print(json.dumps(RUNNERS[args.child](args, Path(work))), flush=True)
         return 0
+    import torch
+
+    refused = refusal_without_cuda(args.tiny, torch.cuda.is_available())
+    if refused:
+        print(refused, file=sys.stderr)
+        return 2
     start = time.monotonic()
     results: dict[str, Any] = {}
     for name in args.checks.split(","):
@@ -458,10 +754,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {shown}", flush=True)
     print(f"total {time.monotonic() - start:.0f} s")
     failed = [n for n, r in results.items() if "error" in r]
-    line = json.dumps({"tiny": args.tiny, "results": results, "failed": failed})
+    ratio = job_over_best(results)
+    line = json.dumps({"tiny": args.tiny, "results": results, "job_over_best": ratio, "failed": failed})
     print(line)
     if args.json_out:
         Path(args.json_out).write_text(line + "\n")
+    if not args.tiny:  # a GPU's figures, kept with the machine's description
+        folder = results_folder(time.strftime("%Y-%m-%d"), torch.cuda.get_device_name(0))
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "gpu_check.json").write_text(line + "\n")
+        smi = subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout
+        (folder / "env.txt").write_text(f"torch {torch.__version__}, CUDA {torch.version.cuda}\n{smi}")
+        print(f"results: {folder}")
     return 1 if failed else 0
 
 

@@ -21,8 +21,10 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from raytrain_eks.config import TrainingConfig, load_config
 from raytrain_eks.errors import ConfigError, UserError
-from raytrain_eks.train.context import DataCursor, ProcessContext, take_from_parts
-from raytrain_eks.train.data import IGNORE_INDEX
+from raytrain_eks.train.context import ProcessContext
+from raytrain_eks.train.data.cursor import DataCursor, take_from_parts
+from raytrain_eks.train.data.encoding import IGNORE_INDEX
+from raytrain_eks.train.data.packing import pack
 from raytrain_eks.train.loop import agreed_attention, train
 from raytrain_eks.train.model import (
     FLASH_ATTENTION,
@@ -34,7 +36,6 @@ from raytrain_eks.train.model import (
     load_model_shell,
     output_projection_deferred,
 )
-from raytrain_eks.train.packing import pack
 
 SEQ = 48
 CPU = torch.device("cpu")

@@ -14,14 +14,9 @@ from pathlib import Path
 import pytest
 
 from raytrain_eks.errors import DataError
-from raytrain_eks.train.data import prepare_dataset
-from raytrain_eks.train.encoding import (
-    IGNORE_INDEX,
-    MalformedRow,
-    chat_template_text,
-    encode_row,
-    encoding_tokenizer,
-)
+from raytrain_eks.formats import MalformedRow
+from raytrain_eks.train.data.encoding import IGNORE_INDEX, chat_template_text, encode_row, encoding_tokenizer
+from raytrain_eks.train.data.pipeline import DataSettings, prepare_dataset
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 QWEN25 = "Qwen-Qwen2.5-7B-Instruct"
@@ -176,14 +171,16 @@ def _prepare(path, tokenizer_path, template):
     """The chat rows of ``path`` prepared in the driver with ``template``, in 256-token blocks (each row whole: Llama
     3.1's system header alone is longer than 64 tokens)."""
     return prepare_dataset(
+        DataSettings(
+            data_format="chat",
+            text_field="text",
+            tokenizer_path=tokenizer_path,
+            seq_len=256,
+            seed=0,
+            chat_template=template,
+        ),
         data=str(path),
-        data_format="chat",
-        text_field="text",
-        tokenizer_path=tokenizer_path,
-        seq_len=256,
-        seed=0,
         min_blocks=1,
-        chat_template=template,
         in_driver=True,
     )
 

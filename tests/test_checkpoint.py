@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from raytrain_eks import presets
 from raytrain_eks.cli import main
 from raytrain_eks.config import load_config
-from raytrain_eks.eks.buckets import storage_estimate
+from raytrain_eks.deploy.plan import storage_estimate
 from raytrain_eks.errors import TrainingError, UserError
 from raytrain_eks.train.checkpoint import (
     EXPORT_MARKER,
@@ -37,7 +37,7 @@ from raytrain_eks.train.faults import ENV as FAULT_ENV
 from raytrain_eks.train.faults import SLOW_WRITE_ENV
 from raytrain_eks.train.launch import ERROR_LOG, run_training
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("starts_ray")
 
 # The shipped sample (the preset's data) at 64 tokens: 26 global batches of 2 x 4 an epoch, so 30 steps go into a
 # second epoch and every checkpoint (10, 20, 30) falls mid-epoch.
@@ -84,6 +84,10 @@ def test_reference_run_writes_checkpoints_and_exports(reference_run):
     assert summary["checkpoint_s_per_save"] == pytest.approx(summary["checkpoint_s"] / 3)  # saved at 10, 20, 30
     assert summary["checkpoint_share"] == pytest.approx(summary["checkpoint_s"] / summary["train_s"])
     assert 0 < summary["checkpoint_share"] < 1
+    # What each save cost the training thread (the staging into kept host buffers), in summary.json too.
+    stalls = json.loads((run / "summary.json").read_text())["checkpoint_stall_s"]
+    assert len(stalls) == 3 and summary["checkpoint_stall_s_max"] == pytest.approx(max(stalls), abs=1e-4)
+    assert 0 < summary["checkpoint_stall_s_mean"] <= summary["checkpoint_stall_s_max"]
     # The output projection is tied to the embedding: the checkpoint holds that tensor once (and its moments once).
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -290,6 +294,9 @@ def test_training_goes_on_while_a_checkpoint_is_written_and_the_run_ends_with_it
     # once too; the run ended only once the last one was complete.
     assert len(summary["checkpoint_done_s"]) == 2 and min(summary["checkpoint_done_s"]) >= delay, summary
     assert summary["checkpoint_s"] < 2 * delay, summary  # not both writes (nor the uploads) in the loop
+    # The first save cost the training thread its staging only; the second waited for the first's write.
+    first, second = summary["checkpoint_stall_s"]
+    assert first < delay / 2 and second == pytest.approx(summary["checkpoint_stall_s_max"], abs=1e-4), summary
     assert [step for step, _, ok in list_checkpoints(result.run_dir / "ray") if ok] == [3, 6]
     steps = [r["step"] for r in history(result.run_dir)]
     assert steps == [1, 2, 3, 4, 5, 6]

@@ -12,30 +12,33 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import raytrain_eks.train.data as data_module
+import raytrain_eks.train.data.pipeline as data_module
 from raytrain_eks.errors import DataError
 from raytrain_eks.train.builtin import sample_data_path
-from raytrain_eks.train.data import IGNORE_INDEX, prepare_dataset, prepared_in_driver
-from raytrain_eks.train.json_reader import TOO_DEEP
-from raytrain_eks.train.packing import block_documents
+from raytrain_eks.train.data.encoding import IGNORE_INDEX
+from raytrain_eks.train.data.json_reader import TOO_DEEP
+from raytrain_eks.train.data.packing import block_documents
+from raytrain_eks.train.data.pipeline import DataSettings, prepare_dataset, prepared_in_driver
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("starts_ray")
 
 
 def prep(path, builtin_model, fmt="instruction", seq_len=32, min_blocks=1, where=None, **kw):
     return prepare_dataset(
+        DataSettings(
+            data_format=fmt,
+            text_field=kw.get("text_field", "text"),
+            tokenizer_path=builtin_model,
+            seq_len=seq_len,
+            seed=kw.get("seed", 0),
+            columns=kw.get("columns"),
+            chat_template=kw.get("chat_template"),
+        ),
         data=str(path),
-        data_format=fmt,
-        text_field=kw.get("text_field", "text"),
-        tokenizer_path=builtin_model,
-        seq_len=seq_len,
-        seed=kw.get("seed", 0),
         min_blocks=min_blocks,
         eval_fraction=kw.get("eval_fraction", 0.0),
         in_driver=None if where is None else where == "driver",
-        columns=kw.get("columns"),
         listed=kw.get("listed"),
-        chat_template=kw.get("chat_template"),
     )
 
 
@@ -242,7 +245,7 @@ def _hub_dataset(cache, repo: str, splits: dict):
 def test_a_hugging_face_dataset_is_read_offline_from_the_cache(tmp_path, ray_local, builtin_model, monkeypatch, where):
     import huggingface_hub.constants
 
-    from raytrain_eks.train.data import list_data_files
+    from raytrain_eks.train.data.sources import list_data_files
 
     train = [{"question": f"What is {i} plus 2?", "answer": f"{i + 2}."} for i in range(12)]
     test = [{"question": "What is 7 plus 2?", "answer": "9."}]
@@ -277,8 +280,8 @@ def test_every_example_recipe_reads_its_data(recipe, ray_local, builtin_model, m
     # depend on it.
     from raytrain_eks.config import BUILTIN_DATA, load_config
     from raytrain_eks.ray_session import LOCAL_CPU_WORKERS
-    from raytrain_eks.train.encoding import chat_template_text
-    from raytrain_eks.train.sources import list_data_files
+    from raytrain_eks.train.data.encoding import chat_template_text
+    from raytrain_eks.train.data.sources import list_data_files
 
     monkeypatch.chdir(recipe.parents[1])
     training = load_config(path=recipe, environ={}).training
@@ -294,16 +297,18 @@ def test_every_example_recipe_reads_its_data(recipe, ray_local, builtin_model, m
     else:
         listed = list_data_files(data)
     prepared = prepare_dataset(
+        DataSettings(
+            data_format=training.data_format,
+            text_field=training.text_field,
+            columns=training.columns or None,
+            packing=training.packing,
+            chat_template=chat_template_text(training.chat_template),
+            tokenizer_path=builtin_model,
+            seq_len=training.seq_len,
+            seed=training.seed,
+        ),
         data=data,
         listed=listed,
-        data_format=training.data_format,
-        text_field=training.text_field,
-        columns=training.columns or None,
-        packing=training.packing,
-        chat_template=chat_template_text(training.chat_template),
-        tokenizer_path=builtin_model,
-        seq_len=training.seq_len,
-        seed=training.seed,
         min_blocks=(training.num_workers or LOCAL_CPU_WORKERS) * training.batch_size * training.grad_accum_steps,
         eval_fraction=training.effective_eval_fraction,
     )
@@ -384,9 +389,9 @@ def test_the_data_command_shows_the_blocks_train_trains_on(ray_local, builtin_mo
     # `raytrain-eks data` prepares with no Ray; train hands its packed set to the workers through Ray. The blocks the
     # command shows are the first blocks the workers read, with the same counts.
     from raytrain_eks.presets import local_tiny
-    from raytrain_eks.train.data import PackedSet, prepare_for
+    from raytrain_eks.train.data.pipeline import PackedSet, prepare_for
+    from raytrain_eks.train.data.preview import preview_data
     from raytrain_eks.train.launch import data_source
-    from raytrain_eks.train.preview import preview_data
 
     cfg = local_tiny()
     shown = preview_data(cfg, show=4)

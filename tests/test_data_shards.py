@@ -5,7 +5,7 @@ rank exactly, mid-epoch and in a later epoch, in a new Ray Train run too (no sam
 
 These runs are on one Ray node; the two-host runs (tests/test_two_host.py) read the same way across a link. Each
 rank takes only the rows it trains on: a task beside each block that holds some of them returns just those
-(:meth:`~raytrain_eks.train.data.PackedSet.take`), so what reaches a rank is its share of the epoch. The data is
+(``PackedSet.take``), so what reaches a rank is its share of the epoch. The data is
 prepared through Ray Data's tasks (``in_driver=False``), where blocks can be cut differently; the driver's path
 gives the same packed set (tests/test_data_pipeline.py).
 """
@@ -21,10 +21,16 @@ import numpy as np
 import pytest
 
 from raytrain_eks.train.builtin import sample_data_path
-from raytrain_eks.train.context import DataCursor, global_position, take_from_parts
-from raytrain_eks.train.data import epoch_order, prepare_dataset, rank_epoch_blocks, train_datasets
+from raytrain_eks.train.data.cursor import DataCursor, global_position, take_from_parts
+from raytrain_eks.train.data.pipeline import (
+    DataSettings,
+    epoch_order,
+    prepare_dataset,
+    rank_epoch_blocks,
+    train_datasets,
+)
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("starts_ray")
 
 WORLD, BATCH, SEQ = 2, 4, 64
 
@@ -38,12 +44,14 @@ def prepared(builtin_model, *, seed=0, block_bytes=None):
         context.target_max_block_size = block_bytes
     try:
         return prepare_dataset(
+            DataSettings(
+                data_format="instruction",
+                text_field="text",
+                tokenizer_path=builtin_model,
+                seq_len=SEQ,
+                seed=seed,
+            ),
             data=str(sample_data_path()),
-            data_format="instruction",
-            text_field="text",
-            tokenizer_path=builtin_model,
-            seq_len=SEQ,
-            seed=seed,
             min_blocks=WORLD * BATCH,
             in_driver=False,
         )

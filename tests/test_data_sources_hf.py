@@ -21,8 +21,9 @@ from ray.util.annotations import RayDeprecationWarning
 
 from raytrain_eks.config import load_config
 from raytrain_eks.errors import DataError
-from raytrain_eks.train.data import IGNORE_INDEX, prepare_dataset
-from raytrain_eks.train.sources import list_data_files
+from raytrain_eks.train.data.encoding import IGNORE_INDEX
+from raytrain_eks.train.data.pipeline import DataSettings, prepare_dataset
+from raytrain_eks.train.data.sources import list_data_files
 
 QUESTIONS = ["What is 6 times 7?", "Pad 7 to three digits.", "Is water wet?", "Name two primes, comma-separated."]
 ANSWERS = ["42", "007", "true", "2, 3"]  # pyarrow would read the first three as 42, 7 and True
@@ -46,15 +47,17 @@ ROWS = list(zip(QUESTIONS, CONTEXTS, ANSWERS, strict=True))
 
 def prep(data: str, builtin_model: str, *, where: str, **kw):
     return prepare_dataset(
+        DataSettings(
+            data_format="instruction",
+            text_field="text",
+            tokenizer_path=builtin_model,
+            seq_len=64,
+            seed=0,
+            columns=kw.get("columns", COLUMNS),
+            csv_delimiter=kw.get("csv_delimiter", ","),
+        ),
         data=data,
-        data_format="instruction",
-        text_field="text",
-        tokenizer_path=builtin_model,
-        seq_len=64,  # every row whole in a block
-        seed=0,
         min_blocks=1,
-        columns=kw.get("columns", COLUMNS),
-        csv_delimiter=kw.get("csv_delimiter", ","),
         in_driver=where == "driver",
     )
 
@@ -128,7 +131,7 @@ def test_csv_and_arrow_data_is_trained_with_csv_values_as_text(
 
 
 def test_csv_values_stay_as_the_file_writes_them(tmp_path):
-    from raytrain_eks.train.tabular import read_table
+    from raytrain_eks.train.data.tabular import read_table
 
     path = tmp_path / "values.csv"
     path.write_text(csv_text(ROWS) + "3.50,,\n")
@@ -221,8 +224,8 @@ def test_ndjson_data_is_read_and_trained_as_the_same_jsonl(tmp_path, ray_local, 
 def test_tsv_reads_to_the_rows_of_the_same_csv(tmp_path, builtin_model, tokenizer, monkeypatch):
     # A TSV file is a CSV file with a tab between the fields: its values are text, a quoted field holds line breaks
     # (the fourth row's context), and a comma is just a character (the fourth row's answer, not quoted here).
+    from raytrain_eks.train.data.tabular import read_table
     from raytrain_eks.train.prompts import sample_prompts
-    from raytrain_eks.train.tabular import read_table
 
     csv, tsv = tmp_path / "rows.csv", tmp_path / "rows.tsv"
     csv.write_text(csv_text(ROWS))
@@ -255,8 +258,8 @@ def test_tsv_reads_to_the_rows_of_the_same_csv(tmp_path, builtin_model, tokenize
 
 def test_csv_delimiter_reads_a_semicolon_separated_file(tmp_path, builtin_model, tokenizer):
     # Spreadsheets set to a language that writes decimal commas export CSV files separated by semicolons.
+    from raytrain_eks.train.data.tabular import read_table
     from raytrain_eks.train.prompts import sample_prompts
-    from raytrain_eks.train.tabular import read_table
 
     comma, semi = tmp_path / "comma.csv", tmp_path / "semi.csv"
     comma.write_text(csv_text(ROWS))
@@ -344,7 +347,7 @@ def test_reads_are_placed_through_the_parameter_each_ray_version_has():
     ``_resolve_ray_remote_args`` pins local reads the same way)."""
     import ray.data
 
-    from raytrain_eks.train.tabular import placed
+    from raytrain_eks.train.data.tabular import placed
 
     here = {"ray.io/node-id": "ab" * 28}
     assert placed(ray.data.read_csv, here) == {"label_selector": here}  # this suite's Ray (2.60)

@@ -112,7 +112,9 @@ def one_process_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_loop_losses_do_not_depend_on_the_chunking(tmp_path, monkeypatch, one_process_group, builtin_model, capsys):
+def test_loop_losses_are_the_same_by_the_plain_loss_and_by_many_chunks(
+    tmp_path, monkeypatch, one_process_group, builtin_model, capsys
+):
     cfg = TrainingConfig(
         model_id=BUILTIN_MODEL,
         data=RANDOM_DATA,
@@ -124,15 +126,21 @@ def test_loop_losses_do_not_depend_on_the_chunking(tmp_path, monkeypatch, one_pr
         checkpoint_every=0,
         precision="auto",
     )
-    one_chunk = run(cfg, tmp_path / "one")
+    one_chunk = run(cfg, tmp_path / "one")  # loss_kernel auto: plain on a CPU, the full logits being small
     monkeypatch.setattr(loop, "LOSS_CHUNK_LOGITS", 5 * 1024)  # a few tokens per chunk: ~25 chunks per micro-batch
-    many = run(cfg, tmp_path / "many")
+    many = run(cfg.model_copy(update={"loss_kernel": "chunked"}), tmp_path / "many")
+    assert (one_chunk["loss_kernel"], many["loss_kernel"]) == ("plain", "chunked")
+    assert one_chunk["loss_kernel_reason"].startswith("auto: the full logits fit the memory estimate; not fused: ")
     losses = [json.loads(line)["loss"] for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     chunked = [json.loads(line)["loss"] for line in (tmp_path / "many" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and abs(losses[2] - losses[0]) > 1e-3  # training moved the loss: not vacuous
-    assert chunked == pytest.approx(losses, rel=1e-5)
     # auto was resolved once, by the worker that knows its device, and the summary says what it became.
     expected = resolve_precision("auto", torch.device("cpu"))[0]
+    # In bf16 the plain loss's projection gradient is autograd's bf16 product and the chunked loss's an fp32 sum of
+    # the chunks' (as one GPU product): they part by bf16 rounding, a few 1e-4 of the loss after two steps.
+    assert chunked == pytest.approx(losses, rel=1e-5 if expected == "fp32" else 5e-4)
     assert one_chunk["precision"] == many["precision"] == expected
     assert json.loads((tmp_path / "one" / "summary.json").read_text())["precision"] == expected
-    assert f"precision: {expected} (auto:" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"precision: {expected} (auto:" in out
+    assert "loss: plain (auto: the full logits fit" in out and "loss: chunked (as configured)" in out

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import transformers
 
 from raytrain_eks.errors import UserError
+from raytrain_eks.train.loss import LossKernel
 from raytrain_eks.train.model import (
     chunked_cross_entropy,
     logit_transform,
@@ -115,14 +116,14 @@ def _batch(seed: int):
     return ids, labels
 
 
-def jobs_loss(model, head, ids, labels):
-    """The loss as the loop takes it: the deferred projection's hidden states, the cross-entropy in chunks of 5
-    tokens with the model's logit transform, over the tokens counted, plus the router term when the model has one.
-    Returns ``(loss, router term or None)``."""
+def jobs_loss(model, head, ids, labels, kernel: str = "chunked"):
+    """The loss as the loop takes it: the deferred projection's hidden states, the cross-entropy by the loss
+    ``kernel`` (chunked: in chunks of 5 tokens) with the model's logit transform, over the tokens counted, plus the
+    router term when the model has one. Returns ``(loss, router term or None)``."""
     outputs = head.forward(model, input_ids=ids)
     weight = head()
     count = int((labels[:, 1:] != -100).sum())
-    loss = chunked_cross_entropy(
+    loss = LossKernel(kernel)(
         outputs.logits[:, :-1],
         weight,
         labels[:, 1:],
@@ -168,14 +169,17 @@ def test_the_jobs_loss_and_gradients_are_the_models_own(one_rank, arch):
         return
     head = output_projection_deferred(model)
     apply_fsdp(model, precision="fp32")
-    loss, router = jobs_loss(model, head, ids, labels)
-    assert (router is not None) == (arch == "qwen3-moe")
-    loss.backward()
-    torch.testing.assert_close(loss.detach(), own.detach(), rtol=1e-5, atol=1e-6)
-    mine, theirs = _grads(model), _grads(reference)
-    assert mine.keys() == theirs.keys() and len(mine) > 5
-    for key in theirs:
-        torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-6, msg=key)
+    theirs = _grads(reference)
+    for kernel in ("chunked", "plain"):  # the loss kernels that run on a CPU (training.loss_kernel)
+        model.zero_grad(set_to_none=True)
+        loss, router = jobs_loss(model, head, ids, labels, kernel)
+        assert (router is not None) == (arch == "qwen3-moe")
+        loss.backward()
+        torch.testing.assert_close(loss.detach(), own.detach(), rtol=1e-5, atol=1e-6, msg=kernel)
+        mine = _grads(model)
+        assert mine.keys() == theirs.keys() and len(mine) > 5
+        for key in theirs:
+            torch.testing.assert_close(mine[key], theirs[key], rtol=1e-4, atol=1e-6, msg=f"{kernel}: {key}")
 
 
 def test_the_transforms_are_read_from_the_models_own_config():

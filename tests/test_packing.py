@@ -22,13 +22,14 @@ from raytrain_eks.config import BUILTIN_MODEL, TrainingConfig
 from raytrain_eks.errors import DataError
 from raytrain_eks.presets import local_tiny
 from raytrain_eks.train.builtin import sample_data_path
-from raytrain_eks.train.context import DataCursor, ProcessContext, take_from_parts
-from raytrain_eks.train.data import IGNORE_INDEX, first_blocks, prepare_dataset
-from raytrain_eks.train.encoding import encode
+from raytrain_eks.train.context import ProcessContext
+from raytrain_eks.train.data.cursor import DataCursor, take_from_parts
+from raytrain_eks.train.data.encoding import IGNORE_INDEX, encode
+from raytrain_eks.train.data.packing import block_documents, fullest_bins, pack, pack_table, place_rows
+from raytrain_eks.train.data.pipeline import DataSettings, first_blocks, prepare_dataset
 from raytrain_eks.train.flops import documents_flops
 from raytrain_eks.train.loop import train
 from raytrain_eks.train.model import chunked_cross_entropy, forward_inputs, load_model, output_projection_deferred
-from raytrain_eks.train.packing import block_documents, fullest_bins, pack, pack_table, place_rows
 
 LENGTHS = (9, 14, 6, 11)  # four rows in one block of SEQ tokens, the tail padded
 SEQ = 48
@@ -262,13 +263,15 @@ def test_the_training_loop_keeps_packed_rows_apart(tmp_path, one_process_group, 
 def _prepared(path, builtin_model, *, seq_len: int, overlong: str = "truncate", eval_fraction: float = 0.0):
     """The data set as ``train`` prepares it in the driver, its packed blocks kept out of Ray (no Ray starts)."""
     return prepare_dataset(
+        DataSettings(
+            data_format="instruction",
+            text_field="text",
+            tokenizer_path=builtin_model,
+            seq_len=seq_len,
+            overlong=overlong,
+            seed=0,
+        ),
         data=str(path),
-        data_format="instruction",
-        text_field="text",
-        tokenizer_path=builtin_model,
-        seq_len=seq_len,
-        overlong=overlong,
-        seed=0,
         min_blocks=1,
         eval_fraction=eval_fraction,
         in_driver=True,

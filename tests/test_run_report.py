@@ -14,7 +14,7 @@ from raytrain_eks.cli import main
 from raytrain_eks.config import load_config
 from raytrain_eks.train.launch import run_training
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("starts_ray")
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +35,19 @@ def _held_out_loss_by_hand(cfg, model_dir) -> tuple[float, int]:
     from transformers import AutoModelForCausalLM
 
     from raytrain_eks.train.builtin import sample_data_path
-    from raytrain_eks.train.data import IGNORE_INDEX, prepare_dataset
+    from raytrain_eks.train.data.encoding import IGNORE_INDEX
+    from raytrain_eks.train.data.pipeline import DataSettings, prepare_dataset
 
     t = cfg.training
     prepared = prepare_dataset(
+        DataSettings(
+            data_format=t.data_format,
+            text_field=t.text_field,
+            tokenizer_path=str(model_dir),
+            seq_len=t.seq_len,
+            seed=t.seed,
+        ),
         data=str(sample_data_path()),
-        data_format=t.data_format,
-        text_field=t.text_field,
-        tokenizer_path=str(model_dir),
-        seq_len=t.seq_len,
-        seed=t.seed,
         min_blocks=1,
         eval_fraction=t.effective_eval_fraction,
     )

@@ -8,18 +8,24 @@ exports the model from S3; a local storage folder not declared shared is refused
 starts; the bandwidth probe reports ranks on two nodes and a bandwidth figure, and with one host's link capped by
 ``tc`` it reports the lower figure and a ``degraded`` verdict against the configured line rate; a run whose worker
 on host 1 is killed (SIGKILL), and then loses host 1 itself (replaced by a fresh host with an empty disk), ends with
-the losses and the weights of the same run without faults. That run without faults is the one the placement and
+the losses and the weights of the same run without faults; in a run whose worker on host 1 is first held to a
+tenth of a CPU (a cgroup), then stopped (SIGSTOP), the first makes it a straggler named with its host, the second
+makes the watchdog name it and end the run. That run without faults is the one the placement and
 resume test checks and continues: one cluster and one such run for the module (each training costs a Ray Train
 start on the cluster). Needs root and iproute2; skipped otherwise, with the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +33,7 @@ from safetensors.torch import load_file
 from twohost import BUCKET, HOST_IPS, TwoHostCluster, WorkerRecord, requirement_missing, tool
 
 _MISSING = requirement_missing()
-pytestmark = [pytest.mark.twohost, pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")]
+pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
 
 CAP = "100mbit"
 EXPECTED_GBPS = 0.6  # the configured line rate: well below the veth's 1.5-6 Gbit/s here, six times the cap
@@ -41,10 +47,8 @@ FAULT_STEPS = 16
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """One two-host cluster per module (about 20 s to start); torn down even when a test fails."""
-    with TwoHostCluster(logs_to=tmp_path_factory.mktemp("twohost-ray-logs"), s3=True) as c:
-        yield c
+def cluster(two_hosts: TwoHostCluster) -> TwoHostCluster:
+    return two_hosts
 
 
 def _train_cmd(cluster) -> list[str]:
@@ -89,8 +93,8 @@ def steady_run(cluster, builtin_model) -> SteadyRun:
     )
 
 
-def test_teardown_removes_namespaces_and_processes_even_after_an_error():
-    c = TwoHostCluster(start_ray=False)
+def test_teardown_removes_namespaces_and_processes_even_after_an_error(network_namespaces):
+    c = network_namespaces(start_ray=False)
     with pytest.raises(RuntimeError, match="boom"), c:
         sleeper = subprocess.Popen(["ip", "netns", "exec", c.host_ns[1], "sleep", "600"])
         # The hosts reach each other over the bridge, and only through it.
@@ -278,3 +282,97 @@ def test_a_killed_worker_and_a_lost_node_end_as_an_uninterrupted_run(cluster, st
     # The last attempt ran one rank on the new host (its own Ray logs say so).
     workers = [w for w in cluster.train_workers() if w.job_id not in before]
     assert any(w.host == 1 for w in workers), (workers, output[-2000:])
+
+
+# Every step logged; no checkpoint before the end; the watchdog acts after max(10 x the median step, 10 s).
+WATCHDOG_CONFIG = "training:\n  log_every: 1\n  checkpoint_every: 0\n  watchdog_factor: 10\n  watchdog_floor_s: 10\n"
+CPU_SHARE = 0.1  # of one CPU, for the worker on host 1 while it is capped: below the optimizer step's own CPU time
+
+
+@contextlib.contextmanager
+def _cpu_capped(pids: list[int], share: float):
+    """The processes ``pids`` in a CPU cgroup of their own, limited to ``share`` of a CPU (cgroup v2's ``cpu.max``
+    or v1's CFS quota); back in the root cgroup after. Skips the test where neither can be written."""
+    v2 = Path("/sys/fs/cgroup/cgroup.controllers")
+    root = Path("/sys/fs/cgroup") if v2.is_file() else Path("/sys/fs/cgroup/cpu")
+    group = root / f"rtek-slow-{os.getpid()}"
+    try:
+        group.mkdir()
+        # A 10 ms period (not the default 100 ms): the capped process runs in slices of 1 ms, so a 10 ms piece of work
+        # takes about 100 ms every time, instead of 10 ms when it starts as the quota refills.
+        period = 10_000
+        if v2.is_file():
+            (group / "cpu.max").write_text(f"{int(share * period)} {period}")
+        else:
+            (group / "cpu.cfs_period_us").write_text(str(period))
+            (group / "cpu.cfs_quota_us").write_text(str(int(share * period)))
+    except OSError as exc:
+        pytest.skip(f"cannot make a CPU cgroup here ({exc}): the straggler check needs cgroup v1 or v2, writable")
+    try:
+        for pid in pids:
+            (group / "cgroup.procs").write_text(str(pid))
+        yield
+    finally:
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                (root / "cgroup.procs").write_text(str(pid))
+        with contextlib.suppress(OSError):
+            group.rmdir()
+
+
+def test_a_slowed_rank_is_named_a_straggler_and_a_stopped_one_ends_the_run(cluster, tmp_path):
+    """One run, two faults on host 1's worker. Its CPU capped (a cgroup) after step 3: it is named a straggler, with
+    host 1, within 20 steps. Then SIGSTOP: the other rank waits in a collective for it; the watchdog names the
+    stopped rank and host 1 within three times its threshold, keeps both ranks' stacks in the run folder, and the
+    run ends with its message, long before the collective's own timeout."""
+    cluster.host_path(0, "/tmp/work/watchdog.yaml").write_text(WATCHDOG_CONFIG)
+    cmd = [*_train_cmd(cluster), "--config", "/tmp/work/watchdog.yaml", "--steps", "400", "--storage-path", STORAGE]
+    log = tmp_path / "hung.log"
+    run = cluster.popen([*cmd, "--output-dir", "hung"], log=log)
+    folder = cluster.host_path(0, "/tmp/work/hung")
+    try:
+        capped_at = _wait_for(run, folder / "metrics.jsonl", lambda rs: any(r["step"] >= 3 for r in rs), "step 3")
+        # SIGCONT changes nothing of a running process: the call finds host 1's worker processes.
+        with _cpu_capped(cluster.kill_train_workers(1, signal.SIGCONT), CPU_SHARE):
+            named = _wait_for(
+                run, folder / "metrics.jsonl", lambda rs: any(r.get("stragglers") for r in rs), "a straggler's record"
+            )
+        assert cluster.kill_train_workers(1, signal.SIGSTOP), "no Ray Train worker process found on host 1"
+        stopped_at = time.monotonic()
+        while not (folder / "watchdog" / "findings.json").exists() and run.poll() is None:
+            time.sleep(0.2)
+        named_after = time.monotonic() - stopped_at
+        assert run.wait(timeout=120) == 1, log.read_text()[-4000:]
+        ended_after = time.monotonic() - stopped_at
+    finally:
+        cluster.kill_train_workers(1)  # the stopped one too (SIGKILL ends a stopped process), when the run left it
+        if run.poll() is None:
+            run.kill()
+    output = log.read_text()
+    finding = json.loads((folder / "watchdog" / "findings.json").read_text())
+    host_1 = next(r for r in finding["ranks"] if r["host"] == cluster.ips[1])
+
+    # The straggler: host 1's rank, named in a line, in the next logged step's record, within 20 steps of the cap.
+    assert f"straggler: rank {host_1['rank']} on host {cluster.ips[1]}" in output, output[-3000:]
+    named = next(r for r in named if r.get("stragglers"))
+    assert [(s["rank"], s["host"]) for s in named["stragglers"]] == [(host_1["rank"], cluster.ips[1])]
+    assert named["step"] - capped_at[-1]["step"] <= 20, (named["step"], capped_at[-1]["step"])
+    rows = _records(folder / "rank_steps.jsonl")
+    assert rows and all(len(row["own_s"]) == 2 for row in rows)
+
+    # The hang: host 1's rank, named by its stopped process, with the collective the other waits in.
+    assert (finding["rank"], finding["host"]) == (host_1["rank"], cluster.ips[1]), finding
+    assert "its process is stopped (state T)" in finding["reason"]
+    assert named_after <= 3 * finding["threshold_s"], (named_after, finding["threshold_s"])
+    assert finding["collective"], finding
+    message = f"watchdog: rank {finding['rank']} on host {cluster.ips[1]}"
+    assert message in output and f"the other ranks wait in {finding['collective']}" in output, output[-3000:]
+    assert "Traceback" not in output
+    stacks = {p.name: p.read_text() for p in (folder / "watchdog").glob("rank*.txt")}
+    assert sorted(stacks) == ["rank0.txt", "rank1.txt"], sorted(stacks)
+    assert "process state T" in stacks[f"rank{finding['rank']}.txt"]
+    assert all("raytrain_eks/train/loop.py:" in text for text in stacks.values()), stacks  # inside the loop
+    threshold = finding["threshold_s"]
+    print(f"\n{named['stragglers'][0]} at step {named['step']}, capped after step {capped_at[-1]['step']}")
+    print(f"{finding['message']}\nnamed {named_after:.1f} s after SIGSTOP (threshold {threshold:.0f} s), run over")
+    print(f"{ended_after:.1f} s after it; the stacks:\n" + "\n".join(stacks[name] for name in sorted(stacks)))

@@ -394,8 +394,9 @@ class TwoHostCluster:
         with log.open("w") as out:
             return subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT, text=True)
 
-    def kill_train_workers(self, host: int) -> list[int]:
-        """SIGKILL every Ray Train worker process (``ray::RayTrainWorker``) running on host ``host``; their pids."""
+    def kill_train_workers(self, host: int, sig: signal.Signals = signal.SIGKILL) -> list[int]:
+        """Send ``sig`` (SIGKILL; SIGSTOP for a hung rank) to every Ray Train worker process
+        (``ray::RayTrainWorker``) running on host ``host``; their pids."""
         killed = []
         for pid in _namespace_pids(self.host_ns[host]):
             try:
@@ -404,7 +405,7 @@ class TwoHostCluster:
                 continue
             if title.startswith(b"ray::RayTrainWorker"):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, sig)
                     killed.append(pid)
         return killed
 

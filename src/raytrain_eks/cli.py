@@ -28,7 +28,7 @@ from typer._click.exceptions import ClickException
 from raytrain_eks import presets
 from raytrain_eks.aws import commands as aws_commands
 from raytrain_eks.config import DEFAULT_CONFIG_FILE, load_config
-from raytrain_eks.eks import commands as deploy_commands
+from raytrain_eks.deploy import commands as deploy_commands
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.fabric import commands as fabric_commands
 from raytrain_eks.formats import FORMAT_NAMES
@@ -59,7 +59,8 @@ class _AppGroup(typer.core.TyperGroup):
     """The app's root command: plain help, its own and every command's under it, is laid out for the terminal's
     width when the command runs (``COLUMNS``, else the terminal's), up to :data:`PLAIN_HELP_MAX_COLUMNS`."""
 
-    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> typer.Context:
+    # Any: typer 0.29 returns the Context of the click it bundles, which it does not export under a public name.
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
         if parent is None:  # commands' contexts take their width from this one
             columns = min(shutil.get_terminal_size().columns, PLAIN_HELP_MAX_COLUMNS)
             extra.setdefault("terminal_width", max(columns - 2, 50))  # click's own margin and floor
@@ -107,7 +108,13 @@ def train(
     ] = None,
     steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
     seq_len: Annotated[int | None, typer.Option(help="Tokens per packed sample.")] = None,
-    batch_size: Annotated[int | None, typer.Option(help="Samples per worker per micro-batch.")] = None,
+    batch_size: Annotated[
+        str | None,
+        typer.Option(
+            help="Samples per worker per micro-batch, or auto: the largest the GPU's memory estimate admits, the "
+            "step's samples kept through gradient accumulation."
+        ),
+    ] = None,
     learning_rate: Annotated[
         float | None,
         typer.Option(help="Peak learning rate (default: the method's, 2e-05 for full fine-tuning, 0.0002 for LoRA)."),
@@ -193,7 +200,9 @@ def train(
             shutil.rmtree(config.parent, ignore_errors=True)
     price = unpriced = None
     if address is not None:  # priced by its target: at the price the user configured, or (EKS) on a cluster this
-        from raytrain_eks.eks.target import target_for  # tool deployed, from the record submit puts beside the config
+        from raytrain_eks.deploy.target import (
+            target_for,  # tool deployed, from the record submit puts beside the config
+        )
 
         price, unpriced = target_for(cfg).price(cfg, config)
 
@@ -213,6 +222,13 @@ def train(
         from raytrain_eks.report.html import cost_text
 
         out.print(f"cost: {cost_text(s['cost'], s.get('cost_note'))}")
+    if s.get("ended") == "preempted":  # saved, not failed: the next attempt continues from its checkpoint
+        from raytrain_eks.train.preemption import EXIT_CODE
+
+        out.print(f"preempted after step {s['preempted']['step']} of {cfg.training.steps}: {s['preempted']['reason']}")
+        out.print(f"Run folder: {result.run_dir}")
+        out.print(f"Resume it (on any number of workers): raytrain-eks train --resume {result.run_dir}")
+        raise typer.Exit(code=EXIT_CODE)
     mfu = "n/a on CPU" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"
     out.print(
         f"done: {s['steps']} steps, loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}, "
@@ -244,7 +260,7 @@ def data(
     """What the model will be trained on: rows read, kept, malformed, truncated and dropped; tokens trained, masked
     and padding; blocks and how full they are; and the first packed blocks with the trained tokens marked. Prepared
     as train prepares it, with no cluster and no GPU."""
-    from raytrain_eks.train.preview import preview_data, render_block
+    from raytrain_eks.train.data.preview import preview_data, render_block
 
     flags = {"model_id": model, "data": data_path, "data_format": data_format, "seq_len": seq_len}
     cfg = load_config(preset=presets.choose(preset), path=config, overrides={"training": flags}, sets=sets)
@@ -262,10 +278,10 @@ def data(
         markup=False,
     )
     if shown.blocks:
-        from raytrain_eks.train.encoding import encoding_tokenizer
+        from raytrain_eks.train.data.encoding import encoding_tokenizer
 
         tokenizer = encoding_tokenizer(shown.tokenizer_path, shown.chat_template)
-        marks = "colour" if out.is_terminal else "brackets"
+        marks: Literal["colour", "brackets"] = "colour" if out.is_terminal else "brackets"
         out.print("trained tokens " + ("in green" if marks == "colour" else "between [[ and ]]"), markup=False)
         for block in shown.blocks:
             out.print(render_block(block, tokenizer, marks=marks))
@@ -333,7 +349,7 @@ class _Progress:
         self._bar.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._bar.__exit__(*exc)
 
     def say(self, line: str) -> None:
@@ -450,7 +466,7 @@ def config_show(
 def _sharding_line(cfg: Any) -> str:
     """``config show``'s line on how a GPU run of the configuration shards the model (the layout the memory estimate
     assumes), or why there is none: an explicit ``training.sharding`` the placement cannot give."""
-    from raytrain_eks.eks.fit import sharding_line
+    from raytrain_eks.deploy.fit import sharding_line
     from raytrain_eks.train.sharding import ShardingError
 
     try:
@@ -461,7 +477,7 @@ def _sharding_line(cfg: Any) -> str:
 
 def _memory_line(cfg: Any) -> str:
     """``config show``'s memory estimate for the configured GPU node type, or why there is none."""
-    from raytrain_eks.eks.fit import check_on_image
+    from raytrain_eks.deploy.fit import check_on_image
     from raytrain_eks.instances import INSTANCE_TYPES
     from raytrain_eks.train.memory import unknown_shape_note
 

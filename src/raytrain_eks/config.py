@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -30,6 +30,7 @@ from raytrain_eks.formats import FORMAT_NAMES, data_format, formats_help
 DEFAULT_CONFIG_FILE = "raytrain-eks.yaml"
 
 BUILTIN_MODEL = "builtin:tiny-qwen2"
+DEFAULT_BATCH_SIZE = 2  # training.batch_size, and what auto is where no GPU's memory is estimated
 BUILTIN_DATA = "builtin:sample-instructions"
 RANDOM_DATA = "random"
 
@@ -205,7 +206,7 @@ OVERLONG_MODES = ("truncate", "drop")  # a row longer than seq_len under documen
 # start at zero and take about ten times more (peft's and TRL's LoRA recipes use 1e-4 to 3e-4).
 DEFAULT_LEARNING_RATES = {"full": 2e-5, "lora": 2e-4}
 _METHOD_NAMES = {"full": "full fine-tuning's", "lora": "LoRA's"}
-LORA_ALL_LINEAR = "all-linear"  # peft's name for every linear layer of the decoder blocks
+LORA_ALL_LINEAR: Literal["all-linear"] = "all-linear"  # peft's name for every linear layer of the decoder blocks
 FLASH_ATTN_MIN = "2.3.3"  # the oldest flash-attn 2 transformers' is_flash_attn_2_available accepts
 
 
@@ -290,7 +291,12 @@ class TrainingConfig(Section):
     lora: LoraSettings = Field(default_factory=LoraSettings, description="the adapters of method lora")
     steps: int = Field(100, ge=1)
     seq_len: int = Field(1024, ge=8, le=131072)
-    batch_size: int = Field(2, ge=1, le=4096, description="packed samples per worker per micro-batch")
+    batch_size: Annotated[int, Field(ge=1, le=4096)] | Literal["auto"] = Field(
+        DEFAULT_BATCH_SIZE,
+        description="packed samples per worker per micro-batch; auto = on GPUs the largest micro-batch the memory "
+        f"estimate admits, up to {DEFAULT_BATCH_SIZE} x grad_accum_steps (the samples a step trains per worker, kept "
+        f"by fewer accumulation steps); {DEFAULT_BATCH_SIZE} on a local run",
+    )
     grad_accum_steps: int = Field(1, ge=1, le=1024)
     learning_rate: float = Field(
         default_factory=lambda data: DEFAULT_LEARNING_RATES[data["method"]],
@@ -340,6 +346,12 @@ class TrainingConfig(Section):
         description="auto (on CUDA GPUs, not on CPUs, decided by the workers), on or off: compile each decoder layer "
         "with torch.compile before sharding; the first step takes longer while it compiles (summary: first_step_s)",
     )
+    loss_kernel: Literal["auto", "fused", "chunked", "plain"] = Field(
+        "auto",
+        description="auto (fused on CUDA GPUs where Liger-Kernel or cut-cross-entropy is installed and computes the "
+        "model's own loss, else plain where the full logits fit the memory estimate, else chunked), fused, chunked "
+        "(a chunk of tokens' logits at a time) or plain (the full logits at once)",
+    )
     seed: int = Field(0, ge=0)
     log_every: int = Field(10, ge=1, description="steps between metric records sent to the driver")
     checkpoint_every: int = Field(
@@ -352,6 +364,25 @@ class TrainingConfig(Section):
         3, ge=0, description="worker-group restarts (from the last checkpoint) before the run fails"
     )
     export: bool = Field(True, description="write the trained model in Hugging Face format to RUN_DIR/model at the end")
+    watchdog: bool = Field(
+        True, description="end a run no rank advances in (Ray): name the rank and host, keep stacks in RUN_DIR/watchdog"
+    )
+    watchdog_factor: float = Field(
+        10, gt=1, description="the watchdog acts after this many median step times without a step on any rank..."
+    )
+    watchdog_floor_s: float = Field(
+        120, gt=0, description="...and never sooner than this (longer than a checkpoint or an evaluation takes)"
+    )
+    straggler_margin: float = Field(
+        1.3, gt=1, description="a rank whose own work (its optimizer step) takes this many times the ranks' median..."
+    )
+    straggler_steps: int = Field(5, ge=1, description="...for this many steps in a row is named as a straggler")
+    notice_poll_s: float = Field(
+        5, gt=0, description="seconds between looks for a spot interruption notice (where instance metadata answers)"
+    )
+    on_rebalance: Literal["checkpoint", "ignore"] = Field(
+        "checkpoint", description="an EC2 rebalance recommendation: checkpoint at once (and train on), or ignore it"
+    )
     storage_path: str | None = Field(
         None, description="checkpoints: a folder every node reaches or s3://bucket/prefix; empty = run folder"
     )
@@ -468,6 +499,11 @@ class TrainingConfig(Section):
         return self.warmup_steps if self.warmup_steps is not None else -(-self.steps // 20)
 
     @property
+    def micro_batch(self) -> int:
+        """``batch_size`` as a number: ``auto`` not resolved before the run (a local run's) is the default."""
+        return DEFAULT_BATCH_SIZE if self.batch_size == "auto" else self.batch_size
+
+    @property
     def uses_random_data(self) -> bool:
         return self.data == RANDOM_DATA
 
@@ -477,10 +513,18 @@ class FabricConfig(Section):
 
     ``require``: ``efa`` (the reference), ``ib``, or ``any`` (no check: local runs, gloo). ``expected_gbps``: the
     line rate the bandwidth probe compares against; empty = the GPU instance type's network rate.
+    ``require_full_efa``: stop, rather than warn, when EFA is used short of what the instance type offers.
     """
 
     require: Literal["efa", "ib", "any"] = "efa"
     expected_gbps: float | None = Field(None, gt=0)
+    # A shortfall in the fabric's use (fewer EFA devices found or used than the GPU type has, GPUDirect RDMA off
+    # where it supports it) is a warning of the in-job gate unless this asks for the run to stop on it.
+    require_full_efa: bool = Field(
+        False,
+        description="stop the run when NCCL's lines show EFA used short of what the GPU instance type offers "
+        "(fewer EFA devices, GPUDirect RDMA off); false = only warn",
+    )
     # compare-fabric: the steps of each of its two runs (empty = training.steps), and the first steps left out of
     # the timing. The warm-up default is 10, not the reference's 3: metrics are sampled every log_every (10) steps,
     # and the sample at step 10 still carries NCCL's connection setup.

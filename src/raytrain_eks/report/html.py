@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_eks.errors import RunFolderError
-from raytrain_eks.report.plots import FIGURES, draw_curves
+from raytrain_eks.report.plots import FIGURES, RANK_STEPS_TITLE, draw_curves, draw_rank_steps
 
 REPORT_FILE = "report.html"
 PLOTS_DIR = "plots"
@@ -195,9 +195,9 @@ def _fabric(runs: list[Run]) -> str:
         if not fabric.get("verdict") and not run.nccl:
             continue
         facts = "".join(
-            f"<li><b>{escape(k)}</b>: {escape(str(v))}</li>"
+            f"<li><b>{escape(k)}</b>: {escape('; '.join(map(str, v)) if isinstance(v, list) else str(v))}</li>"
             for k, v in fabric.items()
-            if k != "report" and v not in (None, "")
+            if k != "report" and v not in (None, "", [])
         )
         evidence = "".join(
             f"<details><summary>{escape(rank)}: NCCL lines</summary><pre>{escape(chr(10).join(lines))}</pre></details>"
@@ -234,6 +234,25 @@ img { max-width: 100%; display: block; margin: 0.5em 0 1.5em; }
 """
 
 
+_RANK_STEPS = "rank_steps.jsonl"  # each rank's own time per step (train/stragglers.py)
+_FINDINGS = "watchdog/findings.json"  # what the watchdog found when the run hung (train/watchdog.py)
+
+
+def _watch(runs: list[Run]) -> str:
+    """The stragglers named and the watchdog's finding, run by run; nothing when there are none."""
+    items = []
+    for run in runs:
+        for s in run.summary.get("stragglers") or [r for rec in run.records for r in rec.get("stragglers") or []]:
+            items.append(
+                f"<li>{escape(run.label)}: straggler rank {escape(str(s.get('rank')))} on {escape(str(s.get('host')))}"
+                f", steps {s.get('first_step')}-{s.get('last_step')}, {_num(s.get('ratio'), '{:.1f}')}x the median</li>"
+            )
+        finding = _json_object(run.path / _FINDINGS)
+        if finding.get("message"):
+            items.append(f"<li>{escape(run.label)}: {escape(str(finding['message']))}</li>")
+    return f"<h2>Stragglers and watchdog</h2><ul>{''.join(items)}</ul>" if items else ""
+
+
 def write_report(run_dirs: list[Path], out_dir: Path, *, comparison: str | None = None) -> Path:
     """Write ``out_dir/report.html`` (and ``out_dir/plots/*.png``) for ``run_dirs``; return the page's path.
 
@@ -247,6 +266,10 @@ def write_report(run_dirs: list[Path], out_dir: Path, *, comparison: str | None 
     runs = [load_run(Path(p)) for p in run_dirs]
     pngs = draw_curves([(r.label, r.records) for r in runs], out_dir / PLOTS_DIR)
     titles = {name: title for name, title, _, _ in FIGURES}
+    by_rank = [(r.label, _jsonl(r.path / _RANK_STEPS)) for r in runs if (r.path / _RANK_STEPS).is_file()]
+    rank_png = draw_rank_steps(by_rank, out_dir / PLOTS_DIR)
+    if rank_png is not None:
+        pngs["rank_steps"], titles["rank_steps"] = rank_png, RANK_STEPS_TITLE
     images = "".join(
         f'<figure><img alt="{escape(titles[name])}" src="data:image/png;base64,'
         f'{base64.b64encode(path.read_bytes()).decode()}"></figure>'
@@ -267,6 +290,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, *, comparison: str | None 
 {f"<h2>Comparison</h2><pre>{escape(comparison)}</pre>" if comparison else ""}
 <h2>Overview</h2>{_overview(runs)}
 <h2>Curves</h2><div class="plots">{images}</div>
+{_watch(runs)}
 <h2>Samples</h2>{_samples(runs)}
 <h2>Fabric</h2>{_fabric(runs)}
 <h2>Configuration</h2>{configs or "<p>No config.yaml.</p>"}

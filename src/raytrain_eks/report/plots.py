@@ -84,3 +84,37 @@ def draw_curves(runs: list[tuple[str, list[dict[str, Any]]]], out_dir: Path) -> 
         plt.close(fig)
         written[name] = path
     return written
+
+
+RANK_STEPS_TITLE = "Own work per rank (optimizer step)"
+
+
+def draw_rank_steps(runs: list[tuple[str, list[dict[str, Any]]]], out_dir: Path) -> Path | None:
+    """One PNG of each rank's own time per step (``rank_steps.jsonl``'s rows: ``{"step", "own_s": [per rank]}``), a
+    line per rank: a straggler's line stands above the others. ``None`` when no run has such rows."""
+    lines = []
+    for label, rows in runs:
+        ranks = max((len(r.get("own_s") or []) for r in rows), default=0)
+        for rank in range(ranks):
+            points = [(int(r["step"]), float(r["own_s"][rank])) for r in rows if len(r.get("own_s") or []) > rank]
+            name = f"rank {rank}" if len(runs) == 1 else f"{label} rank {rank}"
+            lines.append(([s for s, _ in points], [t * 1e3 for _, t in points], name))
+    if not lines:
+        return None
+    load_plotting()
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=100)
+    for steps, values, name in lines:
+        ax.plot(steps, values, "-", marker="o" if len(steps) < 30 else None, ms=3, label=name)
+    ax.set_title(RANK_STEPS_TITLE)
+    ax.set_xlabel("step")
+    ax.set_ylabel("milliseconds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out_dir / "rank_steps.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path

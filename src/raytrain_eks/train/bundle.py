@@ -9,10 +9,11 @@ the start; :class:`RunBundle` adds the rest of the run folder, as the run goes:
   ended, steps, last loss, cost, the one-line error. Written first, refreshed at every sync, written last at the end,
   so a bundle that says ``finished`` is whole.
 - every :data:`SYNC_S` seconds while the run goes, on a thread of its own: ``metrics.jsonl`` (every attempt's logged
-  steps), ``train.log`` (the driver's lines), ``error.log`` and ``nccl/rank*.log`` when they changed;
+  steps), ``train.log`` (the driver's lines), ``error.log``, ``nccl/rank*.log`` and ``rank_steps.jsonl`` when they
+  changed;
 - at the end, everything else of the run folder: the export ``model/``, ``summary.json``, ``samples.jsonl``,
   ``report.html``, ``plots/``, ``tensorboard/``; after a failure, what the run folder holds then (``error.log`` with
-  every failed rank's traceback among it).
+  every failed rank's traceback among it; ``watchdog/``, every rank's stack, when the watchdog ended a hung run).
 - ``logs/NODE/`` (:data:`WORKER_LOGS`): the output of the run's Ray worker processes (the training ranks among them)
   on each node, as Ray writes it in the node's session folder, each file's last :data:`LOG_TAIL` bytes; at every
   sync once the driver names its Ray job (:meth:`RunBundle.follow_workers`), and a last time when training has ended
@@ -48,7 +49,7 @@ METRICS = "metrics.jsonl"
 ERROR_LOG = "error.log"
 # What the sync thread uploads while the run goes (small, and what a run that dies leaves as its evidence); the rest
 # of the run folder goes at the end.
-LIVE = (METRICS, ERROR_LOG, "nccl")
+LIVE = (METRICS, ERROR_LOG, "nccl", "rank_steps.jsonl")  # the last: each rank's own time per step (stragglers.py)
 # Seconds between two uploads of the live files: a few small PUTs every half minute, whatever the step rate.
 SYNC_S = 30.0
 # Files copied at once at the end (the export's safetensors files, the plots), each in pieces of COPY_CHUNK bytes.

@@ -100,6 +100,7 @@ def save_sharded(
     tokenizer_path: str | None,
     chat_template: str | None = None,
     background: Any | None = None,
+    stager: Any | None = None,
 ) -> Future[Any] | None:
     """Write this rank's part of the checkpoint of ``step`` into ``folder`` (a collective: every rank calls it).
     The tokenizer goes into ``hf/`` with ``chat_template`` (the run's own, when it has one), so an export renders
@@ -107,8 +108,10 @@ def save_sharded(
 
     With ``background`` (a gloo process group of all ranks, kept for this), the model and optimizer state are
     copied now and written by DCP's asynchronous save on a thread of its own, whose collectives use that group;
-    the future of that write is returned and training may change the weights meanwhile. The trainer state and
-    ``hf/`` are written before this returns either way."""
+    the future of that write is returned and training may change the weights meanwhile. ``stager``
+    (:func:`checkpoint_stager`) makes that copy into host buffers kept from one save to the next; the caller lets a
+    save's write finish before the next save stages into them. The trainer state and ``hf/`` are written before this
+    returns either way."""
     import torch.distributed.checkpoint as dcp
 
     from raytrain_eks.train.faults import checkpoint_writer
@@ -123,7 +126,7 @@ def save_sharded(
     if background is None:
         dcp.save(state, storage_writer=writer)
     else:
-        response = dcp.async_save(state, storage_writer=writer, process_group=background)
+        response = dcp.async_save(state, storage_writer=writer, process_group=background, async_stager=stager)
         written = response if isinstance(response, Future) else response.upload_completion
     save_trainer_state(folder, rank=rank, step=step, scheduler=scheduler, data_position=data_position)
     if rank == 0:
@@ -132,10 +135,27 @@ def save_sharded(
         if lora is not None:  # the adapters' settings, as peft writes them (the base is named, never saved)
             lora.save_pretrained(str(hf))
         if tokenizer_path:
-            from raytrain_eks.train.encoding import encoding_tokenizer
+            from raytrain_eks.train.data.encoding import encoding_tokenizer
 
             encoding_tokenizer(tokenizer_path, chat_template).save_pretrained(hf)
     return written
+
+
+def checkpoint_stager(device: torch.device) -> Any:
+    """DCP's stager (torch's ``DefaultStager``) for :func:`save_sharded`'s background saves: it copies the state into
+    host memory it keeps, by the storage it was copied from, and copies into the same buffers at every later save, so
+    no save allocates (or, on CUDA, pins) host memory again. On CUDA the buffers are pinned and the copies
+    non-blocking, waited for once at the end of the staging, so the copy from the GPU runs at the bus's speed without
+    a bounce through pageable memory; pinned memory and non-blocking copies need CUDA (torch's ``StagingOptions``).
+    The staging runs on the calling thread (``use_async_staging`` off): the weights must not change while they are
+    copied, and the step after a save changes them. Close it (``close()``) after the run's last save is written."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = device.type == "cuda"
+    options = StagingOptions(
+        use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+    )
+    return DefaultStager(options)
 
 
 def tied_names(model: Any) -> set[str]:
@@ -321,6 +341,14 @@ def is_complete(folder: str | Path) -> bool:
     fs, base = _fs(folder)
     infos = fs.get_file_info([f"{base}/{MARKER}", f"{base}/.metadata", f"{base}/{HF_DIR}/config.json"])
     return all(i.type == pafs.FileType.File for i in infos)
+
+
+def saved_world_size(folder: str | Path) -> int | None:
+    """How many ranks wrote the complete checkpoint at ``folder`` (its marker says), or ``None`` when it does not."""
+    try:
+        return int(json.loads(_read_text(join(folder, MARKER)))["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def latest_complete(root: str | Path) -> str | None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from raytrain_eks.train.data import IGNORE_INDEX
+from raytrain_eks.train.data.encoding import IGNORE_INDEX
 from raytrain_eks.train.model import OutputHead, chunked_cross_entropy, forward_inputs
 
 Batch = dict[str, torch.Tensor]

@@ -27,8 +27,6 @@ from raytrain_eks.fabric import analyze
 from raytrain_eks.fabric.decision import gate_decision
 from raytrain_eks.fabric.nccl_lines import NCCL_LOG_DIR, NCCL_LOG_PREFIX
 
-__all__ = ["check_transport", "gate_decision", "nccl_env", "nccl_log_path", "own_nccl_lines"]
-
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -79,11 +77,20 @@ def own_nccl_lines() -> list[str]:
 
 
 def check_transport(
-    require: str, *, rank: int, world_size: int, node: str, last_look: bool = False
+    require: str,
+    *,
+    rank: int,
+    world_size: int,
+    node: str,
+    last_look: bool = False,
+    require_full_efa: bool = False,
+    instance_type: str | None = None,
 ) -> tuple[dict[str, Any], list[list[str]]]:
     """Gather every rank's NCCL lines on rank 0, decide, and share the decision (a collective).
 
     ``node`` names the node this rank runs on (the job's node count is the number of different names).
+    ``instance_type``: the GPU nodes' type, to compare EFA's use with what it offers (None: the type aws-ofi-nccl
+    logs, if any); a shortfall stops the job only with ``require_full_efa``, else the decision's note warns.
     Returns ``(result, lines_by_rank)``: ``result`` is :func:`gate_decision`'s; ``lines_by_rank`` is filled on
     rank 0 only.
     """
@@ -93,8 +100,10 @@ def check_transport(
     dist.all_gather_object(gathered, (node, own_nccl_lines()))
     box: list[Any] = [None]
     if rank == 0:
-        report = analyze(line for _, lines in gathered for line in lines)
+        report = analyze((line for _, lines in gathered for line in lines), instance_type=instance_type)
         job_nodes = len({n for n, _ in gathered})
-        box[0] = gate_decision(report, require, job_nodes=job_nodes, last_look=last_look)
+        box[0] = gate_decision(
+            report, require, job_nodes=job_nodes, last_look=last_look, require_full_efa=require_full_efa
+        )
     dist.broadcast_object_list(box, src=0)
     return box[0], ([lines for _, lines in gathered] if rank == 0 else [])

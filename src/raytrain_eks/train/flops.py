@@ -222,3 +222,32 @@ def mfu(*, tokens_per_s: float, flops_per_token: float, peak_flops: float | None
     if peak_flops is None or devices <= 0:
         return None
     return tokens_per_s * flops_per_token / (peak_flops * devices)
+
+
+# Steps measured on one GPU, by (GPU model, model, seq_len, micro-batch, decoder layers compiled, loss kernel): tokens/s
+# and MFU of the job's wrapping (FSDP2 over one rank, bf16). benchmarks/results/2026-12-04-h200/gpu_step.json
+# (bench_gpu_step.py: the Qwen2.5-1.5B architecture, random weights, 30 steps after 8 warm-up, torch 2.11 + CUDA 13):
+# its settings fsdp, fsdp+chunk, fsdp+compile and fsdp+compile+chunk.
+MEASURED_STEPS: dict[tuple[str, str, int, int, bool, str], tuple[float, float]] = {
+    ("H200", "Qwen/Qwen2.5-1.5B", 2048, 4, False, "plain"): (33287.9, 0.347),
+    ("H200", "Qwen/Qwen2.5-1.5B", 2048, 4, False, "chunked"): (26894.4, 0.281),
+    ("H200", "Qwen/Qwen2.5-1.5B", 2048, 4, True, "plain"): (38545.4, 0.402),
+    ("H200", "Qwen/Qwen2.5-1.5B", 2048, 4, True, "chunked"): (33665.5, 0.351),
+}
+MEASURED_IN = "benchmarks/results/2026-12-04-h200"
+
+
+def predicted_step(gpu: str, model_id: str, seq_len: int, micro_batch: int, *, compiled: bool, loss_kernel: str) -> str:
+    """A plan's line on the step's speed per GPU: a prediction only where a step of the same GPU model, model, sequence,
+    micro-batch, compiling and loss kernel was measured (:data:`MEASURED_STEPS`), said as one; otherwise that there is
+    none, rather than a figure carried over from another card or setting. Example:
+    ``predicted_step("H200", "Qwen/Qwen2.5-1.5B", 2048, 4, compiled=True, loss_kernel="plain")``."""
+    measured = MEASURED_STEPS.get((gpu, model_id, seq_len, micro_batch, compiled, loss_kernel))
+    setting = f"{model_id}, {micro_batch} x {seq_len}, {'compiled' if compiled else 'eager'}, {loss_kernel} loss"
+    if measured is None:
+        return f"speed: no prediction (no step measured on {gpu} for {setting})"
+    tokens, share = measured
+    return (
+        f"speed: predicted about {tokens:,.0f} tokens/s and {share:.1%} MFU per {gpu} (measured on one {gpu} for "
+        f"{setting}: {MEASURED_IN}; the reduction across GPUs is not in it)"
+    )

@@ -14,6 +14,7 @@ import getpass
 import json
 import os
 import re
+import secrets
 import shutil
 import threading
 import time
@@ -39,9 +40,15 @@ from raytrain_eks.train.bundle import RunBundle, bundle_note
 from raytrain_eks.train.fabric_gate import nccl_env
 from raytrain_eks.train.faults import ENV as FAULT_ENV
 from raytrain_eks.train.faults import SLOW_WRITE_ENV
+from raytrain_eks.train.preemption import DISABLED_ENV as METADATA_OFF_ENV
+from raytrain_eks.train.preemption import ENDPOINT_ENV as METADATA_ENV
+from raytrain_eks.train.preemption import PREEMPTED, Notice, keep_global_batch, preempted_line
 from raytrain_eks.train.records import FabricLook, Finished, Note, Samples, StepRecord, WorkerFailure, WorkerJob
 from raytrain_eks.train.staged import CACHE_ENV as MODEL_CACHE_ENV
 from raytrain_eks.train.staged import is_staged_location
+from raytrain_eks.train.stragglers import Straggler
+from raytrain_eks.train.watchdog import ENV as WATCHDOG_ENV
+from raytrain_eks.train.watchdog import Finding, nccl_trace_env, start_board
 
 ERROR_LOG = "error.log"  # in the run folder: the full tracebacks behind a failure's one-line message
 _DONE = {"done": True}
@@ -124,7 +131,7 @@ def with_chat_template_text(cfg: Config) -> Config:
     configuration this returns) need no copy of the file. Text given as such is kept as it is; a file that cannot be
     read is a :class:`~raytrain_eks.errors.DataError`. Example: ``with_chat_template_text(cfg).training.chat_template``
     starts ``{%`` for a ``chat.jinja`` that does."""
-    from raytrain_eks.train.encoding import chat_template_text
+    from raytrain_eks.train.data.encoding import chat_template_text
 
     template = chat_template_text(cfg.training.chat_template)
     if template == cfg.training.chat_template:
@@ -160,10 +167,11 @@ def run_training(
     import ray
 
     from raytrain_eks.train.checkpoint import check_compatible, resolve_checkpoint, write_storage_config
+    from raytrain_eks.train.data.sources import list_data_files
     from raytrain_eks.train.lora import check_lora
+    from raytrain_eks.train.loss import check_loss_kernel
     from raytrain_eks.train.model import check_attention
     from raytrain_eks.train.model_source import check_model, resolve_model_path
-    from raytrain_eks.train.sources import list_data_files
 
     t_start = time.perf_counter()
     lines: list[str] = []  # every line said, for the bundle's train.log
@@ -194,6 +202,7 @@ def run_training(
             quiet_libraries()
         model_config = check_model(model_path)
         check_attention(training.attention, training.precision, model_config, local=address is None)
+        check_loss_kernel(training.loss_kernel, local=address is None)
         lora = check_lora(model_config, training.lora) if training.method == "lora" else None
         if address:
             # Joining a cluster: its nodes decide whether the checkpoints need storage every node reaches, and where
@@ -295,7 +304,8 @@ def _train_in(
         list_checkpoints,
         storage_root,
     )
-    from raytrain_eks.train.data import encoding_tokenizer, prepare_for, train_datasets
+    from raytrain_eks.train.data.encoding import encoding_tokenizer
+    from raytrain_eks.train.data.pipeline import prepare_for, train_datasets
     from raytrain_eks.train.export import export_hf
     from raytrain_eks.train.prompts import sample_prompts, write_samples
 
@@ -304,6 +314,9 @@ def _train_in(
     init_ray(address, training.num_workers or LOCAL_CPU_WORKERS, verbose)
     num_workers, use_gpu = resolve_num_workers(training.num_workers, int(ray.cluster_resources().get("GPU", 0)))
     say(f"ray: {num_workers} {'GPU' if use_gpu else 'CPU'} workers, model {training.model_id}")
+    if resume_from is not None:  # on another number of workers: the same global batch, through accumulation
+        cfg = _resized(cfg, run_dir, resume_from, num_workers, say)
+        training = cfg.training
     if bundle is not None:  # the workers run under this driver's Ray job: their output joins the bundle's syncs
         bundle.follow_workers(ray.get_runtime_context().get_job_id())
 
@@ -316,7 +329,7 @@ def _train_in(
             model_path,
             data=data_source(cfg),
             listed=data_files,
-            min_blocks=num_workers * training.batch_size * training.grad_accum_steps,
+            min_blocks=num_workers * training.micro_batch * training.grad_accum_steps,
             eval_fraction=training.effective_eval_fraction,
             stage=getattr(progress, "stage", None),
         )
@@ -334,7 +347,11 @@ def _train_in(
     if resume_from is not None:
         # The earlier attempt's Ray Train list names checkpoints pruned since: a new trainer over it would refuse.
         forget_ray_snapshot(root)
-    worker_env = worker_environment(cfg, f"{run_dir.name}-{os.getpid()}", use_gpu=use_gpu)
+    # Named per run (a resume in the same process and Ray is another run): the workers look it up by this name.
+    board_name = None
+    if training.watchdog:
+        board_name = f"raytrain-eks-watchdog-{run_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
+    worker_env = worker_environment(cfg, f"{run_dir.name}-{os.getpid()}", use_gpu=use_gpu, watchdog=board_name)
 
     prompts = sample_prompts(
         training.sample_prompts,
@@ -354,6 +371,7 @@ def _train_in(
             "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         }
     )
+    board = start_board(board_name) if board_name else None  # before the workers, which look it up by name
     trainer = TorchTrainer(
         _worker_entry,
         train_loop_config={
@@ -365,6 +383,8 @@ def _train_in(
                 checkpoint_root=root,
                 resume_from=resume_from,
                 fabric_require=cfg.fabric.require,
+                fabric_require_full_efa=cfg.fabric.require_full_efa,
+                fabric_instance_type=cfg.cluster.gpu_node_type,
                 datasets=datasets,
                 sample_prompts=prompts[1],
             )
@@ -391,6 +411,10 @@ def _train_in(
 
     thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     thread.start()
+    watchdog = _start_watchdog(board, board_name, cfg, num_workers, use_gpu, run_dir, queue.put, say)
+    hung: Finding | None = None
+    stragglers: list[dict[str, Any]] = []  # named as the run went; the next logged step's record carries each
+    unlogged = 0
     records: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     worker_tracebacks: list[str] = []
@@ -407,6 +431,13 @@ def _train_in(
                     worker_tracebacks.append(f"--- worker rank {record.rank} ---\n{record.traceback}")
                 case Note():  # a line for the user from rank 0, such as the precision chosen
                     say(record.text)
+                case Finding():  # the watchdog's: no rank advances; the stacks are in the run folder
+                    hung = record
+                    say(record.message)
+                    break
+                case Straggler():
+                    say(record.line())
+                    stragglers.append(record.to_json())
                 case Samples():
                     write_samples(run_dir, prompts[0], record.samples)
                 case FabricLook():
@@ -414,6 +445,8 @@ def _train_in(
                     say(record.fabric["report"])
                 case StepRecord():
                     line = record.to_json()
+                    if len(stragglers) > unlogged:
+                        line["stragglers"], unlogged = stragglers[unlogged:], len(stragglers)
                     records.append(line)
                     metrics_file.write(json.dumps(line) + "\n")
                     metrics_file.flush()
@@ -422,6 +455,16 @@ def _train_in(
                         bundle.step(line)
                     if progress is not None:
                         progress(line, training.steps)
+    if watchdog is not None:
+        watchdog.stop()
+    if board is not None:  # its name goes with it, whatever the run's end
+        ray.kill(board)
+    if hung is not None:  # the ranks wait in a collective that never ends: the run ends here, not at its timeout
+        if bundle is not None:
+            bundle.last_worker_logs()
+        raise TrainingError(
+            hung.message, hint=f"Stacks of every rank: {run_dir / 'watchdog'}; resume with --resume {run_dir}"
+        )
     thread.join()
     if bundle is not None:  # the ranks' output as they left it, finished or failed, before a local Ray goes
         bundle.last_worker_logs()
@@ -430,7 +473,7 @@ def _train_in(
         # Ray begins to stop on another thread: first every object reference and actor handle of this run goes, while
         # Ray still answers. One dropped later (by the collector, on any thread) reaches a core worker that has shut
         # down, and Ray ends the whole process there with status 1 and no message.
-        del queue, trainer, datasets, prepared
+        del queue, trainer, datasets, prepared, board, watchdog
         outcome.pop("result", None)
         gc.collect()
         trained()
@@ -460,7 +503,11 @@ def _train_in(
     history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary["first_loss"] = history[0]["loss"] if history else summary.get("first_loss")
     summary["checkpoints"] = [p for _, p, ok in list_checkpoints(root) if ok]
-    if training.export:
+    preempted = summary.setdefault("ended", "finished") == PREEMPTED  # a notice ended it: saved, not failed
+    if preempted:
+        summary["preempted"]["seconds_left"] = _seconds_left(summary)
+        say(preempted_line(summary))
+    if training.export and not preempted:
         final = latest_complete(root)
         if final is None:
             raise TrainingError(
@@ -474,6 +521,7 @@ def _train_in(
     summary["data"] = training.data
     summary["data_counts"] = data_counts
     summary["packing_efficiency"] = data_counts["packing_efficiency"] if data_counts else None
+    summary["stragglers"] = stragglers
     if price is not None:
         summary["cost"] = price(summary)
     elif unpriced is not None:
@@ -530,11 +578,13 @@ def compile_cache_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return {name: environ.get(name) or value for name, value in wanted.items()}
 
 
-def worker_environment(cfg: Config, nccl_name: str, *, use_gpu: bool) -> dict[str, str]:
+def worker_environment(cfg: Config, nccl_name: str, *, use_gpu: bool, watchdog: str | None = None) -> dict[str, str]:
     """The environment the training workers get. Workers inherit the raylet's environment, not the driver's, so
     what they need is passed explicitly: the staged model's offline switch, NCCL's evidence file (``nccl_name``
     names it) unless the fabric requirement is ``any``, the allocator setting on GPU workers, the compile cache
-    (:func:`compile_cache_environment`) and the test faults."""
+    (:func:`compile_cache_environment`), the watchdog's board (``watchdog``: its actor's name; on GPU workers the
+    NCCL flight recorder with it), the instance metadata service's endpoint and off switch where the driver's
+    environment sets them (:mod:`.preemption`), and the test faults."""
     env: dict[str, str] = compile_cache_environment(os.environ)
     if is_staged_location(cfg.training.model_id):  # read from where it is staged: no worker asks the Hub
         env["HF_HUB_OFFLINE"] = "1"
@@ -545,10 +595,45 @@ def worker_environment(cfg: Config, nccl_name: str, *, use_gpu: bool) -> dict[st
     if use_gpu:
         name, default = CUDA_ALLOC_CONF
         env[name] = os.environ.get(name) or default
-    for fault in (FAULT_ENV, SLOW_WRITE_ENV):
+    if watchdog:
+        env[WATCHDOG_ENV] = watchdog
+        if use_gpu:
+            env.update(nccl_trace_env(watchdog))
+    for fault in (FAULT_ENV, SLOW_WRITE_ENV, METADATA_ENV, METADATA_OFF_ENV):  # a local run's metadata service too
         if os.environ.get(fault):
             env[fault] = os.environ[fault]
+    if os.environ.get(METADATA_ENV) and not os.environ.get(METADATA_OFF_ENV):
+        # An endpoint named to the driver is asked, even by workers of a Ray started with the service turned off.
+        env[METADATA_OFF_ENV] = "false"
     return env
+
+
+def _start_watchdog(
+    board: Any,
+    board_name: str | None,
+    cfg: Config,
+    world_size: int,
+    use_gpu: bool,
+    run_dir: Path,
+    found: Callable[[Finding | Straggler], None],
+    say: Callable[[str], None],
+) -> Any:
+    """The run's :class:`~raytrain_eks.train.watchdog.Watchdog`, started (``None`` with ``training.watchdog`` off)."""
+    from raytrain_eks.train.watchdog import Watchdog, WatchSettings
+
+    if board is None:
+        return None
+    training = cfg.training
+    settings = WatchSettings(
+        world_size=world_size,
+        last_step=training.steps,
+        factor=training.watchdog_factor,
+        floor_s=training.watchdog_floor_s,
+        nccl=board_name if use_gpu else None,
+        straggler_margin=training.straggler_margin,
+        straggler_steps=training.straggler_steps,
+    )
+    return Watchdog(board, settings, run_dir, found, say).start()
 
 
 def _eval_dataset(
@@ -556,7 +641,7 @@ def _eval_dataset(
 ) -> Any:
     """The packed held-out data: the rows held out of the training data, or ``training.eval_data`` (``eval_files``,
     its listing); ``None`` without either."""
-    from raytrain_eks.train.data import prepare_for
+    from raytrain_eks.train.data.pipeline import prepare_for
 
     training = cfg.training
     if prepared.eval_dataset is not None:
@@ -585,6 +670,32 @@ def _worker_entry(config: dict[str, WorkerJob]) -> None:
             rank = ray.train.get_context().get_world_rank()
             job.metrics_queue.put(WorkerFailure(rank=rank, traceback=traceback.format_exc()))
         raise
+
+
+def _resized(cfg: Config, run_dir: Path, resume_from: str, world: int, say: Callable[[str], None]) -> Config:
+    """``cfg`` with the ``grad_accum_steps`` that keeps the checkpoint's global batch on ``world`` workers
+    (:func:`~raytrain_eks.train.preemption.keep_global_batch`), written to the run's config.yaml (and its storage
+    copy) so that a later resume starts from it."""
+    from raytrain_eks.train.checkpoint import saved_world_size, write_storage_config
+
+    training = cfg.training
+    accum, line = keep_global_batch(
+        training.batch_size, training.grad_accum_steps, saved_world=saved_world_size(resume_from), world=world
+    )
+    if line:
+        say(line)
+    if accum == training.grad_accum_steps:
+        return cfg
+    cfg = cfg.model_copy(update={"training": training.model_copy(update={"grad_accum_steps": accum})})
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    write_storage_config(run_dir, training.storage_path, cfg.to_yaml())
+    return cfg
+
+
+def _seconds_left(summary: dict[str, Any]) -> float | None:
+    """Seconds from now (the run's end) to the deadline of the notice that ended it (``None``: it named none)."""
+    notice = summary["preempted"]["notice"]
+    return Notice(notice["kind"], seen=notice["seen"], deadline=notice["deadline"]).seconds_left()
 
 
 def _keeping(say: Callable[[str], None], lines: list[str]) -> Callable[[str], None]:

@@ -14,6 +14,7 @@ import statistics
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,33 +23,36 @@ import torch.distributed as dist
 
 from raytrain_eks.config import TrainingConfig
 from raytrain_eks.errors import UserError
-from raytrain_eks.train.checkpoint import load_sharded, save_sharded
+from raytrain_eks.train.checkpoint import checkpoint_stager, load_sharded, save_sharded
 from raytrain_eks.train.context import WorkerContext
-from raytrain_eks.train.data import IGNORE_INDEX, load_tokenizer, random_batch
+from raytrain_eks.train.data.encoding import IGNORE_INDEX, load_tokenizer
+from raytrain_eks.train.data.packing import block_documents
+from raytrain_eks.train.data.pipeline import random_batch
 from raytrain_eks.train.evaluation import HeldOut, greedy_samples
 from raytrain_eks.train.fabric_gate import check_transport
 from raytrain_eks.train.faults import maybe_die
 from raytrain_eks.train.flops import documents_flops, mfu, peak_flops_for
 from raytrain_eks.train.lora import apply_lora, parameter_counts
+from raytrain_eks.train.loss import LossKernel, agreed_loss_kernel, host_logits_fit
 from raytrain_eks.train.memory import LOSS_CHUNK_LOGITS, check_run, refuse_unless_fits  # logits held at once
 from raytrain_eks.train.model import (
     FLASH_ATTENTION,
     OutputHead,
     causal_lm_class,
     choose_attention,
-    chunked_cross_entropy,
     compile_layers,
     default_attention,
     fill_from_rank0,
     forward_inputs,
     load_model,
     load_model_shell,
+    logit_transform,
     output_projection_deferred,
     resolve_compile,
     router_aux_loss,
 )
-from raytrain_eks.train.packing import block_documents
 from raytrain_eks.train.precision import resolve_precision
+from raytrain_eks.train.preemption import Decision, NoticeWatch, StepAgreement, preempted_summary
 from raytrain_eks.train.records import FabricLook, Note, Samples, StepRecord, WorkerJob
 from raytrain_eks.train.sharding import Layout, choose_sharding, set_gradient_sync, shard_model
 from raytrain_eks.train.start import (
@@ -61,6 +65,7 @@ from raytrain_eks.train.start import (
     set_full_values,
     weights_source,
 )
+from raytrain_eks.train.watchdog import heartbeat
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -136,7 +141,7 @@ class _RandomCursor:
             micro=self._micro,
             rank=self._ctx.rank,
             world_size=self._ctx.world_size,
-            batch_size=cfg.batch_size,
+            batch_size=cfg.micro_batch,
             seq_len=cfg.seq_len,
             vocab_size=self._vocab,
         )
@@ -207,6 +212,7 @@ class PreparedModel:
     lora_targets: list[str] | None = None  # the layers given adapters (method lora); None for full fine-tuning
     attention: str = "sdpa"  # the attention implementation the model was built with (its config's)
     compiled: bool = False  # its decoder layers compiled with torch.compile (training.compile, resolved)
+    loss: LossKernel = field(default_factory=LossKernel)  # training.loss_kernel, resolved (decide_run)
 
 
 def prepare_model(
@@ -345,7 +351,7 @@ def train_step(
         inputs = {k: _to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in given.items()}
         labels = _to_device(mb["labels"], device)
         outputs = output_weight.forward(model, **inputs)  # .logits: the final hidden states
-        token_loss = chunked_cross_entropy(
+        token_loss = prepared.loss(  # training.loss_kernel's; a mixture of experts' router term is added below
             outputs.logits.reshape(*labels.shape, -1)[:, :-1],
             output_weight(),
             labels[:, 1:],
@@ -480,10 +486,10 @@ def resume_from(
     return Resumed(step=state.step, from_step=state.step, position=state.data, note=state.note)
 
 
-def decide_run(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> tuple[str, Layout, bool, str]:
-    """The precision, the sharding, whether activation checkpointing is on and the attention implementation, the same
-    on every rank (collectives); on a GPU the memory estimate against it first, which may switch checkpointing on or
-    stop the run."""
+def decide_run(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> tuple[str, Layout, bool, str, LossKernel]:
+    """The precision, the sharding, whether activation checkpointing is on, the attention implementation and the loss
+    kernel, the same on every rank (collectives); on a GPU the memory estimate against it first, which may switch
+    checkpointing on or stop the run."""
     device = ctx.device
     precision, why = agreed_precision(cfg.precision, device)
     ctx.emit(Note(f"precision: {precision} ({why})"))
@@ -492,21 +498,36 @@ def decide_run(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> tupl
     layout = agreed_sharding(cfg.sharding, ctx, precision)
     ctx.emit(Note(f"sharding: {layout.describe()}"))
     checkpointing = cfg.activation_checkpointing
-    if device.type == "cuda":  # the estimate against this GPU, before any weight is loaded
-        props = torch.cuda.get_device_properties(device)
-        fit = check_run(
-            model_path,
-            cfg,
-            layout=layout,
-            precision=precision,
-            gpu_bytes=props.total_memory,
-            gpu_name=props.name,
-            attention=attention,
-        )
-        ctx.emit(Note(fit.line))
-        refuse_unless_fits(fit)  # every rank computes the same estimate, so all stop together
-        checkpointing = fit.checkpointing
-    return precision, layout, checkpointing, attention
+    if device.type != "cuda":
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(model_path).get_text_config().vocab_size
+        fit_logits = host_logits_fit(cfg.micro_batch * cfg.seq_len, vocab)
+        loss = agreed_loss_kernel(cfg.loss_kernel, device, None, fit_logits, partial(_everywhere, device=device))
+        ctx.emit(Note(f"loss: {loss.name} ({loss.reason})"))
+        return precision, layout, checkpointing, attention, loss
+    # The estimate against this GPU, before any weight is loaded.
+    props = torch.cuda.get_device_properties(device)
+    check = partial(
+        check_run,
+        model_path,
+        cfg,
+        layout=layout,
+        precision=precision,
+        gpu_bytes=props.total_memory,
+        gpu_name=props.name,
+        attention=attention,
+    )
+    shell = load_model_shell(model_path, activation_checkpointing=False, attention=attention)
+    fit_logits = check(loss_kernel="auto").estimate.settings["loss_kernel"] == "plain"  # plain where the logits fit
+    loss = agreed_loss_kernel(
+        cfg.loss_kernel, device, logit_transform(shell), fit_logits, partial(_everywhere, device=device)
+    )
+    ctx.emit(Note(f"loss: {loss.name} ({loss.reason})"))
+    fit = check(loss_kernel=loss.name)
+    ctx.emit(Note(fit.line))
+    refuse_unless_fits(fit)  # every rank computes the same estimate, so all stop together
+    return precision, layout, fit.checkpointing, attention, loss
 
 
 @dataclass
@@ -519,12 +540,14 @@ class Tally:
     losses: dict[int, float] = field(default_factory=dict)
     checkpoints: list[int] = field(default_factory=list)
     checkpoint_s: float = 0.0
+    stalls: list[float] = field(default_factory=list)  # per save: from its call until training could go on
     last_eval: dict[str, Any] = field(default_factory=dict)
     eval_s: float = 0.0
     fabric: dict[str, Any] | None = None
     train_s: float = 0.0
     samples_s: float = 0.0
     first_step_s: float | None = None  # from the start of train() to the end of this attempt's first step
+    preempted: Decision | None = None  # the notice that ended the run before its last step
 
 
 def run_summary(
@@ -561,6 +584,8 @@ def run_summary(
         "precision": precision,
         "attention": prepared.attention,
         "compile": "on" if prepared.compiled else "off",
+        "loss_kernel": prepared.loss.name,
+        "loss_kernel_reason": prepared.loss.reason,
         "first_step_s": tally.first_step_s,
         "sharding": layout.mode,
         "reduce_precision": cfg.reduce_precision,
@@ -578,6 +603,10 @@ def run_summary(
         "checkpoints": checkpoints,
         "checkpoint_s": checkpoint_s,
         "checkpoint_s_per_save": checkpoint_s / len(checkpoints) if checkpoints else None,
+        # what each save cost the training thread (its staging; the previous save's write where it still ran)
+        "checkpoint_stall_s": [round(s, 4) for s in tally.stalls],
+        "checkpoint_stall_s_max": max(tally.stalls) if tally.stalls else None,
+        "checkpoint_stall_s_mean": statistics.fmean(tally.stalls) if tally.stalls else None,
         # of this attempt's time in the loop and its checkpoints (the share training did not go on)
         "checkpoint_share": checkpoint_s / train_s if train_s > 0 else None,
         "eval_loss": tally.last_eval.get("eval_loss"),
@@ -595,6 +624,8 @@ def train(
     ctx: WorkerContext,
     fabric_require: str = "any",
     sample_prompts: list[str] | None = None,
+    fabric_require_full_efa: bool = False,
+    fabric_instance_type: str | None = None,
 ) -> dict[str, Any]:
     """Run the optimizer steps of ``cfg`` on this worker and return the summary (also handed to ``ctx.finish``).
 
@@ -602,8 +633,9 @@ def train(
     data position are restored, so the steps that follow are those of an uninterrupted run. Unless
     ``fabric_require`` is ``any``, the transport NCCL chose is checked right after the first step (and once more
     after the second when the first look could not prove it), and the run stops there when it is not the
-    required one. With held-out data (``ctx.eval_batches``), its loss joins the record every ``eval_every`` steps
-    and at the end; ``sample_prompts`` (rendered as trained) are answered greedily at the end.
+    required one (or, with ``fabric_require_full_efa``, when EFA is used short of what the nodes offer). With
+    held-out data (``ctx.eval_batches``), its loss joins the record every ``eval_every`` steps and at the end;
+    ``sample_prompts`` (rendered as trained) are answered greedily at the end.
 
     The run, in its named steps: :func:`decide_run`, :func:`prepare_model`, :func:`resume_from`, then per step
     :func:`train_step`, on logged steps :func:`logged_loss` and a :class:`ThroughputWindow`, checkpoints through
@@ -612,7 +644,7 @@ def train(
     began = time.perf_counter()  # the first step's time counts the model's start and its compiling
     torch.manual_seed(cfg.seed)
     device = ctx.device
-    precision, layout, checkpointing, attention = decide_run(cfg, model_path, ctx)
+    precision, layout, checkpointing, attention, loss_kernel = decide_run(cfg, model_path, ctx)
     resume = ctx.resume_checkpoint()
     prepared = prepare_model(
         cfg,
@@ -625,6 +657,7 @@ def train(
         resuming=resume is not None,
         attention=attention,
     )
+    prepared.loss = loss_kernel
     model = prepared.model
     if prepared.lora_targets:
         ctx.emit(
@@ -640,7 +673,7 @@ def train(
     batches = (
         _RandomCursor(cfg, ctx, model.config.vocab_size, start.position)
         if cfg.uses_random_data
-        else ctx.data_batches(cfg.batch_size, start.position, seed=cfg.seed)
+        else ctx.data_batches(cfg.micro_batch, start.position, seed=cfg.seed)
     )
     note = getattr(batches, "note", "")
     if note:  # a data position in an earlier checkpoint format, converted
@@ -648,14 +681,15 @@ def train(
 
     adapters = prepared.trainable if prepared.lora_targets else 0
     peak = peak_flops_for(device_name(device), precision) if device.type == "cuda" else None
-    eval_source = ctx.eval_batches(cfg.batch_size)
+    eval_source = ctx.eval_batches(cfg.micro_batch)
     held_out = (
-        HeldOut(eval_source, seq_len=cfg.seq_len, batch_size=cfg.batch_size, max_logits=LOSS_CHUNK_LOGITS)
+        HeldOut(eval_source, seq_len=cfg.seq_len, batch_size=cfg.micro_batch, max_logits=LOSS_CHUNK_LOGITS)
         if eval_source is not None
         else None
     )
     tally = Tally()
     window = ThroughputWindow()
+    stager = checkpoint_stager(device)  # host buffers kept across the run's saves
 
     def save(step: int, record: StepRecord | None) -> None:
         t = time.perf_counter()
@@ -672,6 +706,7 @@ def train(
                 tokenizer_path=model_path,  # the tokenizer goes into every checkpoint, for export
                 chat_template=cfg.chat_template,
                 background=background,
+                stager=stager,
             )
             maybe_die("checkpoint", step=step, rank=ctx.rank)
             return written
@@ -681,17 +716,23 @@ def train(
         tally.checkpoints.append(step)
         spent = time.perf_counter() - t
         tally.checkpoint_s += spent
+        tally.stalls.append(spent)  # what the save cost the training thread: the staging, or the whole write
         window.leave_out(spent)  # throughput and step time leave checkpoint time out
 
     loop_start = time.perf_counter()
     window.reopen()
     model.train()
+    beat = heartbeat(ctx.rank, device, optimizer)  # the driver's watchdog hears of every step (none: a no-op)
+    watch = NoticeWatch.start(cfg.notice_poll_s)  # this node's interruption notices (None: nothing to watch)
+    agree = StepAgreement(watch, world_size=ctx.world_size, on_rebalance=cfg.on_rebalance, device=device)
     for step in range(start.step + 1, cfg.steps + 1):
         maybe_die("step", step=step, rank=ctx.rank)
         micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
         result = train_step(
             prepared, optimizer, scheduler, micro, cfg=cfg, mode=layout.mode, world_size=ctx.world_size, device=device
         )
+        beat(step)
+        decision = agree(step)  # a notice on any rank: every rank saves after this same step
         tally.done += 1
         work = [batch_work(mb, model.config, adapters=adapters) for mb in micro]  # on the host, while the device works
         window.add(sum(t for t, _ in work), sum(f for _, f in work))
@@ -733,19 +774,33 @@ def train(
         if fabric_require != "any" and (tally.fabric is None or tally.fabric["action"] == "look-again"):
             last_look = tally.fabric is not None
             tally.fabric, nccl_lines = check_transport(
-                fabric_require, rank=ctx.rank, world_size=ctx.world_size, node=ctx.node, last_look=last_look
+                fabric_require,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                node=ctx.node,
+                last_look=last_look,
+                require_full_efa=fabric_require_full_efa,
+                instance_type=fabric_instance_type,
             )
             ctx.emit(FabricLook(tally.fabric, nccl_lines))
             if tally.fabric["action"] == "stop":
                 break
-        if step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
+        if decision or step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
             save(step, record)
+        if decision is not None:
+            then = "the run stops once it is written" if decision.stop else "training goes on"
+            ctx.emit(Note(f"{decision.notice.reason()}: checkpoint {step} is being saved; {then}"))
+            if decision.stop and step < cfg.steps:
+                tally.preempted = decision
+                break
         if record is not None:
             window.reopen()
 
     tally.train_s = time.perf_counter() - loop_start
+    agree.close()
     samples_start = time.perf_counter()
-    if sample_prompts and cfg.sample_tokens and (tally.fabric is None or tally.fabric.get("met") is not False):
+    finished = tally.preempted is None and (tally.fabric is None or tally.fabric.get("met") is not False)
+    if sample_prompts and cfg.sample_tokens and finished:
         samples = greedy_samples(
             model,
             prepared.output_weight,
@@ -768,7 +823,14 @@ def train(
         fabric_require=fabric_require,
         peak=peak,
     )
+    if tally.preempted is not None:
+        summary.update(preempted_summary(tally.preempted, tally.stalls[-1]))
+    if tally.stalls:
+        most, mean = summary["checkpoint_stall_s_max"], summary["checkpoint_stall_s_mean"]
+        saved = len(tally.stalls)
+        ctx.emit(Note(f"checkpoints: {saved} saved; training waited at most {most:.2f} s (mean {mean:.2f} s)"))
     ctx.finish(summary)
+    stager.close()  # after finish: the last save's write is done
     return summary
 
 
@@ -784,7 +846,15 @@ def ray_worker_entry(job: WorkerJob) -> None:
         from raytrain_eks.train.staged import local_copy
 
         model_path = local_copy(model_path)
-    train(cfg, model_path, ctx, fabric_require=job.fabric_require, sample_prompts=job.sample_prompts)
+    train(
+        cfg,
+        model_path,
+        ctx,
+        fabric_require=job.fabric_require,
+        sample_prompts=job.sample_prompts,
+        fabric_require_full_efa=job.fabric_require_full_efa,
+        fabric_instance_type=job.fabric_instance_type,
+    )
 
 
 def quiet_libraries() -> None:

@@ -21,11 +21,12 @@ within 15%. Example::
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from raytrain_eks.errors import UserError
+from raytrain_eks.train.flops import predicted_step
 
 if TYPE_CHECKING:  # the settings' type only: the job ships this module, which imports nothing of them at run time
     from raytrain_eks.config import Config
@@ -50,9 +51,34 @@ class NodeGpu(Protocol):
 LOSS_CHUNK_LOGITS = 2**26
 # The largest piece of the output projection's gradient the chunked loss's backward computes at once (elements).
 GRAD_PIECE_ELEMENTS = 2**24
-# Above this share of a GPU's memory the estimate is too close: activation checkpointing goes on, or the run stops.
-HEADROOM = 0.85
 GIB = 2**30
+MIB = 2**20
+# What a GPU must hold beyond the tensors the estimate counts; a run is admitted when the estimate's peak, times the
+# allocator's margin, plus the fixed terms, fits the GPU's memory (check_fit).
+# PyTorch's caching allocator reserves more than it allocates (blocks split and cached per size). Measured on one H200
+# for the Qwen2.5-1.5B architecture at 2 x 2048: 37.63 GiB reserved for 30.38 GiB allocated at the peak
+# (benchmarks/results/2026-12-04-h200/figures.md), before the job's workers set expandable_segments (launch.py's
+# CUDA_ALLOC_CONF), which PyTorch's CUDA semantics notes introduce to cut that fragmentation: an upper bound, until
+# benchmarks/gpu_check.py measures the margin with them.
+RESERVED_PER_ALLOCATED = 1.24
+# The CUDA context (the loaded kernels, the driver's state): NVIDIA documents no size; lazy loading
+# (CUDA_MODULE_LOADING=LAZY, the default since CUDA 12.2; CUDA C++ Programming Guide, "Lazy Loading") loads only the
+# kernels used. An assumption of 1 GiB on every GPU, outside torch's reserved memory, until gpu_check measures it per
+# GPU model (CUDA_CONTEXT_MEASURED, by the words of the device's name).
+CUDA_CONTEXT_BYTES = GIB
+CUDA_CONTEXT_MEASURED: dict[str, int] = {}
+# NCCL's buffers: NCCL_BUFFSIZE, 4 MiB by default (NCCL's documentation, "Environment Variables"), for each channel
+# and each of a ring's two peers, per communicator; at most NCCL_MAX_NCHANNELS channels, 32 (the same documentation),
+# so an upper bound. FSDP uses one communicator; HSDP three (the world's, the shard group's, the replicate group's).
+NCCL_BUFFSIZE = 4 * MIB
+NCCL_CHANNELS = 32
+NCCL_PEERS = 2
+# cuBLAS workspaces, by GPU architecture: the cuBLAS API reference (cublasSetWorkspace) recommends 32 MiB on Hopper
+# and later, 4 MiB before. PyTorch gives each (handle, stream) a cuBLAS workspace (CUBLAS_WORKSPACE_CONFIG, default
+# ":4096:8" = 32 MiB on Hopper, ":4096:2:16:8" = 8.125 MiB before) and a cuBLASLt one (CUBLASLT_WORKSPACE_SIZE:
+# 32 MiB on Hopper, at most 4 MiB before; pytorch/pytorch#120925).
+CUBLAS_WORKSPACE_BYTES = {"hopper": 64 * MIB, "earlier": 12 * MIB + 128 * 2**10}
+HOPPER_OR_LATER = frozenset({"H100", "H200", "H20", "GH200", "B100", "B200", "GB200", "B300"})
 
 # Shapes of models a plan may name without their config on this machine (their public config.json files).
 KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
@@ -278,20 +304,32 @@ def loss_bytes(
     compute_bytes: int,
     loss_chunk_logits: int = LOSS_CHUNK_LOGITS,
     projection_grad: bool = True,
+    kernel: str = "chunked",
 ) -> int:
-    """What the loss holds at the height of its backward (:func:`raytrain_eks.train.model.chunked_cross_entropy`).
+    """What the loss holds at the height of its backward, by loss ``kernel`` (``training.loss_kernel``, resolved).
 
-    In one chunk: the fp32 log-probabilities kept from forward, their fp32 gradient and its copy in the compute
-    dtype, and the output projection's gradient. In several: one chunk's recomputed fp32 logits turned into their
-    gradient in place and its copy in the compute dtype, the fp32 sum of the projection's gradient, and (bf16) the
-    piece of it computed at once. A frozen projection (LoRA's base, ``projection_grad`` False) has no gradient."""
+    ``chunked`` (:func:`raytrain_eks.train.model.chunked_cross_entropy`), in one chunk: the fp32 log-probabilities
+    kept from forward, their fp32 gradient and its copy in the compute dtype, and the output projection's gradient.
+    In several: one chunk's recomputed fp32 logits turned into their gradient in place and its copy in the compute
+    dtype, the fp32 sum of the projection's gradient, and (bf16) the piece of it computed at once; or the forward's
+    chunk, where that is more (a frozen projection's). ``plain``: the
+    one chunk of all tokens. ``fused`` (Liger-Kernel's ``fused_linear_cross_entropy_forward``, 0.8.5): a chunk of
+    logits in the compute dtype bounded by the hidden states' size (its ``chunk_size``, rounded up to a power of two:
+    up to twice that), the hidden states' gradient, and the projection's gradient summed in fp32 (``accum_dtype``).
+    A frozen projection (LoRA's base, ``projection_grad`` False) has no gradient."""
     cast = compute_bytes if compute_bytes < 4 else 0  # a bf16 copy of the fp32 gradient; none in fp32
-    rows = max(1, loss_chunk_logits // shape.vocab)
     projection = shape.vocab * shape.hidden if projection_grad else 0
+    if kernel == "fused":
+        return 3 * tokens * shape.hidden * compute_bytes + 4 * projection
+    rows = tokens if kernel == "plain" else max(1, loss_chunk_logits // shape.vocab)
     if rows >= tokens:
         return tokens * shape.vocab * (8 + cast) + compute_bytes * projection
     piece = 4 * min(projection, GRAD_PIECE_ELEMENTS) if cast else 0
-    return rows * shape.vocab * (4 + cast) + 4 * projection + piece
+    backward = rows * shape.vocab * (4 + cast) + 4 * projection + piece
+    # The forward's chunk: its logits in the compute dtype, upcast, and their fp32 log-probabilities, all alive at
+    # once. It is the larger where the projection takes no gradient (LoRA): with activation checkpointing, whose
+    # activations are small, it is what the estimate missed (15-25% under torch's memory tracker without it).
+    return max(backward, rows * shape.vocab * (8 + cast))
 
 
 def estimate(
@@ -306,6 +344,7 @@ def estimate(
     loss_chunk_logits: int = LOSS_CHUNK_LOGITS,
     lora: Any = None,
     attention: str = "sdpa",
+    loss_kernel: str = "chunked",
 ) -> MemoryEstimate:
     """The per-GPU peak of one worker; ``shard_ranks`` is how many ranks split each parameter. One rank in fp32
     has no wrapper (:mod:`raytrain_eks.train.sharding`): nothing gathered, nothing reduced.
@@ -349,6 +388,7 @@ def estimate(
             compute_bytes=cdt,
             loss_chunk_logits=loss_chunk_logits,
             projection_grad=lora is None,
+            kernel=loss_kernel,
         ),
     }
     if wrapped:
@@ -384,6 +424,7 @@ def estimate(
         "grad_accum_steps": grad_accum_steps,
         "method": "full" if lora is None else "lora",
         "attention": attention,
+        "loss_kernel": loss_kernel,
     }
     phase, parts = max(phases.items(), key=lambda kv: sum(kv[1].values()))
     return MemoryEstimate(phase, parts, settings)
@@ -406,6 +447,10 @@ class MemoryCheck:
     switched_on: bool
     fits: bool
     line: str
+    loss: str = ""  # the loss kernel the estimate counts, and why (check_training)
+    batch: str = ""  # how training.batch_size auto was resolved (auto_batch); "" for a set batch
+    speed: str = ""  # the predicted tokens/s and MFU, where a step was measured (flops.predicted_step)
+    reserved_bytes: int = 0  # what the GPU must hold: the peak with the allocator's margin and the fixed terms
 
     def to_dict(self) -> dict[str, Any]:
         """For plan.json: the peak and its parts in GiB, the GPU, and whether checkpointing was switched on."""
@@ -415,12 +460,36 @@ class MemoryCheck:
             "phase": est.phase,
             "parts_gib": {k: round(v / GIB, 3) for k, v in est.parts.items()},
             "gpu_gib": round(self.gpu_bytes / GIB, 1),
-            "limit_share": HEADROOM,
+            "reserved_gib": round(self.reserved_bytes / GIB, 2),
+            "reserved_per_allocated": RESERVED_PER_ALLOCATED,
             "activation_checkpointing": self.checkpointing,
             "activation_checkpointing_switched_on": self.switched_on,
             "settings": est.settings,
             "line": self.line,
+            "loss_kernel_line": self.loss,
+            "batch_line": self.batch,
+            "speed_line": self.speed,
         }
+
+
+def fixed_bytes(gpu_name: str, communicators: int) -> dict[str, int]:
+    """What a worker's GPU holds besides its tensors (:data:`CUDA_CONTEXT_BYTES`, :data:`NCCL_BUFFSIZE`,
+    :data:`CUBLAS_WORKSPACE_BYTES`), for a GPU named ``gpu_name`` and a sharding with ``communicators`` NCCL
+    communicators (:func:`layout_communicators`)."""
+    words = set(gpu_name.upper().replace("-", " ").split())
+    context = next((v for k, v in CUDA_CONTEXT_MEASURED.items() if k in words), CUDA_CONTEXT_BYTES)
+    cublas = CUBLAS_WORKSPACE_BYTES["hopper" if words & HOPPER_OR_LATER else "earlier"]
+    nccl = communicators * NCCL_CHANNELS * NCCL_PEERS * NCCL_BUFFSIZE
+    return {"CUDA context": context, "NCCL buffers": nccl, "cuBLAS workspace": cublas}
+
+
+def _reserved(est: MemoryEstimate, fixed: dict[str, int]) -> int:
+    return int(est.peak_bytes * RESERVED_PER_ALLOCATED) + sum(fixed.values())
+
+
+def _terms(reserved: int, fixed: dict[str, int]) -> str:
+    named = ", ".join(f"{name} {size / GIB:.2f}" for name, size in fixed.items() if size)
+    return f"{reserved / GIB:.1f} GiB reserved (the peak x {RESERVED_PER_ALLOCATED} for the allocator; {named} GiB)"
 
 
 def check_fit(
@@ -436,29 +505,34 @@ def check_fit(
     grad_accum_steps: int = 1,
     lora: Any = None,
     attention: str = "sdpa",
+    loss_kernel: str = "chunked",
+    communicators: int = 0,
 ) -> MemoryCheck:
-    """The estimate against ``gpu_bytes``: over :data:`HEADROOM` of it, activation checkpointing goes on; if that
-    is not enough, ``fits`` is False and ``line`` gives the numbers."""
+    """The estimate against ``gpu_bytes``, judged on what the GPU must hold: the peak times
+    :data:`RESERVED_PER_ALLOCATED`, plus :func:`fixed_bytes` (``communicators``: NCCL's). Over the GPU, activation
+    checkpointing goes on; if that is not enough, ``fits`` is False and ``line`` names the numbers and the terms."""
     common = dict(shard_ranks=shard_ranks, precision=precision, micro_batch=micro_batch, seq_len=seq_len, lora=lora,
-                  attention=attention)  # fmt: skip
+                  attention=attention, loss_kernel=loss_kernel)  # fmt: skip
     est = estimate(
         shape, activation_checkpointing=activation_checkpointing, grad_accum_steps=grad_accum_steps, **common
     )
-    limit = HEADROOM * gpu_bytes
+    fixed = fixed_bytes(gpu_name, communicators)
     gpu = f"{gpu_bytes / GIB:.1f} GiB {gpu_name}"
-    if est.peak_bytes <= limit:
-        return MemoryCheck(est, gpu_bytes, activation_checkpointing, False, True, f"{est.describe()}, of {gpu}")
+    held = _reserved(est, fixed)
+    if held <= gpu_bytes:
+        line = f"{est.describe()}; {held / GIB:.1f} GiB reserved with the allocator and fixed terms, of {gpu}"
+        return MemoryCheck(est, gpu_bytes, activation_checkpointing, False, True, line, reserved_bytes=held)
     if not activation_checkpointing:
         on = estimate(shape, activation_checkpointing=True, grad_accum_steps=grad_accum_steps, **common)
-        if on.peak_bytes <= limit:
+        if _reserved(on, fixed) <= gpu_bytes:
             line = (
-                f"{on.describe()}, of {gpu}: activation checkpointing switched on (without it about "
-                f"{est.peak_gib:.1f} GiB, over {HEADROOM:.0%} of the GPU)"
+                f"{on.describe()}; {_reserved(on, fixed) / GIB:.1f} GiB reserved with the allocator and fixed terms, "
+                f"of {gpu}: activation checkpointing switched on (without it {_terms(held, fixed)}, over the GPU)"
             )
-            return MemoryCheck(on, gpu_bytes, True, True, True, line)
-        est = on
-    line = f"{est.describe()}: over {HEADROOM:.0%} of the {gpu} even with activation checkpointing"
-    return MemoryCheck(est, gpu_bytes, True, not activation_checkpointing, False, line)
+            return MemoryCheck(on, gpu_bytes, True, True, True, line, reserved_bytes=_reserved(on, fixed))
+        est, held = on, _reserved(on, fixed)
+    line = f"{est.describe()}: {_terms(held, fixed)}, over the {gpu} even with activation checkpointing"
+    return MemoryCheck(est, gpu_bytes, True, not activation_checkpointing, False, line, reserved_bytes=held)
 
 
 def refuse_unless_fits(check: MemoryCheck) -> None:
@@ -491,6 +565,14 @@ def layout_shard_ranks(layout: Any) -> int:
     return layout.world_size if layout.mode == "fsdp" else 1
 
 
+def layout_communicators(layout: Any) -> int:
+    """The NCCL communicators a worker holds buffers for under a sharding
+    :class:`~raytrain_eks.train.sharding.Layout`: three under HSDP, one for FSDP over several ranks, none alone."""
+    if layout.mode == "hsdp":
+        return 3
+    return 1 if layout.mode == "fsdp" and layout.world_size > 1 else 0
+
+
 def planned_precision(training: Any) -> str:
     """The compute precision of a GPU run of ``training``: bf16 unless it says fp32 (every GPU type this tool deploys
     has bf16)."""
@@ -519,26 +601,53 @@ def check_training(
     gpu_bytes: int,
     gpu_name: str,
     attention: str | None = None,
+    loss_kernel: str | None = None,
+    communicators: int = 0,
 ) -> MemoryCheck:
     """:func:`check_fit` with the batch, sequence, accumulation, checkpointing and attention of ``training``.
     ``attention``: the implementation the run chose (a GPU run's start knows it), or the one a plan expects
     (:func:`planned_attention`); else ``training.attention``, where ``auto`` counts as the model's default (eager for
-    a model without sdpa, such as Gemma 2)."""
+    a model without sdpa, such as Gemma 2). ``loss_kernel``: the one the run chose, else ``training.loss_kernel``;
+    ``auto`` is plain where the full logits fit (:func:`logits_fit`), else chunked; the workers may pick fused, which
+    holds less than either (:func:`loss_bytes`)."""
     if attention is None:
         attention = shape.default_attention if training.attention == "auto" else training.attention
-    return check_fit(
-        shape,
-        gpu_bytes=gpu_bytes,
-        gpu_name=gpu_name,
-        shard_ranks=shard_ranks,
-        precision=precision,
-        micro_batch=training.batch_size,
-        seq_len=training.seq_len,
-        activation_checkpointing=training.activation_checkpointing,
-        grad_accum_steps=training.grad_accum_steps,
-        lora=training.lora if training.method == "lora" else None,
-        attention=attention,
+
+    def fit(kernel: str) -> MemoryCheck:
+        return check_fit(
+            shape,
+            gpu_bytes=gpu_bytes,
+            gpu_name=gpu_name,
+            shard_ranks=shard_ranks,
+            precision=precision,
+            micro_batch=training.micro_batch,
+            seq_len=training.seq_len,
+            activation_checkpointing=training.activation_checkpointing,
+            grad_accum_steps=training.grad_accum_steps,
+            lora=training.lora if training.method == "lora" else None,
+            attention=attention,
+            loss_kernel=kernel,
+            communicators=communicators,
+        )
+
+    requested = loss_kernel or training.loss_kernel
+    if requested != "auto":
+        return replace(fit(requested), loss=f"loss kernel: {requested} (as configured)")
+    chunked, plain = fit("chunked"), fit("plain")
+    fits = logits_fit(plain, chunked)
+    why = "fit" if fits else "do not fit"
+    line = (
+        f"loss kernel: {'plain' if fits else 'chunked'} (auto: the full logits {why} the memory estimate; fused "
+        "instead where the GPU's image has Liger-Kernel or cut-cross-entropy and the model's logits allow it, as "
+        "the workers decide)"
     )
+    return replace(plain if fits else chunked, loss=line)
+
+
+def logits_fit(plain: MemoryCheck, chunked: MemoryCheck) -> bool:
+    """Whether the full logits fit the GPU: the estimate with the plain loss is admitted, and with no more activation
+    checkpointing than the chunked loss's (a recomputed layer costs more than the chunks do)."""
+    return plain.fits and plain.checkpointing <= chunked.checkpointing
 
 
 def check_run(
@@ -550,9 +659,11 @@ def check_run(
     gpu_bytes: int,
     gpu_name: str,
     attention: str | None = None,
-):
+    loss_kernel: str | None = None,
+) -> MemoryCheck:
     """At a run's start on a GPU: the estimate of ``training`` with the model at ``model_path`` (its config only)
-    and the ``attention`` the ranks agreed on, against the device's own memory."""
+    and the ``attention`` the ranks agreed on, against the device's own memory; ``loss_kernel`` as for
+    :func:`check_training`."""
     from transformers import AutoConfig
 
     shape = shape_from_config(training.model_id, AutoConfig.from_pretrained(model_path))
@@ -564,6 +675,8 @@ def check_run(
         gpu_bytes=gpu_bytes,
         gpu_name=gpu_name,
         attention=attention,
+        loss_kernel=loss_kernel,
+        communicators=layout_communicators(layout),
     )
 
 
@@ -590,23 +703,26 @@ def check_config(cfg: Config, gpu: NodeGpu, *, image_flash: bool = False) -> Mem
     if shape is None or not gpu.gpu_mib:
         return None
     precision = planned_precision(t)
+    layout = planned_layout(cfg)
     return check_training(
         shape,
         t,
-        shard_ranks=layout_shard_ranks(planned_layout(cfg)),
+        shard_ranks=layout_shard_ranks(layout),
         precision=precision,
         gpu_bytes=gpu.gpu_mib * 2**20,
         gpu_name=gpu.gpu_model or gpu.name,
         attention=planned_attention(shape, t, precision, image_flash=image_flash),
+        communicators=layout_communicators(layout),
     )
 
 
 def fit_config(cfg: Config, gpu: NodeGpu, *, image_flash: bool = False) -> tuple[Config, MemoryCheck | None]:
     """``cfg`` checked against ``gpu``'s memory before anything is created: raises :class:`DoesNotFit` when it
-    cannot fit, and returns the config with activation checkpointing switched on when that makes it fit. LoRA
-    layers the model does not have are refused first (:func:`check_lora_targets`). ``image_flash``: as for
-    :func:`check_config`."""
+    cannot fit, and returns the config with activation checkpointing switched on when that makes it fit, and
+    ``training.batch_size: auto`` resolved (:func:`auto_batch`). LoRA layers the model does not have are refused first
+    (:func:`check_lora_targets`). ``image_flash``: as for :func:`check_config`."""
     check_lora_targets(cfg)
+    cfg, batch = auto_batch(cfg, gpu, image_flash=image_flash)
     check = check_config(cfg, gpu, image_flash=image_flash)
     if check is None:
         return cfg, None
@@ -614,7 +730,56 @@ def fit_config(cfg: Config, gpu: NodeGpu, *, image_flash: bool = False) -> tuple
     if check.switched_on:
         training = cfg.training.model_copy(update={"activation_checkpointing": True})
         cfg = cfg.model_copy(update={"training": training})
-    return cfg, check
+    t = cfg.training
+    speed = predicted_step(
+        gpu.gpu_model or gpu.name,
+        t.model_id,
+        t.seq_len,
+        t.micro_batch,
+        compiled=t.compile != "off",  # auto compiles on CUDA
+        loss_kernel=check.estimate.settings["loss_kernel"],
+    )
+    return cfg, replace(check, batch=batch, speed=speed)
+
+
+def auto_batch(cfg: Config, gpu: NodeGpu, *, image_flash: bool = False) -> tuple[Config, str]:
+    """``cfg`` with ``training.batch_size: auto`` resolved for ``gpu``, and the line that says how (``""`` for a set
+    batch). A step trains ``2 x grad_accum_steps`` samples per worker (the default batch's, or as many micro-batches of
+    it as asked for); auto takes the largest micro-batch up to that which the estimate admits without switching
+    activation checkpointing on (one that divides the step's samples where that keeps three quarters of it), and as
+    many accumulation steps as keep that number, saying so where it cannot be kept exactly. Example: Qwen2.5-1.5B at
+    seq 2048 with ``grad_accum_steps: 16`` on 4 H100s (FSDP) is 8 x 4."""
+    from raytrain_eks.config import DEFAULT_BATCH_SIZE
+
+    t = cfg.training
+    if t.batch_size != "auto":
+        return cfg, ""
+    target = DEFAULT_BATCH_SIZE * t.grad_accum_steps
+
+    def admitted(micro: int) -> bool:
+        trial = cfg.model_copy(update={"training": t.model_copy(update={"batch_size": micro, "grad_accum_steps": 1})})
+        check = check_config(trial, gpu, image_flash=image_flash)
+        return check is not None and check.fits and not check.switched_on
+
+    if model_shape(t.model_id) is None or not gpu.gpu_mib:
+        micro, how = DEFAULT_BATCH_SIZE, "auto: the default, with no memory estimate for the model here"
+    else:
+        low, high = 1, target  # the largest admitted micro-batch, by bisection (the estimate grows with it)
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if admitted(middle) else (low, middle - 1)
+        # A micro-batch that divides the step's samples keeps them exactly, at a small cost to the fill.
+        whole = max(d for d in range(1, low + 1) if target % d == 0)
+        micro = whole if 4 * whole >= 3 * low else low
+        how = f"auto: the largest micro-batch up to {target} the memory estimate admits on {gpu.gpu_model or gpu.name}"
+        if micro < low:
+            how += f" ({low}) that divides {target}"
+    accum = max(1, -(-target // micro))
+    line = f"batch: {micro} samples per micro-batch x {accum} accumulation steps per GPU ({how})"
+    if micro * accum != target:
+        line += f"; a step trains {micro * accum} samples per GPU instead of {target}, which {micro} does not divide"
+    training = t.model_copy(update={"batch_size": micro, "grad_accum_steps": accum})
+    return cfg.model_copy(update={"training": training}), line
 
 
 def unknown_shape_note(model_id: str) -> str:

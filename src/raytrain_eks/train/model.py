@@ -575,7 +575,8 @@ def _packed_as_one_row(ids: torch.Tensor, positions: torch.Tensor) -> dict[str, 
     without a padding mask, it runs each row as one causal sequence, across its documents. So the blocks go in as one
     row, with the documents' bounds (``cu_seq_lens_q/k``) and the longest (``max_length_q/k``) computed here on the
     host, where transformers would compute them from the positions on the device with a wait in every layer. Every
-    block starts a document (position 0, :func:`~raytrain_eks.train.data.pack`), so no document spans two blocks."""
+    block starts a document (position 0, :func:`~raytrain_eks.train.data.packing.pack`), so no document spans two
+    blocks."""
     flat = positions.reshape(1, -1)
     starts = (flat[0] == 0).nonzero().view(-1)
     bounds = torch.cat([starts, torch.tensor([flat.size(1)])]).to(torch.int32)

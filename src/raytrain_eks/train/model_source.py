@@ -43,7 +43,7 @@ def check_model(path: str) -> Any:
     """Load the model's config and tokenizer on the driver, so a bad id fails before any worker starts."""
     from transformers import AutoConfig
 
-    from raytrain_eks.train.data import load_tokenizer
+    from raytrain_eks.train.data.encoding import load_tokenizer
 
     try:
         config = AutoConfig.from_pretrained(path)

@@ -17,8 +17,8 @@ from typing import Any
 from raytrain_eks.errors import DataError
 from raytrain_eks.formats import MalformedRow, renamed
 from raytrain_eks.formats import data_format as registered_format
-from raytrain_eks.train.encoding import _segments, text_start
-from raytrain_eks.train.json_reader import json_rows
+from raytrain_eks.train.data.encoding import _segments, text_start
+from raytrain_eks.train.data.json_reader import json_rows
 from raytrain_eks.train.storage import filesystem
 
 DEFAULT_COUNT = 3
@@ -53,7 +53,7 @@ def _prompt_of(
 
 def first_rows(files: list[str], kind: str, count: int, csv_delimiter: str = ",") -> list[dict[str, Any]]:
     """Up to ``count`` rows (and a few more, for rows that turn out malformed) from the start of the first data file
-    (local or ``s3://``), read as training reads it (:func:`~raytrain_eks.train.json_reader.json_rows`): chunk by
+    (local or ``s3://``), read as training reads it (:func:`~raytrain_eks.train.data.json_reader.json_rows`): chunk by
     chunk, a JSON array item by item, so however large the file or its first rows, only what they need is read. A CSV
     file's fields are separated by ``csv_delimiter`` (``training.csv_delimiter``), as training separates them."""
     wanted = count * 4
@@ -65,7 +65,7 @@ def first_rows(files: list[str], kind: str, count: int, csv_delimiter: str = ","
             pf = pq.ParquetFile(f)
             return pf.read_row_group(0).slice(0, wanted).to_pylist() if pf.num_row_groups else []
     if kind in ("csv", "tsv", "arrow"):
-        from raytrain_eks.train.tabular import first_table_rows
+        from raytrain_eks.train.data.tabular import first_table_rows
 
         return first_table_rows(files[0], kind, wanted, csv_delimiter)
     rows: list[dict[str, Any]] = []

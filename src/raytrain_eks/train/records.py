@@ -32,6 +32,8 @@ class WorkerJob:
     metrics_queue: Any | None = None
     resume_from: str | None = None
     fabric_require: str = "any"
+    fabric_require_full_efa: bool = False
+    fabric_instance_type: str | None = None  # the GPU nodes' configured type, to compare EFA's use with
     datasets: dict[str, Any] = field(default_factory=dict)
     sample_prompts: list[str] | None = None
 

@@ -35,17 +35,16 @@ import numpy as np
 
 from raytrain_eks.errors import DataError
 from raytrain_eks.formats import FORMAT_NAMES, MalformedRow
-from raytrain_eks.train.encoding import (
+from raytrain_eks.train.data.encoding import (
     IGNORE_INDEX,
     encode,
-    encode_row,  # noqa: F401  (callers import it from here, with the rest of the data API)
     encoding_tokenizer,
     load_tokenizer,
 )
-from raytrain_eks.train.json_reader import READ_CHUNK_BYTES, TOO_DEEP, json_datasource, json_rows, rows_block
-from raytrain_eks.train.packing import DROPPED, TRUNCATED, fit_rows, pack_table
-from raytrain_eks.train.sources import list_data_files
-from raytrain_eks.train.tabular import delimiter_hint, placed, read_dataset, read_table, unreadable
+from raytrain_eks.train.data.json_reader import READ_CHUNK_BYTES, TOO_DEEP, json_datasource, json_rows, rows_block
+from raytrain_eks.train.data.packing import DROPPED, TRUNCATED, fit_rows, pack_table
+from raytrain_eks.train.data.sources import list_data_files
+from raytrain_eks.train.data.tabular import delimiter_hint, placed, read_dataset, read_table, unreadable
 
 PACK_ROWS = 1024  # rows packed together (best fit within the group)
 
@@ -563,20 +562,61 @@ def first_blocks(dataset: Any, count: int) -> dict[str, np.ndarray]:
     return packed.take(np.arange(min(count, packed.rows)))
 
 
+@dataclass(frozen=True)
+class DataSettings:
+    """How rows become packed blocks: the tokenizer, ``seq_len``, the format and its fields, the chat template,
+    packing and rows over ``seq_len``, and the shuffle's seed. :meth:`of` reads them from the training settings, so
+    ``train`` and ``raytrain-eks data`` make the same blocks.
+
+    ``packing`` (:data:`PACKING_MODES`) packs whole rows into blocks, kept apart (``documents``), or runs them on
+    (``concat``); ``overlong`` (:data:`OVERLONG_MODES`) truncates or drops a row longer than ``seq_len`` under
+    ``documents`` (:func:`~raytrain_eks.train.data.packing.fit_rows`). ``chat_template`` (Jinja text) renders
+    conversations instead of the tokenizer's own template; ``csv_delimiter`` separates the fields of CSV files.
+    """
+
+    tokenizer_path: str
+    seq_len: int
+    data_format: str
+    text_field: str = "text"
+    columns: dict[str, str] | None = None
+    csv_delimiter: str = ","
+    packing: str = "documents"
+    overlong: str = "truncate"
+    chat_template: str | None = None
+    seed: int = 0
+
+    @classmethod
+    def of(cls, training: Any, tokenizer_path: str) -> DataSettings:
+        """The data settings of ``training`` (a :class:`~raytrain_eks.config.TrainingConfig`)."""
+        return cls(
+            tokenizer_path=tokenizer_path,
+            seq_len=training.seq_len,
+            data_format=training.data_format,
+            text_field=training.text_field,
+            columns=training.columns or None,
+            csv_delimiter=training.csv_delimiter,
+            packing=training.packing,
+            overlong=training.overlong,
+            chat_template=training.chat_template,
+            seed=training.seed,
+        )
+
+    @property
+    def shape(self) -> tuple[int, int, str, str]:
+        """What packing needs besides the rows: ``seq_len``, the pad id, ``packing``, ``overlong``."""
+        tokenizer = load_tokenizer(self.tokenizer_path)
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+        return self.seq_len, pad_id, self.packing, self.overlong
+
+
+_COUNTED = ["reason", "tokens", "trained", "last_only", "fate", "cut"]  # what an encoded row says of itself
+
+
 @_order_preserved()
 def prepare_dataset(
+    settings: DataSettings,
     *,
     data: str,
-    data_format: str,
-    text_field: str,
-    tokenizer_path: str,
-    seq_len: int,
-    columns: dict[str, str] | None = None,
-    csv_delimiter: str = ",",
-    packing: str = "documents",
-    overlong: str = "truncate",
-    chat_template: str | None = None,
-    seed: int,
     min_blocks: int,
     listed: tuple[list[str], str] | None = None,
     eval_fraction: float = 0.0,
@@ -585,21 +625,17 @@ def prepare_dataset(
     in_driver: bool | None = None,
     ray_dataset: bool = True,
 ) -> PreparedData:
-    """Read, tokenize, shuffle and pack the data with Ray Data; raise :class:`DataError` when it is unusable.
+    """Read, tokenize, shuffle and pack the data as ``settings`` say; raise :class:`DataError` when it is unusable.
 
-    Runs on the driver (Ray must be initialised) before any training worker starts. ``min_blocks`` is the number
-    of packed blocks one optimizer step consumes across all workers. ``listed`` is :func:`list_data_files`'s answer
-    when the caller already has it. ``eval_fraction`` of the usable rows (at least one), chosen by the seeded
-    shuffle, are held out before packing and packed apart as ``eval_dataset``. ``stage`` (optional) hears what
-    is being done now, as a short line such as ``"packing 390 rows (13359 tokens)"``. ``option`` is the setting
-    ``data`` came from, named in the errors (``training.eval_data`` for the evaluation set). ``in_driver`` forces
-    where the work is done (default: :func:`prepared_in_driver`); both paths give the same packed blocks.
-    ``packing`` (:data:`PACKING_MODES`) packs whole rows into blocks, kept apart (``documents``), or runs them on
-    (``concat``); ``overlong`` (:data:`OVERLONG_MODES`) truncates or drops a row longer than ``seq_len`` under
-    ``documents`` (:func:`~raytrain_eks.train.packing.fit_rows`). ``ray_dataset=False`` (only with data prepared in
-    the driver) keeps the packed blocks as a list of pyarrow tables and needs no Ray (``raytrain-eks data``).
-    ``chat_template`` (Jinja text) renders conversations instead of the tokenizer's own template.
-    ``csv_delimiter`` (``training.csv_delimiter``) separates the fields of CSV files (a TSV file's: a tab).
+    Runs on the driver (Ray must be initialised unless ``ray_dataset`` is false) before any training worker starts.
+    ``min_blocks`` is the number of packed blocks one optimizer step consumes across all workers. ``listed`` is
+    :func:`list_data_files`'s answer when the caller already has it. ``eval_fraction`` of the usable rows (at least
+    one), chosen by the seeded shuffle, are held out before packing and packed apart as ``eval_dataset``. ``stage``
+    (optional) hears what is being done now, as a short line such as ``"packing 390 rows (13359 tokens)"``.
+    ``option`` is the setting ``data`` came from, named in the errors (``training.eval_data`` for the evaluation
+    set). ``in_driver`` forces where the work is done (default: :func:`prepared_in_driver`); both paths give the same
+    packed blocks. ``ray_dataset=False`` (only with data prepared in the driver) keeps the packed blocks as a list of
+    pyarrow tables and needs no Ray (``raytrain-eks data``).
     """
     say = stage or (lambda _: None)
     files, kind = listed or list_data_files(data, option)
@@ -607,44 +643,86 @@ def prepare_dataset(
     if not in_driver and not ray_dataset:
         raise ValueError("packed blocks are kept out of Ray only when the data is prepared in the driver")
     say(f"reading and tokenizing {len(files)} file{'s' if len(files) > 1 else ''}")
-    encode = {
-        "tokenizer_path": tokenizer_path,
-        "data_format": data_format,
-        "text_field": text_field,
-        "columns": columns,
-        "chat_template": chat_template,
-        "fit": {"seq_len": seq_len, "packing": packing, "overlong": overlong},
-    }
     try:
-        if in_driver:
-            encoded = _encode_in_driver(files, kind, csv_delimiter, **encode)
-        else:
-            import ray.data
-
-            # Local files (a hf: dataset's cache included) lie on this node only: their reads run here.
-            where = _reads_here(files)
-            with _blocks_bounded():  # the steps below inherit the read's settings
-                raw = (
-                    read_dataset(files, kind, label_selector=where, csv_delimiter=csv_delimiter)
-                    if kind != "json"
-                    else ray.data.read_datasource(json_datasource(files), **placed(ray.data.read_datasource, where))
-                )
-            encoded = raw.map_batches(_encode_fit_batch, batch_format="pyarrow", fn_kwargs=encode).materialize()
+        encoded = _encoded(files, kind, settings, in_driver)
     except DataError:
         raise
     except Exception as exc:  # Ray wraps reader errors; show the root cause, not Ray's traceback.
-        raise unreadable(exc, option, data, csv_delimiter) from None
-
-    counted = ["reason", "tokens", "trained", "last_only", "fate", "cut"]
+        raise unreadable(exc, option, data, settings.csv_delimiter) from None
     tally = _tally(
-        [encoded.select(counted)]
+        [encoded.select(_COUNTED)]
         if in_driver
-        else encoded.select_columns(counted).iter_batches(batch_size=None, batch_format="pyarrow")
+        else encoded.select_columns(_COUNTED).iter_batches(batch_size=None, batch_format="pyarrow")
     )
-    reasons, tokens, fates = tally.reasons, tally.tokens, tally.fates
-    total = sum(reasons.values())
-    malformed = {why: n for why, n in reasons.items() if why}
+    usable = _usable_rows(tally, settings, files, kind, data=data, option=option)
+    say(f"shuffling and packing {usable} rows ({tally.tokens} tokens)")
+    eval_rows = max(1, round(eval_fraction * usable)) if eval_fraction else 0
+    if in_driver:
+        packed, eval_dataset = _shuffled_and_packed_here(encoded, settings, eval_rows, ray_dataset=ray_dataset)
+    else:
+        packed, eval_dataset = _shuffled_and_packed(encoded, settings, eval_rows, usable)
+    blocks = _count(packed)
+    if blocks < min_blocks:
+        left = f" left after {eval_rows} held out for evaluation" if eval_rows else ""
+        raise DataError(
+            f"{option} {data!r}: {usable - eval_rows} usable rows{left} pack into {blocks} blocks of "
+            f"{settings.seq_len} tokens, but one step needs {min_blocks} (workers x batch size x accumulation steps)",
+            hint="Use more data, a smaller --seq-len or batch size, or fewer workers.",
+        )
+    return PreparedData(
+        dataset=packed,
+        rows=sum(tally.reasons.values()),
+        usable_rows=usable,
+        malformed={why: n for why, n in tally.reasons.items() if why},
+        blocks=blocks,
+        tokens=tally.tokens,
+        trained_tokens=tally.trained,
+        eval_dataset=eval_dataset,
+        eval_rows=eval_rows,
+        last_answer_only=tally.last_only,
+        seq_len=settings.seq_len,
+        eval_blocks=_count(eval_dataset) if eval_dataset is not None else 0,
+        eval_tokens=_filled(eval_dataset) if eval_dataset is not None else 0,
+        truncated_rows=tally.fates[TRUNCATED],
+        truncated_tokens=tally.cut[TRUNCATED],
+        dropped_rows=tally.fates[DROPPED],
+        dropped_tokens=tally.cut[DROPPED],
+    )
+
+
+def _encoded(files: list[str], kind: str, settings: DataSettings, in_driver: bool) -> Any:
+    """Every row of ``files`` encoded and fitted to ``seq_len``: one pyarrow table (in the driver) or a materialized
+    Ray dataset, with the columns of :data:`_COUNTED` saying what each row is."""
+    encode = {
+        "tokenizer_path": settings.tokenizer_path,
+        "data_format": settings.data_format,
+        "text_field": settings.text_field,
+        "columns": settings.columns,
+        "chat_template": settings.chat_template,
+        "fit": {"seq_len": settings.seq_len, "packing": settings.packing, "overlong": settings.overlong},
+    }
+    if in_driver:
+        return _encode_in_driver(files, kind, settings.csv_delimiter, **encode)
+    import ray.data
+
+    # Local files (a hf: dataset's cache included) lie on this node only: their reads run here.
+    where = _reads_here(files)
+    with _blocks_bounded():  # the steps below inherit the read's settings
+        raw = (
+            read_dataset(files, kind, label_selector=where, csv_delimiter=settings.csv_delimiter)
+            if kind != "json"
+            else ray.data.read_datasource(json_datasource(files), **placed(ray.data.read_datasource, where))
+        )
+    return raw.map_batches(_encode_fit_batch, batch_format="pyarrow", fn_kwargs=encode).materialize()
+
+
+def _usable_rows(
+    tally: _Tally, settings: DataSettings, files: Sequence[str], kind: str, *, data: str, option: str
+) -> int:
+    """The rows that train (well formed, not dropped as too long); :class:`DataError` when there is none."""
+    reasons, fates = tally.reasons, tally.fates
     usable = reasons.get("", 0) - fates[DROPPED]
+    seq_len, overlong = settings.seq_len, settings.overlong
     if usable == 0 and fates[DROPPED]:
         why = (
             "training.overlong is 'drop'"
@@ -658,69 +736,48 @@ def prepare_dataset(
             + (", or set training.overlong to truncate (keep each row's start)." if overlong == "drop" else "."),
         )
     if usable == 0:
+        malformed = {why: n for why, n in reasons.items() if why}
         detail = "; ".join(f"{n} x {why}" for why, n in malformed.items()) or "the data set is empty"
         raise DataError(
-            f"{option} {data!r}: no usable row for format '{data_format}' ({total} rows read: {detail})",
+            f"{option} {data!r}: no usable row for format '{settings.data_format}' ({sum(reasons.values())} rows "
+            f"read: {detail})",
             hint=f"Check --data-format ({', '.join(FORMAT_NAMES)}) and the field names of your rows "
-            "(training.columns maps them)." + delimiter_hint(files, kind, csv_delimiter),
+            "(training.columns maps them)." + delimiter_hint(files, kind, settings.csv_delimiter),
         )
-    say(f"shuffling and packing {usable} rows ({tokens} tokens)")
-    tokenizer = load_tokenizer(tokenizer_path)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
-    eval_rows, eval_dataset = (max(1, round(eval_fraction * usable)) if eval_fraction else 0), None
-    shape = (seq_len, pad_id, packing, overlong)
-    if in_driver:
-        import pyarrow.compute as pc
+    return usable
 
-        keep = pc.and_(pc.equal(encoded["reason"], ""), pc.not_equal(encoded["fate"], DROPPED))
-        rows = _shuffle_key(encoded.filter(keep).drop_columns(counted), seed=seed).sort_by("order")
-        rows = rows.drop_columns(["order"])
-        wrap = as_ray_dataset if ray_dataset else (lambda tables: tables)
-        if eval_rows:
-            eval_dataset = wrap(_packed_in_driver(rows.slice(0, eval_rows), *shape))
-        packed = wrap(_packed_in_driver(rows.slice(eval_rows), *shape))
-    else:
-        from ray.data.expressions import col
 
-        rows = (
-            encoded.filter(expr=(col("reason") == "") & (col("fate") != DROPPED))
-            .drop_columns(counted)
-            .map_batches(_shuffle_key, batch_format="pyarrow", fn_kwargs={"seed": seed})
-            .sort("order")
-            .drop_columns(["order"])
-            .materialize()
-        )
-        if eval_rows:
-            held, rows = rows.split_at_indices([eval_rows])
-            eval_dataset = _packed(held, eval_rows, *shape)
-        packed = _packed(rows, usable - eval_rows, *shape)
-    blocks = _count(packed)
-    if blocks < min_blocks:
-        left = f" left after {eval_rows} held out for evaluation" if eval_rows else ""
-        raise DataError(
-            f"{option} {data!r}: {usable - eval_rows} usable rows{left} pack into {blocks} blocks of {seq_len} tokens, "
-            f"but one step needs {min_blocks} (workers x batch size x accumulation steps)",
-            hint="Use more data, a smaller --seq-len or batch size, or fewer workers.",
-        )
-    return PreparedData(
-        dataset=packed,
-        rows=total,
-        usable_rows=usable,
-        malformed=malformed,
-        blocks=blocks,
-        tokens=tokens,
-        trained_tokens=tally.trained,
-        eval_dataset=eval_dataset,
-        eval_rows=eval_rows,
-        last_answer_only=tally.last_only,
-        seq_len=seq_len,
-        eval_blocks=_count(eval_dataset) if eval_dataset is not None else 0,
-        eval_tokens=_filled(eval_dataset) if eval_dataset is not None else 0,
-        truncated_rows=fates[TRUNCATED],
-        truncated_tokens=tally.cut[TRUNCATED],
-        dropped_rows=fates[DROPPED],
-        dropped_tokens=tally.cut[DROPPED],
+def _shuffled_and_packed_here(encoded: Any, settings: DataSettings, eval_rows: int, *, ray_dataset: bool) -> Any:
+    """In the driver: the usable rows in the seed's order, the first ``eval_rows`` packed apart (``None`` when
+    none), the rest packed; as Ray datasets, or (``ray_dataset`` false) lists of pyarrow tables."""
+    import pyarrow.compute as pc
+
+    keep = pc.and_(pc.equal(encoded["reason"], ""), pc.not_equal(encoded["fate"], DROPPED))
+    rows = _shuffle_key(encoded.filter(keep).drop_columns(_COUNTED), seed=settings.seed).sort_by("order")
+    rows = rows.drop_columns(["order"])
+    wrap = as_ray_dataset if ray_dataset else (lambda tables: tables)
+    shape = settings.shape
+    held = wrap(_packed_in_driver(rows.slice(0, eval_rows), *shape)) if eval_rows else None
+    return wrap(_packed_in_driver(rows.slice(eval_rows), *shape)), held
+
+
+def _shuffled_and_packed(encoded: Any, settings: DataSettings, eval_rows: int, usable: int) -> Any:
+    """:func:`_shuffled_and_packed_here` through Ray Data's tasks (a global sort by the seeded key)."""
+    from ray.data.expressions import col
+
+    rows = (
+        encoded.filter(expr=(col("reason") == "") & (col("fate") != DROPPED))
+        .drop_columns(_COUNTED)
+        .map_batches(_shuffle_key, batch_format="pyarrow", fn_kwargs={"seed": settings.seed})
+        .sort("order")
+        .drop_columns(["order"])
+        .materialize()
     )
+    shape, held = settings.shape, None
+    if eval_rows:
+        evaluated, rows = rows.split_at_indices([eval_rows])
+        held = _packed(evaluated, eval_rows, *shape)
+    return _packed(rows, usable - eval_rows, *shape), held
 
 
 def _count(packed: Any) -> int:
@@ -738,23 +795,10 @@ def _filled(packed: Any) -> int:
 
 
 def prepare_for(training: Any, tokenizer_path: str, **given: Any) -> PreparedData:
-    """:func:`prepare_dataset` with the data settings of ``training`` (a :class:`~raytrain_eks.config.TrainingConfig`):
-    format, fields, template, packing, ``seq_len`` and seed; ``given`` adds the rest (``data``, ``min_blocks``,
-    ``listed``, ``eval_fraction``, ``stage``, ``option``, ``in_driver``, ``ray_dataset``). ``train`` and
-    ``raytrain-eks data`` both prepare through it, so they make the same blocks."""
-    return prepare_dataset(
-        data_format=training.data_format,
-        text_field=training.text_field,
-        columns=training.columns or None,
-        csv_delimiter=training.csv_delimiter,
-        packing=training.packing,
-        overlong=training.overlong,
-        chat_template=training.chat_template,
-        tokenizer_path=tokenizer_path,
-        seq_len=training.seq_len,
-        seed=training.seed,
-        **given,
-    )
+    """:func:`prepare_dataset` with the data settings of ``training`` (:meth:`DataSettings.of`); ``given`` adds the
+    rest (``data``, ``min_blocks``, ``listed``, ``eval_fraction``, ``stage``, ``option``, ``in_driver``,
+    ``ray_dataset``). ``train`` and ``raytrain-eks data`` both prepare through it, so they make the same blocks."""
+    return prepare_dataset(DataSettings.of(training, tokenizer_path), **given)
 
 
 def _reads_here(files: Sequence[str]) -> dict[str, str] | None:

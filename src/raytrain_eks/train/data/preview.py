@@ -1,5 +1,5 @@
 """What the model will be trained on, before any cluster or GPU: the data prepared exactly as ``train`` prepares it
-(:func:`~raytrain_eks.train.data.prepare_for`, the same settings and held-out rows), its counts, and the first
+(:func:`~raytrain_eks.train.data.pipeline.prepare_for`, the same settings and held-out rows), its counts, and the first
 packed blocks with the tokens that train marked (``raytrain-eks data``). Example::
 
     shown = preview_data(cfg, show=2)
@@ -17,8 +17,8 @@ import numpy as np
 
 from raytrain_eks.config import Config
 from raytrain_eks.errors import UserError
-from raytrain_eks.train.encoding import IGNORE_INDEX
-from raytrain_eks.train.packing import block_documents
+from raytrain_eks.train.data.encoding import IGNORE_INDEX
+from raytrain_eks.train.data.packing import block_documents
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class ShownBlock:
 
 @dataclass(frozen=True)
 class DataPreview:
-    """The counts of :meth:`~raytrain_eks.train.data.PreparedData.counts` and the first packed blocks (their stored
+    """The counts of :meth:`~.pipeline.PreparedData.counts` and the first packed blocks (their stored
     order; each epoch walks the blocks in an order drawn from the seed)."""
 
     data: str
@@ -64,13 +64,13 @@ def preview_data(
     """``cfg``'s training data prepared as ``train`` prepares it, and its first ``show`` packed blocks.
 
     Small local data is prepared in this process with no Ray at all; data on ``s3://`` or over
-    :data:`~raytrain_eks.train.data.DRIVER_PREP_BYTES` goes through Ray Data's tasks on a Ray started here for the
+    :data:`~.pipeline.DRIVER_PREP_BYTES` goes through Ray Data's tasks on a Ray started here for the
     purpose (and stopped after), as a local ``train`` would. ``say`` hears what is being done.
     """
-    from raytrain_eks.train.data import first_blocks, prepare_for, prepared_in_driver
+    from raytrain_eks.train.data.pipeline import first_blocks, prepare_for, prepared_in_driver
+    from raytrain_eks.train.data.sources import list_data_files
     from raytrain_eks.train.launch import data_source, with_chat_template_text
     from raytrain_eks.train.model_source import resolve_model_path
-    from raytrain_eks.train.sources import list_data_files
 
     if show < 0:
         raise UserError(f"--show {show}: give a number of blocks, 0 or more")

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from raytrain_eks.config import OVERLONG_MODES, PACKING_MODES
-from raytrain_eks.train.encoding import IGNORE_INDEX
+from raytrain_eks.train.data.encoding import IGNORE_INDEX
 
 
 def pack(

@@ -21,7 +21,7 @@ from pathlib import PurePath
 from typing import Any
 
 from raytrain_eks.errors import DataError
-from raytrain_eks.train.sources import DATA_SUFFIXES, root_cause
+from raytrain_eks.train.data.sources import DATA_SUFFIXES, root_cause
 
 TABLE_KINDS = ("parquet", "csv", "tsv", "arrow")  # the readers of this module (JSON: .json_reader's json_rows)
 DELIMITED = ("csv", "tsv")  # text files of delimited fields under a header line, read by pyarrow's CSV reader
