@@ -18,9 +18,10 @@ from typing import TextIO
 import pytest
 import torch.distributed as dist
 
-from raytrain_eks.eks.submit import POD_NCCL_LOGS
+from raytrain_eks.deploy.submit import POD_NCCL_LOGS
 from raytrain_eks.fabric import analyze, analyze_paths
-from raytrain_eks.train.fabric_gate import check_transport, gate_decision, nccl_env, nccl_log_path, own_nccl_lines
+from raytrain_eks.fabric.decision import gate_decision
+from raytrain_eks.train.fabric_gate import check_transport, nccl_env, nccl_log_path, own_nccl_lines
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
 REAL = FIXTURES / "real"
@@ -190,3 +191,15 @@ def test_gate_on_ib_selected_for_a_two_node_communicator_looks_again_then_stops(
     assert (last["met"], last["action"]) == (False, "stop") and "still do not prove" in last["note"]
     assert gate_decision(report, "efa", job_nodes=2, last_look=False)["action"] == "stop"
     assert gate_decision(report, "any", job_nodes=2, last_look=True)["met"] is True
+
+
+def test_check_transport_warns_of_efa_used_short_and_stops_on_it_when_full_use_is_required(one_process_group):
+    # A real p4d log (aws-ofi-nccl#64): every inter-node link on one EFA device, without GPUDirect RDMA.
+    assert nccl_logs((REAL / "ofi64_p4d_one_efa_no_gdr_nccl2.7.8.log").read_text().splitlines()) == ""
+    warned, _ = check_transport("efa", rank=0, world_size=1, node="node-a", instance_type="p4d.24xlarge")
+    assert (warned["met"], warned["action"]) == (True, "continue") and "warning: EFA is used short" in warned["note"]
+    stopped, _ = check_transport(
+        "efa", rank=0, world_size=1, node="node-a", instance_type="p4d.24xlarge", require_full_efa=True
+    )
+    assert (stopped["met"], stopped["action"], stopped["usage_full"]) == (False, "stop", False)
+    assert "SHORTFALL gdr-off" in stopped["report"]

@@ -20,16 +20,10 @@ from typer.testing import CliRunner
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric import nccl_lines
 from raytrain_eks.fabric.commands import Require, register
-from raytrain_eks.fabric.nccl_log import (
-    REQUIREMENTS,
-    VERDICTS,
-    LogInputError,
-    NcclLogAnalyzer,
-    TransportReport,
-    analyze,
-    analyze_paths,
-    iter_log_lines,
-)
+from raytrain_eks.fabric.nccl_lines import LogInputError, iter_log_lines
+from raytrain_eks.fabric.nccl_log import analyze, analyze_paths
+from raytrain_eks.fabric.nccl_report import REQUIREMENTS, VERDICTS, TransportReport
+from raytrain_eks.fabric.nccl_verdict import NcclLogAnalyzer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "nccl"
 

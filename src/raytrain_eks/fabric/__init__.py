@@ -11,20 +11,18 @@ Example::
 
 from __future__ import annotations
 
-from raytrain_eks.fabric.nccl_log import (
+from raytrain_eks.fabric.nccl_lines import LogInputError, iter_log_lines
+from raytrain_eks.fabric.nccl_log import analyze, analyze_paths
+from raytrain_eks.fabric.nccl_report import (
     BASES,
     REQUIREMENTS,
     VERDICTS,
     LineRef,
-    LogInputError,
-    NcclLogAnalyzer,
     PluginInfo,
     RankDetail,
     TransportReport,
-    analyze,
-    analyze_paths,
-    iter_log_lines,
 )
+from raytrain_eks.fabric.nccl_verdict import NcclLogAnalyzer
 
 __all__ = [
     "BASES",

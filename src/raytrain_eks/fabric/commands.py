@@ -3,6 +3,7 @@
 raytrain-eks verify-transport /tmp/ray/session_latest/logs     # fails (exit 1) unless EFA carries inter-node traffic
 kubectl logs -l ray.io/node-type=worker | raytrain-eks verify-transport --json
 raytrain-eks verify-transport worker.log --require any          # report only; exit 2 when undecided
+raytrain-eks verify-transport logs/ --instance-type p5.48xlarge --require-full-efa  # exit 1 on EFA used short
 raytrain-eks probe --address auto                               # collective busbw vs the line rate; exit 1 if degraded
 raytrain-eks probe --max-bytes 4M --iters 5 --json              # a quick local run (CPU, gloo)
 
@@ -24,7 +25,8 @@ from raytrain_eks import presets
 from raytrain_eks.config import load_config
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.deployment import read_deployment
-from raytrain_eks.fabric.nccl_log import LogInputError, analyze_paths
+from raytrain_eks.fabric.nccl_lines import LogInputError
+from raytrain_eks.fabric.nccl_log import analyze_paths
 from raytrain_eks.fabric.probe import (
     DEFAULT_ITERS,
     DEFAULT_MAX_BYTES,
@@ -37,6 +39,7 @@ from raytrain_eks.fabric.probe import (
     parse_size,
     run_probe,
 )
+from raytrain_eks.instances import instance_type as known_instance_type
 from raytrain_eks.options import AddressOpt, ConfigOpt, JsonOpt, PresetOpt, VerboseOpt
 from raytrain_eks.ray_session import joined_address
 
@@ -69,13 +72,29 @@ def verify_transport(
         Require,
         typer.Option(help="Fabric the inter-node traffic must use: efa, ib, or any (report only)."),
     ] = Require.efa,
+    instance_type: Annotated[
+        str | None,
+        typer.Option(
+            help="The GPU nodes' EC2 type (e.g. p5.48xlarge), to compare EFA devices and GPUDirect RDMA with what it "
+            "offers. Default: the type aws-ofi-nccl logs ('Running on <type> platform'), if any.",
+            show_default=False,
+        ),
+    ] = None,
+    require_full_efa: Annotated[
+        bool, typer.Option(help="Exit 1 when EFA is used short of what the instance type offers (default: report it).")
+    ] = False,
 ) -> None:
-    """Check from NCCL's NCCL_DEBUG=INFO log which network carried traffic between nodes.
+    """Check from NCCL's NCCL_DEBUG=INFO log which network carried traffic between nodes, and how fully.
 
-    Verdicts: efa, ib, socket (a fallback to TCP anywhere between nodes), single-node, inconclusive.
+    Verdicts: efa, ib, socket (a fallback to TCP anywhere between nodes), single-node, inconclusive. On EFA, the
+    fabric's use is compared with the instance type: EFA interfaces found and NET devices used, GPUDirect RDMA,
+    channels; each shortfall is named with the lines that show it.
 
-    Exit status: 0 when the verdict meets --require, 1 when it does not, 2 when the log cannot decide.
+    Exit status: 0 when the verdict meets --require (and, with --require-full-efa, EFA is used in full), 1 when it
+    does not, 2 when the log cannot decide.
     """
+    if instance_type is not None:
+        known_instance_type(instance_type)  # an unknown type stops here, naming the known ones
     paths = paths or []
     if not paths and sys.stdin.isatty():
         raise LogInputError(
@@ -84,9 +103,11 @@ def verify_transport(
             "or pipe a log into the command: kubectl logs POD | raytrain-eks verify-transport",
         )
     with _progress() as progress:
-        report = analyze_paths(paths, progress=progress)
+        report = analyze_paths(paths, progress=progress, instance_type=instance_type)
     typer.echo(report.to_json(require.value) if json_output else report.render(require.value))
     code = report.exit_code(require.value)
+    if require_full_efa and code == 0 and report.usage.findings:
+        code = 1
     if code:
         raise typer.Exit(code)
 

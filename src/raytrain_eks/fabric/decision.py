@@ -6,6 +6,10 @@ makes the in-job gate look again after the next step, and fails the last look (t
 verdict after the job has ended). Example::
 
     gate_decision(analyze(lines), "efa", job_nodes=2, last_look=True)["met"]  # False unless connection lines prove it
+
+A shortfall in how EFA is used (the report's ``usage`` findings: fewer EFA devices found or used than the instance
+type offers, GPUDirect RDMA off where it supports it) is a warning in the note, and stops the job only with
+``require_full_efa``.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ from typing import Any
 from raytrain_eks.fabric.nccl_report import TransportReport
 
 
-def gate_decision(report: TransportReport, require: str, *, job_nodes: int, last_look: bool) -> dict[str, Any]:
+def gate_decision(
+    report: TransportReport, require: str, *, job_nodes: int, last_look: bool, require_full_efa: bool = False
+) -> dict[str, Any]:
     """What to do with one look at a job's NCCL lines: ``continue``, ``look-again`` or ``stop``.
 
     Returns ``require``, ``verdict``, ``basis``, ``job_nodes``, ``met`` (True, False, or None while looking again),
     ``action``, ``note`` (why, in one sentence) and ``report`` (the rendered report followed by the note).
-    ``require`` ``any`` accepts every transport NCCL's lines show, and nothing when they show none.
+    ``require`` ``any`` accepts every transport NCCL's lines show, and nothing when they show none. Also
+    ``usage_full`` (True, False, or None when it cannot tell) and ``usage_findings`` (``kind: message`` each).
     """
     result = {"require": require, "verdict": report.verdict, "basis": report.basis, "job_nodes": job_nodes}
     if report.verdict == "inconclusive":
@@ -48,5 +55,16 @@ def gate_decision(report: TransportReport, require: str, *, job_nodes: int, last
     else:
         met, action = None, "look-again"
         note = "no connection line proves the transport yet: looking again after the next step"
+    findings = [f"{f.kind}: {f.message}" for f in report.usage.findings]
+    if findings and met is not False:
+        kinds = ", ".join(f.kind for f in report.usage.findings)
+        if require_full_efa:
+            met, action = False, "stop"
+            note = f"{note}; but EFA is used short of what the instance type offers ({kinds}), and "
+            note += "fabric.require_full_efa is set"
+        else:
+            note = f"{note}; warning: EFA is used short of what the instance type offers ({kinds})"
+    usage = {"usage_full": report.usage.full, "usage_findings": findings}
     text = report.render(require)
-    return {**result, "met": met, "action": action, "note": note, "report": f"{text}\n\nTransport gate: {note}"}
+    decided = {"met": met, "action": action, "note": note, **usage}
+    return {**result, **decided, "report": f"{text}\n\nTransport gate: {note}"}

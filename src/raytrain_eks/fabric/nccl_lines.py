@@ -26,6 +26,7 @@ from typing import BinaryIO, NamedTuple
 
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.nccl_report import LineRef, PluginInfo
+from raytrain_eks.fabric.nccl_usage import ProcUsage
 
 # How the training job names each worker's NCCL debug file (NCCL_DEBUG_FILE):
 # "raytrain-eks-nccl.<token>.<host>.<pid>.log", directly in the worker's /tmp (its own disk: workers
@@ -241,6 +242,7 @@ _RELEVANT_WORDS = (
     b"Bootstrap",
     b"Initialized",
     b"Failed",
+    *(str(d).encode() for d in range(1, 10)),  # "8 coll channels, ..."
 )
 
 
@@ -426,6 +428,7 @@ class _Proc:
     ib_absent: bool = False
     # Other workers whose identical network lines Ray folded into this process's ("repeated Nx across cluster").
     folded: int = 0
+    usage: ProcUsage = field(default_factory=ProcUsage)  # EFA devices, GDR and channels, for nccl_usage
 
 
 class NcclLineReader:
@@ -529,9 +532,12 @@ class NcclLineReader:
         word = (msg if sp < 0 else msg[:sp]).rstrip(":")
         handler = self._handlers.get(word)
         if handler is None and level != "WARN":
-            if "- Init " not in msg:
+            if word.isdecimal() and "coll channels" in msg:
+                handler = self._on_counts
+            elif "- Init " not in msg:
                 return  # the common case: an INFO line that says nothing about transports
-            handler = self._on_comm
+            else:
+                handler = self._on_comm
         self._records += 1
         ctx = self._ctx(prefix)
 
@@ -587,6 +593,11 @@ class NcclLineReader:
         label, gdr = _transport(m.group(6))
         ck = (int(m.group(1)), int(m.group(2) or 0), int(m.group(3)), int(m.group(4)), m.group(5) or "", label, gdr)
         self._add_conn(ctx, ck, label, ref)
+        if label.startswith("NET/"):
+            self._procs[ctx.proc].usage.read_conn(m.group(6), gdr, ref)
+
+    def _on_counts(self, ctx: _Ctx, msg: str, level: str, ref: Callable[[], LineRef]) -> None:
+        self._procs[ctx.proc].usage.read_counts(msg, ref)
 
     def _on_collnet(self, ctx: _Ctx, msg: str, level: str, ref: Callable[[], LineRef]) -> None:
         m = _COLLNET.match(msg)
@@ -635,6 +646,7 @@ class NcclLineReader:
                 ctx.open = _Comm(m.group(1), int(m.group(2)), int(m.group(3)), ("n", int(m.group(3))), nnodes)
             self._join(ctx, ctx.open)
             self._keep("nnodes>1" if nnodes > 1 else "nnodes=1", ref)
+            self._procs[ctx.proc].usage.read_counts(msg, ref)
 
     def _join(self, ctx: _Ctx, comm: _Comm) -> None:
         if comm.key not in self._members and len(self._members) >= _MAX_COMMS:
@@ -715,7 +727,9 @@ class NcclLineReader:
             if m.group(3):
                 p.nics = max(p.nics or 0, int(m.group(3)))
             self._keep("provider:" + _provider_family(provider), ref)
+            proc.usage.read_ofi(body, m.group(3), ref)
             return
+        proc.usage.read_ofi(body, None, ref)
         m = _OFI_VERSION.search(body)
         if m:
             self._plugin.ofi_version = self._plugin.ofi_version or m.group(1)

@@ -22,38 +22,17 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import BinaryIO
 
-from raytrain_eks.fabric.nccl_lines import LogInputError, LogLine, ReadStats, iter_log_lines
+from raytrain_eks.fabric.nccl_lines import ReadStats, iter_log_lines
 from raytrain_eks.fabric.nccl_report import (
-    BASES,
-    REQUIREMENTS,
-    VERDICTS,
-    LineRef,
-    PluginInfo,
-    RankDetail,
     TransportReport,
 )
 from raytrain_eks.fabric.nccl_verdict import NcclLogAnalyzer
 
-__all__ = [
-    "BASES",
-    "REQUIREMENTS",
-    "VERDICTS",
-    "LineRef",
-    "LogInputError",
-    "LogLine",
-    "NcclLogAnalyzer",
-    "PluginInfo",
-    "RankDetail",
-    "ReadStats",
-    "TransportReport",
-    "analyze",
-    "analyze_paths",
-    "iter_log_lines",
-]
 
-
-def analyze(lines: Iterable[str], *, source: str = "<input>") -> TransportReport:
+def analyze(lines: Iterable[str], *, source: str = "<input>", instance_type: str | None = None) -> TransportReport:
     """Analyze NCCL log lines given as strings (one per item, newline optional) and return the report.
+
+    ``instance_type`` (the GPU nodes' EC2 type) lets the report compare the fabric's use with what the type offers.
 
     Example::
 
@@ -63,7 +42,7 @@ def analyze(lines: Iterable[str], *, source: str = "<input>") -> TransportReport
     a = NcclLogAnalyzer()
     for n, line in enumerate(lines, 1):
         a.feed(line, source, n)
-    return a.finish()
+    return a.finish(instance_type)
 
 
 def analyze_paths(
@@ -71,6 +50,7 @@ def analyze_paths(
     *,
     stdin: BinaryIO | None = None,
     progress: Callable[[int], None] | None = None,
+    instance_type: str | None = None,
 ) -> TransportReport:
     """Analyze log files, folders (recursively) and stdin (``-`` or no path) with flat memory.
 
@@ -87,7 +67,7 @@ def analyze_paths(
     feed = a.feed
     for line in iter_log_lines(paths, stdin=stdin, stats=stats, progress=progress, relevant_only=True):
         feed(line.text, line.source, line.lineno)
-    report = a.finish()
+    report = a.finish(instance_type)
     report.stats.update(files=stats.files, bytes=stats.bytes, lines=stats.lines)
     report.notes[:0] = stats.notes
     if stats.files == 0:

@@ -82,6 +82,95 @@ class RankDetail:
 
 
 @dataclass
+class NodeUsage:
+    """One node's use of the fabric: ranks on it, EFA interfaces the plugin found, its NIC groups, the NET devices
+    its connection lines use, inter-node NET links with and without GPUDirect RDMA, and NCCL's coll channels."""
+
+    host: str
+    ranks: int
+    efa_found: int | None
+    nic_groups: int | None
+    net_devices: list[int]
+    net_links: int
+    gdr_links: int
+    coll_channels: int | None
+
+
+@dataclass
+class UsageFinding:
+    """A shortfall in how the fabric was used: its kind, one sentence, and the log lines that show it."""
+
+    kind: str
+    message: str
+    lines: list[LineRef] = field(default_factory=list)
+
+
+@dataclass
+class FabricUsage:
+    """What the job used of the fabric its instance type offers (filled by ``nccl_usage.assess_usage``).
+
+    ``findings`` is empty when the fabric was used in full, or when nothing could be compared (``notes`` says why).
+    """
+
+    instance_type: str | None = None
+    efa_offered: int | None = None
+    gdr_supported: bool | None = None
+    expected_net_devices: int | None = None
+    nodes: list[NodeUsage] = field(default_factory=list)
+    findings: list[UsageFinding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def compared(self) -> bool:
+        """Whether the instance type was known and there were nodes to compare with it."""
+        return self.efa_offered is not None and bool(self.nodes)
+
+    @property
+    def full(self) -> bool | None:
+        """True: compared, connection lines logged, and no shortfall; False: a shortfall; None: cannot tell."""
+        if self.findings:
+            return False
+        if not self.compared or not any(u.net_links for u in self.nodes):
+            return None
+        return True
+
+    def render(self, max_nodes: int = 16) -> list[str]:
+        """The report's "Fabric use" section, as lines."""
+        offer = "type not known"
+        if self.instance_type and self.efa_offered is not None:
+            gdr = "GPUDirect RDMA" if self.gdr_supported else "no GPUDirect RDMA"
+            offer = f"{self.instance_type}: {self.efa_offered} EFA interface(s), {gdr}"
+        if self.expected_net_devices:
+            offer += f"; {self.expected_net_devices} NET device(s) expected per node"
+        full = self.full
+        status = "no shortfall seen" if self.compared else "not compared"
+        if full is not None:
+            status = "full" if full else "SHORTFALL"
+        lines = [f"Fabric use:     {status} ({offer})"]
+        rows = [("host", "ranks", "efa found", "nic groups", "net devices", "gdr links", "channels")]
+        for u in self.nodes[:max_nodes]:
+            rows.append(
+                (
+                    u.host,
+                    str(u.ranks),
+                    _opt(u.efa_found),
+                    _opt(u.nic_groups),
+                    ",".join(map(str, u.net_devices)) or "-",
+                    f"{u.gdr_links}/{u.net_links}" if u.net_links else "-",
+                    _opt(u.coll_channels),
+                )
+            )
+        if len(rows) > 1:
+            widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+            lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+        for f in self.findings:
+            lines.append(f"  SHORTFALL {f.kind}: {f.message}")
+            lines += [f"    {ref}" for ref in f.lines]
+        lines += [f"  - {n}" for n in self.notes]
+        return lines
+
+
+@dataclass
 class TransportReport:
     """The result of :func:`analyze`: the verdict, why, and what the log said per rank.
 
@@ -110,6 +199,7 @@ class TransportReport:
     warnings: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=dict)
+    usage: FabricUsage = field(default_factory=FabricUsage)
 
     def meets(self, require: str) -> bool:
         """Whether the verdict satisfies ``require`` (``efa``, ``ib`` or ``any``); inconclusive never does."""
@@ -132,6 +222,7 @@ class TransportReport:
             d["require"] = require
             d["meets"] = self.meets(require)
             d["exit_code"] = self.exit_code(require)
+        d["usage"]["full"] = self.usage.full
         return d
 
     def to_json(self, require: str | None = None) -> str:
@@ -164,6 +255,8 @@ class TransportReport:
         gdr = f" (GDRDMA on {self.inter_node_gdrdma})" if self.inter_node else ""
         lines.append(f"Inter-node:     {_counts(self.inter_node) or 'none'}{gdr}")
         lines.append(f"Intra-node:     {_counts(self.intra_node) or 'none'}")
+        if self.usage.nodes or self.usage.notes:
+            lines += ["", *self.usage.render()]
         if self.ranks:
             lines += ["", "Per rank:", *_rank_table(self.ranks[:max_ranks])]
             if len(self.ranks) > max_ranks:
@@ -211,6 +304,10 @@ def _check_require(require: str) -> None:
 
 def _counts(c: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in c.items())
+
+
+def _opt(n: int | None) -> str:
+    return "?" if n is None else str(n)
 
 
 def _plugin_summary(p: PluginInfo) -> str:

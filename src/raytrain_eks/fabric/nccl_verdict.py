@@ -25,6 +25,7 @@ from raytrain_eks.fabric.nccl_lines import (
     _provider_family,
 )
 from raytrain_eks.fabric.nccl_report import LineRef, RankDetail, TransportReport, _counts
+from raytrain_eks.fabric.nccl_usage import NodeLinks, assess_usage
 
 # Network families from weakest to strongest, for "the weakest choice decides".
 _WEAKNESS = ("socket", "other", "ib", "efa")
@@ -41,10 +42,14 @@ class NcclLogAnalyzer(NcclLineReader):
         report = a.finish()
     """
 
-    def finish(self) -> TransportReport:
-        """Decide the verdict from everything fed so far and build the report."""
+    def finish(self, instance_type: str | None = None) -> TransportReport:
+        """Decide the verdict from everything fed so far and build the report.
+
+        ``instance_type``: the GPU nodes' EC2 type, to compare the fabric's use with what it offers (EFA devices,
+        GPUDirect RDMA); without it, the type aws-ofi-nccl logs (``Running on <type> platform``) is used if any.
+        """
         self.close()
-        return _Decision(self).report()
+        return _Decision(self).report(instance_type)
 
 
 class _Decision:
@@ -130,7 +135,7 @@ class _Decision:
                 return "intra"
         return "inter?" if label.startswith("NET/") else "intra"
 
-    def report(self) -> TransportReport:
+    def report(self, instance_type: str | None = None) -> TransportReport:
         a = self.a
         inter: Counter[str] = Counter()
         intra: Counter[str] = Counter()
@@ -138,6 +143,8 @@ class _Decision:
         gdr = presumed = net_same_node = 0
         per_ctx_inter: dict[tuple[ProcKey, int], Counter[str]] = {}
         per_ctx_intra: dict[tuple[ProcKey, int], Counter[str]] = {}
+        net_links: Counter[ProcKey] = Counter()
+        gdr_links: Counter[ProcKey] = Counter()
         deciding: dict[str, list[tuple[ProcKey, LineRef]]] = {}
         intra_examples: list[LineRef] = []
         for (proc, dev, comm, ck), example in a._conns.items():
@@ -153,6 +160,9 @@ class _Decision:
             presumed += scope == "inter?"
             inter[label] += 1
             gdr += ck[6]
+            if label.startswith("NET/"):
+                net_links[proc] += 1
+                gdr_links[proc] += ck[6]
             per_ctx_inter.setdefault((proc, dev), Counter())[label] += 1
             fam = self.family(label, proc)
             families[fam] += 1
@@ -181,7 +191,22 @@ class _Decision:
             self.notes.append(
                 f"{a._dropped} connection line(s) beyond the first {nccl_lines._MAX_CONNECTIONS} were not tracked"
             )
-        return self._build(verdict, basis, reason, evidence, inter, intra, gdr, per_ctx_inter, per_ctx_intra)
+        report = self._build(verdict, basis, reason, evidence, inter, intra, gdr, per_ctx_inter, per_ctx_intra)
+        report.usage = assess_usage(self._node_links(net_links, gdr_links), instance_type, efa_verdict=verdict == "efa")
+        return report
+
+    def _node_links(self, net_links: Counter[ProcKey], gdr_links: Counter[ProcKey]) -> list[NodeLinks]:
+        """Each node's processes, ranks (devices that logged a rank) and inter-node NET links, for assess_usage."""
+        by_node: dict[str, list[ProcKey]] = {}
+        for key in self.a._procs:
+            by_node.setdefault(self.nodes.get(key) or "?", []).append(key)
+        out = []
+        for node, keys in sorted(by_node.items()):
+            procs = [self.a._procs[k] for k in keys]
+            ranks = sum(1 for p in procs for c in p.ctxs.values() if c.ranks or c.dev >= 0)
+            links = sum(net_links[k] for k in keys)
+            out.append(NodeLinks(node, [p.usage for p in procs], ranks, links, sum(gdr_links[k] for k in keys)))
+        return out
 
     def _verdict(
         self,

@@ -244,7 +244,7 @@ def judge(
         raise ProbeError("no measurement to judge", hint="Widen --min-bytes/--max-bytes.")
     large = min(LARGE_MESSAGE_BYTES, max(r.bytes for r in rows))
     best = max(r.busbw for r in rows if r.bytes >= large) * 8 / 1e9
-    common = {
+    common: dict[str, Any] = {
         "best_busbw_gbps": best,
         "expected_gbps": expected_gbps,
         "expected_source": expected_source,
