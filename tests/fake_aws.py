@@ -8,6 +8,9 @@ and CloudFormation's termination protection, which moto's server does not keep.
   ``DescribeCapacityReservations``; this keeps every reservation with its state and tags, holds free capacity per
   zone, can fail the ways AWS does (no capacity, a create whose answer is lost after the reservation was made,
   cancels that fail), and lists the account's own reservations as the test states them.
+- :class:`FakeCapacityBlocks`: moto 5.2 has no ``DescribeCapacityBlockOfferings`` nor ``PurchaseCapacityBlock``;
+  offerings are stated in the EC2 API's response shape and parsed by the product's own reader, purchases are kept
+  and answered as ``DescribeCapacityReservations`` answers for a block.
 - :func:`keep_termination_protection`: moto records a stack's ``EnableTerminationProtection`` and reports it, but
   deletes a protected stack all the same and has no ``UpdateTerminationProtection``; after this call its server
   refuses the delete as CloudFormation does, and turns the protection on and off.
@@ -25,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from raytrain_eks.aws.market import Block, BlockOffering, Window
 from raytrain_eks.aws.services import ExistingReservation, NoCapacity, QuotaLimit, Reservation, SpotSignal
 
 
@@ -133,6 +137,53 @@ class FakeReservations:
     @property
     def open(self) -> list[FakeReservation]:
         return [r for r in self.reservations.values() if r.state in ("active", "pending")]
+
+
+@dataclass
+class FakeCapacityBlocks:
+    """Capacity Blocks for ML in memory, answering as the EC2 API Reference documents:
+
+    - DescribeCapacityBlockOfferings (API_DescribeCapacityBlockOfferings.html): InstanceType, InstanceCount and
+      CapacityDurationHours are required; StartDateRange is "the earliest start date" and EndDateRange "the latest
+      end date" of an offering. ``offered`` holds items of its ``CapacityBlockOffering`` shape
+      (CapacityBlockOfferingId, InstanceType, AvailabilityZone, InstanceCount, StartDate, EndDate,
+      CapacityBlockDurationHours, UpfrontFee as a string, CurrencyCode); an offering is listed when all four match.
+      A type with none gives an empty list, as the API's for a type it offers no block of.
+    - PurchaseCapacityBlock (API_PurchaseCapacityBlock.html): CapacityBlockOfferingId and InstancePlatform in, the
+      CapacityReservation out; the block is then listed by DescribeCapacityReservations with ReservationType
+      ``capacity-block`` and its StartDate and EndDate.
+    ``asked``: the instance types offerings were asked for, in order.
+    """
+
+    offered: list[dict[str, Any]] = field(default_factory=list)
+    bought: dict[str, Block] = field(default_factory=dict)
+    asked: list[str] = field(default_factory=list)
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def offerings(self, *, region: str, instance_type: str, count: int, window: Window) -> list[BlockOffering]:
+        self.asked.append(instance_type)
+        return [
+            BlockOffering.from_api(o)
+            for o in self.offered
+            if o["InstanceType"] == instance_type
+            and o["InstanceCount"] == count
+            and o["CapacityBlockDurationHours"] == window.hours
+            and o["StartDate"] >= window.start
+            and o["EndDate"] <= window.end
+        ]
+
+    def purchase(self, *, region: str, offering_id: str) -> Block:
+        o = next(o for o in self.offered if o["CapacityBlockOfferingId"] == offering_id)
+        block_id = f"cr-{next(self._ids):017x}"
+        block = Block(
+            block_id, o["InstanceType"], o["AvailabilityZone"], o["InstanceCount"], o["StartDate"], o["EndDate"],
+            "scheduled",
+        )  # fmt: skip
+        self.bought[block_id] = block
+        return block
+
+    def describe(self, *, region: str, block_id: str) -> Block | None:
+        return self.bought.get(block_id)
 
 
 # CloudFormation's answer to DeleteStack for a stack whose termination protection is on: error code ValidationError

@@ -41,6 +41,10 @@ AmiFamily = Literal[
     "BottlerocketFips",
 ]
 AMI_FAMILIES: tuple[str, ...] = get_args(AmiFamily)
+# Where the GPU nodes come from: EC2 on-demand, an on-demand capacity reservation (ODCR), a Capacity Block for ML
+# (a reservation bought ahead for a fixed window), or spot. cluster.gpu_capacity lists them in fallback order.
+CapacitySource = Literal["on-demand", "reservation", "capacity-block", "spot"]
+CAPACITY_SOURCES: tuple[str, ...] = get_args(CapacitySource)
 # AWS releases no EKS-optimized Amazon Linux 2 AMI for Kubernetes 1.33 and later (EKS user guide, Kubernetes 1.33).
 _LAST_AL2_K8S = (1, 32)
 
@@ -165,6 +169,22 @@ class ClusterConfig(Section):
             "zone; empty = up still uses one that holds every node in the zone it picks"
         ),
     )
+    gpu_capacity: list[CapacitySource] | None = Field(
+        None,
+        description=(
+            "where the GPU nodes come from, in fallback order: on-demand, reservation (capacity_reservation_id), "
+            "capacity-block (capacity_block_id, bought with `raytrain-eks capacity --buy-block`), spot; up tries "
+            "the next when one cannot launch the nodes; empty = [reservation] when capacity_reservation_id is set, "
+            "else [on-demand]"
+        ),
+    )
+    capacity_block_id: str | None = Field(
+        None,
+        description=(
+            "the Capacity Block for ML (cr-...) the GPU nodes launch into when gpu_capacity has capacity-block; its "
+            "zone becomes the GPU zone, and the node group waits at size 0 until the block starts"
+        ),
+    )
     # Deploy-only settings (eksctl ClusterConfig).
     availability_zones: list[str] = Field(
         default_factory=list, description="the cluster's subnet zones (2 or more, gpu_az among them); empty = at deploy"
@@ -217,7 +237,8 @@ class ClusterConfig(Section):
     @classmethod
     def _tolerations(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         """Each toleration checked as Kubernetes would, and kept as written (the fields given, in their order)."""
-        problems, kept = [], []
+        problems: list[str] = []
+        kept: list[dict[str, Any]] = []
         for i, toleration in enumerate(v or [], start=1):
             try:
                 checked = _Toleration.model_validate(toleration).model_dump()
@@ -254,7 +275,7 @@ class ClusterConfig(Section):
     def _az(cls, v: str | None) -> str | None:
         return check_optional(ZONE, v, "an availability zone such as us-east-1a")
 
-    @field_validator("capacity_reservation_id")
+    @field_validator("capacity_reservation_id", "capacity_block_id")
     @classmethod
     def _reservation(cls, v: str | None) -> str | None:
         return check_optional(RESERVATION, v, "a capacity reservation id such as cr-0123456789abcdef0")
@@ -272,6 +293,42 @@ class ClusterConfig(Section):
         if v and len(set(v)) < 2:
             raise ValueError("give at least 2 different zones (eksctl needs 2 for the cluster), or leave it empty")
         return v
+
+    @property
+    def capacity_order(self) -> tuple[str, ...]:
+        """``gpu_capacity`` as given, else its default: ``("reservation",)`` when ``capacity_reservation_id`` is set
+        (what such a config always meant), ``("on-demand",)`` otherwise."""
+        if self.gpu_capacity:
+            return tuple(self.gpu_capacity)
+        return ("reservation",) if self.capacity_reservation_id else ("on-demand",)
+
+    @model_validator(mode="after")
+    def _capacity_sources(self) -> ClusterConfig:
+        """Each source listed once, with what it needs; an id no listed source uses is refused, not ignored."""
+        order, given = self.capacity_order, self.gpu_capacity or []
+        twice = sorted({s for s in given if given.count(s) > 1})
+        if twice:
+            raise ValueError(f"gpu_capacity lists {', '.join(twice)} more than once: list each source once")
+        needs = {
+            "reservation": ("capacity_reservation_id", self.capacity_reservation_id, "an existing on-demand "
+                            "capacity reservation (`aws ec2 describe-capacity-reservations` lists yours)"),
+            "capacity-block": ("capacity_block_id", self.capacity_block_id, "a Capacity Block for ML: list the "
+                               "offerings with `raytrain-eks capacity --blocks`, buy one with --buy-block"),
+        }  # fmt: skip
+        for source, (name, value, what) in needs.items():
+            if source in order and not value:
+                raise ValueError(f"gpu_capacity has {source}, but {name} is empty: set it to the id of {what}")
+            if value and source not in order:
+                raise ValueError(
+                    f"{name} = {value!r} is set, but gpu_capacity ({', '.join(order)}) does not list {source}: add "
+                    f"{source} where it falls in the order, or leave {name} empty"
+                )
+        if self.target == "kubernetes" and order != ("on-demand",):
+            raise ValueError(
+                f"gpu_capacity ({', '.join(order)}) applies to target eks, whose GPU node group up creates; with "
+                "target kubernetes the nodes are the cluster's own: leave gpu_capacity out"
+            )
+        return self
 
     @model_validator(mode="after")
     def _settings_of_the_target(self) -> ClusterConfig:

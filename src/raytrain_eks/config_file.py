@@ -9,7 +9,8 @@ from raytrain_eks.config import Config
 from raytrain_eks.config_layers import ENV_VARS
 
 SECTION_HELP = {
-    "cluster": "The EKS cluster: region, Kubernetes version, the system node group and the EFA GPU node group.",
+    "cluster": "The cluster the job runs on. target eks: the EKS cluster up creates (region, Kubernetes version, the "
+    "system node group and the EFA GPU node group); target kubernetes: the cluster of your kubeconfig, as it is.",
     "addons": "Helm chart versions of the add-ons installed into the cluster.",
     "ray": "The RayCluster: one image for head and workers, and the size of each GPU worker pod.",
     "network": "Environment of the Ray workers; it steers NCCL onto EFA (keep NCCL_DEBUG=INFO: it is the evidence).",

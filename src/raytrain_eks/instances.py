@@ -1,6 +1,6 @@
 """Facts about EC2 instance types and AWS regions that the plan needs, offline.
 
-The figures come from ``shared/reference/infra-facts.md`` (§4, §5 and §7: the EC2 API as published by Karpenter, and
+The figures come from ``docs/reference/infra-facts.md`` (§4, §5 and §7: the EC2 API as published by Karpenter, and
 us-east-1 Linux on-demand prices); rows marked ``verified=False`` are common types that file does not tabulate,
 filled in from AWS's public instance pages. At deploy time the live EC2 API is the authority (preflight); this
 table lets ``plan`` size pods and price the cluster with no credentials. Example::
@@ -24,7 +24,8 @@ PRICE_REGION = "us-east-1"
 class InstanceType:
     """One EC2 instance type. ``gpu_mib`` is per GPU; ``efa_interfaces`` is ``MaximumEfaInterfaces`` (0: no EFA),
     which is also the node's ``vpc.amazonaws.com/efa`` capacity; ``usd_per_hour`` is us-east-1 on-demand Linux,
-    ``None`` where no price is known."""
+    ``None`` where no price is known. ``gpudirect_rdma``: EFA reads and writes GPU memory directly (GPUDirect
+    RDMA), so NCCL's inter-node links should show ``/GDRDMA``."""
 
     name: str
     gpus: int
@@ -36,6 +37,7 @@ class InstanceType:
     efa_interfaces: int
     usd_per_hour: float | None
     verified: bool = True
+    gpudirect_rdma: bool = False
 
     @property
     def efa_supported(self) -> bool:
@@ -43,9 +45,19 @@ class InstanceType:
 
 
 def _gpu(
-    name: str, gpus: int, model: str, mib: int, vcpu: int, gib: int, gbps: float, efa: int, usd: float | None
+    name: str,
+    gpus: int,
+    model: str,
+    mib: int,
+    vcpu: int,
+    gib: int,
+    gbps: float,
+    efa: int,
+    usd: float | None,
+    *,
+    gdr: bool = False,
 ) -> InstanceType:
-    return InstanceType(name, gpus, model, mib, vcpu, gib, gbps, efa, usd)
+    return InstanceType(name, gpus, model, mib, vcpu, gib, gbps, efa, usd, gpudirect_rdma=gdr)
 
 
 def _cpu(name: str, vcpu: int, gib: int, gbps: float, usd: float, *, verified: bool = False) -> InstanceType:
@@ -53,7 +65,10 @@ def _cpu(name: str, vcpu: int, gib: int, gbps: float, usd: float, *, verified: b
 
 
 _TABLE: tuple[InstanceType, ...] = (
-    # EFA-capable NVIDIA types: infra-facts.md §4-§5 (EC2 API via Karpenter) and §7 (prices).
+    # EFA-capable NVIDIA types: docs/reference/infra-facts.md §4-§5 (EC2 API via Karpenter) and §7 (prices). GPUDirect
+    # RDMA (gdr): the types whose block in aws-ofi-nccl's platform table sets gdr_required (src/platform-aws.cpp,
+    # platform_data_map: p4d/p4de, p5/p5e but not p5.4xlarge, p5en and p6 and later); g5/g6/g6e have no such block
+    # and g5.48xlarge's says gdr_required false.
     _gpu("g6.12xlarge", 4, "L4", 22888, 48, 192, 40, 1, 4.6016),
     _gpu("g5.12xlarge", 4, "A10G", 22888, 48, 192, 40, 1, 5.672),
     _gpu("g5.48xlarge", 8, "A10G", 22888, 192, 768, 100, 1, 16.288),
@@ -63,15 +78,16 @@ _TABLE: tuple[InstanceType, ...] = (
     _gpu("g6e.16xlarge", 1, "L40S", 45776, 64, 512, 35, 1, 7.57719),
     _gpu("g6e.24xlarge", 4, "L40S", 45776, 96, 768, 200, 2, 15.06559),
     _gpu("g6e.48xlarge", 8, "L40S", 45776, 192, 1536, 400, 4, 30.13118),
-    _gpu("p4d.24xlarge", 8, "A100", 40960, 96, 1152, 400, 4, 21.957642),
-    _gpu("p4de.24xlarge", 8, "A100", 81920, 96, 1152, 400, 4, 27.44705),
+    _gpu("p4d.24xlarge", 8, "A100", 40960, 96, 1152, 400, 4, 21.957642, gdr=True),
+    _gpu("p4de.24xlarge", 8, "A100", 81920, 96, 1152, 400, 4, 27.44705, gdr=True),
     _gpu("p5.4xlarge", 1, "H100", 81920, 16, 256, 100, 1, 6.88),
-    _gpu("p5.48xlarge", 8, "H100", 81920, 192, 2048, 3200, 32, 55.04),
-    _gpu("p5e.48xlarge", 8, "H200", 144384, 192, 2048, 3200, 32, None),
-    _gpu("p5en.48xlarge", 8, "H200", 144384, 192, 2048, 3200, 16, 63.296),
-    _gpu("p6-b200.48xlarge", 8, "B200", 183359, 192, 2048, 3200, 8, 113.9328),
-    _gpu("p6-b300.48xlarge", 8, "B300", 275040, 192, 4096, 6400, 16, 142.416),
-    # GPU types without EFA (infra-facts §5: sizes xlarge to 4xlarge); known so the error can say why, not "unknown".
+    _gpu("p5.48xlarge", 8, "H100", 81920, 192, 2048, 3200, 32, 55.04, gdr=True),
+    _gpu("p5e.48xlarge", 8, "H200", 144384, 192, 2048, 3200, 32, None, gdr=True),
+    _gpu("p5en.48xlarge", 8, "H200", 144384, 192, 2048, 3200, 16, 63.296, gdr=True),
+    _gpu("p6-b200.48xlarge", 8, "B200", 183359, 192, 2048, 3200, 8, 113.9328, gdr=True),
+    _gpu("p6-b300.48xlarge", 8, "B300", 275040, 192, 4096, 6400, 16, 142.416, gdr=True),
+    # GPU types without EFA (docs/reference/infra-facts.md §5: sizes xlarge to 4xlarge); known so the error can say
+    # why, not "unknown".
     InstanceType("g5.xlarge", 1, "A10G", 22888, 4, 16, 10, 0, 1.006, False),
     InstanceType("g5.2xlarge", 1, "A10G", 22888, 8, 32, 10, 0, 1.212, False),
     InstanceType("g5.4xlarge", 1, "A10G", 22888, 16, 64, 25, 0, 1.624, False),
@@ -95,6 +111,26 @@ _TABLE: tuple[InstanceType, ...] = (
 INSTANCE_TYPES: dict[str, InstanceType] = {it.name: it for it in _TABLE}
 
 EFA_GPU_TYPES: tuple[str, ...] = tuple(it.name for it in _TABLE if it.gpus and it.efa_supported)
+
+
+def same_shape(name: str, table: dict[str, InstanceType] | None = None) -> tuple[str, ...]:
+    """``name`` and the types of ``table`` (default: this module's) that can stand in for it in one node group: the
+    same GPU model, count and memory per GPU (the training layout and its memory fit are unchanged), the same EFA
+    interfaces (the worker pod requests that many) and at least its vCPUs and memory (the worker pod is sized from
+    ``name``). A spot node group may list them all. Example: ``same_shape("p5.48xlarge") == ("p5.48xlarge",)``:
+    p5e.48xlarge has H200s, p5en.48xlarge H200s and 16 EFA interfaces."""
+    rows = INSTANCE_TYPES if table is None else table
+    it = rows.get(name)
+    if it is None or not it.gpus:
+        return (name,)
+
+    def fits(other: InstanceType) -> bool:
+        same_gpus = (other.gpu_model, other.gpus, other.gpu_mib) == (it.gpu_model, it.gpus, it.gpu_mib)
+        room = other.vcpu >= it.vcpu and other.memory_gib >= it.memory_gib
+        return same_gpus and other.efa_interfaces == it.efa_interfaces and room
+
+    return (name, *sorted(n for n, other in rows.items() if n != name and fits(other)))
+
 
 # Regions where EKS runs (commercial, plus GovCloud). Offline, a region outside this list is refused; whether a
 # region offers the GPU type with EFA is checked against the EC2 API at deploy time.
@@ -136,7 +172,7 @@ KNOWN_REGIONS: tuple[str, ...] = (
     "us-gov-west-1",
 )
 
-# Quota codes of the on-demand vCPU limits, by family (infra-facts §6).
+# Quota codes of the on-demand vCPU limits, by family (docs/reference/infra-facts.md §6).
 QUOTA_CODES = {"G": "L-DB2E81BA", "P": "L-417A185B", "standard": "L-1216C47A"}
 _STANDARD_FAMILIES = frozenset("acdhimrtz")
 _OWN_QUOTA = frozenset({"dl", "f", "hpc", "inf", "mac", "trn", "u", "x"})
@@ -157,7 +193,8 @@ def quota_family(instance_type: str) -> str | None:
     return "standard" if letters[0] in _STANDARD_FAMILIES else None
 
 
-# EKS control plane, NAT gateway (infra-facts §7). Extended-support Kubernetes versions cost $0.60 per cluster-hour.
+# EKS control plane, NAT gateway (docs/reference/infra-facts.md §7). Extended-support Kubernetes versions cost $0.60
+# per cluster-hour.
 EKS_CONTROL_PLANE_USD_PER_HOUR = 0.10
 EKS_EXTENDED_SUPPORT_USD_PER_HOUR = 0.60
 NAT_GATEWAY_USD_PER_HOUR = 0.045

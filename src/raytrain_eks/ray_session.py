@@ -221,8 +221,8 @@ def worker_error(exc: BaseException) -> str:
     if failures:
         rank, err = sorted(failures.items())[0]
         cause: BaseException = err
-        while getattr(cause, "cause", None) is not None:
-            cause = cause.cause
+        while (inner := getattr(cause, "cause", None)) is not None:
+            cause = inner
         if isinstance(cause, UserError) and str(cause).strip():
             return f"rank {rank}: {str(cause).strip().splitlines()[0]}"
         lines = [ln for ln in str(cause).strip().splitlines() if ln.strip()]

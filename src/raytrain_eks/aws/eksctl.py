@@ -2,8 +2,8 @@
 
 Private subnets behind one NAT gateway, OIDC, the Kubernetes version, a system node group (KubeRay operator and
 Ray head) and a managed EFA GPU node group pinned to exactly one availability zone. eksctl's own schema cannot
-express its cross-field EFA rules (infra-facts §3), so they are kept here by construction: one AZ for the EFA
-group, at least two for the cluster, ``privateNetworking`` on, no ``placement`` (eksctl then adds a cluster
+express its cross-field EFA rules (docs/reference/infra-facts.md §3), so they are kept here by construction: one AZ for
+the EFA group, at least two for the cluster, ``privateNetworking`` on, no ``placement`` (eksctl then adds a cluster
 placement group itself). Example::
 
     zones = planned_zones(cfg)
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raytrain_eks.config import Config
+from raytrain_eks.instances import same_shape
 from raytrain_eks.k8s.manifests import GPU_NODE_LABELS, GPU_TAINT, RAY_SERVICE_ACCOUNT, SYSTEM_NODE_LABELS
 
 SYSTEM_NODEGROUP = "system"
@@ -39,7 +40,7 @@ AVOIDED_ZONE_IDS: dict[str, tuple[str, ...]] = {
     "ca-central-1": ("cac1-az3",),
 }
 
-# DaemonSets eksctl applies by itself in kube-system (infra-facts §1), named as in eksctl's
+# DaemonSets eksctl applies by itself in kube-system (docs/reference/infra-facts.md §1), named as in eksctl's
 # pkg/addons/assets/{nvidia,efa}-device-plugin.yaml (v0.230.0). The pinned Helm charts replace them; two plugins
 # advertising the same resource on one node is what must never happen. The EFA one has the very name of the EFA
 # chart's DaemonSet: it is told apart by Helm's ownership metadata (raytrain_eks.k8s.addons).
@@ -68,12 +69,16 @@ class Zones:
     """``gpu_az``: the one zone of every GPU node. ``cluster_azs``: the cluster's subnets (2 or more, GPU zone
     first). ``assumed``: the config named no zone, so these are placeholders that deploy replaces with zones the
     EC2 API says offer the GPU type. ``reservation``: the capacity reservation the GPU group targets (the configured
-    ``capacity_reservation_id``, or one the capacity check found holding every GPU node in ``gpu_az``)."""
+    ``capacity_reservation_id``, or one the capacity check found holding every GPU node in ``gpu_az``; for
+    ``capacity="capacity-block"``, the block). ``capacity``: where the GPU nodes come from (one of
+    ``cluster.gpu_capacity``). ``at_zero``: the group is created with no node (a Capacity Block not yet started)."""
 
     gpu_az: str
     cluster_azs: tuple[str, ...]
     assumed: bool
     reservation: str | None = None
+    capacity: str = "on-demand"
+    at_zero: bool = False
 
 
 def planned_zones(cfg: Config) -> Zones:
@@ -88,9 +93,21 @@ def planned_zones(cfg: Config) -> Zones:
     else:
         other = next(ch for ch in string.ascii_lowercase if f"{c.region}{ch}" != gpu_az)
         rest = [f"{c.region}{other}"]
+    capacity = c.capacity_order[0]
     return Zones(
-        gpu_az=gpu_az, cluster_azs=(gpu_az, *rest), assumed=c.gpu_az is None, reservation=c.capacity_reservation_id
+        gpu_az=gpu_az,
+        cluster_azs=(gpu_az, *rest),
+        assumed=c.gpu_az is None,
+        reservation=source_reservation(cfg, capacity),
+        capacity=capacity,
     )
+
+
+def source_reservation(cfg: Config, capacity: str) -> str | None:
+    """The reservation a capacity source launches into: the configured one for ``reservation``, the block for
+    ``capacity-block``, none for spot or on-demand (the placement search may still find one for on-demand)."""
+    c = cfg.cluster
+    return {"reservation": c.capacity_reservation_id, "capacity-block": c.capacity_block_id}.get(capacity)
 
 
 def cluster_tags(cfg: Config) -> dict[str, str]:
@@ -117,31 +134,10 @@ def cluster_config(cfg: Config, zones: Zones, bucket: str | None = None, kms_key
         "labels": dict(SYSTEM_NODE_LABELS),
         "tags": dict(tags),
     }
-    gpu = {
-        "name": c.gpu_nodegroup_name,
-        "instanceType": c.gpu_node_type,
-        "amiFamily": c.ami_family,
-        "desiredCapacity": c.gpu_node_count,
-        "minSize": c.gpu_node_count,
-        "maxSize": c.gpu_node_count,
-        # EFA traffic cannot cross an availability zone: every GPU node in one zone, and exactly one listed,
-        # or eksctl spreads the group over every zone that offers the type.
-        "availabilityZones": [zones.gpu_az],
-        "privateNetworking": True,
-        "efaEnabled": True,
-        "volumeSize": c.gpu_volume_gib,
-        "volumeType": "gp3",
-        "labels": dict(GPU_NODE_LABELS),
-        # Keeps the operator, the head and everything else without a GPU toleration off the GPU nodes.
-        "taints": [dict(GPU_TAINT)],
-        "tags": dict(tags),
-    }
+    gpu = gpu_nodegroup(cfg, zones)
     iam: dict[str, Any] = {"withOIDC": True}
     if bucket:
         iam["serviceAccounts"] = [ray_service_account(cfg, bucket, kms_key)]
-    if zones.reservation:
-        # Launch into the existing reservation (its zone is gpu_az). eksctl then adds no placement group.
-        gpu["capacityReservation"] = {"capacityReservationTarget": {"capacityReservationID": zones.reservation}}
     return {
         "apiVersion": "eksctl.io/v1alpha5",
         "kind": "ClusterConfig",
@@ -155,6 +151,52 @@ def cluster_config(cfg: Config, zones: Zones, bucket: str | None = None, kms_key
         },
         "managedNodeGroups": [system, gpu],
     }
+
+
+def gpu_nodegroup(cfg: Config, zones: Zones) -> dict[str, Any]:
+    """The managed EFA GPU node group for ``zones.capacity``, as eksctl v0.230.0 reads it (pkg/cfn/builder/
+    managed_nodegroup.go and managed_launch_template.go, vendored in tests/fixtures/eksctl):
+
+    - ``on-demand`` / ``reservation``: ``instanceType``; with a reservation, ``capacityReservation``'s target, which
+      eksctl writes into the launch template it makes (``CapacityReservationSpecification``).
+    - ``capacity-block``: the same target plus ``instanceMarketOptions.marketType: capacity-block``; eksctl then
+      puts ``InstanceMarketOptions.MarketType`` in the launch template and gives the node group capacity type
+      ``CAPACITY_BLOCK``: the launch template the EKS user guide asks for ("Create a managed node group with
+      Capacity Blocks for ML"). Before the block starts the group has no node (``at_zero``).
+    - ``spot``: ``spot: true`` (capacity type ``SPOT``) and ``instanceTypes``: every type of the same shape
+      (:func:`~raytrain_eks.instances.same_shape`), so EC2 may take any of them.
+    """
+    c = cfg.cluster
+    size = 0 if zones.at_zero else c.gpu_node_count
+    kind: dict[str, Any] = {"instanceType": c.gpu_node_type}
+    if zones.capacity == "spot":
+        kind = {"instanceTypes": list(same_shape(c.gpu_node_type)), "spot": True}
+    gpu: dict[str, Any] = {
+        "name": c.gpu_nodegroup_name,
+        **kind,
+        "amiFamily": c.ami_family,
+        "desiredCapacity": size,
+        "minSize": size,
+        "maxSize": c.gpu_node_count,
+        # EFA traffic cannot cross an availability zone: every GPU node in one zone, and exactly one listed,
+        # or eksctl spreads the group over every zone that offers the type. For a reservation or a block that is
+        # its zone, so the group has subnets of that zone only.
+        "availabilityZones": [zones.gpu_az],
+        "privateNetworking": True,
+        "efaEnabled": True,
+        "volumeSize": c.gpu_volume_gib,
+        "volumeType": "gp3",
+        "labels": dict(GPU_NODE_LABELS),
+        # Keeps the operator, the head and everything else without a GPU toleration off the GPU nodes.
+        "taints": [dict(GPU_TAINT)],
+        "tags": cluster_tags(cfg),
+    }
+    if zones.reservation and zones.capacity != "spot":
+        # Launch into the reservation (its zone is gpu_az). eksctl then adds no placement group.
+        gpu["capacityReservation"] = {"capacityReservationTarget": {"capacityReservationID": zones.reservation}}
+    if zones.capacity == "capacity-block":
+        gpu["instanceMarketOptions"] = {"marketType": "capacity-block"}
+    return gpu
 
 
 def ray_service_account(cfg: Config, bucket: str, kms_key: str | None = None) -> dict[str, Any]:

@@ -384,7 +384,7 @@ def cluster_subnets(aws: Aws, region: str, name: str) -> ClusterSubnets:
     """The private subnets, by zone, of EKS cluster ``name`` in ``region``.
 
     A subnet is private when its route table (its own, else the VPC's main one) sends 0.0.0.0/0 to no internet
-    gateway: the EFA node group needs one in its zone (infra-facts §3).
+    gateway: the EFA node group needs one in its zone (docs/reference/infra-facts.md §3).
     """
     import botocore.exceptions
 
@@ -485,6 +485,11 @@ def billable_leftovers(aws: Aws, region: str, cluster: str) -> list[Leftover]:
                         if iid in seen or not _tagged(inst, key, cluster) or state not in alive["Values"]:
                             continue
                         seen.add(iid)
-                        argv = ("aws", "ec2", "terminate-instances", "--region", region, "--instance-ids", iid)
-                        found.append(Leftover("instance", iid, argv))
+                        found.append(
+                            Leftover(
+                                "instance",
+                                iid,
+                                ("aws", "ec2", "terminate-instances", "--region", region, "--instance-ids", iid),
+                            )
+                        )
     return found

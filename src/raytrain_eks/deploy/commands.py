@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shlex
 from collections.abc import Callable
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -36,13 +35,12 @@ from rich.console import Console
 
 from raytrain_eks import presets
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.eks import compare
+from raytrain_eks.deploy import compare
 from raytrain_eks.folders import new_folder
 from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, JsonOpt, SetOpt, StateDirOpt, YesOpt
 
 if TYPE_CHECKING:
-    from raytrain_eks.k8s.state import Deployment, StateStore
-    from raytrain_eks.k8s.target import ClusterTarget
+    from raytrain_eks.k8s.state import Deployment
 
 
 class PlanMode(StrEnum):
@@ -98,19 +96,15 @@ def plan(
     """Show what deploy would create, apply and submit, and its cost per hour. Needs no credentials. With
     cluster.target kubernetes: what up and submit would do there, the worker pods sized from what up recorded in
     --state-dir (only read), else from ray.worker_cpu, ray.worker_memory_gib and cluster.efa_per_node."""
-    from raytrain_eks.eks import plan_existing
-    from raytrain_eks.eks.plan import Mode, Plan, build_plan, write_files
-    from raytrain_eks.eks.target import target_for
+    from raytrain_eks.deploy.plan import Mode, write_files
+    from raytrain_eks.deploy.target import target_for
 
     cfg = _load(config, preset, [*(sets or []), *(["ray.offline=true"] if offline else [])])
     # Only whether a token is there: its value stays in this process's environment until deploy sends it.
     hf_token = bool(os.environ.get("HF_TOKEN"))
     chosen = cast("Mode", mode.value)
-    result: Plan  # built before anything touches the disk
-    if target_for(cfg).name == plan_existing.TARGET:  # a cluster of the kubeconfig: never contacted here
-        result = plan_existing.build_plan(cfg, state_dir=state_dir, mode=chosen, hf_token=hf_token)
-    else:
-        result = build_plan(cfg, mode=chosen, hf_token=hf_token)
+    # Built before anything touches the disk; a cluster of the kubeconfig is never contacted here.
+    result = target_for(cfg).plan(cfg, state_dir=state_dir, mode=chosen, hf_token=hf_token)
     written = [] if output_dir is None else write_files(result, output_dir)
 
     out = Console(highlight=False, soft_wrap=True)
@@ -125,7 +119,9 @@ def plan(
         out.print(f"[bold]Cost per hour[/]: price unknown: {cost['unpriced']}")
     else:
         priced_as = cost.get("priced_as") or f"{cost['price_region']} on-demand"
-        out.print(f"[bold]Cost per hour[/] ({priced_as}): ${cost['total_usd']:.2f}")
+        spread = cost.get("total_usd_range")
+        within = "" if not spread else f" (spot: ${spread[0]:.2f}-{spread[1]:.2f})"
+        out.print(f"[bold]Cost per hour[/] ({priced_as}): ${cost['total_usd']:.2f}{within}")
     for item in cost["items"]:
         usd = "price unknown" if item["usd_per_hour"] is None else f"${item['usd_per_hour']:.4f}"
         out.print(f"  {item['name']}: {item['count']} x {item['what']} = {usd}")
@@ -134,6 +130,11 @@ def plan(
         out.print(summary["memory_per_gpu"]["line"], markup=False)
     if summary.get("sharding"):
         out.print(summary["sharding"]["line"], markup=False)  # the layout the estimate assumes
+    if summary["memory_per_gpu"]:
+        out.print(summary["memory_per_gpu"]["loss_kernel_line"], markup=False)
+        if summary["memory_per_gpu"]["batch_line"]:  # training.batch_size auto, resolved
+            out.print(summary["memory_per_gpu"]["batch_line"], markup=False)
+        out.print(summary["memory_per_gpu"]["speed_line"], markup=False)  # a prediction only where measured
     out.print(f"[bold]Packages[/] the job adds to {cfg.ray.image}: " + summary["runtime_env"]["how"])
     out.print(f"[bold]Checkpoints[/] in {summary['checkpoints']} ({summary['checkpoint_role']})", markup=True)
     storage = summary["checkpoint_storage"]
@@ -152,7 +153,7 @@ def plan(
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# up / submit / status / logs / down: thin layers over raytrain_eks.eks.lifecycle and raytrain_eks.eks.submit
+# up / submit / status / logs / down: thin layers over the target (target_for) and raytrain_eks.deploy.submit
 # ------------------------------------------------------------------------------------------------------------------
 
 _out = Console(highlight=False, soft_wrap=True)
@@ -180,47 +181,17 @@ def _load(
     return load_config(preset=presets.choose(preset), path=config, overrides=overrides, sets=given or None)
 
 
-def remembered_config(cfg: Config, store: StateStore, say: Callable[[str], None]) -> Config:
-    """``cfg`` with the cluster, region and zone this folder's state remembers; ``say`` tells when they differ
-    from the configured ones."""
-    from raytrain_eks.k8s.state import apply_state
-
-    remembered = apply_state(cfg, store)
-    was, now = cfg.cluster, remembered.cluster
-    if (was.name, was.region, was.gpu_az) != (now.name, now.region, now.gpu_az):
-        zone = now.gpu_az or "not chosen yet"
-        say(f"Using cluster {now.name} in {now.region} (zone {zone}) as remembered in {store.path}")
-    return remembered
-
-
 def make_deployment(cfg: Config, state_dir: Path, say: Callable[[str], None] = _say) -> Deployment:
-    """The real deployment: the official Kubernetes client on this folder's kubeconfig, and the runner. ``say``
-    receives every progress line (a command whose stdout is JSON passes one that writes to stderr).
+    """The real deployment: the official Kubernetes client on the target's kubeconfig, and the runner
+    (``ClusterTarget.deployment``). ``say`` receives every progress line (a command whose stdout is JSON passes one
+    that writes to stderr).
 
     The one place the commands build their collaborators; tests replace it with fakes.
     """
-    from raytrain_eks.k8s import runner
-    from raytrain_eks.k8s.cluster import KubernetesApi
-    from raytrain_eks.k8s.state import Deployment, StateStore
+    from raytrain_eks.deploy.target import target_for
+    from raytrain_eks.k8s.state import StateStore
 
-    store = StateStore(state_dir)
-    if cfg.cluster.target == "kubernetes":  # the user's cluster, through their kubeconfig
-        from raytrain_eks.errors import UserError
-        from raytrain_eks.k8s.existing import kubeconfig_path, remembered
-
-        path, context = kubeconfig_path(cfg), cfg.cluster.context
-        if not Path(path).is_file():
-            raise UserError(
-                f"the kubeconfig {path} does not exist (cluster.target is kubernetes)",
-                hint="Give the cluster's kubeconfig with --kubeconfig (or cluster.kubeconfig, or $KUBECONFIG).",
-            )
-        kube = KubernetesApi(path, context=context)
-        return Deployment(
-            cfg=remembered(cfg, store), kube=kube, run=runner.run, state=store, say=say,
-            kubeconfig_file=path, context=context,
-        )  # fmt: skip
-    remembered_cfg = remembered_config(cfg, store, say)
-    return Deployment(cfg=remembered_cfg, kube=KubernetesApi(store.kubeconfig), run=runner.run, state=store, say=say)
+    return target_for(cfg).deployment(cfg, StateStore(state_dir), say)
 
 
 def _confirm(yes: bool) -> Callable[[str], bool]:
@@ -228,16 +199,6 @@ def _confirm(yes: bool) -> Callable[[str], bool]:
         return yes or typer.confirm(question, default=False)
 
     return ask
-
-
-def _require_own_programs(d: Deployment, target: ClusterTarget, command: str) -> None:
-    """Name every program ``command`` runs on ``target`` that is missing (exit 2), before anything is asked or
-    touched. The EKS target's lifecycle checks its own (after eksctl tells it what exists); every other target's
-    programs (the kubeconfig's credential program, helm for what is recorded) are checked here."""
-    from raytrain_eks.eks.programs import require_programs
-
-    if target.name != "eks":
-        require_programs(d, command, steps_of=target.command_steps)
 
 
 def up(
@@ -254,41 +215,19 @@ def up(
 ) -> None:
     """Create (or resume) the cluster, GPU node group, device plugins and KubeRay; --train then runs the job. With
     cluster.target kubernetes: install only what the kubeconfig's cluster lacks."""
-    from raytrain_eks.eks import lifecycle
-    from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
-    from raytrain_eks.eks.target import target_for
+    from raytrain_eks.deploy.target import target_for
 
     cfg = _load(config, preset, sets, kubeconfig, context)
     target = target_for(cfg)
-    if plan_only and target.name == "kubernetes":
-        _say(
-            "up would, on the cluster of the kubeconfig (nothing is changed now): find the GPU nodes "
-            "(cluster.gpu_node_selector, else those advertising nvidia.com/gpu) and read what they advertise; "
-            "install, after asking, only what is missing of: the NVIDIA device plugin (nodes advertising no GPU), "
-            "the EFA device plugin (cluster.efa_per_node above what the nodes advertise), KubeRay (no RayCluster "
-            "CRD); create the Ray pods' service account; then wait until the GPU nodes and KubeRay are ready. "
-            "No cloud resource is created. `raytrain-eks plan` shows these steps with the files submit applies."
-        )
-        return
     if plan_only:
-        _say(f"up would do, for cluster {cfg.cluster.name} in {cfg.cluster.region} (nothing is created now):")
-        for i, action in enumerate(lifecycle.planned_actions(cfg), 1):
-            _say(f"{i:>2}. {action.name}: {action.what}")
-            if action.argv:
-                _say(f"    $ {shlex.join(action.argv)}")
-        if train:
-            _say(f"then submit ({mode.value}): see `raytrain-eks plan --mode {mode.value}`")
-        gpu, system = check_deployable(cfg)
-        cost = cost_per_hour(cfg, gpu, system)
-        _say(f"Cost while it runs: about ${cost['total_usd']:.2f} per hour ({cost['price_region']} on-demand).")
+        for line in target.up_plan(cfg, train=train, mode=mode.value):
+            _say(line)
         return
-    from raytrain_eks.eks.programs import require_programs
-
     d = make_deployment(cfg, state_dir)
     if train:  # up checks its own programs; --train runs submit's too, checked before up starts
-        require_programs(d, "up", "submit", mode=mode.value, steps_of=target.command_steps)
+        target.require_programs(d, "up", "submit", mode=mode.value)
     else:  # the kubeconfig's credential program (helm: when something is to install)
-        _require_own_programs(d, target, "up")
+        target.check_own_programs(d, "up")
     target.up(d, confirm=_confirm(yes))
     if train:  # with what up remembered on the way (the checkpoint bucket it created, the nodes it found)
         _submit(dataclasses.replace(d, cfg=target.remembered(cfg, d.state)), mode)
@@ -305,17 +244,16 @@ def submit(
     offline: OfflineOpt = False,
 ) -> None:
     """Run the training job in the cluster and check that EFA carried it (exit 1 if not, 2 if undecided)."""
-    from raytrain_eks.eks.programs import require_programs
-    from raytrain_eks.eks.target import target_for
+    from raytrain_eks.deploy.target import target_for
 
     given = [*(sets or []), *(["ray.offline=true"] if offline else [])]
     d = make_deployment(_load(config, preset, given, kubeconfig, context), state_dir)
-    require_programs(d, "submit", mode=mode.value, steps_of=target_for(d.cfg).command_steps)
+    target_for(d.cfg).require_programs(d, "submit", mode=mode.value)
     _submit(d, mode)
 
 
 def _submit(d: Deployment, mode: PlanMode) -> None:
-    from raytrain_eks.eks.submit import Mode, submit
+    from raytrain_eks.deploy.submit import Mode, submit
 
     # The token goes from this environment into a Secret through the API: never a file, argv or log line.
     from raytrain_eks.k8s.manifests import passed_env
@@ -334,11 +272,11 @@ def status(
     context: ContextOpt = None,
 ) -> None:
     """Show what this folder deployed, the GPU nodes' resources and the Ray pods and job."""
-    from raytrain_eks.eks.target import target_for
+    from raytrain_eks.deploy.target import target_for
 
     cfg = _load(config, preset, None, kubeconfig, context)
     d, target = make_deployment(cfg, state_dir), target_for(cfg)
-    _require_own_programs(d, target, "status")
+    target.check_own_programs(d, "status")
     for line in target.status(d):
         _say(line)
 
@@ -352,12 +290,11 @@ def logs(
     context: ContextOpt = None,
 ) -> None:
     """Print the last submitted job's output (read inside the head pod)."""
-    from raytrain_eks.eks.programs import require_programs
-    from raytrain_eks.eks.submit import logs as job_logs
-    from raytrain_eks.eks.target import target_for
+    from raytrain_eks.deploy.submit import logs as job_logs
+    from raytrain_eks.deploy.target import target_for
 
     d = make_deployment(_load(config, preset, None, kubeconfig, context), state_dir)
-    require_programs(d, "logs", steps_of=target_for(d.cfg).command_steps)
+    target_for(d.cfg).require_programs(d, "logs")
     code = job_logs(d, follow=follow)
     if code:
         raise typer.Exit(code)
@@ -381,12 +318,12 @@ def down(
     """Delete everything up and submit created (newest first), then check that nothing billable is left. The
     checkpoint bucket up created is kept while it holds anything, unless --delete-checkpoints is given. With
     cluster.target kubernetes: only what up and submit installed there; the cluster stays."""
-    from raytrain_eks.eks.results import lost_with_the_pods
-    from raytrain_eks.eks.target import target_for
+    from raytrain_eks.deploy.results import lost_with_the_pods
+    from raytrain_eks.deploy.target import target_for
 
     cfg = _load(config, preset, None, kubeconfig, context)
     d, target = make_deployment(cfg, state_dir), target_for(cfg)
-    _require_own_programs(d, target, "down")  # before the question: the kubeconfig's credential program, helm
+    target.check_own_programs(d, "down")  # before the question: the kubeconfig's credential program, helm
     for line in lost_with_the_pods(d):  # before anything is deleted (and before the question)
         _say(line)
     target.down(d, confirm=_confirm(yes), delete_checkpoints=delete_checkpoints)
@@ -452,11 +389,10 @@ def compare_fabric(
     # The default is a name not yet taken: a comparison is never written over, even one made in the same second.
     out = out or new_folder(Path("runs"), f"compare-fabric-{datetime.now(UTC):%Y%m%d-%H%M%S}", create=False)
     compare.check_report_folder(out)  # before any run: a bad --out found after two runs would waste them
-    from raytrain_eks.eks.programs import require_programs
-    from raytrain_eks.eks.target import target_for
+    from raytrain_eks.deploy.target import target_for
 
     first = make_deployment(cfg, state_dir, lambda _: None)
-    require_programs(first, "compare-fabric", steps_of=target_for(first.cfg).command_steps)  # before the RayCluster
+    target_for(first.cfg).require_programs(first, "compare-fabric")  # before the RayCluster
     from raytrain_eks.k8s.manifests import efa_per_pod
 
     if not efa_per_pod(first.cfg):  # a cluster whose GPU nodes have no EFA (cluster.target kubernetes)
@@ -508,7 +444,7 @@ def results(
     """List the deployment's runs from their bundles in its storage (state, start, steps, final loss, cost); with
     RUN, fetch that run's bundle (export, metrics, summary, report, logs; not its checkpoints) into a folder, and
     write its report.html here when the run wrote none."""
-    from raytrain_eks.eks.results import fetch_run, fetched_lines, list_runs, render_runs, run_location
+    from raytrain_eks.deploy.results import fetch_run, fetched_lines, list_runs, render_runs, run_location
 
     storage = storage_path or _runs_storage(config, preset, sets, state_dir)
     if run is None:
@@ -525,7 +461,7 @@ def results(
 
 def _runs_storage(config: Path | None, preset: str, sets: list[str] | None, state_dir: Path) -> str | None:
     """The deployment's ``training.storage_path``, with what ``up`` recorded in ``state_dir`` (EKS: its bucket)."""
-    from raytrain_eks.eks.target import target_for
+    from raytrain_eks.deploy.target import target_for
     from raytrain_eks.k8s.state import StateStore
 
     cfg = _load(config, preset, sets)

@@ -17,7 +17,7 @@ would count against whichever run happened to checkpoint more. Example::
     print(result.render())                              # ... Speed-up EFA / TCP: 2.62x
 
 On EKS :func:`eks_runner` supplies ``run_job``: a fresh RayCluster with the run's worker environment and a job
-submitted through :func:`raytrain_eks.eks.submit.submit`, whose metrics (and the run folder's summary, config,
+submitted through :func:`raytrain_eks.deploy.submit.submit`, whose metrics (and the run folder's summary, config,
 samples and NCCL lines, for :func:`write_run_folders` and the overlaid report) are read back from the head pod. It
 refuses to touch a RayCluster that a job is running on, asks once before replacing an idle one, and on every way
 out (success, refusal, error, Ctrl-C) puts back a RayCluster with the configured environment, so that the next
@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from raytrain_eks.errors import RunFolderError, UserError
-from raytrain_eks.fabric.nccl_log import TransportReport, analyze
+from raytrain_eks.fabric.nccl_log import analyze
+from raytrain_eks.fabric.nccl_report import TransportReport
 
 if TYPE_CHECKING:
     from raytrain_eks.config import Config
@@ -395,7 +396,8 @@ for job in JobSubmissionClient(sys.argv[1]).list_jobs():
 def ray_jobs(d: Deployment) -> list[dict[str, str]]:
     """The Ray jobs of ``d``'s RayCluster as its head pod lists them (``id``, ``type``, ``status``, ``entrypoint``);
     empty when no head pod runs (then no job can). Example: ``[{"id": "raytrain-...", "status": "RUNNING", ...}]``."""
-    from raytrain_eks.eks.submit import DASHBOARD, head_exec, is_running, ray_pods
+    from raytrain_eks.deploy.submit import head_exec, is_running, ray_pods
+    from raytrain_eks.k8s.job import DASHBOARD
     from raytrain_eks.k8s.manifests import IMAGE_PYTHON
 
     ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
@@ -422,7 +424,8 @@ def ray_jobs(d: Deployment) -> list[dict[str, str]]:
 def _claim_raycluster(d: Deployment, confirm: Callable[[str], bool]) -> bool:
     """Before anything is deleted: refuse when a job is running on the RayCluster, else ask once. Returns whether
     the RayCluster exists."""
-    from raytrain_eks.eks.submit import DASHBOARD, ray_pods
+    from raytrain_eks.deploy.submit import ray_pods
+    from raytrain_eks.k8s.job import DASHBOARD
     from raytrain_eks.k8s.state import Cancelled
 
     ns, name = d.cfg.ray.namespace, d.cfg.ray.cluster_name
@@ -457,9 +460,10 @@ def _claim_raycluster(d: Deployment, confirm: Callable[[str], bool]) -> bool:
 def restore_raycluster(d: Deployment, *, hf_token: bool) -> None:
     """Replace the RayCluster with the one ``submit`` would apply for ``d.cfg`` (the configured network environment
     and ``fabric.require``): delete the last run's cluster, wait for its pods to go, then apply the namespace, the
-    job's ConfigMap and the RayCluster, as :func:`raytrain_eks.eks.submit.submit` does. Its new pods start on their own.
+    job's ConfigMap and the RayCluster, as :func:`raytrain_eks.deploy.submit.submit` does. Its new pods start on
+    their own.
     """
-    from raytrain_eks.eks.submit import apply_job_config, apply_namespace, apply_raycluster, restart_raycluster
+    from raytrain_eks.deploy.submit import apply_job_config, apply_namespace, apply_raycluster, restart_raycluster
 
     cfg = d.cfg
     ns, name = cfg.ray.namespace, cfg.ray.cluster_name
@@ -494,8 +498,8 @@ def eks_runner(
     """``run_job`` for EKS, as a context manager: for each run, a Deployment on :func:`config_for`'s copy of ``cfg``
     (the RayCluster's worker env carries the overrides; ``steps``, when given, is each run's ``training.steps``), a
     fresh RayCluster (pods keep the env they started with, and
-    their Ray session logs must hold this run's NCCL lines only), :func:`raytrain_eks.eks.submit.submit`, and the run's
-    ``metrics.jsonl`` read back from the head pod.
+    their Ray session logs must hold this run's NCCL lines only), :func:`raytrain_eks.deploy.submit.submit`, and the
+    run's ``metrics.jsonl`` read back from the head pod.
 
     On entry, a RayCluster with a PENDING or RUNNING Ray job raises :class:`ClusterBusy`, and an idle one is only
     replaced when ``confirm`` says yes. Once a run has deleted the RayCluster, every exit restores it with ``cfg``
@@ -503,7 +507,7 @@ def eks_runner(
     Deployment's ``say`` and the comparison's error is the one raised. ``deployment`` is called afresh for every use,
     so each one reads the current state file.
     """
-    from raytrain_eks.eks.submit import read_metrics, read_run_files, restart_raycluster, submit
+    from raytrain_eks.deploy.submit import read_metrics, read_run_files, restart_raycluster, submit
 
     existed = _claim_raycluster(deployment(cfg), confirm)
     touched = False

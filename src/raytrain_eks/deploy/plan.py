@@ -1,13 +1,12 @@
-"""What ``deploy`` would create, apply and submit, and what it costs per hour: pure, offline, no credentials.
+"""The parts of the written plan every target shares: pure, offline, no credentials.
 
-:func:`build_plan` checks the configuration against the instance table (EFA, GPU count, pod size, region) and
-returns a :class:`Plan`: the ordered steps, the pinned Helm releases, the eksctl ClusterConfig, the Kubernetes
-objects and the hourly cost. :func:`write_plan` dumps it to a folder, writing nothing unless every check passed.
-Example::
+A target's plan (``ClusterTarget.plan``: :mod:`raytrain_eks.eks.plan`, :mod:`raytrain_eks.kubernetes.plan`) is a
+:class:`Plan`: the ordered steps, the pinned Helm releases, the Kubernetes objects and the hourly cost. Here are its
+shape, the job's steps and objects (:func:`job_steps`, :func:`job_objects`), what the kept checkpoints take
+(:func:`checkpoint_storage`) and :func:`write_files`, which dumps a built plan to a folder. Example::
 
-    plan = build_plan(cfg, mode="rayjob")
-    plan.cost["total_usd"]  # about 9.55 for the reference
-    write_plan(cfg, Path("plan-out"))  # eksctl-cluster.yaml, raycluster.yaml, helm/..., plan.json
+    plan = target_for(cfg).plan(cfg, state_dir=".raytrain-eks", mode="rayjob", hf_token=False)
+    write_files(plan, Path("plan-out"))  # raycluster.yaml, helm/..., plan.json
 """
 
 from __future__ import annotations
@@ -15,34 +14,21 @@ from __future__ import annotations
 import json
 import shlex
 from dataclasses import dataclass, field
-from datetime import date
 from pathlib import Path
 from typing import Any, Literal
 
-from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
-from raytrain_eks.eks import irsa
-from raytrain_eks.eks.buckets import planned_bucket, storage_estimate
-from raytrain_eks.eks.fit import fit_on_image, sharding_line
-from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
-from raytrain_eks.eks.submit import job_config
+from raytrain_eks.deploy.fit import sharding_line
 from raytrain_eks.errors import UserError
-from raytrain_eks.instances import (
-    QUOTA_CODES,
-    InstanceType,
-    quota_family,
-)
 from raytrain_eks.k8s import job as job_files
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s import wheelhouse
-from raytrain_eks.k8s.addons import HelmRelease, helm_releases, node_words
+from raytrain_eks.k8s.addons import HelmRelease, node_words
 from raytrain_eks.k8s.manifests import to_yaml
-from raytrain_eks.k8s.state import with_bucket_storage, with_shared_volume
-from raytrain_eks.train.memory import planned_layout, unknown_shape_note
+from raytrain_eks.train.memory import planned_layout
 
 Mode = Literal["raycluster", "rayjob"]
 MODES: tuple[Mode, ...] = ("raycluster", "rayjob")
-BUCKET_SUFFIX_PLACEHOLDER = "xxxxxxxx"
 
 PLAN_FILE = "plan.json"
 HELM_FILE = "helm-releases.yaml"
@@ -95,125 +81,6 @@ class Plan:
             "cost_per_hour": self.cost,
             "files": sorted([*self.files, *self.texts, PLAN_FILE]),
         }
-
-
-def _quota(instance: str) -> str:
-    """The on-demand vCPU quota ``instance`` draws on, in words: ``G quota (L-DB2E81BA)``."""
-    family = quota_family(instance)
-    return f"{family} quota ({QUOTA_CODES[family]})" if family else f"own quota of {instance}'s family"
-
-
-def _steps(
-    cfg: Config, mode: Mode, *, hf_token: bool, gpu: InstanceType, zones: eksctl.Zones, code_dir: str, bucket: str
-) -> list[Step]:
-    c, r, d = cfg.cluster, cfg.ray, cfg.derived
-    ns = r.namespace
-    where = f"zone {zones.gpu_az}" if not zones.assumed else f"one zone of {c.region} (chosen at deploy)"
-    steps = [
-        Step(
-            "preflight",
-            f"Check AWS credentials; that {c.region} offers {gpu.name} with EFA in {where}; and that the on-demand "
-            "vCPU quotas hold the nodes, net of running instances and unused capacity reservations: the "
-            f"{_quota(gpu.name)} {c.gpu_node_count * gpu.vcpu} vCPUs (less what an existing reservation of the GPU "
-            f"type holds there), and the {_quota(c.system_node_type)} the system node. Nothing is created if a "
-            "check fails.",
-        ),
-        Step(
-            "checkpoint-bucket",
-            (
-                f"Use the existing S3 bucket {bucket} for checkpoints and exports (never deleted by down)."
-                if c.checkpoint_bucket
-                else f"Create S3 bucket {bucket} for checkpoints and exports: public access blocked, encrypted "
-                "(SSE-S3), tagged with the cluster. down keeps it while it holds anything (--delete-checkpoints "
-                "deletes it)."
-            ),
-        ),
-        Step(
-            "create-cluster",
-            f"Create EKS cluster {c.name} (Kubernetes {c.k8s_version}, OIDC; the Ray pods' service account "
-            f"{m.RAY_SERVICE_ACCOUNT} gets an IAM role that may use bucket {bucket} only; private subnets in "
-            f"{', '.join(zones.cluster_azs)} behind one NAT gateway), node group {eksctl.SYSTEM_NODEGROUP} "
-            f"({c.system_node_count} x {c.system_node_type}, a {eksctl.SYSTEM_VOLUME_GIB} GiB gp3 root volume "
-            f"each: {eksctl.SYSTEM_VOLUME_REASON}) and EFA node group {c.gpu_nodegroup_name} "
-            f"({c.gpu_node_count} x {gpu.name} in {zones.gpu_az}, "
-            + (
-                f"launched into capacity reservation {c.capacity_reservation_id})."
-                if c.capacity_reservation_id
-                else "with the cluster placement group eksctl adds)."
-            ),
-            eksctl.create_cluster_argv(),
-            [eksctl.CONFIG_FILE],
-        ),
-        Step(
-            "iam-service-account",
-            f"Make sure the service account {ns}/{m.RAY_SERVICE_ACCOUNT} exists with its IAM role (what create-cluster "
-            "makes; an existing cluster gets them here): nothing is run when they do; else eksctl creates the role "
-            "and the service account, or annotates one that exists (when the bucket is encrypted with a KMS key, "
-            "the role may also use that key).",
-            irsa.create_argv(irsa.CONFIG_FILE),
-            [irsa.CONFIG_FILE],
-        ),
-        Step(
-            "remove-eksctl-device-plugins",
-            f"Delete the EFA device-plugin DaemonSet eksctl applies by itself for an EFA node group, kube-system/"
-            f"{eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET}: it has the name of the EFA chart's DaemonSet, and Helm refuses to "
-            "install the chart over an object without its ownership metadata. Only a copy without Helm's label "
-            "app.kubernetes.io/managed-by=Helm is deleted, never the chart's own. eksctl applies its copy again, "
-            "over the chart's, whenever it creates an EFA node group: then run this step and the EFA chart's step "
-            "again. (eksctl's NVIDIA plugin, DaemonSet "
-            f"{eksctl.EKSCTL_NVIDIA_PLUGIN_DAEMONSET}, is not applied: the cluster is created with "
-            "--install-nvidia-plugin=false.) Only the pinned charts then run: never two plugins on one node.",
-            [
-                "kubectl",
-                "delete",
-                "daemonset",
-                "--namespace",
-                "kube-system",
-                "--ignore-not-found",
-                "--selector",
-                "app.kubernetes.io/managed-by!=Helm",
-                "--field-selector",
-                f"metadata.name={eksctl.EKSCTL_EFA_PLUGIN_DAEMONSET}",
-            ],
-        ),
-    ]
-    for rel in helm_releases(cfg):
-        steps.append(
-            Step(
-                f"helm-{rel.name}",
-                f"Install {rel.repo_name}/{rel.chart} {rel.version} as release {rel.name} in {rel.namespace}: "
-                f"{rel.purpose}.",
-                rel.argv(),
-                [HELM_FILE, rel.values_file],
-            )
-        )
-    steps.append(
-        Step(
-            "check-gpu-nodes",
-            f"Wait for {c.gpu_node_count} nodes labelled role=gpu-worker, all in {where}, each with label "
-            f"nvidia.com/gpu.present=true and allocatable {m.GPU_RESOURCE}={d.ray_gpus_per_worker_pod} and "
-            f"{m.EFA_RESOURCE}={gpu.efa_interfaces}, and exactly one NVIDIA and one EFA device-plugin pod per node.",
-        )
-    )
-    steps += job_steps(cfg, mode, hf_token=hf_token, code_dir=code_dir)
-    steps.append(
-        Step(
-            "check-nccl-transport",
-            "Read the workers' NCCL_DEBUG=INFO lines and fail unless inter-node traffic went over EFA (NET/OFI), "
-            "not sockets.",
-        )
-    )
-    if mode == "rayjob":
-        steps.append(
-            Step(
-                "scale-down-gpus",
-                "Once NCCL's lines, fi_info -p efa and nvidia-smi were read from its pods, delete the RayJob's "
-                f"RayCluster; then scale node group {c.gpu_nodegroup_name} to 0 so the GPU instances stop billing "
-                "(the RayJob removes its pods, not the nodes).",
-                eksctl.scale_gpu_nodegroup_argv(cfg, 0),
-            )
-        )
-    return steps
 
 
 def job_steps(
@@ -336,12 +203,12 @@ def job_steps(
 def planned_sharding(cfg: Config) -> dict[str, Any]:
     """For plan.json: the sharding the job's ``training.sharding`` gives on the planned GPUs, the one the memory
     estimate assumes: ``mode``, ``mesh_shape`` (``[nodes, ranks per node]`` for hsdp, ``[ranks]`` for fsdp, ``[]``
-    for none) and ``line`` (:func:`~raytrain_eks.eks.fit.sharding_line`, which the job's step says too)."""
+    for none) and ``line`` (:func:`~raytrain_eks.deploy.fit.sharding_line`, which the job's step says too)."""
     layout = planned_layout(cfg)
     return {"mode": layout.mode, "mesh_shape": list(layout.mesh_shape), "line": sharding_line(cfg)}
 
 
-# How submit brings what the image lacks, in words (eks/offline.py's choose).
+# How submit brings what the image lacks, in words (deploy/offline.py's choose).
 _PACKAGES_RULE = (
     "submit downloads here the wheels of what the image lacks in range, for its Python: pure-Python ones travel "
     "unpacked beside the package (py_modules), so the runtime_env has no pip and no node copies the image's Python; "
@@ -446,6 +313,50 @@ def helm_files(releases: list[HelmRelease]) -> dict[str, list[dict[str, Any]]]:
     return files
 
 
+# S3 Standard in us-east-1, per GB-month (first 50 TB); what the kept checkpoints cost while they are kept.
+S3_STANDARD_USD_PER_GB_MONTH = 0.023
+# One sharded checkpoint holds, for each trained parameter, its fp32 weight and AdamW's two fp32 moments.
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+def storage_estimate(cfg: Config, *, where: str = "S3") -> dict[str, Any] | None:
+    """What the kept checkpoints of one run take, and in S3 what they cost a month (S3 Standard, us-east-1):
+    ``where`` names the storage, and only ``"S3"`` is priced. ``None`` for a model whose shape is not known here
+    (:func:`raytrain_eks.train.memory.model_shape`). A full fine-tune keeps every parameter, a LoRA run its adapters
+    only (the frozen base is never saved). Qwen2.5-1.5B, 2 kept: 37.0 GB, $0.85 a month."""
+    from raytrain_eks.train.memory import lora_params, model_shape
+
+    t = cfg.training
+    shape = model_shape(t.model_id)
+    if shape is None:
+        return None
+    lora = t.method == "lora"
+    params = lora_params(shape, t.lora) if lora else shape.params
+    gb = params * CHECKPOINT_BYTES_PER_PARAM * t.keep_checkpoints / 1e9
+    trained = (
+        f"the {params:,} adapter parameters of LoRA rank {t.lora.rank} (the frozen base is never saved)"
+        if lora
+        else f"all {params:,} parameters"
+    )
+    priced = where == "S3"
+    return {
+        "kept_checkpoints": t.keep_checkpoints,
+        "trained_parameters": params,
+        "bytes_per_checkpoint": params * CHECKPOINT_BYTES_PER_PARAM,
+        "gb": round(gb, 3 if gb < 1 else 1),
+        "where": where,
+        "usd_per_month": round(gb * S3_STANDARD_USD_PER_GB_MONTH, 2) if priced else None,
+        "basis": f"{CHECKPOINT_BYTES_PER_PARAM} bytes (fp32 weight and AdamW moments) for each of {trained} per "
+        "checkpoint"
+        + (
+            f", S3 Standard ${S3_STANDARD_USD_PER_GB_MONTH}/GB-month"
+            if priced
+            else f"; the price of {where} is not known here"
+        )
+        + "; exports add 2-4 bytes a parameter each",
+    }
+
+
 def checkpoints_on_volume(cfg: Config) -> bool:
     """Whether ``training.storage_path`` is on ``ray.shared_volume`` (its mount path or a folder under it)."""
     stored, mount = cfg.training.storage_path or "", cfg.ray.shared_volume_path
@@ -453,7 +364,7 @@ def checkpoints_on_volume(cfg: Config) -> bool:
 
 
 def checkpoint_storage(cfg: Config) -> dict[str, Any] | None:
-    """:func:`~raytrain_eks.eks.buckets.storage_estimate` for where the checkpoints go: S3 (priced), the shared
+    """:func:`storage_estimate` for where the checkpoints go: S3 (priced), the shared
     volume, or another place (size only)."""
     stored = cfg.training.storage_path or ""
     if checkpoints_on_volume(cfg):
@@ -461,102 +372,6 @@ def checkpoint_storage(cfg: Config) -> dict[str, Any] | None:
     else:
         where = "S3" if stored.startswith("s3://") else stored or "the run folder"
     return storage_estimate(cfg, where=where)
-
-
-def build_plan(cfg: Config, *, mode: Mode = "raycluster", hf_token: bool = False, on: date | None = None) -> Plan:
-    """Check the config for deploying and build the whole plan in memory. ``hf_token``: a token will be given
-    (the pods then read ``HF_TOKEN`` from the Secret); its value is never an input here. ``on``: the day the cost
-    is for (default today; it decides whether the Kubernetes version is in EKS extended support)."""
-    if mode not in MODES:
-        raise UserError(f"--mode {mode!r} is not known", hint=f"Choose one of: {', '.join(MODES)}.")
-    gpu, system = check_deployable(cfg)
-    cfg = job_config(cfg)  # what submit checks and ships: LoRA layers, --offline's model and data, the chat template
-    cfg, memory = fit_on_image(cfg, gpu)  # DoesNotFit before anything; activation checkpointing on where it must be
-    # The job's checkpoints go where submit puts them (apply_state): on ray.shared_volume when one is mounted, else
-    # in the cluster's bucket unless storage_path says otherwise. Every node reaches either.
-    bucket = planned_bucket(cfg, suffix=BUCKET_SUFFIX_PLACEHOLDER)
-    cfg = with_bucket_storage(with_shared_volume(cfg), bucket)
-    cfg.check_cluster_storage()
-    zones = eksctl.planned_zones(cfg)
-    releases = helm_releases(cfg)
-    files, texts, code_dir = job_objects(cfg, mode, hf_token=hf_token)
-    files.update(helm_files(releases))
-    files[eksctl.CONFIG_FILE] = [eksctl.cluster_config(cfg, zones, bucket=bucket)]
-    files[irsa.CONFIG_FILE] = [eksctl.service_account_config(cfg, bucket)]
-    assumptions = []
-    if zones.assumed:
-        assumptions.append(
-            f"cluster.gpu_az is not set: the files use {zones.gpu_az} (cluster zones {', '.join(zones.cluster_azs)}) "
-            f"as placeholders; deploy picks a zone of {cfg.cluster.region} that offers {gpu.name} (or set GPU_AZ)."
-        )
-    if not (gpu.verified and system.verified):
-        unverified = [it.name for it in (gpu, system) if not it.verified]
-        assumptions.append(
-            f"Facts for {', '.join(unverified)} are not from infra-facts.md; deploy re-reads the EC2 API."
-        )
-    if not cfg.cluster.checkpoint_bucket:
-        assumptions.append(
-            f"The checkpoint bucket's name ends in a random suffix that up chooses (here {BUCKET_SUFFIX_PLACEHOLDER}); "
-            "set CHECKPOINT_BUCKET to use a bucket of your own."
-        )
-    if memory is None:
-        assumptions.append(unknown_shape_note(cfg.training.model_id))
-    cpu, mem = m.worker_pod_size(cfg)
-    d = cfg.derived
-    mount = cfg.ray.shared_volume_path
-    on_volume = checkpoints_on_volume(cfg)
-    summary = {
-        "cluster": cfg.cluster.name,
-        "region": cfg.cluster.region,
-        "gpu_node_type": gpu.name,
-        "gpu_nodes": cfg.cluster.gpu_node_count,
-        "gpus_per_worker_pod": d.ray_gpus_per_worker_pod,
-        "efa_per_worker_pod": gpu.efa_interfaces,
-        "worker_pod_cpu": cpu,
-        "worker_pod_memory_gib": mem,
-        "cluster_gpus": d.cluster_gpus,
-        "world_size": d.world_size,
-        "gpu_az": zones.gpu_az,
-        "hf_token_secret": cfg.ray.hf_token_secret if hf_token else None,
-        "checkpoint_bucket": bucket,
-        "checkpoints": cfg.training.storage_path,
-        "checkpoint_role": (
-            f"ray.shared_volume {cfg.ray.shared_volume}, mounted at {mount} in every Ray pod"
-            if on_volume
-            else f"IAM role of service account {cfg.ray.namespace}/{m.RAY_SERVICE_ACCOUNT}, this bucket only"
-        ),
-        "checkpoint_storage": checkpoint_storage(cfg),  # what they take, and cost in S3
-        "runtime_env": image_installs(cfg),
-        # EBS is not priced here (the cost's note says so): the size and why.
-        "system_node_volume": {
-            "gib": eksctl.SYSTEM_VOLUME_GIB,
-            "type": "gp3",
-            "why": eksctl.SYSTEM_VOLUME_REASON,
-        },
-        "memory_per_gpu": memory.to_dict() if memory else None,
-        "sharding": planned_sharding(cfg),
-    }
-    return Plan(
-        mode=mode,
-        steps=_steps(cfg, mode, hf_token=hf_token, gpu=gpu, zones=zones, code_dir=code_dir, bucket=bucket),
-        helm_releases=releases,
-        cost=cost_per_hour(cfg, gpu, system, on=on),
-        files=files,
-        assumptions=assumptions,
-        summary=summary,
-        texts=texts,
-    )
-
-
-def write_plan(
-    cfg: Config, out_dir: str | Path, *, mode: Mode = "raycluster", hf_token: bool = False
-) -> tuple[Plan, list[Path]]:
-    """Build the plan and write its files under ``out_dir`` (created); returns the plan and the paths written.
-
-    Nothing is written when a check fails. Example: ``write_plan(cfg, "plan-out")[1][-1].name == "plan.json"``.
-    """
-    plan = build_plan(cfg, mode=mode, hf_token=hf_token)  # raises before anything touches the disk
-    return plan, write_files(plan, out_dir)
 
 
 def write_files(plan: Plan, out_dir: str | Path) -> list[Path]:

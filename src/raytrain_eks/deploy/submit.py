@@ -29,16 +29,16 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from raytrain_eks.config import BUILTIN_MODEL, Config
-from raytrain_eks.eks import offline as offline_wheels
-from raytrain_eks.eks.fit import fit_on_image
-from raytrain_eks.eks.pricing import deployment_record
-from raytrain_eks.eks.results import run_bundle, where_the_run_is
-from raytrain_eks.eks.target import target_for
+from raytrain_eks.deploy import offline as offline_wheels
+from raytrain_eks.deploy.fit import fit_on_image
+from raytrain_eks.deploy.results import run_bundle, where_the_run_is
+from raytrain_eks.deploy.target import target_for
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.decision import gate_decision
 from raytrain_eks.fabric.deployment import DEPLOYMENT_RECORD
 from raytrain_eks.fabric.nccl_lines import NCCL_LOG_DIR, NCCL_LOG_PREFIX
-from raytrain_eks.fabric.nccl_log import NcclLogAnalyzer, TransportReport
+from raytrain_eks.fabric.nccl_report import TransportReport
+from raytrain_eks.fabric.nccl_verdict import NcclLogAnalyzer
 from raytrain_eks.folders import new_folder
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import NodesNotReady, gpu_node_problems
@@ -58,9 +58,9 @@ from raytrain_eks.k8s.job import (
 from raytrain_eks.k8s.runner import CommandError
 from raytrain_eks.k8s.state import Deployment, object_item
 from raytrain_eks.k8s.wait import POLL_S
+from raytrain_eks.train.data.sources import HF_PREFIX
 from raytrain_eks.train.launch import with_chat_template_text
 from raytrain_eks.train.memory import check_lora_targets
-from raytrain_eks.train.sources import HF_PREFIX
 from raytrain_eks.train.staged import is_staged_location
 
 Mode = Literal["raycluster", "rayjob"]
@@ -240,7 +240,7 @@ AGENT_RETRY_S = 5.0
 def image_lacks(d: Deployment, head: Pod) -> offline_wheels.JobPackages:
     """How what the job needs beyond the image reaches it: :func:`~raytrain_eks.k8s.job.job_requirements` less what
     the head pod's image already has in range (asked of its python3), as unpacked wheels in ``py_modules`` when they
-    can travel so, else for pip (:func:`~raytrain_eks.eks.offline.choose`); pip installs all of them when the image
+    can travel so, else for pip (:func:`~raytrain_eks.deploy.offline.choose`); pip installs all of them when the image
     cannot be asked."""
     return offline_wheels.for_running_head(d, head, job_requirements())
 
@@ -507,7 +507,7 @@ def apply_job_config(d: Deployment, hf_token: str | None, env: dict[str, str] | 
         what = f"Secret {ns}/{m.job_env_secret_name(cfg)} (passed to the job: {', '.join(env)})"
         _apply(d, m.job_env_secret(cfg, env), what)
     config_map = m.job_config_map(cfg)
-    record = deployment_record(cfg, d.state)
+    record = target_for(cfg).deployment_record(cfg, d.state)
     if record is not None:
         config_map["data"][DEPLOYMENT_RECORD] = json.dumps(record, indent=2) + "\n"
     _apply(d, config_map, f"ConfigMap {ns}/{m.config_map_name(cfg)} (the job's configuration)")

@@ -1,32 +1,68 @@
-"""What differs between the clusters raytrain-eks runs on: the :class:`ClusterTarget` interface.
+"""What differs between the clusters raytrain-eks runs on: the :class:`ClusterTarget` interface, and
+:func:`target_for`, which picks a configuration's target.
 
-A target decides how its cluster is made ready and taken down (``up``, ``down``, ``status``, ``remembered``), what
-the GPU nodes are (``gpu_node_spec``, ``gpu_type``), the checks and hooks around the job (``before_pods``,
-``before_job``, ``after_rayjob``), the programs each command runs there (``command_steps``, named from
-:mod:`raytrain_eks.k8s.programs`; :mod:`raytrain_eks.eks.programs` checks they are installed) and how a run on it is
-priced (``price``). Everything else is shared by every target: the manifests (:mod:`raytrain_eks.k8s.manifests`),
+A target decides how its cluster is made ready and taken down (``up``, ``down``, ``status``, ``remembered``), how the
+commands reach it (``deployment``), what ``plan`` and ``up --plan`` say it would do (``plan``, ``up_plan``), what the
+GPU nodes are (``gpu_node_spec``, ``gpu_type``), where the Ray pods go when the configuration leaves it open (the
+:class:`~raytrain_eks.k8s.placement.PodPlacement` it extends), the checks and hooks around the job
+(``before_pods``, ``before_job``, ``after_rayjob``), the programs each command runs there (``command_steps``, named
+from :mod:`raytrain_eks.k8s.programs`; ``check_own_programs``) and how a run on it is priced (``price``,
+``deployment_record``). Everything else is shared by every target: the manifests (:mod:`raytrain_eks.k8s.manifests`),
 the add-ons and the GPU node checks (:mod:`raytrain_eks.k8s.addons`), the state file and the waits, the configured
-price (:mod:`raytrain_eks.k8s.prices`), and the job with its evidence. One implementation per target: ``eks``
+price (:mod:`raytrain_eks.k8s.prices`), the plan's shared parts, and the job with its evidence
+(:mod:`raytrain_eks.deploy.submit`). One implementation per target, each in its own package: ``eks``
 (:class:`raytrain_eks.eks.target.EksTarget`: the cluster it creates with eksctl) and ``kubernetes``
-(:class:`raytrain_eks.k8s.existing.KubernetesTarget`: a cluster of the kubeconfig, as it is). ``cluster.target``
-chooses; :func:`raytrain_eks.eks.target.target_for` returns it, and callers ask it rather than the setting.
+(:class:`raytrain_eks.kubernetes.target.KubernetesTarget`: a cluster of the kubeconfig, as it is).
+``cluster.target`` chooses; :func:`target_for` returns it (through :mod:`raytrain_eks.targets`, the one place that
+names the target packages), and callers ask it rather than the setting.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol, cast
 
 from raytrain_eks.config import Config
+from raytrain_eks.deploy.plan import Mode, Plan
 from raytrain_eks.instances import InstanceType
 from raytrain_eks.k8s.addons import GpuNodeSpec
+from raytrain_eks.k8s.placement import PodPlacement
 from raytrain_eks.k8s.prices import Price
 from raytrain_eks.k8s.state import Deployment, StateStore
+from raytrain_eks.targets import implementation
 
 
-class ClusterTarget(Protocol):
+class ClusterTarget(PodPlacement, Protocol):
     name: str
+
+    def deployment(self, cfg: Config, store: StateStore, say: Callable[[str], None]) -> Deployment:
+        """The real deployment the commands work on: the cluster's kubeconfig (this folder's, or the user's) through
+        the official Kubernetes client, the runner, and ``cfg`` with what ``up`` recorded in ``store``."""
+        ...
+
+    def plan(self, cfg: Config, *, state_dir: str | Path, mode: Mode, hf_token: bool) -> Plan:
+        """What ``up`` and ``submit`` would do here, built offline (nothing is contacted; ``state_dir`` only read)."""
+        ...
+
+    def up_plan(self, cfg: Config, *, train: bool, mode: str) -> list[str]:
+        """The lines ``up --plan`` prints: what ``up`` would do (``train``: then submit in ``mode``)."""
+        ...
+
+    def require_programs(self, d: Deployment, *commands: str, mode: str = "raycluster") -> None:
+        """Name every program ``commands`` run here from this folder now that is missing (exit 2), taking the
+        steps of :meth:`command_steps` (``mode``: submit's); do nothing when all are installed."""
+        ...
+
+    def check_own_programs(self, d: Deployment, command: str) -> None:
+        """Name every program ``command`` runs here that is missing (exit 2), before anything is asked or touched,
+        unless the target's own lifecycle checks them when it knows what exists."""
+        ...
+
+    def deployment_record(self, cfg: Config, state: StateStore) -> dict[str, Any] | None:
+        """What ``submit`` tells the job about its cluster (:mod:`raytrain_eks.fabric.deployment`), or ``None``."""
+        ...
 
     def up(self, d: Deployment, *, confirm: Callable[[str], bool]) -> object:
         """Make the cluster ready for the job (create it, or install what it lacks), after one question."""
@@ -73,3 +109,8 @@ class ClusterTarget(Protocol):
     def after_rayjob(self, d: Deployment) -> None:
         """After a RayJob's evidence is read: let the GPU nodes go where that stops their bill."""
         ...
+
+
+def target_for(cfg: Config) -> ClusterTarget:
+    """The target ``cluster.target`` names."""
+    return cast(ClusterTarget, implementation(cfg))

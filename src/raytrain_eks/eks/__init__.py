@@ -1,8 +1,10 @@
-"""The EKS path: everything that creates, uses and removes the cluster.
+"""The ``eks`` cluster target: the EKS cluster ``up`` creates with eksctl, and everything that creates, uses and
+removes it.
 
-Modules, along the seams of the work: ``state`` (what was created, remembered on disk), ``nodegroups`` (zones, the
-cluster and its node groups through eksctl), ``addons`` (Helm releases and their readiness checks), ``lifecycle``
-(up, down, status), ``submit`` (shipping the code and running the job on the RayCluster), ``plan`` and
-``pricing`` (the written plan and what it costs), ``compare`` (the EFA-versus-TCP comparison), ``commands`` (the
-CLI commands), ``runner`` (eksctl and helm as child processes) and ``wait`` (polling with a deadline).
+Modules, along the seams of the work: ``target`` (``EksTarget``, its
+:class:`~raytrain_eks.deploy.target.ClusterTarget`), ``nodegroups`` (zones, the cluster and its node groups through
+eksctl), ``lifecycle`` (up, down, status), ``irsa`` (the Ray pods' IAM role), ``buckets`` (the checkpoint bucket),
+``plan`` and ``pricing`` (its written plan and what it costs) and ``programs`` (eksctl's steps, and the check that a
+command's programs are installed). What both targets use (the plan's shared parts, submit, the commands) is
+:mod:`raytrain_eks.deploy`'s.
 """

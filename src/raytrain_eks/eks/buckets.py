@@ -25,16 +25,9 @@ from raytrain_eks.k8s.state import Deployment, StateStore
 if TYPE_CHECKING:  # the session type only: boto3 is imported when AWS is first called
     from raytrain_eks.aws.session import Aws
 
-# S3 Standard in us-east-1, per GB-month (first 50 TB); what the kept checkpoints cost while they are kept.
-S3_STANDARD_USD_PER_GB_MONTH = 0.023
-
 
 def bucket_item(name: str) -> dict[str, Any]:
     return {"type": "bucket", "name": name}
-
-
-# One sharded checkpoint holds, for each trained parameter, its fp32 weight and AdamW's two fp32 moments.
-CHECKPOINT_BYTES_PER_PARAM = 12
 
 
 def planned_bucket(cfg: Config, store: StateStore | None = None, *, suffix: str | None = None) -> str:
@@ -46,44 +39,6 @@ def planned_bucket(cfg: Config, store: StateStore | None = None, *, suffix: str 
         return str(store.get("bucket"))
     stem = cfg.cluster.name.lower().replace("_", "-")[:40].strip("-") or "raytrain-eks"
     return f"{stem}-checkpoints-{suffix or secrets.token_hex(4)}"
-
-
-def storage_estimate(cfg: Config, *, where: str = "S3") -> dict[str, Any] | None:
-    """What the kept checkpoints of one run take, and in S3 what they cost a month (S3 Standard, us-east-1):
-    ``where`` names the storage, and only ``"S3"`` is priced. ``None`` for a model whose shape is not known here
-    (:func:`raytrain_eks.train.memory.model_shape`). A full fine-tune keeps every parameter, a LoRA run its adapters
-    only (the frozen base is never saved). Qwen2.5-1.5B, 2 kept: 37.0 GB, $0.85 a month."""
-    from raytrain_eks.train.memory import lora_params, model_shape
-
-    t = cfg.training
-    shape = model_shape(t.model_id)
-    if shape is None:
-        return None
-    lora = t.method == "lora"
-    params = lora_params(shape, t.lora) if lora else shape.params
-    gb = params * CHECKPOINT_BYTES_PER_PARAM * t.keep_checkpoints / 1e9
-    trained = (
-        f"the {params:,} adapter parameters of LoRA rank {t.lora.rank} (the frozen base is never saved)"
-        if lora
-        else f"all {params:,} parameters"
-    )
-    priced = where == "S3"
-    return {
-        "kept_checkpoints": t.keep_checkpoints,
-        "trained_parameters": params,
-        "bytes_per_checkpoint": params * CHECKPOINT_BYTES_PER_PARAM,
-        "gb": round(gb, 3 if gb < 1 else 1),
-        "where": where,
-        "usd_per_month": round(gb * S3_STANDARD_USD_PER_GB_MONTH, 2) if priced else None,
-        "basis": f"{CHECKPOINT_BYTES_PER_PARAM} bytes (fp32 weight and AdamW moments) for each of {trained} per "
-        "checkpoint"
-        + (
-            f", S3 Standard ${S3_STANDARD_USD_PER_GB_MONTH}/GB-month"
-            if priced
-            else f"; the price of {where} is not known here"
-        )
-        + "; exports add 2-4 bytes a parameter each",
-    }
 
 
 def _s3(d: Deployment, aws: Aws | None = None) -> Any:

@@ -30,8 +30,8 @@ from typing import Any
 from raytrain_eks.aws import eksctl
 from raytrain_eks.aws.stacks import NotEksctlStack
 from raytrain_eks.config import Config
+from raytrain_eks.deploy.fit import fit_on_image
 from raytrain_eks.eks.buckets import bucket_exists, bucket_objects, delete_bucket, ensure_bucket, kept_note
-from raytrain_eks.eks.fit import fit_on_image
 from raytrain_eks.eks.irsa import CONFIG_FILE as SERVICE_ACCOUNT_FILE
 from raytrain_eks.eks.irsa import OIDC_ITEM, delete_oidc_provider, ensure_service_account
 from raytrain_eks.eks.irsa import create_argv as create_service_account_argv
@@ -77,8 +77,8 @@ from raytrain_eks.k8s.addons import (
     wait_gpu_nodes,
     wait_kuberay,
 )
-from raytrain_eks.k8s.existing import ray_lines
 from raytrain_eks.k8s.kuberay_fields import check_kuberay_fields
+from raytrain_eks.k8s.raypods import ray_lines
 from raytrain_eks.k8s.runner import Interrupted
 from raytrain_eks.k8s.state import KUBECONFIG_FILE, STATE_DIR, Cancelled, Deployment, describe
 

@@ -16,8 +16,9 @@ import shlex
 import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raytrain_eks.aws import eksctl, stacks
 from raytrain_eks.config import Config
@@ -27,6 +28,9 @@ from raytrain_eks.k8s.addons import GpuNodeSpec, helm_releases, owned_by
 from raytrain_eks.k8s.manifests import to_yaml
 from raytrain_eks.k8s.runner import QUICK_TIMEOUT_S, CommandError, Completed
 from raytrain_eks.k8s.state import Deployment, StateStore, UnreadableAnswer, cluster_item, nodegroup_item
+
+if TYPE_CHECKING:
+    from raytrain_eks.aws.market import Block
 
 # Seconds. eksctl's CloudFormation stacks take 15-20 minutes for a cluster and 5-15 for a node group. The runner lets
 # eksctl run for its own wait (--timeout, eksctl.CLUSTER_WAIT_MIN / NODEGROUP_WAIT_MIN) and then some, for what it
@@ -89,6 +93,8 @@ def gpu_node_taints(cfg: Config) -> list[dict[str, Any]]:
 
 
 BUSY_POLL_S = 30.0  # a CloudFormation stack changes state in minutes
+# The capacity sources that launch on-demand instances, which the on-demand vCPU quota limits.
+ON_DEMAND_SOURCES = ("on-demand", "reservation")
 MAX_ZONES = 3  # zones given subnets (and so GPU zones to try) when the config names none
 
 # What eksctl prints when EC2 cannot start the instances in a zone: no capacity, or no offering of the type there;
@@ -100,8 +106,8 @@ MAX_ZONES = 3  # zones given subnets (and so GPU zones to try) when the config n
 _WAIT_ENDED = "exceeded max wait time"
 _LAUNCH_FAILURE = re.compile(
     r"InsufficientInstanceCapacity|InsufficientCapacity|Unsupported|not supported in (your requested )?"
-    r"Availability Zone|AsgInstanceLaunchFailures|NodeCreationFailure|Could not launch On-Demand Instances|"
-    + _WAIT_ENDED,
+    r"Availability Zone|AsgInstanceLaunchFailures|NodeCreationFailure|Could not launch (On-Demand|Spot) Instances|"
+    r"UnfulfillableCapacity|" + _WAIT_ENDED,
     re.IGNORECASE,
 )
 # Only what eksctl says when the EKS API answered that the thing is not there: the API's error code, or eksctl's own
@@ -158,12 +164,16 @@ def placement_zones(cfg: Config, services: Any | None = None) -> Placement:
     aws = connect(cfg.cluster.region)
     report = check_capacity(cfg, aws, services or boto3_services(aws), regions=[cfg.cluster.region])
     problem = report.problem()
-    if problem is not None:
+    # A Capacity Block or spot first: the on-demand vCPU quota the check weighs is not what they draw on, so a
+    # zone counts when it offers the type with EFA (the block's own zone is pinned by choose_zones).
+    on_demand = cfg.cluster.capacity_order[0] in ON_DEMAND_SOURCES
+    if problem is not None and on_demand:
         raise problem
     avoid = eksctl.AVOIDED_ZONE_IDS.get(cfg.cluster.region, ())
     home = [c for c in report.candidates if c.zone and c.region == cfg.cluster.region]
     avoided = {c.zone: c.zone_id for c in home if c.zone and c.zone_id in avoid}
-    usable = [c for c in report.targets if c.viable and c.zone and c.zone not in avoided]
+    fits = (lambda c: c.viable) if on_demand else (lambda c: c.offered and bool(c.efa_interfaces))
+    usable = [c for c in report.targets if fits(c) and c.zone and c.zone not in avoided]
     return Placement(
         zones=[c.zone for c in usable if c.zone],
         reservations={c.zone: c.reservation.id for c in usable if c.zone and c.covered and c.reservation},
@@ -229,6 +239,9 @@ def choose_zones(cfg: Config, store: StateStore, offered: Callable[[], Placement
     the configured or remembered zones are then kept only where the search says the group can go.
     Example: ``choose_zones(cfg, store).candidates``.
     """
+    block_zone = _block_zone(cfg, store)
+    if block_zone is not None and not cfg.cluster.gpu_az:  # as a configured reservation pins its zone
+        cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"gpu_az": block_zone})})
     c = cfg.cluster
     found: Placement | None = None
     if offered is not None and not store.has(nodegroup_item(c.gpu_nodegroup_name)):
@@ -280,23 +293,67 @@ def choose_zones(cfg: Config, store: StateStore, offered: Callable[[], Placement
     )
 
 
+def recorded_block(cfg: Config, store: StateStore) -> Block | None:
+    """The configured Capacity Block as the state folder records it (``capacity`` or a previous ``up`` read it);
+    None when the config names none, or the record is of another block."""
+    from raytrain_eks.aws.market import BLOCK_KEY, Block
+
+    known = store.get(BLOCK_KEY)
+    bid = cfg.cluster.capacity_block_id
+    if bid is None or "capacity-block" not in cfg.cluster.capacity_order:
+        return None
+    return Block.from_state(known) if known and known.get("id") == bid else None
+
+
+def _block_zone(cfg: Config, store: StateStore) -> str | None:
+    """The zone of the configured Capacity Block (read from EC2 and recorded in the state when not yet recorded),
+    which becomes the GPU zone; None without one."""
+    if cfg.cluster.capacity_block_id is None:
+        return None
+    block = recorded_block(cfg, store)
+    if block is None:
+        from raytrain_eks.aws.market import BLOCK_KEY, Ec2CapacityBlocks, configured_block
+        from raytrain_eks.aws.session import connect
+
+        block = configured_block(cfg, Ec2CapacityBlocks(connect(cfg.cluster.region)), store.get(BLOCK_KEY))
+        store.update(**{BLOCK_KEY: block.to_state()})
+    return block.zone
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # eksctl
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _zones(cfg: Config, plan: ZonePlan, gpu_az: str) -> eksctl.Zones:
-    """The zones to render for a GPU group in ``gpu_az``; its reservation: the configured one, else the one the
-    placement search found holding every GPU node there."""
-    reservation = cfg.cluster.capacity_reservation_id or plan.reservations.get(gpu_az)
-    return eksctl.Zones(gpu_az=gpu_az, cluster_azs=plan.cluster_azs, assumed=False, reservation=reservation)
-
-
-def write_eksctl_config(d: Deployment, plan: ZonePlan, gpu_az: str, nodegroup: str | None) -> Path:
-    """The ClusterConfig for one eksctl call: the cluster alone (``nodegroup=None``) or one node group of it."""
-    doc = eksctl.cluster_config(
-        d.cfg, _zones(d.cfg, plan, gpu_az), bucket=d.state.get("bucket"), kms_key=d.state.get("bucket_kms_key")
+def _zones(
+    cfg: Config, plan: ZonePlan, gpu_az: str, capacity: str | None = None, store: StateStore | None = None
+) -> eksctl.Zones:
+    """The zones to render for a GPU group in ``gpu_az`` from ``capacity`` (default: the first of
+    ``cluster.gpu_capacity``); its reservation: the configured one (or the block), else for on-demand the one the
+    placement search found holding every GPU node there. A block that has not started gives a group of size 0."""
+    source = capacity or cfg.cluster.capacity_order[0]
+    reservation = eksctl.source_reservation(cfg, source)
+    if source == "on-demand":
+        reservation = plan.reservations.get(gpu_az)
+    block = recorded_block(cfg, store) if store is not None and source == "capacity-block" else None
+    at_zero = block is not None and not block.started(datetime.now(UTC))
+    return eksctl.Zones(
+        gpu_az=gpu_az,
+        cluster_azs=plan.cluster_azs,
+        assumed=False,
+        reservation=reservation,
+        capacity=source,
+        at_zero=at_zero,
     )
+
+
+def write_eksctl_config(
+    d: Deployment, plan: ZonePlan, gpu_az: str, nodegroup: str | None, capacity: str | None = None
+) -> Path:
+    """The ClusterConfig for one eksctl call: the cluster alone (``nodegroup=None``) or one node group of it, the
+    GPU group's nodes from ``capacity`` (default: the first of ``cluster.gpu_capacity``)."""
+    zones = _zones(d.cfg, plan, gpu_az, capacity, d.state)
+    doc = eksctl.cluster_config(d.cfg, zones, bucket=d.state.get("bucket"), kms_key=d.state.get("bucket_kms_key"))
     groups = [g for g in doc["managedNodeGroups"] if g["name"] == nodegroup]
     doc = {**doc, "managedNodeGroups": groups}
     name = "eksctl-cluster.yaml" if nodegroup is None else f"eksctl-nodegroup-{nodegroup}.yaml"
@@ -517,7 +574,7 @@ def kubeconfig_argv(cfg: Config, path: str) -> list[str]:
 
 
 def create_nodegroup_argv(path: Path) -> list[str]:
-    # The NVIDIA flag stops eksctl's own static plugin; the pinned chart replaces it (infra-facts §1).
+    # The NVIDIA flag stops eksctl's own static plugin; the pinned chart replaces it (docs/reference/infra-facts.md §1).
     argv = ["eksctl", "create", "nodegroup", "-f", str(path), "--install-nvidia-plugin=false"]
     return argv + eksctl.wait_flag(eksctl.NODEGROUP_WAIT_MIN)
 
@@ -582,11 +639,71 @@ def _stack_failures(d: Deployment, nodegroup: str) -> list[str]:
         return []
 
 
-def ensure_gpu_nodegroup(d: Deployment, plan: ZonePlan) -> str:
-    """Create the EFA GPU node group in the first zone that can launch it; return that zone.
+class BlockNotStarted(UserError):
+    """The GPU node group waits at size 0 for its Capacity Block to start: ``up`` goes on once it has."""
 
-    A zone that cannot launch the instances (no capacity, no offering) is reported with eksctl's reason, the failed
-    node group is removed, and the next zone is tried. Any other failure stops here (re-running resumes).
+
+def _block_wait(d: Deployment) -> BlockNotStarted | None:
+    """Why the GPU nodes cannot come yet: the group uses the configured block, which has not started."""
+    block = recorded_block(d.cfg, d.state)
+    if block is None or d.state.get("gpu_capacity_used") != "capacity-block" or block.started(datetime.now(UTC)):
+        return None
+    return BlockNotStarted(
+        f"node group {d.cfg.cluster.gpu_nodegroup_name} is in {block.zone} at size 0: Capacity Block {block.id} "
+        f"starts at {block.start:%Y-%m-%d %H:%M} UTC (it ends {block.end:%Y-%m-%d %H:%M} UTC)",
+        hint="Run `raytrain-eks up` again once the block has started: it scales the group to "
+        f"{d.cfg.cluster.gpu_node_count} nodes and goes on. Until then the block's instances cannot launch.",
+    )
+
+
+def _attempts(cfg: Config, plan: ZonePlan, store: StateStore) -> list[tuple[str, str]]:
+    """(capacity source, zone) in the order ``up`` tries them: each source of ``cluster.gpu_capacity`` in every
+    candidate zone, a Capacity Block in its own zone only."""
+    out = []
+    for source in cfg.cluster.capacity_order:
+        block = recorded_block(cfg, store) if source == "capacity-block" else None
+        zones = [block.zone] if block is not None else list(plan.candidates)
+        out += [(source, az) for az in zones if az in plan.cluster_azs]
+    return out
+
+
+def _launch(d: Deployment, plan: ZonePlan, az: str, source: str) -> str | None:
+    """Create the GPU node group in ``az`` from ``source``; None when it came up, else why EC2 could not launch
+    it there (any other failure is raised)."""
+    c, name = d.cfg.cluster, d.cfg.cluster.gpu_nodegroup_name
+    path = write_eksctl_config(d, plan, az, name, source)
+    d.state.record(nodegroup_item(name))
+    d.state.update(gpu_az=az, gpu_capacity_used=source)
+    zones = _zones(d.cfg, plan, az, source, d.state)
+    into = f", into capacity reservation {zones.reservation}" if zones.reservation else ""
+    kind = "" if source in ON_DEMAND_SOURCES else f", {source}"
+    size = "0 (until the block starts)" if zones.at_zero else str(c.gpu_node_count)
+    d.say(f"Creating node group {name} ({size} x {c.gpu_node_type}{kind}, EFA) in {az}{into}")
+    try:
+        done = d.run(create_nodegroup_argv(path), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say, check=False)
+        # eksctl logs its errors on stdout and its final one on stderr: read both. For a node group's stack it
+        # says only that the waiter failed; the stack's events say why (EKS's health issues).
+        reason = None if done.ok else launch_failure(f"{done.stderr}\n{done.stdout}")
+        if not done.ok and reason is None:
+            reason = launch_failure("\n".join(_stack_failures(d, name)))
+        if not done.ok and reason is None:
+            raise CommandError(done.argv, done.returncode, done.stderr or done.stdout)
+    except CommandError as exc:
+        if not exc.timed_out:
+            raise
+        reason = f"no Ready instances after {NODEGROUP_TIMEOUT_S // 60} minutes"
+    if reason is None and zones.at_zero:
+        d.state.update(gpu_scaled_to=0)
+    return reason
+
+
+def ensure_gpu_nodegroup(d: Deployment, plan: ZonePlan) -> str:
+    """Create the EFA GPU node group from the first capacity source and zone that can launch it; return the zone.
+
+    Sources are tried in ``cluster.gpu_capacity``'s order, each in every candidate zone (a Capacity Block in its
+    own). A zone that cannot launch the instances (no capacity, no offering) is reported with eksctl's reason, the
+    failed node group is removed, and the next is tried. Any other failure stops here (re-running resumes). A group
+    made for a Capacity Block that has not started stops ``up`` with :class:`BlockNotStarted`.
     """
     c = d.cfg.cluster
     name = c.gpu_nodegroup_name
@@ -596,8 +713,10 @@ def ensure_gpu_nodegroup(d: Deployment, plan: ZonePlan) -> str:
         az = d.state.get("gpu_az") or (seen[0] if seen else plan.candidates[0])
         d.say(f"Node group {name} exists (zone {az})")
         d.state.update(gpu_az=az)
+        if (waiting := _block_wait(d)) is not None:
+            raise waiting
         if d.state.get("gpu_scaled_to") == 0:
-            d.say(f"It was scaled to 0 after a RayJob: scaling it back to {c.gpu_node_count} nodes")
+            d.say(f"It was scaled to 0: scaling it back to {c.gpu_node_count} nodes")
             scale_gpu_nodes(d, c.gpu_node_count)
         return az
     if status in _FAILED_NODEGROUP:
@@ -608,44 +727,34 @@ def ensure_gpu_nodegroup(d: Deployment, plan: ZonePlan) -> str:
         # Before eksctl first creates the group here: what it applies afterwards under these names is its copy.
         present = [n for n in EKSCTL_PLUGIN_DAEMONSETS if d.kube.get("apps/v1", "DaemonSet", n, "kube-system")]
         d.state.update(**{PLUGINS_BEFORE_KEY: present})
-    for i, az in enumerate(plan.candidates):
-        path = write_eksctl_config(d, plan, az, name)
-        d.state.record(nodegroup_item(name))
-        d.state.update(gpu_az=az)
-        held = _zones(d.cfg, plan, az).reservation
-        into = f", into capacity reservation {held}" if held else ""
-        d.say(f"Creating node group {name} ({c.gpu_node_count} x {c.gpu_node_type}, EFA) in {az}{into}")
-        try:
-            done = d.run(create_nodegroup_argv(path), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say, check=False)
-            # eksctl logs its errors on stdout and its final one on stderr: read both. For a node group's stack it
-            # says only that the waiter failed; the stack's events say why (EKS's health issues).
-            reason = None if done.ok else launch_failure(f"{done.stderr}\n{done.stdout}")
-            if not done.ok and reason is None:
-                reason = launch_failure("\n".join(_stack_failures(d, name)))
-            if not done.ok and reason is None:
-                raise CommandError(done.argv, done.returncode, done.stderr or done.stdout)
-        except CommandError as exc:
-            if not exc.timed_out:
-                raise
-            reason = f"no Ready instances after {NODEGROUP_TIMEOUT_S // 60} minutes"
+    attempts = _attempts(d.cfg, plan, d.state)
+    several = len(c.capacity_order) > 1
+    for i, (source, az) in enumerate(attempts):
+        reason = _launch(d, plan, az, source)
         if reason is not None:
-            failures[az] = reason
-            d.state.update(zone_failures=failures, gpu_az=None)
-            following = plan.candidates[i + 1] if i + 1 < len(plan.candidates) else None
-            next_step = f"trying {following} next" if following else "no zone left to try"
-            d.say(f"{c.gpu_node_type} could not launch in {az}: {reason}")
+            failures[az] = f"{source}: {reason}" if several else reason
+            d.state.update(zone_failures=failures, gpu_az=None, gpu_capacity_used=None)
+            following = attempts[i + 1] if i + 1 < len(attempts) else None
+            then = "" if following is None or not several else f" ({following[0]})"
+            next_step = f"trying {following[1]}{then} next" if following else "no zone left to try"
+            d.say(f"{c.gpu_node_type}{f' ({source})' if several else ''} could not launch in {az}: {reason}")
             d.say(f"Removing the failed node group {name}; {next_step}")
             d.run(delete_nodegroup_argv(d.cfg, name), timeout=NODEGROUP_TIMEOUT_S, on_output=d.say)
             continue
         failures.pop(az, None)
         d.state.update(zone_failures=failures or None, gpu_az=az)
+        if (waiting := _block_wait(d)) is not None:
+            raise waiting
         return az
     d.state.forget(nodegroup_item(name))
     tried = "; ".join(f"{az}: {why}" for az, why in failures.items())
     raise UserError(
-        f"{c.gpu_node_type} could not launch in any zone tried ({tried})",
-        hint="Ask AWS for capacity (an On-Demand Capacity Reservation), try later, or choose another region or "
-        "instance type; the cluster itself is kept (`raytrain-eks down` deletes it).",
+        f"{c.gpu_node_type} could not launch"
+        + (f" from {' or '.join(c.capacity_order)}" if several else "")
+        + f" in any zone tried ({tried})",
+        hint="Ask AWS for capacity (an On-Demand Capacity Reservation or a Capacity Block: `raytrain-eks capacity "
+        "--blocks`), add another source to cluster.gpu_capacity, try later, or choose another region or instance "
+        "type; the cluster itself is kept (`raytrain-eks down` deletes it).",
     )
 
 

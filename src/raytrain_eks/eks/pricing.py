@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Mapping
-from datetime import date
+from datetime import date, datetime
 from typing import Any
 
 from raytrain_eks.aws import eksctl
@@ -99,21 +99,74 @@ def check_deployable(cfg: Config) -> tuple[InstanceType, InstanceType]:
     return gpu, system
 
 
-def cost_per_hour(cfg: Config, gpu: InstanceType, system: InstanceType, *, on: date | None = None) -> dict[str, Any]:
-    """Hourly on-demand cost, one item per billable thing (us-east-1 prices, infra-facts §7), on day ``on`` (default
-    today): the control plane costs more while its Kubernetes version is in EKS extended support.
+def _item(name: str, what: str, count: int, unit: float | None) -> dict[str, Any]:
+    usd = None if unit is None else round(count * unit, 6)
+    return {"name": name, "what": what, "count": count, "unit_usd_per_hour": unit, "usd_per_hour": usd}
+
+
+def gpu_price(cfg: Config, gpu: InstanceType, market: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+    """The GPU instances' cost item for the first of ``cluster.gpu_capacity``, and a note on how it was priced.
+
+    ``market``: the state folder's record of what ``capacity`` read (:data:`~raytrain_eks.aws.market.SPOT_KEY`,
+    :data:`~raytrain_eks.aws.market.BLOCK_KEY`). Spot: the highest price of the spot range read (``range_usd``
+    holds low and high for the nodes), else the on-demand price, which a spot price never exceeds (EC2's default
+    maximum price). A Capacity Block: its upfront fee spread over its hours (``fee_usd`` is the whole fee). Else
+    on-demand. Example: ``gpu_price(cfg, gpu)[0]["usd_per_hour"] == 9.2032`` for the reference."""
+    from raytrain_eks.aws.market import BLOCK_KEY, SPOT_KEY
+
+    c, known = cfg.cluster, market or {}
+    source = c.capacity_order[0]
+    on_demand = _item("GPU instances", gpu.name, c.gpu_node_count, gpu.usd_per_hour)
+    if source == "spot":
+        spot = known.get(SPOT_KEY) or {}
+        seen = (spot.get("types") or {}).get(gpu.name) if spot.get("region") == c.region else None
+        if not seen:
+            what = f"{gpu.name}, spot (range not read: at most the on-demand price shown)"
+            note = f"Spot price range not read yet: `raytrain-eks capacity` reads {c.region}'s and records it here."
+            return {**on_demand, "what": what}, note
+        low, high = float(seen["low"]), float(seen["high"])
+        what = f"{gpu.name}, spot ${low:.4f}-{high:.4f} each (the {spot['days']} days to {spot['read_at'][:10]})"
+        item = _item("GPU instances", what, c.gpu_node_count, high)
+        item["range_usd"] = [round(low * c.gpu_node_count, 6), round(high * c.gpu_node_count, 6)]
+        note = f"Spot: ${item['range_usd'][0]:.2f}-{item['range_usd'][1]:.2f} per hour for the GPU nodes; the total"
+        return item, f"{note} uses the high end. Spot nodes can be taken back with two minutes' notice."
+    if source == "capacity-block":
+        block = known.get(BLOCK_KEY) or {}
+        fee = block.get("upfront_usd") if block.get("id") == c.capacity_block_id else None
+        if fee is None:
+            what = f"{gpu.name} in Capacity Block {c.capacity_block_id} (fee not known here)"
+            note = "The Capacity Block's fee is known where `raytrain-eks capacity --buy-block` bought it."
+            return _item("GPU instances", what, c.gpu_node_count, None), note
+        span = datetime.fromisoformat(block["end"]) - datetime.fromisoformat(block["start"])
+        hours = max(span.total_seconds() / 3600, 1.0)
+        what = f"{gpu.name} in Capacity Block {block['id']}, {hours:g} h for ${float(fee):,.2f} paid upfront"
+        item = _item("GPU instances", what, c.gpu_node_count, round(float(fee) / hours / c.gpu_node_count, 6))
+        item["fee_usd"] = float(fee)
+        return item, f"Capacity Block {block['id']}: ${float(fee):,.2f} in all, paid when bought, used or not."
+    return on_demand, ""
+
+
+def cost_per_hour(
+    cfg: Config,
+    gpu: InstanceType,
+    system: InstanceType,
+    *,
+    on: date | None = None,
+    market: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Hourly cost, one item per billable thing (us-east-1 prices, docs/reference/infra-facts.md §7), on day ``on``
+    (default today): the control plane costs more while its Kubernetes version is in EKS extended support. The GPU nodes
+    are priced for the first of ``cluster.gpu_capacity`` (:func:`gpu_price`, from ``market``); the rest on-demand.
 
     Example (reference, Kubernetes 1.36 in standard support): 2 x 4.6016 + 0.2016 + 0.10 + 0.045 = 9.5498.
     """
     c = cfg.cluster
     support = eks_support(c.k8s_version, on or date.today())
-
-    def item(name: str, what: str, count: int, unit: float | None) -> dict[str, Any]:
-        usd = None if unit is None else round(count * unit, 6)
-        return {"name": name, "what": what, "count": count, "unit_usd_per_hour": unit, "usd_per_hour": usd}
+    item = _item
+    gpu_item, gpu_note = gpu_price(cfg, gpu, market)
 
     items = [
-        item("GPU instances", gpu.name, c.gpu_node_count, gpu.usd_per_hour),
+        gpu_item,
         item("system node", system.name, c.system_node_count, system.usd_per_hour),
         item(
             "EKS control plane",
@@ -146,13 +199,22 @@ def cost_per_hour(cfg: Config, gpu: InstanceType, system: InstanceType, *, on: d
             f"Kubernetes {c.k8s_version} is no longer supported by EKS{since}: a new cluster cannot be created with "
             "it; choose a newer K8S_VERSION."
         )
+    if gpu_note:
+        notes.append(gpu_note)
     if c.region != PRICE_REGION:
         notes.append(f"Prices are {PRICE_REGION}'s; {c.region} differs.")
     missing = [i["what"] for i in items if i["usd_per_hour"] is None]
     if missing:
         notes.append(f"No price known for {', '.join(missing)}: the total leaves it out.")
+    spread = gpu_item.get("range_usd")
     return {
         "total_usd": round(sum(known), 4),
+        "total_usd_range": None
+        if spread is None
+        else [round(sum(known) - spread[1] + spread[0], 4), round(sum(known), 4)],
+        "priced_as": f"{PRICE_REGION} on-demand"
+        if c.capacity_order[0] in ("on-demand", "reservation")
+        else f"GPU nodes {c.capacity_order[0]}, the rest {PRICE_REGION} on-demand",
         "complete": not missing,
         "currency": "USD",
         "price_region": PRICE_REGION,

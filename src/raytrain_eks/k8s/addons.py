@@ -26,6 +26,7 @@ from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import KubeApiError, Node, quantity
 from raytrain_eks.k8s.manifests import to_yaml
+from raytrain_eks.k8s.placement import placement_for
 from raytrain_eks.k8s.runner import QUICK_TIMEOUT_S, CommandError, Completed
 from raytrain_eks.k8s.state import Deployment
 
@@ -102,29 +103,15 @@ class HelmRelease:
 
 
 def helm_releases(cfg: Config) -> list[HelmRelease]:
-    """The three pinned charts (infra-facts §1), device plugins first so GPUs and EFA exist before any Ray pod.
+    """The three pinned charts (docs/reference/infra-facts.md §1), device plugins first so GPUs and EFA exist before
+    any Ray pod.
 
     On EKS the values fit the node groups this tool makes. On another target the plugins go to the nodes of
     ``cluster.gpu_node_selector`` (tolerating the worker pods' tolerations) and the operator to those of
     ``cluster.head_node_selector``; the NVIDIA chart's own affinity (labels that node feature discovery sets) is
     replaced by that selector, which every cluster can give.
     """
-    if cfg.cluster.target != "eks":
-        return _releases(
-            cfg,
-            nvidia={"nodeSelector": m.gpu_node_selector(cfg), "affinity": None, "tolerations": m.gpu_tolerations(cfg)},
-            efa={"nodeSelector": m.gpu_node_selector(cfg), "tolerations": m.gpu_tolerations(cfg)},
-            kuberay={"nodeSelector": selector} if (selector := m.head_node_selector(cfg)) else {},
-        )
-    # The NVIDIA chart's default affinity (nvidia.com/gpu.present=true, set on the GPU node group) and its default
-    # toleration of the nvidia.com/gpu taint are what we need; nothing to override. The EFA chart tolerates only
-    # CriticalAddonsOnly; without the toleration it would never run on the tainted GPU nodes.
-    return _releases(
-        cfg,
-        nvidia={},
-        efa={"tolerations": [dict(m.GPU_TOLERATION)]},
-        kuberay={"nodeSelector": dict(m.SYSTEM_NODE_LABELS)},
-    )
+    return _releases(cfg, **placement_for(cfg).chart_values(cfg))
 
 
 def node_words(selector: dict[str, str]) -> str:

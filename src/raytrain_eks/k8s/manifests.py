@@ -1,6 +1,6 @@
 """RayCluster, RayJob and the core objects beside them, as plain dicts built by pure functions of the config.
 
-Nothing here talks to a cluster or writes a file; YAML is dumped at the edge (:mod:`raytrain_eks.eks.plan`). Every
+Nothing here talks to a cluster or writes a file; YAML is dumped at the edge (:mod:`raytrain_eks.deploy.plan`). Every
 number that appears twice comes from one place: Ray's ``num-gpus`` and the pod's ``nvidia.com/gpu`` from
 ``cfg.derived.ray_gpus_per_worker_pod``, the EFA count from the instance table, CPU and memory from the instance
 size unless set. The Hugging Face token is only ever *referenced* (a Secret key); :func:`hf_token_secret` builds
@@ -21,7 +21,7 @@ import yaml
 
 from raytrain_eks.config import Config
 from raytrain_eks.errors import UserError
-from raytrain_eks.instances import default_worker_pod_size, head_pod_size, instance_type
+from raytrain_eks.k8s.placement import placement_for
 
 # Labels and taint of the node groups (set in the eksctl ClusterConfig); pods select and tolerate them.
 SYSTEM_NODE_LABELS: dict[str, str] = {"role": "system"}
@@ -164,54 +164,51 @@ def train_argv() -> list[str]:
     return [IMAGE_PYTHON, "-m", "raytrain_eks.cli", "train", "--address", "auto", "--config", config]
 
 
-# The Ray head pod on a cluster this tool did not make, unless ray.head_cpu / head_memory_gib say otherwise.
-DEFAULT_HEAD_POD = (2, 8)
-
-
 def worker_pod_size(cfg: Config) -> tuple[int, int]:
-    """CPU and memory (GiB) of each GPU worker pod: the configured values, else 5/6 of the instance (eks; on the
-    kubernetes target ``up`` reads them from the GPU nodes and they are configured from its record)."""
+    """CPU and memory (GiB) of each GPU worker pod: the configured values, else the target's
+    (:meth:`~raytrain_eks.k8s.placement.PodPlacement.worker_pod`: 5/6 of the instance on eks; on the kubernetes target
+    ``up`` reads them from the GPU nodes and they are configured from its record)."""
     if cfg.ray.worker_cpu and cfg.ray.worker_memory_gib:
         return cfg.ray.worker_cpu, cfg.ray.worker_memory_gib
-    if cfg.cluster.target != "eks":
+    placed = placement_for(cfg).worker_pod(cfg)
+    if placed is None:
         raise UserError(
             "the worker pods' CPU and memory are not known: ray.worker_cpu and ray.worker_memory_gib are unset "
             "and `raytrain-eks up` has not read them from the GPU nodes",
             hint="Run `raytrain-eks up` (it records them from the nodes), or set ray.worker_cpu and "
             "ray.worker_memory_gib.",
         )
-    cpu, mem = default_worker_pod_size(instance_type(cfg.cluster.gpu_node_type))
+    cpu, mem = placed
     return cfg.ray.worker_cpu or cpu, cfg.ray.worker_memory_gib or mem
 
 
 def head_pod_resources(cfg: Config) -> tuple[int, int]:
-    """CPU and memory (GiB) of the Ray head pod: the configured values, else a share of the system node (eks)."""
-    if cfg.cluster.target == "eks":
-        cpu, mem = head_pod_size(instance_type(cfg.cluster.system_node_type))
-    else:
-        cpu, mem = DEFAULT_HEAD_POD
+    """CPU and memory (GiB) of the Ray head pod: the configured values, else the target's (a share of the system
+    node on eks)."""
+    cpu, mem = placement_for(cfg).head_pod(cfg)
     return cfg.ray.head_cpu or cpu, cfg.ray.head_memory_gib or mem
 
 
 def efa_per_pod(cfg: Config) -> int:
-    """EFA interfaces each worker pod requests: ``cluster.efa_per_node``, else the instance type's (eks) or none."""
+    """EFA interfaces each worker pod requests: ``cluster.efa_per_node``, else the target's (the instance type's on
+    eks, none on kubernetes)."""
     if cfg.cluster.efa_per_node is not None:
         return cfg.cluster.efa_per_node
-    return instance_type(cfg.cluster.gpu_node_type).efa_interfaces if cfg.cluster.target == "eks" else 0
+    return placement_for(cfg).efa_per_pod(cfg)
 
 
 def gpu_node_selector(cfg: Config) -> dict[str, str]:
-    """The labels the worker pods select: ``cluster.gpu_node_selector``, else the GPU node group's (eks) or none
-    (the ``nvidia.com/gpu`` request alone keeps them on GPU nodes)."""
+    """The labels the worker pods select: ``cluster.gpu_node_selector``, else the target's (the GPU node group's on
+    eks; none on kubernetes, where the ``nvidia.com/gpu`` request alone keeps them on GPU nodes)."""
     if cfg.cluster.gpu_node_selector is not None:
         return dict(cfg.cluster.gpu_node_selector)
-    return dict(GPU_NODE_LABELS) if cfg.cluster.target == "eks" else {}
+    return placement_for(cfg).gpu_node_labels(cfg)
 
 
 def head_node_selector(cfg: Config) -> dict[str, str]:
     if cfg.cluster.head_node_selector is not None:
         return dict(cfg.cluster.head_node_selector)
-    return dict(SYSTEM_NODE_LABELS) if cfg.cluster.target == "eks" else {}
+    return placement_for(cfg).head_node_labels(cfg)
 
 
 def gpu_tolerations(cfg: Config) -> list[dict[str, str]]:

@@ -1,5 +1,5 @@
 """The steps every target's commands share, each with the programs it runs: the names a target's
-``command_steps`` (:class:`~raytrain_eks.k8s.target.ClusterTarget`) gives its steps from.
+``command_steps`` (:class:`~raytrain_eks.deploy.target.ClusterTarget`) gives its steps from.
 
 Every target reaches the cluster through the Kubernetes API (whose credentials come from the program the kubeconfig
 names) and installs its add-ons with helm; the EKS target adds the steps that run eksctl

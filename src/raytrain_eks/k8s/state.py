@@ -209,6 +209,17 @@ def apply_state(cfg: Config, store: StateStore) -> Config:
     return with_bucket_storage(cfg.model_copy(update={"cluster": cluster}), store.get("bucket"))
 
 
+def remembered_config(cfg: Config, store: StateStore, say: Callable[[str], None]) -> Config:
+    """``cfg`` with the cluster, region and zone this folder's state remembers; ``say`` tells when they differ
+    from the configured ones."""
+    remembered = apply_state(cfg, store)
+    was, now = cfg.cluster, remembered.cluster
+    if (was.name, was.region, was.gpu_az) != (now.name, now.region, now.gpu_az):
+        zone = now.gpu_az or "not chosen yet"
+        say(f"Using cluster {now.name} in {now.region} (zone {zone}) as remembered in {store.path}")
+    return remembered
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The deployment
 # ----------------------------------------------------------------------------------------------------------------

@@ -47,8 +47,7 @@ from raytrain_eks.k8s.addons import (
 from raytrain_eks.k8s.cluster import KubeApi, Node, quantity
 from raytrain_eks.k8s.job import known_image_packages
 from raytrain_eks.k8s.kuberay_fields import check_kuberay_fields
-from raytrain_eks.k8s.prices import Price, configured_price, unpriced_reason
-from raytrain_eks.k8s.programs import DELETE_STEPS
+from raytrain_eks.k8s.raypods import check_shared_volume, cluster_words, ray_lines
 from raytrain_eks.k8s.state import Cancelled, Deployment, StateStore, describe, object_item, with_shared_volume
 
 TARGET = "kubernetes"
@@ -96,10 +95,6 @@ def kubeconfig_path(cfg: Config, environ: dict[str, str] | None = None) -> str:
         return str(Path(cfg.cluster.kubeconfig).expanduser())
     first = next((p for p in env.get("KUBECONFIG", "").split(os.pathsep) if p), None)
     return str(Path(first).expanduser()) if first else str(Path("~/.kube/config").expanduser())
-
-
-def _where(d: Deployment) -> str:
-    return f"the cluster of {d.kubeconfig}" + (f" (context {d.context})" if d.context else "")
 
 
 @dataclass
@@ -175,7 +170,7 @@ def efa_zone(d: Deployment, capable: list[Node], chosen: str | None, efa: int, *
         return next(iter(zones), None)
     raise UserError(
         f"EFA is required (fabric.require efa, {m.EFA_RESOURCE}={efa} per worker pod) and its traffic does not cross "
-        f"availability zones, but the GPU nodes of {_where(d)} are in {len(zones)} zones: {zones_of(capable)}; "
+        f"availability zones, but the GPU nodes of {cluster_words(d)} are in {len(zones)} zones: {zones_of(capable)}; "
         f"{done}",
         hint=_choose_zone(d.cfg, sorted(z for z in zones if z)),
     )
@@ -189,7 +184,7 @@ def _in_zone(d: Deployment, nodes: list[Node], zone: str, *, done: str) -> list[
     if len(here) < need:
         raise UserError(
             f"{_zone_source(d, zone)}: the worker pods are kept to that zone (EFA does not cross zones), and "
-            f"{len(here)} of the GPU nodes of {_where(d)} are there, for cluster.gpu_node_count = {need} "
+            f"{len(here)} of the GPU nodes of {cluster_words(d)} are there, for cluster.gpu_node_count = {need} "
             f"(GPU nodes: {zones_of(nodes)}); {done}",
             hint=_choose_zone(
                 d.cfg, sorted(z for z, n in counts.items() if z and n >= need), "Choose a zone that has them"
@@ -260,14 +255,14 @@ def look(d: Deployment) -> Found:
     if not nodes:
         which = f"matches the labels {labels}" if labels else f"advertises {m.GPU_RESOURCE}"
         raise UserError(
-            f"no node of {_where(d)} {which} ({len(everything)} nodes in all); nothing was installed",
+            f"no node of {cluster_words(d)} {which} ({len(everything)} nodes in all); nothing was installed",
             hint="Set cluster.gpu_node_selector to the labels of your GPU nodes (`kubectl get nodes --show-labels` "
             "lists them); up then installs the NVIDIA device plugin there if they do not advertise GPUs yet.",
         )
     nodes, zone, no_zone = _one_zone(d, nodes, chosen)
     if len(nodes) < c.gpu_node_count:
         raise UserError(
-            f"{len(nodes)} GPU nodes in {_where(d)}, and cluster.gpu_node_count is {c.gpu_node_count}: "
+            f"{len(nodes)} GPU nodes in {cluster_words(d)}, and cluster.gpu_node_count is {c.gpu_node_count}: "
             f"{', '.join(n.name for n in nodes)}; nothing was installed",
             hint="Set cluster.gpu_node_count to the GPU nodes there are, or add nodes (an autoscaler that adds "
             "them on demand is not waited for).",
@@ -376,27 +371,6 @@ def _no_zone_note(cfg: Config, nodes: list[Node]) -> str:
     )
 
 
-def check_shared_volume(d: Deployment) -> None:
-    """A :class:`UserError` unless ``ray.shared_volume`` (when set) is a claim of the Ray namespace that every pod
-    can mount at once (``ReadWriteMany``): the checkpoints of every rank go there."""
-    claim, ns = d.cfg.ray.shared_volume, d.cfg.ray.namespace
-    if not claim:
-        return
-    found = d.kube.get("v1", "PersistentVolumeClaim", claim, ns)
-    if found is None:
-        raise UserError(
-            f"ray.shared_volume = {claim!r}: no PersistentVolumeClaim {ns}/{claim} in {_where(d)}",
-            hint="Create the claim (ReadWriteMany, on EFS, FSx for Lustre or NFS) in ray.namespace, or name yours.",
-        )
-    modes = (found.get("spec") or {}).get("accessModes") or []
-    if "ReadWriteMany" not in modes:
-        raise UserError(
-            f"ray.shared_volume = {claim!r}: the claim's access modes are {modes}, so the Ray pods on several nodes "
-            "cannot all mount it",
-            hint="Use a ReadWriteMany claim (EFS, FSx for Lustre, NFS), or s3:// in training.storage_path.",
-        )
-
-
 def check_zone(d: Deployment) -> None:
     """Before ``submit`` applies anything, where EFA is required: a :class:`UserError` when the worker pods are kept
     to a zone with fewer GPU nodes than ``cluster.gpu_node_count``, or kept to none while the GPU nodes are in
@@ -478,7 +452,7 @@ def _check_state_matches(d: Deployment) -> None:
     if s.get("target") == TARGET and (s.get("kubeconfig"), s.get("context")) != (d.kubeconfig, d.context):
         raise UserError(
             f"this folder's {s.path} belongs to the cluster of {s.get('kubeconfig')} (context "
-            f"{s.get('context') or 'current'}), not {_where(d)}",
+            f"{s.get('context') or 'current'}), not {cluster_words(d)}",
             hint="Run `raytrain-eks down` there first, or work in another folder.",
         )
 
@@ -494,13 +468,13 @@ def up(d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
     pods = f"worker pods of {found.worker_cpu} CPU and {found.worker_memory_gib} GiB"
     if d.cfg.cluster.gpu_nodes_on_demand:
         d.say(
-            f"{_where(d)}: GPU nodes on demand (cluster.gpu_nodes_on_demand), {len(found.gpu_nodes)} there now; as "
-            f"configured, each with {m.GPU_RESOURCE}={found.gpus}{efa}; {pods}; the device plugins come with the "
-            "nodes' image (none is installed here)"
+            f"{cluster_words(d)}: GPU nodes on demand (cluster.gpu_nodes_on_demand), {len(found.gpu_nodes)} there "
+            f"now; as configured, each with {m.GPU_RESOURCE}={found.gpus}{efa}; {pods}; the device plugins come with "
+            "the nodes' image (none is installed here)"
         )
     else:
         d.say(
-            f"{_where(d)}: {len(found.gpu_nodes)} GPU nodes ({', '.join(n.name for n in found.gpu_nodes)}) with "
+            f"{cluster_words(d)}: {len(found.gpu_nodes)} GPU nodes ({', '.join(n.name for n in found.gpu_nodes)}) with "
             f"{m.GPU_RESOURCE}={found.gpus}{efa}; {pods}"
             + (f" on {found.gpu_node_type}" if found.gpu_node_type else "")
         )
@@ -512,7 +486,7 @@ def up(d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
         todo = [f"  - Helm release {r.namespace}/{r.name} ({r.chart} {r.version}): {r.purpose}" for r in found.install]
         todo += [f"  - {o['kind']} {o['metadata'].get('namespace', '')}/{o['metadata']['name']}" for o in found.create]
         question = (
-            f"Install in {_where(d)} (nothing else is changed there, and nothing is created in any cloud; "
+            f"Install in {cluster_words(d)} (nothing else is changed there, and nothing is created in any cloud; "
             f"`raytrain-eks down` removes exactly these):\n" + "\n".join(todo) + "\nContinue?"
         )
         if not confirm(question):
@@ -549,11 +523,11 @@ def up(d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
         )
     if d.cfg.cluster.gpu_nodes_on_demand:
         d.say(
-            f"Ready: the GPU nodes of {_where(d)} come when the worker pods ask for them (submit waits up to "
+            f"Ready: the GPU nodes of {cluster_words(d)} come when the worker pods ask for them (submit waits up to "
             f"ray.job_start_deadline_s = {d.cfg.ray.job_start_deadline_s:.0f} s). Next: `raytrain-eks submit`."
         )
     else:
-        d.say(f"Ready: {len(nodes)} GPU nodes of {_where(d)}. Next: `raytrain-eks submit`.")
+        d.say(f"Ready: {len(nodes)} GPU nodes of {cluster_words(d)}. Next: `raytrain-eks submit`.")
     return [n.name for n in nodes]
 
 
@@ -562,13 +536,13 @@ def down(d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
     the cluster and everything else in it stay. Returns what was deleted."""
     created = d.state.created
     if not created:
-        d.say(f"Nothing to delete: {d.state.path} records nothing created in {_where(d)}.")
+        d.say(f"Nothing to delete: {d.state.path} records nothing created in {cluster_words(d)}.")
         d.state.clear()
         return []
     if any(i["type"] == "helm" for i in created):
         d.require_tool("helm")
     listing = "\n".join(f"  - {describe(i)}" for i in reversed(created))
-    if not confirm(f"Delete from {_where(d)}, in this order (the cluster itself stays):\n{listing}\nContinue?"):
+    if not confirm(f"Delete from {cluster_words(d)}, in this order (the cluster itself stays):\n{listing}\nContinue?"):
         raise Cancelled("cancelled: nothing was deleted")
     deleted = []
     for item in reversed(created):
@@ -585,21 +559,9 @@ def status(d: Deployment) -> list[str]:
     s = d.state
     if not s.get("target"):
         return [f"Nothing deployed from this folder ({s.path} does not exist). Start with `raytrain-eks up`."]
-    lines = [f"Kubernetes: {_where(d)}"]
+    lines = [f"Kubernetes: {cluster_words(d)}"]
     lines += [f"  created: {describe(i)}" for i in s.created]
     return lines + gpu_node_lines(d, gpu_node_spec(d.cfg, s)) + ray_lines(d)
-
-
-def ray_lines(d: Deployment) -> list[str]:
-    """The Ray pods of the last job's RayCluster and the job's status, as ``status`` shows them on any target."""
-    job = d.state.get("job") or {}
-    ns = job.get("namespace", d.cfg.ray.namespace)
-    lines = []
-    for pod in d.kube.pods(ns, {"ray.io/cluster": job.get("raycluster", d.cfg.ray.cluster_name)}):
-        lines.append(f"Ray pod {pod.name}: {pod.waiting_reason or pod.phase}{' Ready' if pod.ready else ''}")
-    if job.get("id"):
-        lines.append(f"Last job {job['id']} ({job.get('mode')}): {job.get('status', 'unknown')}")
-    return lines
 
 
 def configured_gpu_type(cfg: Config) -> InstanceType | None:
@@ -625,62 +587,3 @@ def gpu_type(cfg: Config, state: StateStore) -> InstanceType | None:
     # Only the GPU fields are read by the memory estimate; nothing here is priced.
     return InstanceType(f"GPU node ({model or 'GPU'})", cfg.cluster.gpus_per_node, model, int(state.get("gpu_mib")),
                         0, 0, 0.0, m.efa_per_pod(cfg), None, verified=False)  # fmt: skip
-
-
-class KubernetesTarget:
-    """The :class:`~raytrain_eks.k8s.target.ClusterTarget` of an existing cluster (``cluster.target: kubernetes``)."""
-
-    name = TARGET
-
-    def up(self, d: Deployment, *, confirm: Callable[[str], bool]) -> list[str]:
-        return up(d, confirm=confirm)
-
-    def down(self, d: Deployment, *, confirm: Callable[[str], bool], delete_checkpoints: bool = False) -> list[str]:
-        return down(d, confirm=confirm)
-
-    def status(self, d: Deployment) -> list[str]:
-        return status(d)
-
-    def remembered(self, cfg: Config, state: StateStore) -> Config:
-        return remembered(cfg, state)
-
-    def gpu_node_spec(self, d: Deployment) -> GpuNodeSpec:
-        return gpu_node_spec(d.cfg, d.state)
-
-    def command_steps(self, d: Deployment, command: str, *, mode: str = "raycluster") -> tuple[str, ...]:
-        """The steps of :data:`COMMANDS`; ``down``'s delete what the state file records. Nothing for ``down`` when
-        nothing is recorded, nor for ``logs`` when no job is. ``mode`` changes nothing: no node group is scaled."""
-        s = d.state
-        steps = COMMANDS[command]
-        if command == "down":
-            steps = tuple(step for item in s.created for step in DELETE_STEPS.get(item["type"], ()))
-        elif command == "logs" and not (s.get("job") or {}).get("id"):
-            return ()
-        return tuple(dict.fromkeys(steps))
-
-    def price(self, cfg: Config, config: str | os.PathLike[str] | None) -> tuple[Price | None, str | None]:
-        """Only at the price the user configured (``cluster.usd_per_hour`` or ``cluster.usd_per_node_hour``): what
-        the cluster's nodes cost is not known here. Else ``(None, why)``."""
-        price = configured_price(cfg.cluster.usd_per_hour, cfg.cluster.usd_per_node_hour)
-        return (price, None) if price is not None else (None, unpriced_reason(config))
-
-    def gpu_type(self, d: Deployment) -> InstanceType | None:
-        return gpu_type(d.cfg, d.state)
-
-    def before_pods(self, d: Deployment) -> None:
-        """The Ray pods' service account must exist (``up`` creates it), the shared volume when one is set, and
-        where EFA is required the GPU nodes of the worker pods' one zone (:func:`check_zone`)."""
-        check_shared_volume(d)
-        check_zone(d)
-        if d.kube.get("v1", "ServiceAccount", m.RAY_SERVICE_ACCOUNT, d.cfg.ray.namespace) is None:
-            raise UserError(
-                f"the Ray pods' service account {d.cfg.ray.namespace}/{m.RAY_SERVICE_ACCOUNT} does not exist in "
-                f"{_where(d)}; nothing was applied",
-                hint="Run `raytrain-eks up`: it creates it (and installs what else the cluster lacks).",
-            )
-
-    def before_job(self, d: Deployment) -> None:
-        return None
-
-    def after_rayjob(self, d: Deployment) -> None:
-        return None

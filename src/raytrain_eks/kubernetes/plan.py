@@ -2,12 +2,12 @@
 offline, no credentials; the cluster is never contacted and the kubeconfig never read.
 
 :func:`build_plan` sizes the worker pods and their EFA from what ``up`` recorded in the state folder
-(:func:`raytrain_eks.k8s.existing.remembered`), else from the settings (``ray.worker_cpu``,
+(:func:`raytrain_eks.kubernetes.existing.remembered`), else from the settings (``ray.worker_cpu``,
 ``ray.worker_memory_gib``, ``cluster.efa_per_node``, which ``cluster.gpu_nodes_on_demand`` requires anyway); with
 neither it refuses, naming the settings that are missing. The state file is only read. It returns the
-:class:`~raytrain_eks.eks.plan.Plan` the EKS plan returns: up's steps there (find the GPU nodes, install only what is
+:class:`~raytrain_eks.deploy.plan.Plan` the EKS plan returns: up's steps there (find the GPU nodes, install only what is
 missing of the pinned charts, the Ray pods' plain service account), then submit's steps and files exactly as the
-EKS plan builds them (:func:`~raytrain_eks.eks.plan.job_steps`), and the cost per hour only at a configured price
+EKS plan builds them (:func:`~raytrain_eks.deploy.plan.job_steps`), and the cost per hour only at a configured price
 (``cluster.usd_per_node_hour`` or ``cluster.usd_per_hour``; else ``total_usd`` is ``None`` and ``unpriced`` says
 which setting gives it). No eksctl, IAM role, bucket, quota or node-group step. Example::
 
@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_eks.config import Config
-from raytrain_eks.eks.fit import fit_on_image
-from raytrain_eks.eks.plan import (
+from raytrain_eks.deploy.fit import fit_on_image
+from raytrain_eks.deploy.plan import (
     HELM_FILE,
     MODES,
     Mode,
@@ -37,14 +37,14 @@ from raytrain_eks.eks.plan import (
     job_steps,
     write_files,
 )
-from raytrain_eks.eks.submit import job_config
+from raytrain_eks.deploy.submit import job_config
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.instances import INSTANCE_TYPES, InstanceType
-from raytrain_eks.k8s import existing
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.addons import DEVICE_PLUGIN_RELEASES, KUBERAY_RELEASE, HelmRelease, helm_releases, install_argv
 from raytrain_eks.k8s.prices import configured_price
 from raytrain_eks.k8s.state import StateStore
+from raytrain_eks.kubernetes import existing
 from raytrain_eks.train.memory import unknown_shape_note
 
 TARGET = existing.TARGET  # the target whose plan this is
@@ -107,7 +107,7 @@ def _refuse_unknown_shape(cfg: Config, store: StateStore) -> None:
 
 
 def gpu_type(cfg: Config, store: StateStore) -> tuple[InstanceType | None, str | None]:
-    """The GPU nodes' type for the memory estimate (:func:`~raytrain_eks.k8s.existing.gpu_type`, as submit takes
+    """The GPU nodes' type for the memory estimate (:func:`~raytrain_eks.kubernetes.existing.gpu_type`, as submit takes
     it), and where it came from: what ``up`` recorded, or ``cluster.gpu_node_type``."""
     found = existing.gpu_type(cfg, store)
     if found is None:
