@@ -31,8 +31,9 @@ _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's safe loader
 
 @dataclass(frozen=True)
 class Chart:
-    """A vendored chart: its name and version (its Chart.yaml's), the repository that publishes it (infra-facts
-    §1), and where it is here: a chart folder, or a ``.tgz`` laid out as a chart repository serves one."""
+    """A vendored chart: its name and version (its Chart.yaml's), the repository that publishes it
+    (docs/reference/infra-facts.md §1), and where it is here: a chart folder, or a ``.tgz`` laid out as a chart
+    repository serves one."""
 
     name: str
     version: str

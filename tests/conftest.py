@@ -23,6 +23,7 @@ from typing import Any
 
 import procs
 import pytest
+import tiers
 
 # Ray's auto-init (ray/_private/auto_init_hook.py) makes ray.put, ray.get, ray.remote and so every Ray Data call run
 # a bare ray.init() when no Ray is initialized, which joins the newest Ray of this machine (its temp dir's
@@ -48,6 +49,106 @@ _TEST_STARTS: list[tuple[float, str]] = []
 
 def pytest_sessionstart(session: pytest.Session) -> None:
     os.environ[SESSION_MARK] = f"{os.getpid()}-{secrets.token_hex(8)}"
+    _WATCH.start()
+
+
+_WATCH = tiers.ProcessWatch(TEST_MARK)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--tier",
+        default=None,
+        help=f"the tiers to run: all, or some of {', '.join(tiers.TIERS)} separated by commas (tests/tiers.py); "
+        "default: fast when no test file is named, else all",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for tier in tiers.TIERS:
+        config.addinivalue_line("markers", f"{tier}: the {tier} tier, from the fixtures a test uses (tests/tiers.py)")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Each test marked with its tiers (from its fixtures); those outside ``--tier`` deselected."""
+    option = config.getoption("--tier")
+    if option is None:
+        option = "fast" if config.args_source == pytest.Config.ArgsSource.TESTPATHS else "all"
+    try:
+        wanted = tiers.selected(option)
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    keep, drop = [], []
+    for item in items:
+        item_tiers = tiers.tiers_of(list(getattr(item, "fixturenames", ())))
+        for tier in item_tiers:
+            item.add_marker(tier)
+        (keep if item_tiers <= wanted else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+        _NOT_RUN.append(f"{len(drop)} tests outside the {option} tier not run: --tier all runs every tier")
+
+
+_NOT_RUN: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in _NOT_RUN:
+        terminalreporter.write_line(line)
+
+
+@pytest.fixture(autouse=True)
+def _held_to_its_tier(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that starts Ray, torchrun, spawned worker processes or a browser without the fixture that puts it in
+    that tier fails (tests/tiers.py)."""
+    yield
+    started = _WATCH.started_during(request.node.nodeid)
+    problem = tiers.out_of_tier(started, tiers.tiers_of(list(request.fixturenames)))
+    if problem:
+        pytest.fail(problem)
+
+
+@pytest.fixture(scope="session")  # session: a module's shared fixture may declare it too
+def starts_ray() -> None:
+    """For a test whose code under test starts a Ray of its own (a local run, the CLI in a process): the
+    integration tier."""
+
+
+@pytest.fixture(scope="module")
+def two_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One two-host cluster (tests/twohost.py) per module that uses it, about 20 s to start, with moto's S3 on host
+    0; torn down even when a test fails: the twohost tier."""
+    from twohost import TwoHostCluster
+
+    with TwoHostCluster(logs_to=tmp_path_factory.mktemp("twohost-ray-logs"), s3=True) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def network_namespaces() -> type:
+    """The two-host world's hosts without their Ray (``network_namespaces(start_ray=False)``, a context manager):
+    the twohost tier."""
+    from twohost import TwoHostCluster
+
+    return TwoHostCluster
+
+
+@pytest.fixture(scope="session")  # session: a module's shared fixture may declare it too
+def starts_programs() -> None:
+    """For a test that runs the suite itself or a script of the project in a process of its own: the programs
+    tier."""
+
+
+@pytest.fixture(scope="session")  # session: a module's shared fixture may declare it too
+def builds_models() -> None:
+    """For a test that builds many real model classes: the models tier."""
+
+
+@pytest.fixture(scope="session")  # session: a module's shared fixture may declare it too
+def starts_process_group() -> None:
+    """For a test that starts several processes of a torch.distributed group (torchrun, torch.multiprocessing's
+    spawn): the distributed tier."""
 
 
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
@@ -173,7 +274,7 @@ def builtin_model(builtin_cache: Path) -> str:
 
 @pytest.fixture(scope="session")
 def tokenizer(builtin_model: str):
-    from raytrain_eks.train.data import load_tokenizer
+    from raytrain_eks.train.data.encoding import load_tokenizer
 
     return load_tokenizer(builtin_model)
 
@@ -215,6 +316,9 @@ def no_foreign_ray_address() -> Iterator[None]:
     to join a cluster passes its address itself."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("RAY_ADDRESS", raising=False)
+        # No test asks a real EC2 metadata service (a run on an EC2 machine would): botocore's switch, which the
+        # run's interruption watch honours too. The tests of that watch name their own loopback stand-in.
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
         yield
 
 

@@ -51,15 +51,15 @@ CLUSTER_SCOPED = frozenset(
 )
 
 # A node's hardware, by its instance type (the label node.kubernetes.io/instance-type): what a device plugin on it
-# can advertise. g6.12xlarge: 4 NVIDIA L4 GPUs (AWS's G6 instance table) and 1 EFA interface (infra-facts §2:
-# EfaInfo.MaximumEfaInterfaces).
+# can advertise. g6.12xlarge: 4 NVIDIA L4 GPUs (AWS's G6 instance table) and 1 EFA interface
+# (docs/reference/infra-facts.md §2: EfaInfo.MaximumEfaInterfaces).
 INSTANCE_DEVICES: dict[str, dict[str, str]] = {"g6.12xlarge": {"nvidia.com/gpu": "4", "vpc.amazonaws.com/efa": "1"}}
 
 # Device plugins, by the name of their container's image: the command that is the plugin (None: any, the image's
 # own entrypoint included) and the resource it registers with the kubelet. NVIDIA's image runs the plugin by
 # default (NVIDIA/k8s-device-plugin v0.20.0 deployments/container/Dockerfile: ENTRYPOINT ["nvidia-device-plugin"]),
 # and the same image's `mps-control-daemon` (the chart's MPS DaemonSet) advertises nothing; it registers
-# nvidia.com/gpu. AWS's EFA plugin registers vpc.amazonaws.com/efa (infra-facts §2).
+# nvidia.com/gpu. AWS's EFA plugin registers vpc.amazonaws.com/efa (docs/reference/infra-facts.md §2).
 DEVICE_PLUGINS: dict[str, tuple[str | None, str]] = {
     "k8s-device-plugin": ("nvidia-device-plugin", "nvidia.com/gpu"),
     "aws-efa-k8s-device-plugin": (None, "vpc.amazonaws.com/efa"),

@@ -135,3 +135,119 @@ def test_the_shipped_package_holds_no_test_fakes():
     from raytrain_eks.k8s.job import package_files
 
     assert not [name for name in package_files() if "fake" in name.rsplit("/", 1)[-1]]
+
+
+def _top_level_names(path: Path) -> set[str]:
+    """What a module defines itself: its functions, classes and assigned names (those under ``if``/``try`` too)."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        for sub in ast.walk(node) if isinstance(node, ast.If | ast.Try) else [node]:
+            if isinstance(sub, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(sub.name)
+            elif isinstance(sub, ast.Assign | ast.AnnAssign):
+                targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target]
+                names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+def test_every_name_is_imported_from_the_module_that_defines_it():
+    """No re-export shim: a name is imported from where it is defined, not through a module that imports it
+    itself (a package's ``__init__``, its public surface, aside), in the package, its tests and its scripts."""
+    defined = {mod: _top_level_names(path) for mod, path in MODULES.items()}
+    files = [*SRC.rglob("*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+    through = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and not node.level and node.module in MODULES):
+                continue
+            if MODULES[node.module].name == "__init__.py":
+                continue
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" not in MODULES and alias.name not in defined[node.module]:
+                    through.append(f"{path.relative_to(ROOT)}: {alias.name} through {node.module}")
+    assert not through, "import these from the module that defines them:\n" + "\n".join(through)
+
+
+# Each cluster target lives in a package of its own; the code every target shares reaches one only through the
+# registry, which imports it by name.
+TARGET_PACKAGES = {"eks", "kubernetes"}
+# Where a target's name may be compared: the targets, and the configuration's check of each target's settings.
+NAME_CHECKS_ALLOWED = {"config_cluster", "config_layers"}
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else PKG
+
+
+def test_no_code_outside_the_targets_imports_a_target_package():
+    problems = [
+        f"{mod} imports {dep}"
+        for mod, path in sorted(MODULES.items())
+        if _unit(mod) not in TARGET_PACKAGES
+        for dep in sorted(imports_of(path))
+        if _unit(dep) in TARGET_PACKAGES
+    ]
+    assert not problems, "ask the target (raytrain_eks.deploy.target.target_for) instead:\n" + "\n".join(problems)
+
+
+def test_the_registry_names_every_target_the_config_accepts_and_its_package():
+    from typing import get_args
+
+    from raytrain_eks.config_cluster import ClusterConfig
+    from raytrain_eks.targets import IMPLEMENTATIONS
+
+    assert set(IMPLEMENTATIONS) == set(get_args(ClusterConfig.model_fields["target"].annotation))
+    for name, (module, _) in IMPLEMENTATIONS.items():
+        assert _unit(module) in TARGET_PACKAGES, f"{name}: {module} is not in a target package"
+
+
+def _names_a_target(node: ast.AST, names: set[str]) -> bool:
+    """A string literal (or a tuple, list or set of them) naming a target."""
+    if isinstance(node, ast.Constant):
+        return node.value in names
+    return isinstance(node, ast.Tuple | ast.List | ast.Set) and any(_names_a_target(e, names) for e in node.elts)
+
+
+def _target_name_branches(tree: ast.AST, names: set[str]) -> list[int]:
+    """Lines comparing ``<x>.target`` with a string, or ``<x>.name`` with a target's name, or matching on
+    ``<x>.target``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Match) and isinstance(node.subject, ast.Attribute) and node.subject.attr == "target":
+            found.append(node.lineno)
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        attrs = {s.attr for s in sides if isinstance(s, ast.Attribute)}
+        strings = any(isinstance(s, ast.Constant) and isinstance(s.value, str) for s in sides)
+        if ("target" in attrs and strings) or (
+            attrs & {"target", "name"} and any(_names_a_target(s, names) for s in sides)
+        ):
+            found.append(node.lineno)
+    return found
+
+
+def test_no_code_outside_the_targets_branches_on_a_targets_name():
+    from raytrain_eks.targets import IMPLEMENTATIONS
+
+    names = set(IMPLEMENTATIONS)
+    problems = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for mod, path in sorted(MODULES.items())
+        if _unit(mod) not in TARGET_PACKAGES and mod.rpartition(".")[2] not in NAME_CHECKS_ALLOWED
+        for line in _target_name_branches(ast.parse(path.read_text()), names)
+    ]
+    assert not problems, "put the difference behind the ClusterTarget interface:\n" + "\n".join(problems)
+
+
+def test_the_branch_check_sees_the_branches_it_forbids():
+    names = {"eks", "kubernetes"}
+    caught = [
+        'if cfg.cluster.target == "eks": pass',
+        'x = 1 if c.target != "kubernetes" else 0',
+        'if target.name in ("eks",): pass',
+        "match cfg.cluster.target:\n    case 'eks': pass",
+    ]
+    assert all(_target_name_branches(ast.parse(src), names) for src in caught)
+    assert not _target_name_branches(ast.parse('if node.name == "gpu-0" or cfg.cluster.target is None: pass'), names)

@@ -125,7 +125,8 @@ def test_the_temporary_folders_of_workers_that_are_gone_are_removed_and_others_k
     import subprocess
     import sys
 
-    from raytrain_eks.train.context import TEMP_PREFIX, remove_stale_folders
+    from raytrain_eks.train.checkpoint import TEMP_PREFIX
+    from raytrain_eks.train.context import remove_stale_folders
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = int(gone.stdout)  # a worker killed mid-run: its process has exited

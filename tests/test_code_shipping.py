@@ -102,7 +102,7 @@ def test_kubelet_layout_helper_matches_the_mount(cfg, tmp_path: Path):
     assert sorted(p.name for p in mount.iterdir()) == [KUBELET_TIMESTAMP_DIR, "..data", shipping.ARCHIVE_KEY]
 
 
-@pytest.mark.integration
+@pytest.mark.usefixtures("starts_ray")
 def test_ray_ships_the_package_from_the_mounted_config_map(cfg, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     import ray
 

@@ -41,8 +41,8 @@ from test_deploy import TOKEN, FakeRay, World
 from test_fabric_compare import compare_on_eks, eks  # noqa: F401 - eks: the fixture, a World after up and submit
 
 from raytrain_eks.config import load_config
+from raytrain_eks.deploy import submit as sub
 from raytrain_eks.eks import lifecycle
-from raytrain_eks.eks import submit as sub
 from raytrain_eks.eks.plan import write_plan
 from raytrain_eks.errors import UserError
 

@@ -53,7 +53,7 @@ def _records(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.integration
+@pytest.mark.usefixtures("starts_ray")
 def test_compiled_layers_train_as_eager_ones(tmp_path, one_process_group, builtin_model, capsys, monkeypatch):
     import torch._dynamo
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from test_json_output import run_cli
 
-from raytrain_eks.train.encoding import IGNORE_INDEX
+from raytrain_eks.train.data.encoding import IGNORE_INDEX
 
 # Words of the generated rows (each a token or two of the built-in tokenizer).
 WORDS = "the model reads each row whole and learns to answer from its prompt while rivers run to the sea".split()  # noqa: SIM905

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from raytrain_eks.train.data import IGNORE_INDEX, MalformedRow, encode_row, random_batch
+from raytrain_eks.formats import MalformedRow
+from raytrain_eks.train.data.encoding import IGNORE_INDEX, encode_row
+from raytrain_eks.train.data.pipeline import random_batch
 
 LLAMA31_TEMPLATE = Path(__file__).parent / "fixtures" / "chat_templates" / "meta-llama-Llama-3.1-8B-Instruct.jinja"
 BOS = "<|begin_of_text|>"

@@ -40,9 +40,9 @@ from packaging.utils import canonicalize_name
 from typer.testing import CliRunner
 
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.eks import commands as deploy_commands
+from raytrain_eks.deploy import commands as deploy_commands
+from raytrain_eks.deploy import submit as sub
 from raytrain_eks.eks import lifecycle, nodegroups
-from raytrain_eks.eks import submit as sub
 from raytrain_eks.eks.plan import write_plan
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import addons, runner, state
@@ -902,7 +902,7 @@ def test_up_train_runs_the_job_with_its_checkpoints_in_the_bucket_up_created(
     # The command builds its deployment before up creates the bucket; the job it then submits must still keep its
     # checkpoints there (node-local storage across two GPU nodes is refused before any job is submitted).
     def make_deployment(cfg: Config, state_dir: Path, say: Callable[[str], None] | None = None) -> Deployment:
-        world.d = dataclasses.replace(world.d, cfg=deploy_commands.remembered_config(cfg, world.store, world.d.say))
+        world.d = dataclasses.replace(world.d, cfg=state.remembered_config(cfg, world.store, world.d.say))
         return world.d
 
     monkeypatch.setattr(deploy_commands, "make_deployment", make_deployment)
@@ -1587,7 +1587,10 @@ def test_submit_switches_activation_checkpointing_on_in_the_jobs_config_when_it_
     job = ready.kube.get("v1", "ConfigMap", cfg.ray.cluster_name + "-config", cfg.ray.namespace)
     training = yaml.safe_load(job["data"]["raytrain-eks.yaml"])["training"]
     assert training["activation_checkpointing"] is True and training["seq_len"] == 2048
-    assert "activation checkpointing switched on (without it about" in ready.said()
+    said = ready.said()
+    assert "activation checkpointing switched on (without it " in said
+    # without it, what the GPU would have to hold: the reserved peak and the fixed terms, over the GPU
+    assert re.search(r"without it \d+\.\d GiB reserved \(the peak x [\d.]+ for the allocator; .*\), over the GPU", said)
 
 
 def test_up_refuses_a_folder_that_belongs_to_another_cluster(ready: World):

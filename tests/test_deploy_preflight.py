@@ -23,9 +23,9 @@ from test_deploy import ZONES, StateDeployment, World
 from raytrain_eks.aws import eksctl
 from raytrain_eks.cli import main
 from raytrain_eks.config import load_config
+from raytrain_eks.deploy import commands as deploy_commands
+from raytrain_eks.deploy import submit as sub
 from raytrain_eks.eks import buckets, irsa, lifecycle, nodegroups, programs
-from raytrain_eks.eks import commands as deploy_commands
-from raytrain_eks.eks import submit as sub
 from raytrain_eks.eks.plan import build_plan
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m

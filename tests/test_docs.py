@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 RUN_COMMAND = "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && raytrain-eks train"
 TEST_COMMAND = (
-    'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]" && '
-    "python -m pytest -q -n 2 --dist loadfile"
+    'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]" && python3 scripts/fetch_test_tools.py '
+    "&& python -m mypy && python -m pytest -q -n 2 --dist loadfile --tier all"
 )
 FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

@@ -1,4 +1,4 @@
-"""The EFA-versus-TCP comparison (``raytrain_eks.eks.compare`` and ``raytrain-eks compare-fabric``); fast, hermetic.
+"""The EFA-versus-TCP comparison (``raytrain_eks.deploy.compare`` and ``raytrain-eks compare-fabric``); fast, hermetic.
 
 The logic runs against an injected ``run_job`` that answers with the NCCL fixtures (an EFA job's log for run A, a
 TCP-socket fallback's log for run B) and synthetic metric records. Covered: the speed-up after warm-up (and that
@@ -28,10 +28,10 @@ from test_deploy import FIXTURES, FakeRay, World, run_script
 from typer.testing import CliRunner
 
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.eks import commands as deploy_commands
-from raytrain_eks.eks import compare as cmp
-from raytrain_eks.eks import submit as eks_submit
-from raytrain_eks.eks.compare import (
+from raytrain_eks.deploy import commands as deploy_commands
+from raytrain_eks.deploy import compare as cmp
+from raytrain_eks.deploy import submit as eks_submit
+from raytrain_eks.deploy.compare import (
     EFA_RUN,
     TCP_ENV,
     TCP_RUN,
@@ -48,7 +48,7 @@ from raytrain_eks.fabric.nccl_log import analyze_paths
 from raytrain_eks.k8s.cluster import ExecResult
 from raytrain_eks.k8s.manifests import IMAGE_PYTHON
 from raytrain_eks.k8s.runner import CommandError
-from raytrain_eks.k8s.state import Cancelled
+from raytrain_eks.k8s.state import Cancelled, remembered_config
 
 EFA_LOG = FIXTURES / "efa_2node_nccl2.29_ray.log"
 TCP_LOG = FIXTURES / "socket_fallback_nccl2.27_kubectl.log"
@@ -296,7 +296,7 @@ def eks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aws_env: str) -> Iterat
     def make_deployment(cfg: Config, state_dir: Path, say: Callable[[str], None] | None = None) -> Any:
         # The real remembering (and its notice, to ``say``); the fakes of the cluster behind it.
         say = say or world.d.say
-        world.d = dataclasses.replace(world.d, cfg=deploy_commands.remembered_config(cfg, world.store, say))
+        world.d = dataclasses.replace(world.d, cfg=remembered_config(cfg, world.store, say))
         return dataclasses.replace(world.d, say=say)
 
     monkeypatch.setattr(deploy_commands, "make_deployment", make_deployment)

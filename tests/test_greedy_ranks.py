@@ -46,7 +46,7 @@ Path(out).write_text(json.dumps({"alone": alone, "together": together}))
 """
 
 
-def test_every_rank_returns_rank_0s_greedy_tokens_and_stops_with_it(tmp_path: Path) -> None:
+def test_every_rank_returns_rank_0s_greedy_tokens_and_stops_with_it(tmp_path: Path, starts_process_group: None) -> None:
     model_dir = str(ensure_builtin_model())
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     procs = [

@@ -20,9 +20,9 @@ from test_loss_architectures import ARCHITECTURES, SMALL
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from raytrain_eks.config import BUILTIN_MODEL, TrainingConfig
+from raytrain_eks.train.data.packing import pack
 from raytrain_eks.train.loop import PreparedModel, train_step
 from raytrain_eks.train.model import output_projection_deferred
-from raytrain_eks.train.packing import pack
 
 META = torch.device("meta")
 SEQ = 32

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from raytrain_eks.eks.results import fetch_run
+from raytrain_eks.deploy.results import fetch_run
 from raytrain_eks.k8s import job as shipping
 from raytrain_eks.report import plots
 from raytrain_eks.train.launch import report_line

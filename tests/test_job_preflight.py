@@ -15,7 +15,7 @@ import yaml
 from test_deploy import TOKEN, World
 
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.eks import submit as sub
+from raytrain_eks.deploy import submit as sub
 from raytrain_eks.errors import DataError, UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.state import apply_state

@@ -21,7 +21,7 @@ import procs
 import pytest
 import ray.util
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("starts_ray")
 
 
 def _free_port() -> int:

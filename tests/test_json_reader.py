@@ -1,4 +1,4 @@
-"""Reading JSON and JSONL in bounded chunks: :func:`~raytrain_eks.train.json_reader.json_rows` on byte streams cut at
+"""Reading JSON and JSONL in bounded chunks: ``json_rows`` on byte streams cut at
 every possible place (rows, malformed lines, arrays that break off), and the Ray Data source built on it, which turns a
 file larger than one chunk into several blocks (so no task holds the whole file) with every row, in order."""
 
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from raytrain_eks.train.json_reader import READ_CHUNK_BYTES, TOO_DEEP, json_datasource, json_rows
+from raytrain_eks.train.data.json_reader import READ_CHUNK_BYTES, TOO_DEEP, json_datasource, json_rows
 
 ROWS = [{"instruction": f"Q{i} é ü", "output": str(i) * (i % 7 + 1), "n": 12345} for i in range(40)]
 ROWS += [7, 12.5, 1e20, -3, "s", None, True]
@@ -50,7 +50,7 @@ def test_a_broken_array_keeps_the_items_before_the_break_and_says_why(data, why)
     assert list(json_rows([b"  [ ]  "])) == [] and list(json_rows([])) == []
 
 
-@pytest.mark.integration
+@pytest.mark.usefixtures("starts_ray")
 def test_a_file_larger_than_a_chunk_is_read_as_several_blocks(tmp_path, ray_local):
     import ray.data
 
@@ -106,9 +106,9 @@ def test_a_row_the_reader_decodes_but_a_deeper_stack_cannot_is_one_malformed_row
     import inspect
     import sys
 
-    from raytrain_eks.train.data import _encode_batch
-    from raytrain_eks.train.encoding import encoding_tokenizer
-    from raytrain_eks.train.json_reader import rows_block
+    from raytrain_eks.train.data.encoding import encoding_tokenizer
+    from raytrain_eks.train.data.json_reader import rows_block
+    from raytrain_eks.train.data.pipeline import _encode_batch
 
     deep = '{"instruction": "Q", "output": "A", "extra": ' + "[" * 950 + "]" * 950 + "}"
     good = json.dumps({"instruction": "What is 2 plus 3?", "output": "5."})

@@ -25,12 +25,12 @@ from test_command_lines import Collector, chart_repo, check  # noqa: F401 - char
 from test_deploy import TOKEN, FakeRay, FakeTools
 
 from raytrain_eks.config import load_config
-from raytrain_eks.eks import submit as sub
-from raytrain_eks.eks.target import target_for
+from raytrain_eks.deploy import submit as sub
+from raytrain_eks.deploy.target import target_for
 from raytrain_eks.errors import ConfigError, UserError
-from raytrain_eks.k8s import existing
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.state import Cancelled, Deployment, StateStore
+from raytrain_eks.kubernetes import existing
 
 CONTEXT = "nowhere"  # the context of UNREACHABLE_KUBECONFIG: real helm and kubectl parse the lines against it
 GPU_LABELS = {"pool": "gpu", existing.INSTANCE_TYPE_LABEL: "a2-highgpu-4g"}  # a Google Cloud node with 4 A100s
@@ -544,7 +544,7 @@ def test_gpu_feature_discoverys_labels_give_the_memory_estimate(plain: Cluster):
 
 def test_without_up_or_efa_the_job_commands_stop_with_the_fix(plain: Cluster, monkeypatch, capsys):
     from raytrain_eks.cli import main
-    from raytrain_eks.eks import commands
+    from raytrain_eks.deploy import commands
 
     with pytest.raises(UserError, match="service account default/raytrain-eks-ray does not exist") as err:
         sub.submit(plain.d())  # up has not run: nothing it makes is there, nor what it reads from the nodes
@@ -594,7 +594,7 @@ def test_every_command_names_the_kubeconfigs_missing_credential_program_before_t
     plain: Cluster, monkeypatch, capsys
 ):
     from raytrain_eks.cli import main
-    from raytrain_eks.eks import commands
+    from raytrain_eks.deploy import commands
 
     plain.target.up(plain.d(), confirm=plain.ask())
     assert sub.submit(plain.d()).exit_code == 0
@@ -633,8 +633,8 @@ def test_every_command_names_the_kubeconfigs_missing_credential_program_before_t
 def test_a_configured_gpu_node_type_gives_the_memory_estimate_where_the_nodes_name_none_known(plain: Cluster):
     """Nodes whose labels name no type the tool knows (a Google Cloud a2 node here): cluster.gpu_node_type, set by
     the user, is what up, submit and plan take for the estimate; left at its default it names no node here."""
-    from raytrain_eks.eks.plan_existing import build_plan
     from raytrain_eks.instances import INSTANCE_TYPES
+    from raytrain_eks.kubernetes.plan import build_plan
 
     plain.target.up(plain.d(), confirm=plain.ask())
     assert "leaves out the memory estimate" in plain.said() and plain.target.gpu_type(plain.d()) is None

@@ -22,14 +22,14 @@ from safetensors.torch import load_file
 from raytrain_eks import presets
 from raytrain_eks.cli import main
 from raytrain_eks.config import LoraSettings, load_config
-from raytrain_eks.eks.buckets import storage_estimate
+from raytrain_eks.deploy.plan import storage_estimate
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.train.checkpoint import check_compatible, list_checkpoints
 from raytrain_eks.train.flops import flops_per_token, matmul_flops_per_token, matmul_params
 from raytrain_eks.train.launch import run_training
 from raytrain_eks.train.lora import apply_lora, linear_layers
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("starts_ray")
 
 # As the full fine-tune's checkpoint tests: 30 steps of 2 x 4 blocks of 64 tokens into a second epoch, checkpoints
 # at 10, 20 and 30 (mid-epoch); a learning rate LoRA moves with (its adapters start at zero).

@@ -23,6 +23,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from raytrain_eks.errors import UserError
 from raytrain_eks.train.model import output_projection_deferred
 
+pytestmark = pytest.mark.usefixtures("builds_models")
+
 SMALL = dict(ARCHITECTURE_SIZES, head_dim=16)
 # Sizes of mixtures of experts, latent attention and partial rotary embeddings, and a layer pattern left to the
 # config's own default for two layers; tried first, then SMALL alone.

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("starts_ray")
 
 
 def test_default_run_end_to_end(tmp_path, builtin_cache):

@@ -24,10 +24,10 @@ from fake_kube import ZONE_LABEL
 from schema_errors import schema_errors
 
 from raytrain_eks.config import Config, load_config
-from raytrain_eks.k8s import existing
 from raytrain_eks.k8s import job as shipping
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.state import StateStore
+from raytrain_eks.kubernetes import existing
 
 SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md
 K8S_VERSION = "1.33"

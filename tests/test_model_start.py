@@ -23,7 +23,7 @@ from test_loss_architectures import ARCHITECTURES, SMALL
 
 from raytrain_eks.train.model import load_model, load_model_shell
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("starts_ray")
 
 
 def _two_ranks(*args: str) -> None:

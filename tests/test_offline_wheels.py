@@ -628,7 +628,7 @@ def test_submit_offline_on_a_shared_volume_writes_the_wheels_through_the_probe_p
     from test_deploy import run_script
     from test_kubernetes_target import GPU_LABELS, GPU_TAINT, Cluster, _claim
 
-    from raytrain_eks.eks import submit as sub
+    from raytrain_eks.deploy import submit as sub
 
     monkeypatch.chdir(tmp_path)
     sets = (

@@ -23,8 +23,9 @@ from typer.testing import CliRunner
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import load_config
 from raytrain_eks.config_cluster import AMI_FAMILIES
-from raytrain_eks.eks.commands import register
-from raytrain_eks.eks.plan import CODE_CONFIG_MAP_FILE, JOB_CONFIG_FILE, PACKAGE_ARCHIVE_FILE, build_plan, write_plan
+from raytrain_eks.deploy.commands import register
+from raytrain_eks.deploy.plan import CODE_CONFIG_MAP_FILE, JOB_CONFIG_FILE, PACKAGE_ARCHIVE_FILE
+from raytrain_eks.eks.plan import build_plan, write_plan
 from raytrain_eks.eks.pricing import cost_per_hour, run_cost
 from raytrain_eks.errors import ConfigError, DataError, UserError
 from raytrain_eks.instances import instance_type
@@ -466,7 +467,7 @@ def test_plan_needs_no_credentials_and_no_cluster_tools(tmp_path):
     """A clean process: no AWS variables or files, an empty PATH, and nothing cloud-side imported."""
     script = (
         "import shutil, sys, typer\n"
-        "from raytrain_eks.eks.commands import register\n"
+        "from raytrain_eks.deploy.commands import register\n"
         "assert not any(shutil.which(t) for t in ('eksctl', 'helm', 'kubectl', 'aws'))\n"
         "app = typer.Typer()\n"
         "app.callback()(lambda: None)\n"
@@ -652,7 +653,7 @@ KUBERNETES = ["cluster.target=kubernetes", "ray.worker_cpu=8", "ray.worker_memor
 
 
 def _kubernetes_plan(tmp_path: Path, *sets: str):
-    from raytrain_eks.eks import plan_existing
+    from raytrain_eks.kubernetes import plan as plan_existing
 
     cfg = load_config(environ={}, path=None, sets=[*KUBERNETES, "training.storage_path=s3://b/runs", *sets])
     return plan_existing.build_plan(cfg, state_dir=tmp_path / ".raytrain-eks")
@@ -676,7 +677,7 @@ def test_the_plan_says_where_the_operator_and_the_head_run_on_each_target(cfg_fo
 
 
 def test_the_kubernetes_plan_names_every_missing_setting_at_once(tmp_path):
-    from raytrain_eks.eks import plan_existing
+    from raytrain_eks.kubernetes import plan as plan_existing
 
     # Neither the worker pods' shape nor storage every node reaches: one message names both.
     cfg = load_config(environ={}, path=None, sets=["cluster.target=kubernetes"])

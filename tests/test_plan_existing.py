@@ -19,12 +19,12 @@ from test_kubernetes_target import CONTEXT, Cluster, efa, plain  # noqa: F401 - 
 from test_plan import _validate_written, schemas  # noqa: F401 - schemas: the fixture
 
 from raytrain_eks.config import load_config
-from raytrain_eks.eks import plan_existing
-from raytrain_eks.eks import submit as sub
-from raytrain_eks.eks.plan import PACKAGE_ARCHIVE_FILE
+from raytrain_eks.deploy import submit as sub
+from raytrain_eks.deploy.plan import PACKAGE_ARCHIVE_FILE
 from raytrain_eks.errors import UserError
-from raytrain_eks.k8s import existing
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.kubernetes import existing
+from raytrain_eks.kubernetes import plan as plan_existing
 
 BASE = ["cluster.target=kubernetes", "training.storage_path=s3://team-checkpoints/runs"]
 SHAPE = ["ray.worker_cpu=39", "ray.worker_memory_gib=154"]
@@ -308,7 +308,7 @@ def _config(tmp_path: Path, extra: str = "") -> Path:
 
 def test_cli_plan_writes_a_rayjobs_files_prices_it_and_keeps_the_token_secret(tmp_path, monkeypatch, capsys):
     from raytrain_eks.cli import main
-    from raytrain_eks.eks import commands
+    from raytrain_eks.deploy import commands
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_TOKEN", "hf_planTokenThatMustNotLeak7")

@@ -390,7 +390,7 @@ def test_command_refuses_bad_options(cli, fake_probe, args, message):
 # -- on an embedded Ray --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.integration
+@pytest.mark.usefixtures("starts_ray")
 def test_probe_on_an_embedded_ray(ray_local):
     spec = ProbeSpec(min_bytes=256 << 10, max_bytes=MiB, iters=2, warmup=1)
     cfg = load_config(preset=presets.local_tiny(), path=None, environ={})

@@ -95,7 +95,7 @@ def test_sample_prompts_are_what_training_shows_before_an_answer(builtin_model, 
     from transformers import AutoTokenizer
 
     from raytrain_eks.train.builtin import sample_data_path
-    from raytrain_eks.train.data import IGNORE_INDEX, encode_row
+    from raytrain_eks.train.data.encoding import IGNORE_INDEX, encode_row
     from raytrain_eks.train.prompts import first_rows, sample_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(builtin_model)

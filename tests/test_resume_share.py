@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("starts_ray")
 
 BUCKET = "raytrain-eks-resume"
 URI = f"s3://{BUCKET}/runs/r/ray/checkpoint_00000001"

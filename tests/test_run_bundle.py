@@ -25,9 +25,9 @@ from typer.testing import CliRunner
 
 from raytrain_eks.cli import main
 from raytrain_eks.config import load_config
-from raytrain_eks.eks import commands as deploy_commands
-from raytrain_eks.eks import results
-from raytrain_eks.eks import submit as sub
+from raytrain_eks.deploy import commands as deploy_commands
+from raytrain_eks.deploy import results
+from raytrain_eks.deploy import submit as sub
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.cluster import ExecResult
 from raytrain_eks.train import bundle as bundle_module

@@ -24,7 +24,7 @@ from raytrain_eks.train.faults import ENV as FAULT_ENV
 from raytrain_eks.train.launch import run_training
 from raytrain_eks.train.staged import CACHE_ENV as MODEL_CACHE_ENV
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("starts_ray")
 
 BUCKET = "raytrain-eks-test"
 

@@ -200,7 +200,7 @@ PLAN = [  # (name, settings over _training's, every rank on one node)
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory, builtin_cache) -> dict[str, Any]:
+def four_ranks(tmp_path_factory, builtin_cache, starts_process_group) -> dict[str, Any]:
     """The runs of :data:`PLAN` on 4 ranks: two torchrun agents (``--nnodes 2``) of 2 processes each, all on this
     machine, one rendezvous; each run's ``(summary, records, all_reduces on subgroups)`` and rank 0's output."""
     tmp = tmp_path_factory.mktemp("four-ranks")

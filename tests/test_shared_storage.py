@@ -12,7 +12,7 @@ import pytest
 
 from raytrain_eks.cli import main
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("starts_ray")
 
 
 @pytest.fixture(scope="module")

@@ -35,8 +35,8 @@ from fake_kube import FakeKube
 from test_deploy import ZONES, FakeTools
 
 from raytrain_eks.config import Config, load_config
+from raytrain_eks.deploy import submit as sub
 from raytrain_eks.eks import lifecycle, nodegroups
-from raytrain_eks.eks import submit as sub
 from raytrain_eks.eks.pricing import check_deployable, cost_per_hour
 from raytrain_eks.fabric.nccl_lines import NCCL_LOG_PREFIX
 from raytrain_eks.k8s import job as shipping
@@ -45,7 +45,7 @@ from raytrain_eks.k8s.cluster import ExecResult
 from raytrain_eks.k8s.state import Deployment, StateStore
 from raytrain_eks.presets import local_tiny
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("starts_ray")
 
 VENV_BIN = str(Path(sys.executable).parent)
 STEPS = 4

@@ -40,12 +40,14 @@ def test_cleans_up():
 """
 
 
+pytestmark = pytest.mark.usefixtures("starts_programs")
+
 # The suite's own command runs it in two processes (pytest-xdist): the check must hold there too.
 IN_TWO_PROCESSES = ["-n", "2", "--dist", "loadfile"]
 
 
 def _run_suite(tmp_path: Path, test_source: str, *options: str) -> subprocess.CompletedProcess[str]:
-    for name in ("conftest.py", "procs.py"):
+    for name in ("conftest.py", "procs.py", "tiers.py"):
         shutil.copy(Path(__file__).with_name(name), tmp_path / name)
     (tmp_path / "test_it.py").write_text(test_source)
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options, str(tmp_path / "test_it.py")]

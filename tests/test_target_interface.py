@@ -1,4 +1,4 @@
-"""Each cluster target implements the whole :class:`~raytrain_eks.k8s.target.ClusterTarget` interface, and what the
+"""Each cluster target implements the whole :class:`~raytrain_eks.deploy.target.ClusterTarget` interface, and what the
 interface decides is asked of the target: the programs a command runs and the price of a run are never chosen by
 comparing ``cluster.target`` with a target's name outside the targets themselves."""
 
@@ -12,14 +12,15 @@ from types import SimpleNamespace
 import pytest
 
 from raytrain_eks.config import load_config
-from raytrain_eks.eks.target import EksTarget, target_for
-from raytrain_eks.k8s.existing import KubernetesTarget
-from raytrain_eks.k8s.target import ClusterTarget
+from raytrain_eks.deploy.target import ClusterTarget, target_for
+from raytrain_eks.eks.target import EksTarget
+from raytrain_eks.k8s.placement import PodPlacement
+from raytrain_eks.kubernetes.target import KubernetesTarget
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "raytrain_eks"
 TARGETS = [EksTarget, KubernetesTarget]
 # Where a target's name may be compared: the targets and the choice of one.
-TARGET_MODULES = {"eks/target.py", "k8s/existing.py", "k8s/target.py"}
+TARGET_MODULES = {"eks/target.py", "kubernetes/existing.py", "kubernetes/target.py"}
 # The modules of the two decisions, each as a whole.
 DECISION_MODULES = ["eks/programs.py", "k8s/programs.py", "eks/pricing.py", "k8s/prices.py"]
 # What a caller of the two decisions calls (any function calling one of these is checked as well).
@@ -30,13 +31,16 @@ TARGET_NAMES = {"eks", "kubernetes"}
 def interface_methods() -> dict[str, inspect.Signature]:
     return {
         name: inspect.signature(member)
-        for name, member in vars(ClusterTarget).items()
+        for interface in (PodPlacement, ClusterTarget)  # ClusterTarget extends the pods' placement
+        for name, member in vars(interface).items()
         if inspect.isfunction(member) and not name.startswith("_")
     }
 
 
-def test_the_interface_covers_the_programs_and_the_price():
-    assert {"command_steps", "price"} <= set(interface_methods())
+def test_the_interface_covers_the_programs_the_price_the_plan_and_the_placement():
+    assert {"command_steps", "price", "plan", "up_plan", "deployment", "worker_pod", "chart_values"} <= set(
+        interface_methods()
+    )
 
 
 @pytest.mark.parametrize("cls", TARGETS, ids=lambda c: c.__name__)

@@ -19,6 +19,8 @@ import pytest
 
 from raytrain_eks.config import BUILTIN_MODEL, RANDOM_DATA
 
+pytestmark = pytest.mark.usefixtures("starts_process_group")
+
 STEPS = 3
 
 

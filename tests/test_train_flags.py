@@ -92,3 +92,82 @@ def test_ray_address_in_the_environment_is_the_cluster_a_command_joins(argv, tmp
     assert f"ray: joining the cluster RAY_ADDRESS names (127.0.0.1:{port})" in err
     assert f"cannot connect to the Ray cluster at 127.0.0.1:{port}" in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()
+
+
+# Every flag of `train`, frozen: a flag added without a line here fails the test below, and a flag that sets a
+# setting names its config field, so `--set`, the config file and `config show` reach everything a flag does.
+# ``None``: a flag that chooses what to run, not a setting.
+TRAIN_FLAGS: dict[str, str | None] = {
+    "--config": None,
+    "--preset": None,
+    "--address": None,
+    "--resume": None,
+    "--set": None,
+    "--verbose": None,
+    "--output-dir": "output_dir",
+    "--model": "model_id",
+    "--data": "data",
+    "--data-format": "data_format",
+    "--method": "method",
+    "--steps": "steps",
+    "--seq-len": "seq_len",
+    "--batch-size": "batch_size",
+    "--learning-rate": "learning_rate",
+    "--num-workers": "num_workers",
+    "--checkpoint-every": "checkpoint_every",
+    "--keep-checkpoints": "keep_checkpoints",
+    "--storage-path": "storage_path",
+    "--storage-shared": "storage_shared",
+    "--no-storage-shared": "storage_shared",
+    "--sharding": "sharding",
+    "--reduce-precision": "reduce_precision",
+    "--compile": "compile",
+    "--no-compile": "compile",
+}
+# A value for each setting flag, and the value the setting then holds.
+FLAG_VALUES: dict[str, tuple[list[str], object]] = {
+    "--output-dir": (["--output-dir", "elsewhere"], "elsewhere"),
+    "--model": (["--model", "Qwen/Qwen2.5-0.5B"], "Qwen/Qwen2.5-0.5B"),
+    "--data": (["--data", "random"], "random"),
+    "--data-format": (["--data-format", "chat"], "chat"),
+    "--method": (["--method", "lora"], "lora"),
+    "--steps": (["--steps", "7"], 7),
+    "--seq-len": (["--seq-len", "96"], 96),
+    "--batch-size": (["--batch-size", "3"], 3),
+    "--batch-size auto": (["--batch-size", "auto"], "auto"),
+    "--learning-rate": (["--learning-rate", "0.001"], 0.001),
+    "--num-workers": (["--num-workers", "1"], 1),
+    "--checkpoint-every": (["--checkpoint-every", "5"], 5),
+    "--keep-checkpoints": (["--keep-checkpoints", "3"], 3),
+    "--storage-path": (["--storage-path", "s3://bucket/runs"], "s3://bucket/runs"),
+    "--storage-shared": (["--storage-path", "/mnt/shared/runs", "--storage-shared"], True),
+    "--no-storage-shared": (["--no-storage-shared"], False),
+    "--sharding": (["--sharding", "fsdp"], "fsdp"),
+    "--reduce-precision": (["--reduce-precision", "bf16", "--sharding", "fsdp"], "bf16"),
+    "--compile": (["--compile"], "on"),
+    "--no-compile": (["--no-compile"], "off"),
+}
+
+
+def test_the_train_flags_are_frozen_and_each_setting_flag_names_its_field():
+    import typer
+
+    from raytrain_eks.cli import app
+    from raytrain_eks.config import TrainingConfig
+
+    command = typer.main.get_command(app).commands["train"]  # type: ignore[attr-defined]
+    flags = {opt for param in command.params for opt in (*param.opts, *param.secondary_opts) if opt.startswith("--")}
+    added, gone = sorted(flags - set(TRAIN_FLAGS)), sorted(set(TRAIN_FLAGS) - flags)
+    assert not added, f"train has new flags {added}: give each its training.* field (or None) in TRAIN_FLAGS"
+    assert not gone, f"TRAIN_FLAGS lists flags train no longer has: {gone}"
+    fields = set(TrainingConfig.model_fields)
+    assert {f for f in TRAIN_FLAGS.values() if f} <= fields
+    assert {flag.split()[0] for flag in FLAG_VALUES} == {flag for flag, f in TRAIN_FLAGS.items() if f}
+
+
+@pytest.mark.parametrize("flag", sorted(FLAG_VALUES))
+def test_each_setting_flag_sets_its_field(flag, train_settings):
+    argv, expected = FLAG_VALUES[flag]
+    training = train_settings(*argv)
+    got = getattr(training, TRAIN_FLAGS[flag.split()[0]])
+    assert got.endswith(str(expected)) if flag == "--output-dir" else got == expected, (flag, got)

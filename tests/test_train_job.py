@@ -18,7 +18,7 @@ from raytrain_eks.errors import DataError, TrainingError, UserError
 from raytrain_eks.train import launch
 from raytrain_eks.train.launch import run_training
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.usefixtures("starts_ray")
 
 
 def config(tmp_path, monkeypatch, **training):
