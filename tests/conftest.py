@@ -115,6 +115,23 @@ def starts_ray() -> None:
     integration tier."""
 
 
+@pytest.fixture
+def fabric_cli() -> Any:
+    """The fabric commands (``verify-transport``, ...) under a root group, addressed by name as under raytrain-eks."""
+    import typer
+
+    from raytrain_eks.fabric.commands import register
+
+    app = typer.Typer()
+
+    @app.callback()
+    def _root() -> None:
+        """A root group, so that a command is addressed by name."""
+
+    register(app)
+    return app
+
+
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One two-host cluster (tests/twohost.py) per module that uses it, about 20 s to start, with moto's S3 on host

@@ -51,9 +51,12 @@ CLUSTER_SCOPED = frozenset(
 )
 
 # A node's hardware, by its instance type (the label node.kubernetes.io/instance-type): what a device plugin on it
-# can advertise. g6.12xlarge: 4 NVIDIA L4 GPUs (AWS's G6 instance table) and 1 EFA interface
-# (docs/reference/infra-facts.md §2: EfaInfo.MaximumEfaInterfaces).
-INSTANCE_DEVICES: dict[str, dict[str, str]] = {"g6.12xlarge": {"nvidia.com/gpu": "4", "vpc.amazonaws.com/efa": "1"}}
+# can advertise. g6.12xlarge: 4 NVIDIA L4 GPUs (AWS's G6 instance table) and 1 EFA interface; p5.48xlarge: 8 H100
+# and 32 EFA interfaces (docs/reference/infra-facts.md §2 and §5: EfaInfo.MaximumEfaInterfaces).
+INSTANCE_DEVICES: dict[str, dict[str, str]] = {
+    "g6.12xlarge": {"nvidia.com/gpu": "4", "vpc.amazonaws.com/efa": "1"},
+    "p5.48xlarge": {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32"},
+}
 
 # Device plugins, by the name of their container's image: the command that is the plugin (None: any, the image's
 # own entrypoint included) and the resource it registers with the kubelet. NVIDIA's image runs the plugin by

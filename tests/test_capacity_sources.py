@@ -562,3 +562,35 @@ def test_up_falls_back_to_the_next_source_when_spot_cannot_launch_anywhere(aws_e
     assert "Removing the failed node group gpu-efa; trying us-east-1a (on-demand) next" in said
     written = yaml.safe_load((world.store.root / "eksctl-nodegroup-gpu-efa.yaml").read_text())
     assert written["managedNodeGroups"][0]["instanceType"] == "g6.12xlarge", "the last file is the on-demand group"
+
+
+def test_a_run_in_a_capacity_block_is_told_to_stop_by_its_drain_time(aws_env, tmp_path, monkeypatch):
+    # EKS advises draining more than 30 minutes before a block ends: submit puts the recorded block's drain time in
+    # the job's settings (training.stop_at), where the run's own watch ends it, checkpointed, as preempted.
+    from test_deploy import World
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(gpu_capacity=["capacity-block", "on-demand"], capacity_block_id=BLOCK, **P5)
+    world = World(tmp_path, cfg)
+    start = datetime.now(UTC).replace(microsecond=0) - timedelta(hours=1)  # running now
+    block = mk.Block(BLOCK, "p5.48xlarge", "us-east-1b", 2, start, start + timedelta(hours=24), "active")
+    world.store.update(**{mk.BLOCK_KEY: block.to_state()})
+    world.up()
+    assert world.store.get("gpu_capacity_used") == "capacity-block"
+    world.submit()
+    job = world.kube.get("v1", "ConfigMap", cfg.ray.cluster_name + "-config", cfg.ray.namespace)
+    training = yaml.safe_load(job["data"]["raytrain-eks.yaml"])["training"]
+    assert datetime.fromisoformat(str(training["stop_at"])) == block.drain_by == block.end - timedelta(minutes=30)
+    assert f"the run checkpoints and stops by {block.drain_by:%Y-%m-%d %H:%M} UTC" in world.said()
+
+
+def test_on_demand_nodes_give_the_run_no_stop_time(aws_env, tmp_path, monkeypatch):
+    from test_deploy import World
+
+    monkeypatch.chdir(tmp_path)
+    world = World(tmp_path, _cfg(**P5))
+    world.up()
+    world.submit()
+    cfg = world.d.cfg
+    job = world.kube.get("v1", "ConfigMap", cfg.ray.cluster_name + "-config", cfg.ray.namespace)
+    assert yaml.safe_load(job["data"]["raytrain-eks.yaml"])["training"].get("stop_at") is None

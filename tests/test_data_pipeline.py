@@ -270,10 +270,33 @@ def test_a_hugging_face_dataset_is_read_offline_from_the_cache(tmp_path, ray_loc
 
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+# The rows of tatsu-lab/alpaca as its dataset card describes them (instruction, input, output, text): what a recipe
+# naming it reads, where the Hub is out of reach and the dataset is not in the Hugging Face cache.
+ALPACA_ROWS = [
+    {
+        "instruction": f"Give the sum of {i} and {i + 1}.",
+        "input": "" if i % 2 else f"The numbers are {i} and {i + 1}.",
+        "output": f"The sum of {i} and {i + 1} is {2 * i + 1}, since {i} + {i + 1} = {2 * i + 1}.",
+        "text": f"Below is an instruction that describes a task. ... {2 * i + 1}",
+    }
+    for i in range(1200)  # enough for the blocks one of the recipe's steps takes
+]
+HUB_STAND_INS = {"hf:tatsu-lab/alpaca": ALPACA_ROWS}
 
 
-@pytest.mark.parametrize("recipe", EXAMPLES, ids=[p.name for p in EXAMPLES])
-def test_every_example_recipe_reads_its_data(recipe, ray_local, builtin_model, monkeypatch):
+def _reads_data(recipe: Path) -> bool:
+    from raytrain_eks.config import load_config
+
+    return not load_config(path=recipe, environ={}).training.uses_random_data
+
+
+def test_the_recipes_that_read_no_data_say_so():
+    random_ones = [p.name for p in EXAMPLES if not _reads_data(p)]
+    assert set(random_ones) < {p.name for p in EXAMPLES}  # the others are each read below
+
+
+@pytest.mark.parametrize("recipe", [p for p in EXAMPLES if _reads_data(p)], ids=lambda p: p.name)
+def test_every_example_recipe_reads_its_data(recipe, ray_local, builtin_model, monkeypatch, tmp_path):
     # Each shipped recipe's data prepared as `train` prepares it (data, format, columns, template, the blocks one
     # step takes on this machine's CPU workers), from the repository's folder where its comments run it. The
     # tokenizer is the built-in model's: a Hub model may not be in the cache here, and the rows' use does not
@@ -285,15 +308,18 @@ def test_every_example_recipe_reads_its_data(recipe, ray_local, builtin_model, m
 
     monkeypatch.chdir(recipe.parents[1])
     training = load_config(path=recipe, environ={}).training
-    if training.uses_random_data:
-        pytest.skip("random token ids: the recipe reads no data")
     data = str(sample_data_path()) if training.data == BUILTIN_DATA else training.data
     if data.startswith("hf:"):
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # tests reach no network: the Hugging Face cache only
         try:
             listed = list_data_files(data)
-        except DataError as exc:
-            pytest.skip(f"{data} is not in the Hugging Face cache; download it once (HF_HOME) to check it: {exc}")
+        except DataError:  # not in this machine's cache: a cache holding rows of the dataset's documented shape
+            import huggingface_hub.constants
+
+            assert data in HUB_STAND_INS, f"{data}: add its rows' shape to HUB_STAND_INS"
+            _hub_dataset(tmp_path / "hub", data.removeprefix("hf:").split(":")[0], {"train": HUB_STAND_INS[data]})
+            monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+            listed = list_data_files(data)
     else:
         listed = list_data_files(data)
     prepared = prepare_dataset(

@@ -59,7 +59,14 @@ RECORDED = Path(__file__).parent / "fixtures" / "recorded"  # real tool output; 
 SCHEMAS = Path(__file__).parent / "schemas"  # copies of the upstream schemas, see schemas/README.md
 ZONES = ["us-east-1a", "us-east-1b", "us-east-1c"]
 TOKEN = "hf_SECRETtoken1234567890"
-ALLOCATABLE = {"g6.12xlarge": {"cpu": "47", "memory": "185Gi"}, "m7i.xlarge": {"cpu": "3920m", "memory": "14Gi"}}
+# What the kubelet offers pods: the instance's vCPUs and memory less the EKS AMI's reservations (kube-reserved CPU:
+# 6% of the first core, 1% of the second, 0.5% of the next two, 0.25% of the rest; memory 255Mi + 11Mi per pod, and
+# the eviction threshold), rounded down. p5.48xlarge: 192 vCPUs, 2,048 GiB (docs/reference/infra-facts.md §5).
+ALLOCATABLE = {
+    "g6.12xlarge": {"cpu": "47", "memory": "185Gi"},
+    "m7i.xlarge": {"cpu": "3920m", "memory": "14Gi"},
+    "p5.48xlarge": {"cpu": "191", "memory": "1980Gi"},
+}
 
 
 # ------------------------------------------------------------------------------------------------------------------

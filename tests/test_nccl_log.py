@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric import nccl_lines
-from raytrain_eks.fabric.commands import Require, register
+from raytrain_eks.fabric.commands import Require
 from raytrain_eks.fabric.nccl_lines import LogInputError, iter_log_lines
 from raytrain_eks.fabric.nccl_log import analyze, analyze_paths
 from raytrain_eks.fabric.nccl_report import REQUIREMENTS, VERDICTS, TransportReport
@@ -472,15 +472,8 @@ def test_state_is_bounded_for_adversarial_input(monkeypatch):
 
 
 @pytest.fixture
-def cli() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def _root() -> None:
-        """A root group, so that the command is addressed by name as under raytrain-eks."""
-
-    register(app)
-    return app
+def cli(fabric_cli: typer.Typer) -> typer.Typer:
+    return fabric_cli
 
 
 @pytest.mark.parametrize(

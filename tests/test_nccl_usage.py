@@ -19,7 +19,6 @@ from typer.testing import CliRunner
 
 from raytrain_eks.config import FabricConfig
 from raytrain_eks.fabric import analyze, analyze_paths
-from raytrain_eks.fabric.commands import register
 from raytrain_eks.fabric.decision import gate_decision
 from raytrain_eks.fabric.nccl_usage import FINDING_KINDS
 from raytrain_eks.instances import UnknownInstanceTypeError, instance_type
@@ -145,15 +144,8 @@ def test_full_use_is_off_by_default_in_the_configuration():
 
 
 @pytest.fixture
-def cli() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def _root() -> None:
-        """A root group, so that the command is addressed by name as under raytrain-eks."""
-
-    register(app)
-    return app
+def cli(fabric_cli: typer.Typer) -> typer.Typer:
+    return fabric_cli
 
 
 def test_command_reports_the_shortfall_and_fails_only_when_asked(cli):

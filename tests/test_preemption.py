@@ -215,3 +215,23 @@ def test_the_stand_in_serves_the_notice_only_from_the_nth_look():
         finally:
             watch.close()
     assert imds.count(ACTION) >= 2
+
+
+def test_the_runs_stop_time_is_a_notice_that_stops_it_once_reached():
+    from datetime import UTC, datetime, timedelta
+
+    from raytrain_eks.config import TrainingConfig
+
+    soon = datetime.now(UTC) + timedelta(seconds=0.3)
+    watch = NoticeWatch.start(0.02, sigterm=False, stop_at=soon)  # no metadata service: the stop time alone
+    assert watch is not None and not watch.polls_metadata
+    try:
+        assert watch.current() is None  # not yet
+        notice = wait_for(watch)
+        assert notice is not None and notice.kind == "deadline" and notice.stops
+        assert notice.deadline == soon.isoformat() and "training.stop_at" in notice.reason()
+    finally:
+        watch.close()
+    # A time written without a zone is UTC.
+    naive = TrainingConfig(stop_at="2026-12-08T10:00:00").stop_at
+    assert naive == datetime(2026, 12, 8, 10, tzinfo=UTC)

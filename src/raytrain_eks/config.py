@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -383,6 +384,11 @@ class TrainingConfig(Section):
     on_rebalance: Literal["checkpoint", "ignore"] = Field(
         "checkpoint", description="an EC2 rebalance recommendation: checkpoint at once (and train on), or ignore it"
     )
+    stop_at: datetime | None = Field(
+        None,
+        description="a time (UTC) by which the run checkpoints and ends as preempted; on EKS, submit sets a Capacity "
+        "Block's drain time",
+    )
     storage_path: str | None = Field(
         None, description="checkpoints: a folder every node reaches or s3://bucket/prefix; empty = run folder"
     )
@@ -411,6 +417,12 @@ class TrainingConfig(Section):
         if not v.strip():
             raise ValueError("must not be empty")
         return v
+
+    @field_validator("stop_at")
+    @classmethod
+    def _utc(cls, v: datetime | None) -> datetime | None:
+        """A time without a zone is read as UTC (the zone every time this tool prints is in)."""
+        return v.replace(tzinfo=UTC) if v is not None and v.tzinfo is None else v
 
     @field_validator("csv_delimiter")
     @classmethod

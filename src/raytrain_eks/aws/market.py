@@ -18,7 +18,7 @@ zone, recorded under :data:`SPOT_KEY` for ``plan``'s price range. The spot place
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
@@ -40,6 +40,12 @@ _NOT_OFFERED = frozenset({"InvalidParameterValue", "InvalidParameterCombination"
 
 class CapacityBlockError(UserError):
     """No Capacity Block offering fits, an offering id that is not among them, or a purchase refused."""
+
+
+def _as_json(record: Any) -> dict[str, Any]:
+    """A dataclass's fields as JSON values, its times in ISO 8601."""
+    values = {f.name: getattr(record, f.name) for f in fields(record)}
+    return {name: v.isoformat() if isinstance(v, datetime) else v for name, v in values.items()}
 
 
 @dataclass(frozen=True)
@@ -93,17 +99,7 @@ class BlockOffering:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "instance_type": self.instance_type,
-            "zone": self.zone,
-            "count": self.count,
-            "start": self.start.isoformat(),
-            "end": self.end.isoformat(),
-            "hours": self.hours,
-            "upfront_usd": self.upfront_usd,
-            "currency": self.currency,
-        }
+        return _as_json(self)
 
 
 @dataclass(frozen=True)
@@ -129,17 +125,7 @@ class Block:
         return now >= self.start
 
     def to_state(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "instance_type": self.instance_type,
-            "zone": self.zone,
-            "count": self.count,
-            "start": self.start.isoformat(),
-            "end": self.end.isoformat(),
-            "drain_by": self.drain_by.isoformat(),
-            "state": self.state,
-            "upfront_usd": self.upfront_usd,
-        }
+        return {**_as_json(self), "drain_by": self.drain_by.isoformat()}
 
     @classmethod
     def from_state(cls, data: dict[str, Any]) -> Block:

@@ -550,6 +550,10 @@ def submit(
         if memory is not None:
             d.say(memory.line)
             d.cfg = cfg  # the job's ConfigMap carries what the estimate decided
+    deadline = target.run_deadline(d)
+    if deadline is not None and (cfg.training.stop_at is None or deadline < cfg.training.stop_at):
+        cfg = d.cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"stop_at": deadline})})
+        d.say(f"the run checkpoints and stops by {deadline:%Y-%m-%d %H:%M} UTC (training.stop_at), before its nodes go")
     cfg.check_cluster_storage()  # checkpoints every node reaches, before any node is scaled or job submitted
     offline = cfg.ray.offline
     if offline:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -108,6 +109,11 @@ class ClusterTarget(PodPlacement, Protocol):
 
     def after_rayjob(self, d: Deployment) -> None:
         """After a RayJob's evidence is read: let the GPU nodes go where that stops their bill."""
+        ...
+
+    def run_deadline(self, d: Deployment) -> datetime | None:
+        """When the job must have checkpointed and stopped because its nodes end on a schedule (a Capacity Block's
+        drain time); None where they do not."""
         ...
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shlex
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +133,11 @@ class EksTarget:
             "scales it back)"
         )
         nodegroups.scale_gpu_nodes(d, 0)
+
+    def run_deadline(self, d: Deployment) -> datetime | None:
+        """The drain time of the Capacity Block the GPU nodes run in (``up`` records the source it used), which EKS
+        advises keeping more than 30 minutes before the block ends."""
+        if d.state.get("gpu_capacity_used") != "capacity-block":
+            return None
+        block = nodegroups.recorded_block(d.cfg, d.state)
+        return block.drain_by if block is not None else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +158,6 @@ class KubernetesTarget:
 
     def after_rayjob(self, d: Deployment) -> None:
         return None
+
+    def run_deadline(self, d: Deployment) -> datetime | None:
+        return None  # the cluster's nodes are the user's, on no schedule this tool knows

@@ -723,7 +723,8 @@ def train(
     window.reopen()
     model.train()
     beat = heartbeat(ctx.rank, device, optimizer)  # the driver's watchdog hears of every step (none: a no-op)
-    watch = NoticeWatch.start(cfg.notice_poll_s)  # this node's interruption notices (None: nothing to watch)
+    # This node's interruption notices and the run's stop time (None: nothing to watch).
+    watch = NoticeWatch.start(cfg.notice_poll_s, stop_at=cfg.stop_at)
     agree = StepAgreement(watch, world_size=ctx.world_size, on_rebalance=cfg.on_rebalance, device=device)
     for step in range(start.step + 1, cfg.steps + 1):
         maybe_die("step", step=step, rank=ctx.rank)

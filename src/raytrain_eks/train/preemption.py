@@ -89,6 +89,8 @@ class Notice:
             return f"rebalance recommendation ({self.deadline or 'no time given'})"
         if self.kind == "remote":  # the agreement's answer on a rank whose own node was told nothing
             return "another rank's node was told to stop"
+        if self.kind == "deadline":
+            return f"the run's stop time (training.stop_at {self.deadline}: a Capacity Block's drain time on EKS)"
         return "SIGTERM (the node is being drained)"
 
     def to_json(self) -> dict[str, Any]:
@@ -161,8 +163,8 @@ class NoticeWatch:
     """This process's notices: the metadata service's (polled on a daemon thread) and SIGTERM's. :meth:`current`
     returns the one to act on: a stopping notice before a rebalance recommendation."""
 
-    def __init__(self, client: MetadataClient | None, poll_s: float) -> None:
-        self._client, self._poll_s = client, poll_s
+    def __init__(self, client: MetadataClient | None, poll_s: float, stop_at: datetime | None = None) -> None:
+        self._client, self._poll_s, self._stop_at = client, poll_s, stop_at
         self._lock = threading.RLock()  # reentrant: the SIGTERM handler runs on the main thread, maybe inside current()
         self._stop: Notice | None = None
         self._rebalance: Notice | None = None
@@ -174,10 +176,12 @@ class NoticeWatch:
         self._before: Any = None  # the handler it replaced, put back by close()
 
     @classmethod
-    def start(cls, poll_s: float, *, endpoint: str | None = None, sigterm: bool = True) -> NoticeWatch | None:
+    def start(
+        cls, poll_s: float, *, endpoint: str | None = None, sigterm: bool = True, stop_at: datetime | None = None
+    ) -> NoticeWatch | None:
         """A started watch: the metadata thread where there is a service to ask (:func:`metadata_endpoint`) and it
-        answers a token request within :data:`PROBE_S`, and the SIGTERM handler where this thread may install one
-        (``sigterm``); ``None`` when neither."""
+        answers a token request within :data:`PROBE_S`, or a ``stop_at`` time to stop by (checked on the same
+        thread), and the SIGTERM handler where this thread may install one (``sigterm``); ``None`` when none."""
         where = endpoint or metadata_endpoint()
         client = MetadataClient(where) if where else None
         try:
@@ -185,12 +189,12 @@ class NoticeWatch:
                 client.token(timeout=PROBE_S)
         except (OSError, ValueError):  # nothing answers, or it refuses: no metadata watch here
             client = None
-        watch = cls(client, poll_s)
+        watch = cls(client, poll_s, stop_at)
         if sigterm:
             watch.sigterm = watch.install_sigterm()
-        if client is None and not watch.sigterm:
+        if client is None and not watch.sigterm and stop_at is None:
             return None
-        if client is not None:
+        if client is not None or stop_at is not None:
             with contextlib.suppress(OSError, ValueError):  # a notice already out is seen before the first step
                 watch.poll_once()
             watch._thread = threading.Thread(target=watch._run, name="interruption-notices", daemon=True)
@@ -232,6 +236,8 @@ class NoticeWatch:
             self.last_rebalance, self._rebalance = self._rebalance or self.last_rebalance, None
 
     def poll_once(self) -> None:
+        if self._stop_at is not None and time.time() >= self._stop_at.timestamp():
+            self.record(Notice("deadline", time.time(), deadline=self._stop_at.isoformat()))
         if self._client is None:
             return
         action = self._client.get_json(ACTION_PATH)
