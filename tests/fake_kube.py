@@ -203,6 +203,8 @@ class _FakeNode:
     advertised: dict[str, str] = field(default_factory=dict)
     taints: list[dict[str, Any]] = field(default_factory=list)
     devices: dict[str, str] = field(default_factory=dict)  # hardware a device plugin can advertise
+    unschedulable: bool = False  # spec.unschedulable: cordoned, the scheduler places no new pod on it
+    provider_id: str | None = None  # spec.providerID, as the cloud provider sets it (aws:///<zone>/<instance id>)
 
 
 @dataclass
@@ -343,6 +345,7 @@ class FakeKube:
         ready: bool = True,
         taints: Sequence[Mapping[str, Any]] = (),
         devices: Mapping[str, str] | None = None,
+        provider_id: str | None = None,
     ) -> None:
         """A node; ``devices`` (default: ``INSTANCE_DEVICES`` of its instance-type label) is its hardware, which
         only a device plugin's Ready pod makes it advertise."""
@@ -350,6 +353,7 @@ class FakeKube:
             devices = INSTANCE_DEVICES.get(labels.get("node.kubernetes.io/instance-type", ""), {})
         node = _FakeNode(dict(labels), dict(allocatable), ready, taints=[dict(t) for t in taints])
         node.devices = dict(devices)
+        node.provider_id = provider_id
         self._nodes[name] = node
 
     def remove_nodes(self, selector: Mapping[str, str]) -> list[str]:
@@ -494,6 +498,13 @@ class FakeKube:
     ) -> bool:
         """A JSON merge patch (RFC 7386) of a stored object: ``None`` removes a key, a mapping merges into a
         mapping, anything else replaces."""
+        if (api_version, kind) == ("v1", "Node"):  # cordon and uncordon: `kubectl cordon` patches spec.unschedulable
+            node = self._nodes.get(name)
+            if node is None:
+                return False
+            node.unschedulable = bool(patch.get("spec", {}).get("unschedulable"))
+            self.patched.append((api_version, kind, name, namespace, copied(dict(patch))))
+            return True
         ns = namespace if kind not in CLUSTER_SCOPED else None
         key = (api_version, kind, ns, name)
         if key not in self._objects:
@@ -532,8 +543,26 @@ class FakeKube:
         return (api_version, kind, namespace, name) in self._objects
 
     def get(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        if (api_version, kind) == ("v1", "Node"):
+            return self._node_object(name)
         obj = self._objects.get((api_version, kind, namespace, name))
         return copied(obj) if obj is not None else None
+
+    def _node_object(self, name: str) -> dict[str, Any] | None:
+        node = self._nodes.get(name)
+        if node is None:
+            return None
+        spec: dict[str, Any] = {"taints": copied(node.taints)}
+        if node.unschedulable:
+            spec["unschedulable"] = True
+        if node.provider_id:
+            spec["providerID"] = node.provider_id
+        return {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name, "labels": dict(node.labels)},
+            "spec": spec,
+        }
 
     def delete(self, api_version: str, kind: str, name: str, namespace: str | None = None) -> bool:
         self.deleted.append((api_version, kind, name, namespace))
@@ -550,6 +579,14 @@ class FakeKube:
     def _remove(self, api_version: str, kind: str, name: str, namespace: str | None) -> bool:
         if kind == "DaemonSet" and namespace is not None:
             return self.remove_daemon_set(namespace, name)
+        if (
+            kind == "Pod"
+            and (namespace, name) in self._pods
+            and (api_version, kind, namespace, name) not in self._objects
+        ):
+            del self._pods[(namespace, name)]  # a controller's pod (KubeRay's worker): the controller makes it again
+            self._run_rayclusters()
+            return True
         obj = self._objects.pop((api_version, kind, namespace, name), None)
         if obj is None:
             return False
@@ -787,6 +824,9 @@ class FakeKube:
     def _bind(self, ns: str, name: str, pod: _FakePod) -> None:
         reasons: dict[str, int] = {}
         for node_name, node in self._nodes.items():
+            if node.unschedulable:  # kube-scheduler's NodeUnschedulable plugin filters a cordoned node out
+                reasons["node(s) were unschedulable"] = reasons.get("node(s) were unschedulable", 0) + 1
+                continue
             if not node.ready:
                 reasons["node(s) were not ready"] = reasons.get("node(s) were not ready", 0) + 1
                 continue

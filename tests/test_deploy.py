@@ -36,6 +36,7 @@ from charts import crds, eksctl_efa_daemon_set, rendered, values_path, vendored
 from fake_aws import keep_termination_protection
 from fake_eksctl_auth import NOT_OPERABLE, FakeIamServiceAccounts, kubeconfig
 from fake_kube import CLUSTER_SCOPED, PULL_NO_CREDENTIALS, PULL_NOT_FOUND, FakeKube, parse_quantity
+from gpu_node_tools import GpuNodeTools
 from packaging.utils import canonicalize_name
 from typer.testing import CliRunner
 
@@ -493,6 +494,7 @@ class FakeRay:
         self.agent_took_it = False
         # The distributions the image has, by name, as its python3 reports them (none of the job's by default).
         self.image: dict[str, str] = {}
+        self.node_tools = GpuNodeTools(RECORDED)  # what the GPU node checks read: a healthy g6.12xlarge by default
 
     def __call__(self, ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:
         if argv[:3] == ["ray", "job", "submit"]:
@@ -548,8 +550,9 @@ class FakeRay:
             # fixtures/recorded/fi_info_no_efa.txt: the line goes to stderr and fi_info exits with 61, -FI_ENODATA
             # negated (libfabric's util/info.c, see SOURCES.md).
             return ExecResult(61, "", (RECORDED / "fi_info_no_efa.txt").read_text())
-        if argv == ["nvidia-smi"]:  # fixtures/recorded/nvidia_smi.txt: kubectl exec ... nvidia-smi on an EKS A10G
-            return ExecResult(0, (RECORDED / "nvidia_smi.txt").read_text())
+        found = self.node_tools.answer(pod, argv)  # nvidia-smi, dmesg, dcgmi: fixtures/recorded/ (GpuNodeTools)
+        if found is not None:
+            return found
         raise AssertionError(f"unexpected exec in {pod}: {argv[:3]}")
 
 
@@ -1001,7 +1004,7 @@ def test_submit_runs_the_job_from_the_head_pod_and_checks_efa(ready: World):
     result = ready.submit(hf_token=TOKEN)
     assert result.exit_code == 0 and result.job_status == "SUCCEEDED"
     assert result.report is not None and result.report.verdict == "efa" and result.efa_provider is True
-    assert result.versions == {"driver": "535.230.02", "cuda": "12.2"}  # fixtures/recorded/nvidia_smi.txt
+    assert result.versions == {"driver": "535.183.01", "cuda": "12.2"}  # fixtures/recorded/nvidia_smi_4xl4.txt
     # Submitted through exec in the head pod, to the dashboard on the pod's own loopback.
     (argv,) = ready.ray.submitted
     head_calls = [c for c in ready.kube.exec_calls if c[2][:3] == ["ray", "job", "submit"]]
@@ -1819,7 +1822,7 @@ def test_rayjob_evidence_is_read_before_its_cluster_is_deleted(ready: World):
     result = ready.submit(mode="rayjob")
     assert result.exit_code == 0, result.summary
     assert result.report is not None and result.report.verdict == "efa"
-    assert result.efa_provider is True and result.versions == {"driver": "535.230.02", "cuda": "12.2"}
+    assert result.efa_provider is True and result.versions == {"driver": "535.183.01", "cuda": "12.2"}
     # Then submit deletes the cluster itself, before the GPU nodes go.
     status = ready.kube.get("ray.io/v1", "RayJob", "ray-train", "default")["status"]
     cluster = status["rayClusterName"]  # KubeRay's: the RayJob's name and five random characters

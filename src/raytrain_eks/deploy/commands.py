@@ -6,6 +6,7 @@ raytrain-eks plan --mode rayjob -o plan-out    # a RayJob (cluster deleted when 
 raytrain-eks up [--plan] [--train] [-y]       # cluster, node groups, device plugins, KubeRay (resumes)
 raytrain-eks submit [--mode rayjob]           # run the job in the cluster; exit 1 unless EFA carried it
 raytrain-eks status | logs [--follow]         # what is deployed; the last job's output
+raytrain-eks check [--exclude-bad-nodes]      # each GPU node proven in its worker pod; exit 1 naming a bad one
 raytrain-eks down [-y]                        # delete everything up and submit created, newest first
 raytrain-eks compare-fabric [-y]              # the job over EFA, then over TCP: the speed-up of EFA
 raytrain-eks results [RUN] [--to DIR]         # the runs in the deployment's storage; fetch one's bundle
@@ -49,11 +50,12 @@ class PlanMode(StrEnum):
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``plan``, ``up``, ``submit``, ``status``, ``logs``, ``down``, ``compare-fabric`` and ``results`` to
-    ``app``."""
+    """Add ``plan``, ``up``, ``submit``, ``check``, ``status``, ``logs``, ``down``, ``compare-fabric`` and ``results``
+    to ``app``."""
     app.command()(plan)
     app.command()(up)
     app.command()(submit)
+    app.command()(check)
     app.command()(status)
     app.command()(logs)
     app.command()(down)
@@ -163,6 +165,10 @@ def _say(line: str) -> None:
     _out.print(line, markup=False)
 
 
+def _say_to_stderr(line: str) -> None:  # progress while stdout holds only the result (--json)
+    Console(stderr=True, highlight=False, soft_wrap=True).print(line, markup=False)
+
+
 def _load(
     config: Path | None,
     preset: str,
@@ -230,7 +236,7 @@ def up(
         target.check_own_programs(d, "up")
     target.up(d, confirm=_confirm(yes))
     if train:  # with what up remembered on the way (the checkpoint bucket it created, the nodes it found)
-        _submit(dataclasses.replace(d, cfg=target.remembered(cfg, d.state)), mode)
+        _submit(dataclasses.replace(d, cfg=target.remembered(cfg, d.state)), mode, checks=target.checks_by_default)
 
 
 def submit(
@@ -242,6 +248,13 @@ def submit(
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
     offline: OfflineOpt = False,
+    skip_checks: Annotated[
+        bool,
+        typer.Option(
+            "--skip-checks",
+            help="Do not check the GPU nodes before the job (on by default where the target launches the nodes).",
+        ),
+    ] = False,
 ) -> None:
     """Run the training job in the cluster and check that EFA carried it (exit 1 if not, 2 if undecided)."""
     from raytrain_eks.deploy.target import target_for
@@ -249,19 +262,50 @@ def submit(
     given = [*(sets or []), *(["ray.offline=true"] if offline else [])]
     d = make_deployment(_load(config, preset, given, kubeconfig, context), state_dir)
     target_for(d.cfg).require_programs(d, "submit", mode=mode.value)
-    _submit(d, mode)
+    _submit(d, mode, checks=target_for(d.cfg).checks_by_default and not skip_checks)
 
 
-def _submit(d: Deployment, mode: PlanMode) -> None:
+def _submit(d: Deployment, mode: PlanMode, checks: bool = False) -> None:
     from raytrain_eks.deploy.submit import Mode, submit
 
     # The token goes from this environment into a Secret through the API: never a file, argv or log line.
     from raytrain_eks.k8s.manifests import passed_env
 
     hf_token, env = os.environ.get("HF_TOKEN") or None, passed_env(os.environ)  # HF_*, WANDB_*, MLFLOW_* as well
-    result = submit(d, mode=cast("Mode", mode.value), hf_token=hf_token, env=env)
+    result = submit(d, mode=cast("Mode", mode.value), hf_token=hf_token, env=env, checks=checks)
     if result.exit_code:
         raise typer.Exit(result.exit_code)
+
+
+def check(
+    config: ConfigOpt = None,
+    preset: ClusterPresetOpt = "reference",
+    exclude_bad_nodes: Annotated[
+        bool,
+        typer.Option(
+            "--exclude-bad-nodes",
+            help="Cordon each failing node (on EKS the node group also replaces its instance) before the next run.",
+        ),
+    ] = False,
+    json_output: JsonOpt = False,
+    state_dir: StateDirOpt = Path(".raytrain-eks"),
+    kubeconfig: KubeconfigOpt = None,
+    context: ContextOpt = None,
+) -> None:
+    """Check every GPU node in its Ray worker pod: GPUs, ECC, row remaps, Xids, DCGM, EFA (exit 1 if one fails)."""
+    from raytrain_eks.deploy.checks import check_cluster
+    from raytrain_eks.deploy.target import target_for
+
+    cfg = _load(config, preset, None, kubeconfig, context)
+    d = make_deployment(cfg, state_dir, _say_to_stderr if json_output else _say)
+    result = check_cluster(d, target_for(d.cfg), exclude=exclude_bad_nodes)
+    if json_output:
+        typer.echo(result.to_json())
+    else:
+        for line in result.lines():
+            _say(line)
+    if not result.ok:
+        raise typer.Exit(1)
 
 
 def status(

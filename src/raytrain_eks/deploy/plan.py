@@ -225,9 +225,8 @@ def image_installs(cfg: Config) -> dict[str, Any]:
     ``{"installs": [], "ships": ["peft>=0.21.2,<0.22"], "local_only": ["matplotlib"], "how": "The image has 9 of
     ..."}``."""
     local = sorted(job_files.LOCAL_ONLY)
-    kept = (
-        f"{', '.join(local)} (the report's plots) is not shipped: on an image without it the run writes its metrics "
-        "and no report, and `raytrain-eks results` draws the report here."
+    kept = " ".join(
+        f"{name} is not shipped: on an image without it {job_files.WITHOUT_LOCAL_ONLY[name]}." for name in local
     )
     rule = _PACKAGES_RULE.format(max=job_files.MAX_SHIPPED)
     known = job_files.planned_installs(cfg.ray.image)

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from raytrain_eks.config import BUILTIN_MODEL, Config
 from raytrain_eks.deploy import offline as offline_wheels
+from raytrain_eks.deploy.checks import before_job
 from raytrain_eks.deploy.fit import fit_on_image
 from raytrain_eks.deploy.results import run_bundle, where_the_run_is
 from raytrain_eks.deploy.target import target_for
@@ -529,7 +530,12 @@ def _running_head(d: Deployment) -> Pod | None:
 
 
 def submit(
-    d: Deployment, *, mode: Mode = "raycluster", hf_token: str | None = None, env: dict[str, str] | None = None
+    d: Deployment,
+    *,
+    mode: Mode = "raycluster",
+    hf_token: str | None = None,
+    env: dict[str, str] | None = None,
+    checks: bool = False,
 ) -> SubmitResult:
     """Apply the Ray objects, run the job from inside the head pod, stream its logs and judge the fabric.
 
@@ -537,7 +543,9 @@ def submit(
     replaced. A RayJob is refused while this deployment's RayCluster holds the GPU nodes, and its own RayCluster is
     deleted once the evidence in its pods is read (then the GPU node group is scaled to 0). ``hf_token`` goes into
     a Secret through the API only. Returns the result; its ``exit_code`` is 0 only when the job succeeded, NCCL's
-    log meets ``fabric.require``, and (for ``efa``) ``fi_info`` sees EFA.
+    log meets ``fabric.require``, and (for ``efa``) ``fi_info`` sees EFA. ``checks``: prove each GPU node in its
+    worker pod before a RayCluster's job (:func:`~raytrain_eks.deploy.checks.before_job`; the ``submit`` command
+    turns it on where the target's ``checks_by_default`` says, unless ``--skip-checks``).
     """
     cfg = d.cfg = job_config(d.cfg)  # the ConfigMap carries it; a problem the job would meet stops here
     ns = cfg.ray.namespace
@@ -609,6 +617,8 @@ def submit(
         head, workers = wait_for_ray_pods(d, ns, cluster, cfg.ray.job_start_deadline_s)
         if wheels is not None:  # pods made before the init container was in the template
             offline_wheels.copy_into(d, [head, *workers], wheels)
+        if checks:
+            before_job(d, target, workers)  # a RayJob's job starts with its cluster: only `check` proves those nodes
 
     run_dirs: list[str] = []
     bundles: list[str] = []

@@ -37,6 +37,9 @@ from raytrain_eks.targets import implementation
 
 class ClusterTarget(PodPlacement, Protocol):
     name: str
+    #: Whether ``submit`` checks the GPU nodes before the job unless told ``--skip-checks`` (where a run is
+    #: billed by the hour on nodes this tool launched, a bad node costs most).
+    checks_by_default: bool
 
     def deployment(self, cfg: Config, store: StateStore, say: Callable[[str], None]) -> Deployment:
         """The real deployment the commands work on: the cluster's kubeconfig (this folder's, or the user's) through
@@ -105,6 +108,11 @@ class ClusterTarget(PodPlacement, Protocol):
 
     def before_job(self, d: Deployment) -> None:
         """Bring the GPU nodes back when an earlier job let them go (the EKS node group scaled to 0)."""
+        ...
+
+    def exclude_node(self, d: Deployment, node: str) -> list[str]:
+        """Take a node that failed ``check`` out of the next job's way (cordon it; where the target owns the node
+        group, also have the group replace its instance). Returns what was done, as lines to show."""
         ...
 
     def after_rayjob(self, d: Deployment) -> None:

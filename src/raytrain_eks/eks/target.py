@@ -28,6 +28,7 @@ from raytrain_eks.k8s.state import Deployment, StateStore, apply_state, remember
 
 class EksTarget:
     name = "eks"
+    checks_by_default = True  # nodes launched and billed for this run: a bad one is replaced before it is paid for
 
     def deployment(self, cfg: Config, store: StateStore, say: Callable[[str], None]) -> Deployment:
         """This folder's kubeconfig, which eksctl writes at ``up``; ``cfg`` with the cluster, region and zone the
@@ -125,6 +126,12 @@ class EksTarget:
             d.say(f"Scaling GPU node group {c.gpu_nodegroup_name} back to {c.gpu_node_count} nodes")
             nodegroups.scale_gpu_nodes(d, c.gpu_node_count)
             wait_gpu_nodes(d, self.gpu_node_spec(d))
+
+    def exclude_node(self, d: Deployment, node: str) -> list[str]:
+        from raytrain_eks.deploy.checks import cordon
+        from raytrain_eks.eks.replace import replace_instance
+
+        return [cordon(d, node), replace_instance(d, node)]
 
     def after_rayjob(self, d: Deployment) -> None:
         # The RayJob removes its pods, not the GPU instances: scale the group to 0 so they stop billing.

@@ -44,6 +44,7 @@ class KubernetesTarget:
     kubernetes``)."""
 
     name = existing.TARGET
+    checks_by_default = False  # the user's own nodes, on no bill this tool starts: check on request
 
     def deployment(self, cfg: Config, store: StateStore, say: Callable[[str], None]) -> Deployment:
         """The user's cluster, through their kubeconfig (:func:`~raytrain_eks.kubernetes.existing.kubeconfig_path`)
@@ -155,6 +156,11 @@ class KubernetesTarget:
 
     def before_job(self, d: Deployment) -> None:
         return None
+
+    def exclude_node(self, d: Deployment, node: str) -> list[str]:
+        from raytrain_eks.deploy.checks import cordon
+
+        return [cordon(d, node), f"node {node} is the cluster's own: its owner repairs or replaces it"]
 
     def after_rayjob(self, d: Deployment) -> None:
         return None
