@@ -177,13 +177,13 @@ def test_every_registered_format_is_what_config_and_the_cli_accept():
     from raytrain_eks.config import TrainingConfig
     from raytrain_eks.formats import FORMATS
 
-    assert list(FORMATS) == ["text", "instruction", "chat", "sharegpt", "openai"]
+    assert list(FORMATS) == ["text", "instruction", "chat", "sharegpt", "openai", "preference"]
     for name in FORMATS:
         assert TrainingConfig(data_format=name).data_format == name
     with pytest.raises(ValueError, match="sharegpt"):  # the message lists the registry's names
         TrainingConfig(data_format="alpaca-v9")
     help_text = CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "200"}).output
-    assert "text, instruction, chat, sharegpt, openai" in help_text
+    assert "text, instruction, chat, sharegpt, openai, preference" in help_text
 
 
 def test_sharegpt_rows_train_the_gpt_turns_only(tokenizer):

@@ -81,4 +81,4 @@ def test_plain_help_takes_a_wide_terminal_up_to_its_cap():
     result = CliRunner().invoke(cli.app, ["train", "--help"], env={"COLUMNS": "200"})
     widths = [len(line) for line in result.output.splitlines()]
     assert 80 < max(widths) <= cli.PLAIN_HELP_MAX_COLUMNS, result.output
-    assert "Data format: text, instruction, chat, sharegpt, openai." in result.output
+    assert "Data format: text, instruction, chat, sharegpt, openai, preference." in result.output

@@ -50,6 +50,8 @@ class DataFormat:
     fields: tuple[str, ...]
     summary: str
     conversation: Callable[[Mapping[str, Any]], Conversation] | None = field(default=None, compare=False)
+    # For preference data: the row's (chosen, rejected) conversations, sharing their prompt.
+    pair: Callable[[Mapping[str, Any]], tuple[Conversation, Conversation]] | None = field(default=None, compare=False)
 
 
 FORMATS: dict[str, DataFormat] = {}
@@ -237,6 +239,48 @@ def _tool_call(call: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _preference_messages(value: Any, key: str) -> list[dict[str, Any]]:
+    """``row[key]`` as checked messages: a string is one message (the prompt's user turn, or an answer); a list is
+    read as chat messages of roles system/user/assistant with text contents."""
+    role = "user" if key == "prompt" else "assistant"
+    if isinstance(value, str) and value:
+        return [{"role": role, "content": value}]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise MalformedRow(f"missing field '{key}' (a string, or a list of {{role, content}})")
+    out = []
+    for m in value:
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str | list):
+            raise MalformedRow(f"a message of '{key}' is not {{role: system|user|assistant, content}}")
+        out.append({"role": m["role"], "content": content_text(m["content"], m["role"])})
+    return out
+
+
+def _prompt_of(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages before the last run of assistant messages: the prompt they answer."""
+    end = len(messages)
+    while end and messages[end - 1]["role"] == "assistant":
+        end -= 1
+    return messages[:end]
+
+
+def preference_pair(row: Mapping[str, Any]) -> tuple[Conversation, Conversation]:
+    """A preference row as its (chosen, rejected) conversations, as TRL's preference format lays it out: ``prompt``
+    (a string, or messages) with ``chosen`` and ``rejected`` answers (strings, or assistant messages); or, as
+    UltraFeedback binarized does, ``chosen`` and ``rejected`` whole conversations that share their prompt (a string
+    ``prompt`` beside them is then only a copy of it). A text prompt and answers train as a user/assistant exchange
+    through the chat template, as ``instruction`` rows do."""
+    chosen = _needs_an_answer(_preference_messages(row.get("chosen"), "chosen"))
+    rejected = _needs_an_answer(_preference_messages(row.get("rejected"), "rejected"))
+    implicit = [_prompt_of(chosen), _prompt_of(rejected)]
+    if implicit[0] or implicit[1]:
+        if implicit[0] != implicit[1]:
+            raise MalformedRow("'chosen' and 'rejected' do not share their prompt (the messages before the answer)")
+        prompt: list[dict[str, Any]] = []
+    else:
+        prompt = _preference_messages(row.get("prompt"), "prompt")
+    return Conversation([*prompt, *chosen]), Conversation([*prompt, *rejected])
+
+
 register(DataFormat("text", ("text",), "a text field, trained whole; training.text_field names it"))
 register(
     DataFormat(
@@ -261,6 +305,16 @@ register(
         ("messages", "tools"),
         "messages of system/user/assistant/tool turns with tool_calls, and an optional tools list",
         openai_conversation,
+    )
+)
+register(
+    DataFormat(
+        "preference",
+        ("prompt", "chosen", "rejected"),
+        "prompt with chosen and rejected answers (text or messages), or chosen/rejected conversations sharing a "
+        "prompt (UltraFeedback binarized); for training.method dpo, or the chosen answer for sft",
+        lambda row: preference_pair(row)[0],
+        preference_pair,
     )
 )
 FORMAT_NAMES = tuple(FORMATS)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_eks.errors import DataError
-from raytrain_eks.formats import MalformedRow, column_reason, field_text, renamed
+from raytrain_eks.formats import Conversation, MalformedRow, column_reason, field_text, renamed
 from raytrain_eks.formats import data_format as registered_format
 
 IGNORE_INDEX = -100
@@ -258,6 +258,11 @@ def encode(
             body = body[1:]
         end = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         return Encoded(start + body + end, [IGNORE_INDEX] * len(start) + body + end)
+    return _encoded_conversation(conversation, tokenizer)
+
+
+def _encoded_conversation(conversation: Conversation, tokenizer: Any) -> Encoded:
+    """A conversation's ids and labels through the chat template, only the assistant's tokens trained."""
     if _GENERATION_BLOCK.search(getattr(tokenizer, "chat_template", None) or ""):
         return Encoded(*_masked_by_template(conversation.messages, tokenizer, conversation.tools))
     ids: list[int] = []
@@ -271,3 +276,22 @@ def encode(
         raise MalformedRow("the row has no tokens")
     answers = sum(m["role"] == "assistant" for m in conversation.messages)
     return Encoded(ids, labels, last_answer_only=rewritten and answers > 1)
+
+
+def encode_pair(
+    row: dict[str, Any], data_format: str, tokenizer: Any, columns: dict[str, str] | None = None
+) -> tuple[Encoded, Encoded]:
+    """A preference row's chosen and rejected encodings: the same prompt tokens, masked, then each answer, trained.
+
+    >>> chosen, rejected = encode_pair({"prompt": "2+2=", "chosen": "4", "rejected": "5"}, "preference", tok)
+    :class:`MalformedRow` for a row that does not fit, or a format that holds no pairs."""
+    if not isinstance(row, dict):
+        raise MalformedRow("the row is not a JSON object")
+    fmt = registered_format(data_format)
+    if fmt.pair is None:
+        raise MalformedRow(f"the {data_format} format holds no chosen/rejected pairs (use --format preference)")
+    try:
+        chosen, rejected = fmt.pair(renamed(row, columns))
+    except MalformedRow as exc:
+        raise MalformedRow(column_reason(str(exc), columns)) from None
+    return _encoded_conversation(chosen, tokenizer), _encoded_conversation(rejected, tokenizer)

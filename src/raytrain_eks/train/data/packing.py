@@ -67,8 +67,10 @@ def _packed_arrays(
     pad_id: int,
     packing: str,
     overlong: str = "truncate",
+    splits: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """The joined tokens of :func:`pack` (rows of ``lengths``, one after another) packed as it describes."""
+    """The joined tokens of :func:`pack` (rows of ``lengths``, one after another) packed as it describes; a row
+    with a ``splits`` offset above 0 holds two documents, the second starting there (:func:`pack_pairs`)."""
     if packing not in PACKING_MODES:
         raise ValueError(f"packing must be one of {', '.join(PACKING_MODES)}, not {packing!r}")
     if packing == "concat":
@@ -79,6 +81,7 @@ def _packed_arrays(
     kept = np.minimum(lengths, seq_len) if overlong == "truncate" else np.where(lengths > seq_len, 0, lengths)
     rows = np.flatnonzero(kept > 0)
     starts, kept = starts[rows], kept[rows]
+    inner = splits[rows] if splits is not None else np.zeros(len(rows), dtype=np.int64)
     bins, offsets = place_rows(kept, seq_len)
     n_blocks = int(bins.max()) + 1 if len(bins) else 0
     out_ids = np.full(n_blocks * seq_len, pad_id, dtype=np.int64)
@@ -87,6 +90,7 @@ def _packed_arrays(
     within = np.arange(int(kept.sum()), dtype=np.int64) - np.repeat(np.cumsum(kept) - kept, kept)
     src, to = np.repeat(starts, kept) + within, np.repeat(dest, kept) + within
     out_ids[to], out_labels[to] = ids[src], labels[src]
+    dest = np.concatenate([dest, (dest + inner)[inner > 0]])  # and where a pair's second document starts
     out_labels[dest] = IGNORE_INDEX  # a row's first token: nothing of the row before it predicts it
     begins = np.full(n_blocks * seq_len, -1, dtype=np.int64)
     begins[dest] = dest  # every block starts with a row, so each position finds the start of its row (or, in the
@@ -193,6 +197,35 @@ def fullest_bins(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.nda
 def _check_fits(lengths: np.ndarray, capacity: int) -> None:
     if len(lengths) and int(lengths.max()) > capacity:
         raise ValueError(f"a row of {int(lengths.max())} tokens does not fit a block of {capacity}")
+
+
+def pack_pairs(
+    pairs: Iterable[tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]],
+    seq_len: int,
+    pad_id: int,
+) -> dict[str, np.ndarray]:
+    """Preference pairs, each ``((chosen ids, labels), (rejected ids, labels))``, packed as :func:`pack`'s
+    documents with each pair kept whole in one block: its chosen then its rejected response, two documents
+    (``position_ids`` count from 0 at each), so a block's documents pair up in order, 1st with 2nd, 3rd with 4th.
+    A pair longer than ``seq_len`` is left out: cutting it would lose the rejected answer.
+
+    >>> pack_pairs([(([5, 6], [-100, 6]), ([5, 7], [-100, 7]))], seq_len=6, pad_id=0)["position_ids"].tolist()
+    [[0, 1, 0, 1, 2, 3]]
+    """
+    ids: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    splits: list[int] = []
+    for (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) in pairs:
+        if len(chosen_ids) != len(chosen_labels) or len(rejected_ids) != len(rejected_labels):
+            raise ValueError("input_ids and labels of a row differ in length")
+        ids.append(np.asarray([*chosen_ids, *rejected_ids], dtype=np.int64))
+        labels.append(np.asarray([*chosen_labels, *rejected_labels], dtype=np.int64))
+        splits.append(len(chosen_ids))
+    lengths = np.array([len(i) for i in ids], dtype=np.int64)
+    flat_ids = np.concatenate(ids) if ids else np.empty(0, np.int64)
+    flat_labels = np.concatenate(labels) if labels else np.empty(0, np.int64)
+    split_at = np.array(splits, dtype=np.int64)
+    return _packed_arrays(flat_ids, flat_labels, lengths, seq_len, pad_id, "documents", "drop", split_at)
 
 
 def _run_on(ids: np.ndarray, labels: np.ndarray, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
