@@ -95,7 +95,7 @@ def test_plan_says_how_the_jobs_packages_reach_the_image(tmp_path, monkeypatch, 
 
     plan = build_plan(load_config(environ={}, path=None))
     env = plan.summary["runtime_env"]
-    assert (env["installs"], env["ships"], env["local_only"]) == ([], ["peft>=0.21.2,<0.22"], ["matplotlib"])
+    assert (env["installs"], env["ships"], env["local_only"]) == ([], ["peft>=0.21.2,<0.22"], ["matplotlib", "py-spy"])
     (submit,) = [s for s in plan.steps if s.name == "submit"]
     assert "peft>=0.21.2,<0.22 travels unpacked beside the package (py_modules)" in submit.action
     assert "the runtime_env has no pip, and no node copies the image's Python" in submit.action

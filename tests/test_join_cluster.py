@@ -182,7 +182,7 @@ def test_the_shared_fixture_starts_its_own_ray(ray_local):
 
 
 def test_the_suites_ray_never_joins_a_cluster_it_did_not_start(tmp_path, ray_head):
-    for name in ("conftest.py", "procs.py"):
+    for name in ("conftest.py", "procs.py", "tiers.py"):
         shutil.copy(Path(__file__).with_name(name), tmp_path / name)
     (tmp_path / "test_own_ray.py").write_text(OWN_RAY_SUITE)
     foreign = ray_head.env["RAY_ADDRESS"]

@@ -42,8 +42,16 @@ DEPLOY_ONLY = frozenset({"kubernetes", "boto3", "packaging"})
 # Needed here, not on the cluster: matplotlib draws the report's plots. Its wheels are compiled (for each Python and
 # platform) and pull four more the DLC lacks (contourpy, kiwisolver and fonttools, compiled too, and cycler): a
 # run on an image without it writes its metrics and no report (train/launch.py says so), and `raytrain-eks results`
-# draws the report here from the fetched metrics; an image that has matplotlib gets its report as before.
-LOCAL_ONLY = frozenset({"matplotlib"})
+# draws the report here from the fetched metrics; an image that has matplotlib gets its report as before. py-spy
+# reads a hung rank's stack for the watchdog: a compiled program, not a module py_modules can carry; on a node
+# without it the watchdog names the rank from its process state and last step, and its stack file says py-spy is
+# missing (train/watchdog.py).
+LOCAL_ONLY = frozenset({"matplotlib", "py-spy"})
+# What the job does without each of them, for plan's words.
+WITHOUT_LOCAL_ONLY = {
+    "matplotlib": "the run writes its metrics and no report, and `raytrain-eks results` draws the report here",
+    "py-spy": "the watchdog names a hung rank without its stack",
+}
 # At most this many requirements the image lacks are tried as unpacked wheels when no --offline wheelhouse is built
 # anyway: a few are what an image made for the job lacks (the DLC: peft); an image lacking more is a plain Ray image,
 # whose missing packages include compiled ones (tokenizers, safetensors, pydantic-core), so pip installs them all.

@@ -20,7 +20,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -300,14 +300,10 @@ def _train_in(
         RAY_DIR,
         checkpoint_root,
         forget_ray_snapshot,
-        latest_complete,
-        list_checkpoints,
         storage_root,
     )
     from raytrain_eks.train.data.encoding import encoding_tokenizer
-    from raytrain_eks.train.data.pipeline import prepare_for, train_datasets
-    from raytrain_eks.train.export import export_hf
-    from raytrain_eks.train.prompts import sample_prompts, write_samples
+    from raytrain_eks.train.prompts import sample_prompts
 
     training = cfg.training
 
@@ -320,28 +316,9 @@ def _train_in(
     if bundle is not None:  # the workers run under this driver's Ray job: their output joins the bundle's syncs
         bundle.follow_workers(ray.get_runtime_context().get_job_id())
 
-    datasets = {}
-    prepared: Any = None
-    data_counts: dict[str, Any] | None = None  # what the data held and how it packed (summary.json's data_counts)
-    if not training.uses_random_data:
-        prepared = prepare_for(
-            training,
-            model_path,
-            data=data_source(cfg),
-            listed=data_files,
-            min_blocks=num_workers * training.micro_batch * training.grad_accum_steps,
-            eval_fraction=training.effective_eval_fraction,
-            stage=getattr(progress, "stage", None),
-        )
-        say(prepared.describe(training.data, training.seq_len))
-        data_counts = prepared.counts()
-        stage = getattr(progress, "stage", None)
-        if stage is not None:
-            stage("ready; starting the training workers")
-        # Every rank reads all of the (small) held-out set and keeps its share: splitting would drop a remainder.
-        datasets = train_datasets(prepared.dataset, _eval_dataset(cfg, prepared, eval_files, model_path, say))
-    else:
-        say(f"data: random token ids, {training.seq_len} tokens per sample")
+    datasets, prepared, data_counts = _prepared_data(
+        cfg, model_path, data_files, eval_files, num_workers, progress, say
+    )
 
     root = checkpoint_root(run_dir, training.storage_path)
     if resume_from is not None:
@@ -412,58 +389,18 @@ def _train_in(
     thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     thread.start()
     watchdog = _start_watchdog(board, board_name, cfg, num_workers, use_gpu, run_dir, queue.put, say)
-    hung: Finding | None = None
-    stragglers: list[dict[str, Any]] = []  # named as the run went; the next logged step's record carries each
-    unlogged = 0
-    records: list[dict[str, Any]] = []
-    summary: dict[str, Any] = {}
-    worker_tracebacks: list[str] = []
-    # Appended, never truncated: a resumed run keeps the steps of every attempt.
-    with (run_dir / "metrics.jsonl").open("a") as metrics_file:
-        while True:
-            record = queue.get()
-            if record == _DONE:
-                break
-            match record:
-                case Finished():
-                    summary.update(record.summary)
-                case WorkerFailure():
-                    worker_tracebacks.append(f"--- worker rank {record.rank} ---\n{record.traceback}")
-                case Note():  # a line for the user from rank 0, such as the precision chosen
-                    say(record.text)
-                case Finding():  # the watchdog's: no rank advances; the stacks are in the run folder
-                    hung = record
-                    say(record.message)
-                    break
-                case Straggler():
-                    say(record.line())
-                    stragglers.append(record.to_json())
-                case Samples():
-                    write_samples(run_dir, prompts[0], record.samples)
-                case FabricLook():
-                    _write_nccl_lines(run_dir / "nccl", record.nccl_lines)
-                    say(record.fabric["report"])
-                case StepRecord():
-                    line = record.to_json()
-                    if len(stragglers) > unlogged:
-                        line["stragglers"], unlogged = stragglers[unlogged:], len(stragglers)
-                    records.append(line)
-                    metrics_file.write(json.dumps(line) + "\n")
-                    metrics_file.flush()
-                    tracker.log(line)
-                    if bundle is not None:
-                        bundle.step(line)
-                    if progress is not None:
-                        progress(line, training.steps)
+    heard = _collect(
+        queue, run_dir, training.steps, say=say, tracker=tracker, bundle=bundle, progress=progress, prompts=prompts[0]
+    )
     if watchdog is not None:
         watchdog.stop()
     if board is not None:  # its name goes with it, whatever the run's end
         ray.kill(board)
-    if hung is not None:  # the ranks wait in a collective that never ends: the run ends here, not at its timeout
+    if heard.hung is not None:  # the ranks wait in a collective that never ends: the run ends here, not at its timeout
         if bundle is not None:
             bundle.last_worker_logs()
         raise TrainingError(
-            hung.message, hint=f"Stacks of every rank: {run_dir / 'watchdog'}; resume with --resume {run_dir}"
+            heard.hung.message, hint=f"Stacks of every rank: {run_dir / 'watchdog'}; resume with --resume {run_dir}"
         )
     thread.join()
     if bundle is not None:  # the ranks' output as they left it, finished or failed, before a local Ray goes
@@ -482,10 +419,162 @@ def _train_in(
         threading.Thread(target=load_plotting, name="import-plotting", daemon=True).start()
     tracker.close()
 
-    if "error" in outcome:
-        error = outcome["error"]
+    summary = _summarised(
+        run_dir,
+        cfg,
+        heard,
+        outcome.get("error"),
+        root=root,
+        model_path=model_path,
+        data_counts=data_counts,
+        t_start=t_start,
+        say=say,
+    )
+    if price is not None:
+        summary["cost"] = price(summary)
+    elif unpriced is not None:
+        summary["cost"], summary["cost_note"] = None, unpriced
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    tracker.finish(summary)
+    say(report_line(run_dir))
+    if bundle is not None and bundle.finish(summary):  # else its warning said what is missing
+        say(bundle_note(bundle.location))
+    return RunResult(
+        run_dir=run_dir, summary=summary, records=heard.records, bundle=bundle.location if bundle is not None else None
+    )
+
+
+def _prepared_data(
+    cfg: Config,
+    model_path: str,
+    data_files: Any,
+    eval_files: tuple[list[str], str] | None,
+    num_workers: int,
+    progress: Any | None,
+    say: Callable[[str], None],
+) -> tuple[dict[str, Any], Any, dict[str, Any] | None]:
+    """The packed data sets the workers read (none for random token ids), the prepared data behind them, and its
+    counts (``summary.json``'s ``data_counts``)."""
+    from raytrain_eks.train.data.pipeline import prepare_for, train_datasets
+
+    training = cfg.training
+    datasets: dict[str, Any] = {}
+    prepared: Any = None
+    data_counts: dict[str, Any] | None = None  # what the data held and how it packed (summary.json's data_counts)
+    if not training.uses_random_data:
+        prepared = prepare_for(
+            training,
+            model_path,
+            data=data_source(cfg),
+            listed=data_files,
+            min_blocks=num_workers * training.micro_batch * training.grad_accum_steps,
+            eval_fraction=training.effective_eval_fraction,
+            stage=getattr(progress, "stage", None),
+        )
+        say(prepared.describe(training.data, training.seq_len))
+        data_counts = prepared.counts()
+        stage = getattr(progress, "stage", None)
+        if stage is not None:
+            stage("ready; starting the training workers")
+        # Every rank reads all of the (small) held-out set and keeps its share: splitting would drop a remainder.
+        datasets = train_datasets(prepared.dataset, _eval_dataset(cfg, prepared, eval_files, model_path, say))
+    else:
+        say(f"data: random token ids, {training.seq_len} tokens per sample")
+
+    return datasets, prepared, data_counts
+
+
+@dataclass
+class _Collected:
+    """What the driver heard from the workers: the summary rank 0 sent, the logged steps, the stragglers named, the
+    workers' tracebacks, and the watchdog's finding when the ranks stopped advancing."""
+
+    summary: dict[str, Any] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    stragglers: list[dict[str, Any]] = field(default_factory=list)
+    tracebacks: list[str] = field(default_factory=list)
+    hung: Finding | None = None
+
+
+def _collect(
+    queue: Any,
+    run_dir: Path,
+    steps: int,
+    *,
+    say: Callable[[str], None],
+    tracker: Any,
+    bundle: RunBundle | None,
+    progress: Any | None,
+    prompts: list[str],
+) -> _Collected:
+    """The workers' messages until training ends (or the watchdog finds the ranks hung): each logged step appended
+    to ``metrics.jsonl`` (never truncated: a resumed run keeps every attempt's steps), tracked, bundled and shown;
+    notes, stragglers and the fabric's report said; the samples written."""
+    from raytrain_eks.train.prompts import write_samples
+
+    heard = _Collected()
+    unlogged = 0  # the stragglers named so far that a logged step's record carries
+    # Appended, never truncated: a resumed run keeps the steps of every attempt.
+    with (run_dir / "metrics.jsonl").open("a") as metrics_file:
+        while True:
+            record = queue.get()
+            if record == _DONE:
+                break
+            match record:
+                case Finished():
+                    heard.summary.update(record.summary)
+                case WorkerFailure():
+                    heard.tracebacks.append(f"--- worker rank {record.rank} ---\n{record.traceback}")
+                case Note():  # a line for the user from rank 0, such as the precision chosen
+                    say(record.text)
+                case Finding():  # the watchdog's: no rank advances; the stacks are in the run folder
+                    heard.hung = record
+                    say(record.message)
+                    break
+                case Straggler():
+                    say(record.line())
+                    heard.stragglers.append(record.to_json())
+                case Samples():
+                    write_samples(run_dir, prompts, record.samples)
+                case FabricLook():
+                    _write_nccl_lines(run_dir / "nccl", record.nccl_lines)
+                    say(record.fabric["report"])
+                case StepRecord():
+                    line = record.to_json()
+                    if len(heard.stragglers) > unlogged:
+                        line["stragglers"], unlogged = heard.stragglers[unlogged:], len(heard.stragglers)
+                    heard.records.append(line)
+                    metrics_file.write(json.dumps(line) + "\n")
+                    metrics_file.flush()
+                    tracker.log(line)
+                    if bundle is not None:
+                        bundle.step(line)
+                    if progress is not None:
+                        progress(line, steps)
+    return heard
+
+
+def _summarised(
+    run_dir: Path,
+    cfg: Config,
+    heard: _Collected,
+    error: BaseException | None,
+    *,
+    root: str,
+    model_path: str,
+    data_counts: dict[str, Any] | None,
+    t_start: float,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """The run's summary once training is over, its model exported (unless a notice ended it); a
+    :class:`TrainingError` when the workers failed, sent no summary, or the transport was not the one required."""
+    from raytrain_eks.train.checkpoint import latest_complete, list_checkpoints
+    from raytrain_eks.train.export import export_hf
+
+    training, summary = cfg.training, heard.summary
+    if error is not None:
         failed = TrainingError(f"training failed: {worker_error(error)}", hint=f"Run folder: {run_dir}")
-        failed.details = "\n".join(worker_tracebacks)  # Ray keeps only a snippet of them
+        failed.details = "\n".join(heard.tracebacks)  # Ray keeps only a snippet of them
         raise failed from error
     if not summary:
         raise TrainingError("training finished without a summary from rank 0", hint=f"Run folder: {run_dir}")
@@ -521,19 +610,8 @@ def _train_in(
     summary["data"] = training.data
     summary["data_counts"] = data_counts
     summary["packing_efficiency"] = data_counts["packing_efficiency"] if data_counts else None
-    summary["stragglers"] = stragglers
-    if price is not None:
-        summary["cost"] = price(summary)
-    elif unpriced is not None:
-        summary["cost"], summary["cost_note"] = None, unpriced
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    tracker.finish(summary)
-    say(report_line(run_dir))
-    if bundle is not None and bundle.finish(summary):  # else its warning said what is missing
-        say(bundle_note(bundle.location))
-    return RunResult(
-        run_dir=run_dir, summary=summary, records=records, bundle=bundle.location if bundle is not None else None
-    )
+    summary["stragglers"] = heard.stragglers
+    return summary
 
 
 def report_line(run_dir: Path) -> str:
