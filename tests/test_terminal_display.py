@@ -74,7 +74,8 @@ def test_one_display_for_data_and_training(tmp_path, terminal, builtin_cache):
         if "Run folder:" in screen or "error" in screen.lower():
             break
         time.sleep(0.5)
-    lines = [line for line in screen.splitlines() if line.strip()]
+    # tmux's own last line once the command has ended (remain-on-exit) is the terminal's, not the run's.
+    lines = [line for line in screen.splitlines() if line.strip() and not line.startswith("Pane is dead")]
     assert any(line.startswith("Run folder:") for line in lines), screen
     assert any(line.startswith("data: builtin:sample-instructions: 390/390 rows usable") for line in lines), screen
     assert any(line.startswith("train") and "2/2" in line for line in lines), screen
