@@ -377,6 +377,7 @@ def _train_in(
     )
 
     outcome: dict[str, Any] = {}
+    abandoned = threading.Event()  # the run ended without this thread (hung ranks): Ray may go before fit returns
 
     def fit() -> None:
         try:
@@ -384,7 +385,11 @@ def _train_in(
         except BaseException as exc:  # handed to the main thread below
             outcome["error"] = exc
         finally:
-            queue.put(_DONE)  # wakes the driver's blocking get: no polling while training runs
+            try:
+                queue.put(_DONE)  # wakes the driver's blocking get: no polling while training runs
+            except Exception:
+                if not abandoned.is_set():  # nobody waits for this thread any more, and its queue went with Ray
+                    raise
 
     thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     thread.start()
@@ -397,6 +402,7 @@ def _train_in(
     if board is not None:  # its name goes with it, whatever the run's end
         ray.kill(board)
     if heard.hung is not None:  # the ranks wait in a collective that never ends: the run ends here, not at its timeout
+        abandoned.set()
         if bundle is not None:
             bundle.last_worker_logs()
         raise TrainingError(
