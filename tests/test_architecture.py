@@ -251,3 +251,20 @@ def test_the_branch_check_sees_the_branches_it_forbids():
     ]
     assert all(_target_name_branches(ast.parse(src), names) for src in caught)
     assert not _target_name_branches(ast.parse('if node.name == "gpu-0" or cfg.cluster.target is None: pass'), names)
+
+
+# `Any` per 1,000 lines of the package (every mention, as `grep -ow Any` counts them), at most. The aim is 10, the
+# upper end of typed projects of this kind; lower this as the package's types take the place of `Any`.
+ANY_PER_THOUSAND_LINES = 13.0
+
+
+def test_any_stays_rare_in_the_package():
+    texts = {mod: path.read_text() for mod, path in MODULES.items()}
+    uses = {mod: len(re.findall(r"\bAny\b", text)) for mod, text in texts.items()}
+    lines = sum(len(text.splitlines()) for text in texts.values())
+    per_thousand = 1000 * sum(uses.values()) / lines
+    most = ", ".join(f"{mod} {n}" for mod, n in sorted(uses.items(), key=lambda kv: -kv[1])[:8])
+    assert per_thousand <= ANY_PER_THOUSAND_LINES, (
+        f"`Any` {per_thousand:.1f} per 1,000 lines (at most {ANY_PER_THOUSAND_LINES}): say what flows instead (a "
+        f"TypedDict, a Protocol, the library's own type, `object` for a value only passed on); most in {most}"
+    )

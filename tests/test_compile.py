@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from raytrain_eks.config import BUILTIN_MODEL, RANDOM_DATA, TrainingConfig, load_config
 from raytrain_eks.errors import ConfigError
-from raytrain_eks.train.launch import compile_cache_environment, worker_environment
 from raytrain_eks.train.model import resolve_compile
 from raytrain_eks.train.torchrun_entry import run
+from raytrain_eks.train.worker_env import compile_cache_environment, worker_environment
 
 CACHE_VARS = ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
 STEPS = 3

@@ -230,7 +230,7 @@ def test_watchdog_settings_are_checked_with_the_field_named():
 
 
 def test_the_workers_are_told_the_board_and_gpu_workers_keep_the_nccl_flight_recorder(monkeypatch):
-    from raytrain_eks.train.launch import worker_environment
+    from raytrain_eks.train.worker_env import worker_environment
 
     monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE", raising=False)
     cfg = load_config(preset=local_tiny(), environ={})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from raytrain_eks.config import load_config
-from raytrain_eks.train.launch import worker_environment
+from raytrain_eks.train.worker_env import worker_environment
 
 
 def test_gpu_workers_get_expandable_segments_unless_the_user_chose_an_allocator_setting(monkeypatch):

@@ -9,12 +9,15 @@ import copy
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, Protocol
 
 import yaml
 from pydantic import BaseModel, BeforeValidator
 
 from raytrain_eks.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pydantic_core import ErrorDetails
 
 # Environment variables of the reference's scripts/env.sh and the setting each one overrides.
 ENV_VARS: dict[str, tuple[str, str]] = {
@@ -58,7 +61,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
 COMMAND_ENV_VARS: dict[str, str] = {"ASSUME_YES": "--yes (-y) of up, down and compare-fabric"}
 
 
-def read_yaml(path: Path, sections: Iterable[str]) -> dict[str, Any]:
+def read_yaml(path: Path, sections: Iterable[str]) -> dict[str, object]:
     """The YAML file's mapping of ``sections`` (a :class:`ConfigError` naming the file when it is not one)."""
     try:
         text = path.read_text()
@@ -80,19 +83,22 @@ def read_yaml(path: Path, sections: Iterable[str]) -> dict[str, Any]:
     return data
 
 
-def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+def merge(base: dict[str, object], over: Mapping[str, object]) -> dict[str, object]:
     """Return a new dict: ``over`` laid on ``base``, section by section. Neither input is changed."""
     out = copy.deepcopy(base)
     for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), dict) and key != "env":
-            out[key] = merge(out[key], value)
+        if isinstance(value, Mapping) and isinstance(held := out.get(key), dict) and key != "env":
+            out[key] = merge(held, value)
         else:
             out[key] = copy.deepcopy(value)
     return out
 
 
-def put(tree: dict[str, Any], section: str, field: str, value: Any) -> None:
-    tree.setdefault(section, {})[field] = value
+def put(tree: dict[str, object], section: str, field: str, value: object) -> None:
+    node = tree.setdefault(section, {})
+    if not isinstance(node, dict):
+        raise TypeError(f"{section} holds a value, not a section of settings")
+    node[field] = value
 
 
 def record(sources: dict[tuple[str, ...], str], path: tuple[str, ...], origin: str) -> None:
@@ -102,7 +108,7 @@ def record(sources: dict[tuple[str, ...], str], path: tuple[str, ...], origin: s
     sources[path] = origin
 
 
-def record_file(sources: dict[tuple[str, ...], str], path: tuple[str, ...], value: Any, origin: str) -> None:
+def record_file(sources: dict[tuple[str, ...], str], path: tuple[str, ...], value: object, origin: str) -> None:
     """Record ``origin`` for ``path`` and for every setting under it, however deep (``training.lora.rank``)."""
     sources[path] = origin
     if isinstance(value, Mapping):
@@ -113,15 +119,15 @@ def record_file(sources: dict[tuple[str, ...], str], path: tuple[str, ...], valu
 NOT_GIVEN = object()
 
 
-def given(tree: Any, loc: Sequence[Any]) -> tuple[tuple[Any, ...], Any]:
+def given(tree: object, loc: Sequence[object]) -> tuple[tuple[object, ...], object]:
     """The place ``loc`` names in ``tree`` and the value given there (:data:`NOT_GIVEN` when none was).
 
     pydantic puts the name of a union's member (``list[str]``, ``literal['all-linear']``) into the location of
     the member's error, and ``[key]`` after a mapping's key it refused; those are no place in the settings and
     are left out (for ``[key]`` the value shown is the key).
     """
-    path: list[Any] = []
-    value: Any = tree
+    path: list[object] = []
+    value: object = tree
     for i, part in enumerate(loc):
         if isinstance(value, dict) and (part in value or str(part) in value):
             value = value[part] if part in value else value[str(part)]
@@ -149,7 +155,7 @@ def source(sources: dict[tuple[str, ...], str], path: tuple[str, ...]) -> str:
 
 
 def describe(
-    err: Mapping[str, Any], sources: dict[tuple[str, ...], str], tree: dict[str, Any], root: type[BaseModel]
+    err: ErrorDetails, sources: dict[tuple[str, ...], str], tree: dict[str, object], root: type[BaseModel]
 ) -> tuple[str, str]:
     """An error of the settings model ``root`` as (the setting, its value and source; what is wrong)."""
     place, value = given(tree, err["loc"])
@@ -174,9 +180,9 @@ def describe(
 
 
 def format_errors(
-    errors: Sequence[Mapping[str, Any]],
+    errors: Sequence[ErrorDetails],
     sources: dict[tuple[str, ...], str],
-    tree: dict[str, Any],
+    tree: dict[str, object],
     root: type[BaseModel],
 ) -> list[str]:
     """One line per setting in error: the members of a union that each refused the value share one line."""
@@ -191,14 +197,14 @@ def format_errors(
 
 
 def lay(
-    tree: dict[str, Any],
+    tree: dict[str, object],
     sources: dict[tuple[str, ...], str],
     root: type[BaseModel],
     file: Path | None,
     environ: Mapping[str, str] | None,
-    overrides: Mapping[str, Mapping[str, Any]],
+    overrides: Mapping[str, Mapping[str, object]],
     sets: Sequence[str],
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """A new tree: the layers laid on ``tree`` (the settings of ``root``, dumped) in order, each setting's source
     recorded in ``sources``. The YAML ``file``; the env.sh variables of ``environ`` (only :data:`ENV_VARS`; ``None``:
     this process's); the flags' ``overrides`` (``{"training": {"steps": 5}}``, ``None`` not given); the ``--set``
@@ -232,10 +238,11 @@ def lay(
             continue
         node = tree
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
                 bad.append(f"--set {item!r}: {'.'.join(parts[:-1])} is a value, not a section of settings")
                 break
+            node = child
         else:
             node[parts[-1]] = set_value(raw)
             record(sources, parts, f"--set {key.strip()}")
@@ -244,7 +251,7 @@ def lay(
     return tree
 
 
-def set_value(raw: str) -> Any:
+def set_value(raw: str) -> object:
     """A ``--set`` value as the YAML file would read it (``20`` a number, ``true`` a bool, ``[a, b]`` a list);
     text that is not YAML stays the text it is."""
     try:
@@ -253,7 +260,7 @@ def set_value(raw: str) -> Any:
         return raw
 
 
-def on_off(value: Any) -> Any:
+def on_off(value: object) -> object:
     """A switch that has grown a third value (``auto``), read as older files and flags give it: ``true`` is ``on``
     and ``false`` is ``off`` (YAML also reads ``on``, ``off``, ``yes`` and ``no`` unquoted as these booleans)."""
     return ("on" if value else "off") if isinstance(value, bool) else value
@@ -263,7 +270,29 @@ def on_off(value: Any) -> Any:
 CompileSetting = Annotated[Literal["auto", "on", "off"], BeforeValidator(on_off)]
 
 
-def cluster_settings_refusal(c: Any) -> str | None:
+class ClusterSettings(Protocol):
+    """The settings :func:`cluster_settings_refusal` reads (``config_cluster.ClusterConfig``'s, which imports this
+    module)."""
+
+    @property
+    def target(self) -> str: ...
+    @property
+    def existing(self) -> bool: ...
+    @property
+    def gpu_nodes_on_demand(self) -> bool: ...
+    @property
+    def efa_per_node(self) -> int | None: ...
+    @property
+    def kubeconfig(self) -> str | None: ...
+    @property
+    def context(self) -> str | None: ...
+    @property
+    def usd_per_hour(self) -> float | None: ...
+    @property
+    def usd_per_node_hour(self) -> float | None: ...
+
+
+def cluster_settings_refusal(c: ClusterSettings) -> str | None:
     """Why the cluster settings ``c`` (a ``ClusterConfig``) hold one the chosen target would ignore, or two that
     contradict each other; ``None`` when they fit. A setting is refused rather than left to the user to believe it
     applies."""

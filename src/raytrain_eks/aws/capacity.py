@@ -194,7 +194,7 @@ class Candidate:
     def viable(self) -> bool:
         return not self.problems
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         q = self.quota
         return {
             "region": self.region,
@@ -222,13 +222,13 @@ def _users(q: Quota) -> str:
     return f"running on-demand instances ({q.used - q.held}) and unused capacity reservations ({q.held}) use {q.used}"
 
 
-def _quota_dict(q: Quota | None) -> dict[str, Any] | None:
+def _quota_dict(q: Quota | None) -> dict[str, object] | None:
     if q is None:
         return None
     return {"code": q.code, "limit": q.limit, "source": q.source, "used": q.used, "need": q.need, "free": q.free}
 
 
-def _rank_key(c: Candidate) -> tuple[Any, ...]:
+def _rank_key(c: Candidate) -> tuple[object, ...]:
     probe = 0 if c.probe is None else (-1 if c.probe.ok else 1)
     free = c.quota.free if c.quota is not None and c.quota.free is not None else float("-inf")
     return (
@@ -352,7 +352,7 @@ class CapacityReport:
         message = f"{what} cannot go to {where}: {'; '.join(head.problems)}"
         return CapacityError(message, hint=alt_line or "Try other regions: `raytrain-eks capacity --all-regions`.")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         problem = self.problem()
         return {
             "instance_type": self.instance_type,

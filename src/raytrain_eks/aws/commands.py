@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -140,7 +140,9 @@ def register(
     app.command("capacity")(capacity)
 
 
-def _show(report: CapacityReport, extra: dict[str, Any], lines: list[str], *, json_output: bool, out: Console) -> None:
+def _show(
+    report: CapacityReport, extra: dict[str, object], lines: list[str], *, json_output: bool, out: Console
+) -> None:
     """The ranked table of zones and what the capacity sources add (or all of it as one JSON document); raises the
     configured placement's problem, else says it is ok."""
     from raytrain_eks.aws.capacity import table_lines
@@ -200,13 +202,13 @@ def _blocks(
     )
 
 
-def _sources(cfg: Config, market: Market, store: StateStore, spot_days: int) -> tuple[dict[str, Any], list[str]]:
+def _sources(cfg: Config, market: Market, store: StateStore, spot_days: int) -> tuple[dict[str, object], list[str]]:
     """What the configured capacity sources beyond on-demand add to the report: the block's window (recorded in the
     state folder for up and the job) and the spot price range (recorded for plan)."""
     from raytrain_eks.aws import market as mk
 
     order = cfg.cluster.capacity_order
-    extra: dict[str, Any] = {"gpu_capacity": list(order)}
+    extra: dict[str, object] = {"gpu_capacity": list(order)}
     lines = [] if order == ("on-demand",) else [f"gpu_capacity: {' then '.join(order)}"]
     if "capacity-block" in order:
         block = mk.configured_block(cfg, market.blocks, store.get(mk.BLOCK_KEY))

@@ -135,7 +135,7 @@ def cluster_config(cfg: Config, zones: Zones, bucket: str | None = None, kms_key
         "tags": dict(tags),
     }
     gpu = gpu_nodegroup(cfg, zones)
-    iam: dict[str, Any] = {"withOIDC": True}
+    iam: dict[str, object] = {"withOIDC": True}
     if bucket:
         iam["serviceAccounts"] = [ray_service_account(cfg, bucket, kms_key)]
     return {
@@ -153,7 +153,7 @@ def cluster_config(cfg: Config, zones: Zones, bucket: str | None = None, kms_key
     }
 
 
-def gpu_nodegroup(cfg: Config, zones: Zones) -> dict[str, Any]:
+def gpu_nodegroup(cfg: Config, zones: Zones) -> dict[str, object]:
     """The managed EFA GPU node group for ``zones.capacity``, as eksctl v0.230.0 reads it (pkg/cfn/builder/
     managed_nodegroup.go and managed_launch_template.go, vendored in tests/fixtures/eksctl):
 
@@ -168,10 +168,10 @@ def gpu_nodegroup(cfg: Config, zones: Zones) -> dict[str, Any]:
     """
     c = cfg.cluster
     size = 0 if zones.at_zero else c.gpu_node_count
-    kind: dict[str, Any] = {"instanceType": c.gpu_node_type}
+    kind: dict[str, object] = {"instanceType": c.gpu_node_type}
     if zones.capacity == "spot":
         kind = {"instanceTypes": list(same_shape(c.gpu_node_type)), "spot": True}
-    gpu: dict[str, Any] = {
+    gpu: dict[str, object] = {
         "name": c.gpu_nodegroup_name,
         **kind,
         "amiFamily": c.ami_family,
@@ -199,7 +199,7 @@ def gpu_nodegroup(cfg: Config, zones: Zones) -> dict[str, Any]:
     return gpu
 
 
-def ray_service_account(cfg: Config, bucket: str, kms_key: str | None = None) -> dict[str, Any]:
+def ray_service_account(cfg: Config, bucket: str, kms_key: str | None = None) -> dict[str, object]:
     """The Ray pods' service account as an entry of ``iam.serviceAccounts``: eksctl gives it an IAM role whose
     inline policy is :func:`bucket_policy`, and annotates it with the role's ARN."""
     return {
@@ -209,7 +209,7 @@ def ray_service_account(cfg: Config, bucket: str, kms_key: str | None = None) ->
     }
 
 
-def service_account_config(cfg: Config, bucket: str, kms_key: str | None = None) -> dict[str, Any]:
+def service_account_config(cfg: Config, bucket: str, kms_key: str | None = None) -> dict[str, object]:
     """The ClusterConfig for ``eksctl create iamserviceaccount -f`` (and ``update``): the cluster's name and region
     and the Ray pods' service account, nothing else, so the command touches only that service account."""
     c = cfg.cluster
@@ -271,7 +271,7 @@ def scale_gpu_nodegroup_argv(cfg: Config, nodes: int) -> list[str]:
 KMS_ACTIONS = ("kms:GenerateDataKey", "kms:Decrypt")
 
 
-def bucket_policy(bucket: str, kms_key: str | None = None) -> dict[str, Any]:
+def bucket_policy(bucket: str, kms_key: str | None = None) -> dict[str, object]:
     """The IAM policy of the Ray pods' role: list, read, write and delete objects of this bucket, nothing else; and,
     for a bucket encrypted with a KMS key (SSE-KMS; ``kms_key`` is the key's ARN), make and read that key's data
     keys, without which every write of a checkpoint is refused (AccessDenied)."""

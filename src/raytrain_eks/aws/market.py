@@ -98,7 +98,7 @@ class BlockOffering:
             currency=item.get("CurrencyCode", "USD"),
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return _as_json(self)
 
 
@@ -124,7 +124,7 @@ class Block:
     def started(self, now: datetime) -> bool:
         return now >= self.start
 
-    def to_state(self) -> dict[str, Any]:
+    def to_state(self) -> dict[str, object]:
         return {**_as_json(self), "drain_by": self.drain_by.isoformat()}
 
     @classmethod
@@ -387,7 +387,7 @@ def spot_prices(cfg: Config, prices: SpotPrices, *, days: int, now: datetime | N
     return out
 
 
-def spot_record(cfg: Config, ranges: Sequence[SpotRange], days: int, now: datetime | None = None) -> dict[str, Any]:
+def spot_record(cfg: Config, ranges: Sequence[SpotRange], days: int, now: datetime | None = None) -> dict[str, object]:
     """What the state keeps of a spot price read (under :data:`SPOT_KEY`) for ``plan``."""
     return {
         "region": cfg.cluster.region,

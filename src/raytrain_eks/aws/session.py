@@ -16,9 +16,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from raytrain_eks.errors import UserError
+
+if TYPE_CHECKING:
+    from boto3 import Session
+    from botocore.client import BaseClient
+    from botocore.loaders import Loader
 
 CREDENTIALS_HINT = (
     "Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary credentials), or "
@@ -50,7 +56,7 @@ class AwsError(UserError):
     """An AWS call failed for a reason the user must fix (permissions, network); names the call and the code."""
 
 
-def import_boto3() -> Any:
+def import_boto3() -> ModuleType:
     """The ``boto3`` module, or a :class:`UserError` with the install command when it is missing."""
     try:
         import boto3
@@ -59,7 +65,8 @@ def import_boto3() -> Any:
             "boto3 is not installed, and this command talks to AWS",
             hint="Install it with `pip install boto3` (it is a dependency of raytrain-eks; reinstall the package).",
         ) from None
-    return boto3
+    module: ModuleType = boto3
+    return module
 
 
 class Aws:
@@ -69,14 +76,14 @@ class Aws:
     tests; normally None (AWS, or whatever ``AWS_ENDPOINT_URL`` says).
     """
 
-    def __init__(self, session: Any, region: str, *, endpoint_url: str | None = None) -> None:
+    def __init__(self, session: Session, region: str, *, endpoint_url: str | None = None) -> None:
         self.session = session
         self.region = region
         self.endpoint_url = endpoint_url
-        self._clients: dict[tuple[str, str], Any] = {}
+        self._clients: dict[tuple[str, str], BaseClient] = {}
         self._lock = threading.Lock()
 
-    def client(self, service: str, region: str | None = None) -> Any:
+    def client(self, service: str, region: str | None = None) -> BaseClient:
         """The boto3 client of ``service`` in ``region`` (default: :attr:`region`)."""
         key = (service, region or self.region)
         with self._lock:
@@ -92,7 +99,7 @@ class Aws:
 
     def partition(self, region: str | None = None) -> str:
         """``aws``, ``aws-us-gov`` or ``aws-cn``: regions of another partition need other credentials."""
-        return self.session.get_partition_for_region(region or self.region)
+        return str(self.session.get_partition_for_region(region or self.region))
 
 
 def connect(region: str, *, profile: str | None = None, endpoint_url: str | None = None) -> Aws:
@@ -117,10 +124,10 @@ def connect(region: str, *, profile: str | None = None, endpoint_url: str | None
 
 
 _LOADER_LOCK = threading.Lock()
-_loader: Any = None
+_loader: Loader | None = None
 
 
-def _session(boto3: Any, region: str, profile: str | None) -> Any:
+def _session(boto3: ModuleType, region: str, profile: str | None) -> Session:
     """A new boto3 session whose botocore data loader (the AWS API models it reads and parses: several MB of JSON
     for EC2 alone) is shared by every session of this process, so the models are parsed once, not per session.
     Credentials, profile and region stay each session's own."""

@@ -179,7 +179,7 @@ class RunResult:
     world_size: int | None = None
     hosts: list[str] = field(default_factory=list)
     # What the run folder held, for write_run_folders; not part of the result's JSON.
-    records: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    records: list[dict[str, object]] = field(default_factory=list, repr=False)
     files: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
@@ -201,7 +201,7 @@ class Comparison:
     speedup: float
     notes: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         d = asdict(self)
         for run in ("efa", "tcp"):
             del d[run]["records"], d[run]["files"]

@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 from raytrain_eks.config import Config
 from raytrain_eks.deploy.plan import Mode, Plan
@@ -64,7 +64,7 @@ class ClusterTarget(PodPlacement, Protocol):
         unless the target's own lifecycle checks them when it knows what exists."""
         ...
 
-    def deployment_record(self, cfg: Config, state: StateStore) -> dict[str, Any] | None:
+    def deployment_record(self, cfg: Config, state: StateStore) -> dict[str, object] | None:
         """What ``submit`` tells the job about its cluster (:mod:`raytrain_eks.fabric.deployment`), or ``None``."""
         ...
 

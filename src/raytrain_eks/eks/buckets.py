@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import re
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
 from raytrain_eks.errors import UserError
-from raytrain_eks.k8s.state import Deployment, StateStore
+from raytrain_eks.k8s.state import Deployment, Item, StateStore
 
 if TYPE_CHECKING:  # the session type only: boto3 is imported when AWS is first called
+    from botocore.client import BaseClient
+
     from raytrain_eks.aws.session import Aws
 
 
-def bucket_item(name: str) -> dict[str, Any]:
+def bucket_item(name: str) -> Item:
     return {"type": "bucket", "name": name}
 
 
@@ -41,7 +43,7 @@ def planned_bucket(cfg: Config, store: StateStore | None = None, *, suffix: str 
     return f"{stem}-checkpoints-{suffix or secrets.token_hex(4)}"
 
 
-def _s3(d: Deployment, aws: Aws | None = None) -> Any:
+def _s3(d: Deployment, aws: Aws | None = None) -> BaseClient:
     """The S3 client of the cluster's region: of ``aws`` (a :class:`raytrain_eks.aws.session.Aws` already made),
     else of a new session."""
     from raytrain_eks.aws.session import connect
@@ -49,7 +51,7 @@ def _s3(d: Deployment, aws: Aws | None = None) -> Any:
     return (aws or connect(d.cfg.cluster.region)).client("s3", d.cfg.cluster.region)
 
 
-def _exists(s3: Any, name: str) -> bool:
+def _exists(s3: BaseClient, name: str) -> bool:
     """Whether ``name`` exists and this account may use it; a bucket of another account is one clear error."""
     import botocore.exceptions
 
@@ -93,7 +95,7 @@ def ensure_bucket(d: Deployment) -> str:
     d.state.update(bucket_kms_key=None)
     d.state.record(bucket_item(name))
     with aws_errors(f"creating the S3 bucket {name} in {c.region}"):
-        kwargs: dict[str, Any] = {"Bucket": name}
+        kwargs: dict[str, object] = {"Bucket": name}
         if c.region != "us-east-1":  # us-east-1 takes no location constraint
             kwargs["CreateBucketConfiguration"] = {"LocationConstraint": c.region}
         s3.create_bucket(**kwargs)
@@ -172,7 +174,7 @@ def bucket_kms_key(d: Deployment, name: str, aws: Aws | None = None) -> str | No
     return None
 
 
-def _bucket_region(s3: Any, name: str) -> str:
+def _bucket_region(s3: BaseClient, name: str) -> str:
     """The bucket's region (S3 answers no location constraint for us-east-1)."""
     return str(s3.get_bucket_location(Bucket=name).get("LocationConstraint") or "us-east-1")
 

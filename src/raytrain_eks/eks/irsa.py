@@ -32,6 +32,7 @@ import json
 import re
 import shlex
 import urllib.parse
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,9 +42,11 @@ from raytrain_eks.eks.buckets import bucket_kms_key
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.manifests import to_yaml
-from raytrain_eks.k8s.state import RUNS_PREFIX, Deployment, cluster_item, describe
+from raytrain_eks.k8s.state import RUNS_PREFIX, Deployment, Item, cluster_item, describe
 
 if TYPE_CHECKING:  # the session type only: boto3 is imported when AWS is first called
+    from botocore.client import BaseClient
+
     from raytrain_eks.aws.session import Aws
     from raytrain_eks.k8s.runner import Completed
 
@@ -129,13 +132,13 @@ def delete_argv(d: Deployment) -> list[str]:
     ]
 
 
-def created_item(d: Deployment, existing: dict[str, Any] | None = None) -> dict[str, Any]:
+def created_item(d: Deployment, existing: dict[str, Any] | None = None) -> Item:
     """What the state file records of the role and service account ``eksctl create iamserviceaccount`` makes, so
     that ``down`` deletes them (:func:`delete_created`). ``existing``: the ServiceAccount as it was before, when
     there was one (eksctl's ``--override-existing-serviceaccounts`` then adds its role annotation and its managed-by
     label to it, and ``eksctl delete iamserviceaccount`` would delete it): its own values of those two keys are
     kept, so that ``down`` gives it back as it was instead."""
-    item: dict[str, Any] = {
+    item: Item = {
         "type": "iamserviceaccount",
         "kind": "IAM role and service account",
         "namespace": d.cfg.ray.namespace,
@@ -161,7 +164,7 @@ def _recorded(d: Deployment) -> bool:
     )
 
 
-def give_back(d: Deployment, restore: dict[str, Any]) -> None:
+def give_back(d: Deployment, restore: Mapping[str, object]) -> None:
     """The service account that existed before ``up`` without eksctl's managed-by label gets its own annotation
     and label values back (a JSON merge patch: a ``None`` removes what eksctl added); ``eksctl delete
     iamserviceaccount`` then deletes only the role's stack, since it deletes a ServiceAccount only when that label
@@ -171,7 +174,7 @@ def give_back(d: Deployment, restore: dict[str, Any]) -> None:
         d.say(f"Service account {ns}/{name} existed before up: it stays, without the IAM role eksctl added to it")
 
 
-def delete_created(d: Deployment, cluster_exists: bool, item: dict[str, Any] | None = None) -> bool:
+def delete_created(d: Deployment, cluster_exists: bool, item: Item | None = None) -> bool:
     """``down``: delete the role and service account ``up`` made with eksctl (:func:`delete_argv`), or only the
     role when the service account existed before (``item["restore"]``, see :func:`created_item`); ``True`` when
     eksctl ran. eksctl needs the cluster for it (its OIDC provider, the ServiceAccount); without it, the stack may be
@@ -183,7 +186,7 @@ def delete_created(d: Deployment, cluster_exists: bool, item: dict[str, Any] | N
             f"has the stack {stack_name(d)}, {stacks.delete_hint(stack_name(d), c.region)}"
         )
         return False
-    restore = (item or {}).get("restore")
+    restore = item.get("restore") if item is not None else None
     if restore is not None and restore["labels"].get(MANAGED_BY_LABEL) != MANAGED_BY_VALUE:
         give_back(d, restore)
     d.run(
@@ -226,11 +229,11 @@ def _glob(pattern: str, value: str, *, ignore_case: bool) -> bool:
     return re.fullmatch(regex, value, re.IGNORECASE if ignore_case else 0) is not None
 
 
-def _as_list(value: Any) -> list[str]:
+def _as_list(value: object) -> list[str]:
     return [str(v) for v in value] if isinstance(value, list) else [str(value)] if value is not None else []
 
 
-def allows(documents: list[dict[str, Any]], action: str, resource: str) -> bool:
+def allows(documents: Sequence[Mapping[str, object]], action: str, resource: str) -> bool:
     """Whether an ``Allow`` statement of ``documents`` covers ``action`` on ``resource`` (action names compare
     without case, ARNs with it). Statements with ``NotAction``/``NotResource`` or conditions are not counted, and
     ``Deny`` is not weighed: this looks for the grant the role needs, it does not evaluate every policy."""
@@ -246,14 +249,14 @@ def allows(documents: list[dict[str, Any]], action: str, resource: str) -> bool:
     return False
 
 
-def _document(raw: Any) -> dict[str, Any]:
+def _document(raw: object) -> dict[str, object]:
     """A policy document as boto3 returns it: already a dict (botocore decodes IAM's URL-encoded JSON), or text."""
     if isinstance(raw, dict):
         return raw
     return dict(json.loads(urllib.parse.unquote(str(raw))))
 
 
-def role_documents(iam: Any, role: str) -> list[dict[str, Any]]:
+def role_documents(iam: BaseClient, role: str) -> list[dict[str, object]]:
     """Every policy document of ``role``: its inline policies and the default version of each attached one."""
     docs = []
     for page in iam.get_paginator("list_role_policies").paginate(RoleName=role):
@@ -389,7 +392,7 @@ def provider_arn(cluster_arn: str, issuer: str) -> str:
     return f"arn:{parts[1]}:iam::{parts[4]}:oidc-provider/{url.hostname}{url.path}"
 
 
-def oidc_item(arn: str) -> dict[str, Any]:
+def oidc_item(arn: str) -> Item:
     return {"type": OIDC_ITEM, "kind": "IAM OIDC provider", "name": arn}
 
 
@@ -414,7 +417,7 @@ def record_oidc_provider(d: Deployment, done: Completed) -> None:
         d.say(f"Recorded {describe(item)}, made by eksctl: `raytrain-eks down` deletes it, and keeps the cluster")
 
 
-def delete_oidc_provider(d: Deployment, item: dict[str, Any], cluster_status: str | None) -> bool:
+def delete_oidc_provider(d: Deployment, item: Item, cluster_status: str | None) -> bool:
     """``down``: delete the IAM OIDC provider ``up`` had eksctl create (:func:`record_oidc_provider`) when IAM still
     has it; ``True`` when it was deleted. ``cluster_status``: EKS's, ``None`` when the cluster is gone.
 

@@ -25,7 +25,6 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.aws.stacks import NotEksctlStack
@@ -80,7 +79,7 @@ from raytrain_eks.k8s.addons import (
 from raytrain_eks.k8s.kuberay_fields import check_kuberay_fields
 from raytrain_eks.k8s.raypods import ray_lines
 from raytrain_eks.k8s.runner import Interrupted
-from raytrain_eks.k8s.state import KUBECONFIG_FILE, STATE_DIR, Cancelled, Deployment, describe
+from raytrain_eks.k8s.state import KUBECONFIG_FILE, STATE_DIR, Cancelled, Deployment, Item, describe
 
 
 @dataclass(frozen=True)
@@ -334,7 +333,7 @@ class DownResult:
     kept: list[str] = field(default_factory=list)  # what down keeps on purpose (a bucket holding checkpoints)
 
 
-def _delete(d: Deployment, item: dict[str, Any], cluster: str | None) -> bool:
+def _delete(d: Deployment, item: Item, cluster: str | None) -> bool:
     """Delete one created item if it still exists; ``True`` when something was deleted. ``cluster``: the EKS
     cluster's status, ``None`` when EKS has no such cluster."""
     kind, cluster_exists = item["type"], cluster is not None
@@ -403,7 +402,7 @@ def down(d: Deployment, *, confirm: Callable[[str], bool], delete_checkpoints: b
         return _down(d, confirm=confirm, delete_checkpoints=delete_checkpoints)
 
 
-def _kept_buckets(d: Deployment, created: list[dict[str, Any]], delete_checkpoints: bool) -> dict[str, str]:
+def _kept_buckets(d: Deployment, created: list[Item], delete_checkpoints: bool) -> dict[str, str]:
     """Buckets this folder created that down keeps: those holding anything, unless ``delete_checkpoints``."""
     if delete_checkpoints:
         return {}

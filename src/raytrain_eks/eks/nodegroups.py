@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from raytrain_eks.aws import eksctl, stacks
 from raytrain_eks.config import Config
@@ -31,6 +31,7 @@ from raytrain_eks.k8s.state import Deployment, StateStore, UnreadableAnswer, clu
 
 if TYPE_CHECKING:
     from raytrain_eks.aws.market import Block
+    from raytrain_eks.aws.services import Services
 
 # Seconds. eksctl's CloudFormation stacks take 15-20 minutes for a cluster and 5-15 for a node group. The runner lets
 # eksctl run for its own wait (--timeout, eksctl.CLUSTER_WAIT_MIN / NODEGROUP_WAIT_MIN) and then some, for what it
@@ -49,7 +50,7 @@ EKSCTL_EFA_PLUGIN_TOLERATIONS = (
 )
 
 
-def as_after_gpu_nodegroup(d: Deployment, namespace: str, name: str, pod_spec: dict[str, Any]) -> dict[str, Any]:
+def as_after_gpu_nodegroup(d: Deployment, namespace: str, name: str, pod_spec: dict[str, object]) -> dict[str, object]:
     """A cluster's DaemonSet's pod spec as it will be once eksctl has created the GPU node group from this folder:
     eksctl replaces a kube-system DaemonSet of its EFA name with its own manifest, whose tolerations are
     :data:`EKSCTL_EFA_PLUGIN_TOLERATIONS`; any other is left as it is, as is every one once the group was made."""
@@ -87,7 +88,7 @@ def created_gpu_node_labels(cfg: Config) -> dict[str, str]:
     }
 
 
-def gpu_node_taints(cfg: Config) -> list[dict[str, Any]]:
+def gpu_node_taints(cfg: Config) -> list[dict[str, object]]:
     """The taints of the GPU node group's nodes, as eksctl's config gives them."""
     return [dict(m.GPU_TAINT)]
 
@@ -149,7 +150,7 @@ class Placement:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def placement_zones(cfg: Config, services: Any | None = None) -> Placement:
+def placement_zones(cfg: Config, services: Services | None = None) -> Placement:
     """The placement search of ``up``: the configured placement's zones that can take the GPU node group, best first.
 
     The ``capacity`` check through boto3 (offered, EFA, vCPU quotas net of running instances and reservations, the
@@ -383,7 +384,7 @@ def cluster_status(d: Deployment) -> str | None:
     return None
 
 
-def _eksctl_json(done: Completed, what: str) -> list[dict[str, Any]]:
+def _eksctl_json(done: Completed, what: str) -> list[dict[str, object]]:
     try:
         data = json.loads(done.stdout or "[]")
     except json.JSONDecodeError:
@@ -399,7 +400,7 @@ def _eksctl_json(done: Completed, what: str) -> list[dict[str, Any]]:
     return entries
 
 
-def _status_of(entry: dict[str, Any], done: Completed, what: str) -> str:
+def _status_of(entry: dict[str, object], done: Completed, what: str) -> str:
     status = entry.get("Status") or entry.get("status")
     if not isinstance(status, str) or not status:
         raise UnreadableAnswer(

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from datetime import date
 from pathlib import Path
-from typing import Any
 
 from raytrain_eks.aws import eksctl
 from raytrain_eks.config import Config
@@ -186,7 +185,7 @@ def build_plan(
     mode: Mode = "raycluster",
     hf_token: bool = False,
     on: date | None = None,
-    market: Mapping[str, Any] | None = None,
+    market: Mapping[str, object] | None = None,
 ) -> Plan:
     """Check the config for deploying and build the whole plan in memory. ``hf_token``: a token will be given
     (the pods then read ``HF_TOKEN`` from the Secret); its value is never an input here. ``on``: the day the cost

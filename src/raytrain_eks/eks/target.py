@@ -8,7 +8,6 @@ import shlex
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 from raytrain_eks.config import Config
 from raytrain_eks.deploy.plan import Mode, Plan
@@ -83,7 +82,7 @@ class EksTarget:
     def head_node_labels(self, cfg: Config) -> dict[str, str]:
         return dict(m.SYSTEM_NODE_LABELS)
 
-    def chart_values(self, cfg: Config) -> dict[str, dict[str, Any]]:
+    def chart_values(self, cfg: Config) -> dict[str, dict[str, object]]:
         # The NVIDIA chart's default affinity (nvidia.com/gpu.present=true, set on the GPU node group) and its default
         # toleration of the nvidia.com/gpu taint are what we need; nothing to override. The EFA chart tolerates only
         # CriticalAddonsOnly; without the toleration it would never run on the tainted GPU nodes.
@@ -113,7 +112,7 @@ class EksTarget:
         price of the instance table on the day the job was sent)."""
         return job_price(config, cfg.cluster.usd_per_hour, cfg.cluster.usd_per_node_hour)
 
-    def deployment_record(self, cfg: Config, state: StateStore) -> dict[str, Any] | None:
+    def deployment_record(self, cfg: Config, state: StateStore) -> dict[str, object] | None:
         return deployment_record(cfg, state)
 
     def before_pods(self, d: Deployment) -> None:

@@ -14,14 +14,12 @@ type offers, GPUDirect RDMA off where it supports it) is a warning in the note, 
 
 from __future__ import annotations
 
-from typing import Any
-
 from raytrain_eks.fabric.nccl_report import TransportReport
 
 
 def gate_decision(
     report: TransportReport, require: str, *, job_nodes: int, last_look: bool, require_full_efa: bool = False
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """What to do with one look at a job's NCCL lines: ``continue``, ``look-again`` or ``stop``.
 
     Returns ``require``, ``verdict``, ``basis``, ``job_nodes``, ``met`` (True, False, or None while looking again),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from raytrain_eks.errors import UserError
 
@@ -215,7 +214,7 @@ class TransportReport:
             return 2
         return 0 if self.meets(require) else 1
 
-    def to_dict(self, require: str | None = None) -> dict[str, Any]:
+    def to_dict(self, require: str | None = None) -> dict[str, object]:
         """Plain data for JSON; with ``require`` it also says whether the requirement is met."""
         d = asdict(self)
         if require is not None:

@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from raytrain_eks.config import Config
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
-from raytrain_eks.k8s.cluster import KubeApiError, Node, quantity
+from raytrain_eks.k8s.cluster import DaemonSet, KubeApiError, Node, quantity
 from raytrain_eks.k8s.manifests import to_yaml
 from raytrain_eks.k8s.placement import placement_for
 from raytrain_eks.k8s.runner import QUICK_TIMEOUT_S, CommandError, Completed
-from raytrain_eks.k8s.state import Deployment
+from raytrain_eks.k8s.state import Deployment, Item
 
 HELM_TIMEOUT_S = 15 * 60
 GPU_READY_TIMEOUT_S = 15 * 60
@@ -169,7 +169,7 @@ def _releases(
     ]
 
 
-def helm_item(rel: HelmRelease) -> dict[str, Any]:
+def helm_item(rel: HelmRelease) -> Item:
     return {"type": "helm", "name": rel.name, "namespace": rel.namespace}
 
 
@@ -383,7 +383,7 @@ def plugin_kind(pod_spec: dict[str, Any]) -> str | None:
     return None
 
 
-def _all_daemon_sets(d: Deployment) -> list[Any]:
+def _all_daemon_sets(d: Deployment) -> list[DaemonSet]:
     """Every DaemonSet of the cluster (a device plugin may run in any namespace: the GPU operator's own, a chart's
     release namespace); those of :data:`PLUGIN_NAMESPACES` alone when listing across namespaces is refused
     (a kubeconfig with rights in some namespaces only)."""
@@ -424,7 +424,7 @@ def _expression_holds(labels: dict[str, str], expr: dict[str, Any]) -> bool:
     return False
 
 
-def _tolerates(toleration: dict[str, Any], taint: dict[str, Any]) -> bool:
+def _tolerates(toleration: Mapping[str, object], taint: Mapping[str, object]) -> bool:
     """Kubernetes' Toleration.ToleratesTaint (k8s.io/api/core/v1/toleration.go): the effect and key, when given,
     must match; ``Exists`` tolerates any value, ``Equal`` (the default) only the taint's."""
     if toleration.get("effect") and toleration["effect"] != taint.get("effect"):
@@ -436,7 +436,9 @@ def _tolerates(toleration: dict[str, Any], taint: dict[str, Any]) -> bool:
     return bool(toleration.get("key")) and str(toleration.get("value", "")) == str(taint.get("value", ""))
 
 
-def placement_refusal(pod_spec: dict[str, Any], labels: dict[str, str], taints: list[dict[str, Any]]) -> str | None:
+def placement_refusal(
+    pod_spec: dict[str, Any], labels: dict[str, str], taints: Sequence[Mapping[str, object]]
+) -> str | None:
     """Why a pod of ``pod_spec`` could not run on a node with these labels and taints (its ``nodeSelector``, its
     required node affinity, a ``NoSchedule``/``NoExecute`` taint it does not tolerate), as the scheduler says it;
     ``None``: it could. Labels not given are taken as absent."""
@@ -523,15 +525,16 @@ def gpu_node_lines(d: Deployment, spec: GpuNodeSpec) -> list[str]:
     return lines + [f"  problem: {p}" for p in problems]
 
 
-def delete_recorded(d: Deployment, item: dict[str, Any]) -> bool:
+def delete_recorded(d: Deployment, item: Item) -> bool:
     """Delete a Helm release or an object the state file records, when it is still there (every target's ``down``);
     ``True`` when something was deleted."""
     if item["type"] == "object":
         return d.kube.delete(item["apiVersion"], item["kind"], item["name"], item.get("namespace"))
-    if item["type"] == "helm":
-        if release_info(d, item["name"], item["namespace"]) is None:
+    namespace = item.get("namespace")
+    if item["type"] == "helm" and namespace is not None:  # helm_item records every release with its namespace
+        if release_info(d, item["name"], namespace) is None:
             return False
-        helm(d, ["helm", "uninstall", item["name"], "--namespace", item["namespace"], "--wait"], timeout=HELM_TIMEOUT_S)
+        helm(d, ["helm", "uninstall", item["name"], "--namespace", namespace, "--wait"], timeout=HELM_TIMEOUT_S)
         return True
     raise ValueError(f"not a Helm release or an object: {item}")
 

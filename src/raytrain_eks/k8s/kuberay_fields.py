@@ -24,7 +24,7 @@ CRD_API = "apiextensions.k8s.io/v1"
 RAYJOB_CRD = "rayjobs.ray.io"
 
 
-def unknown_fields(obj: Any, schema: Mapping[str, Any], path: str = "") -> list[str]:
+def unknown_fields(obj: object, schema: Mapping[str, Any], path: str = "") -> list[str]:
     """The dotted paths of ``obj`` that the OpenAPI v3 ``schema`` of a CRD would prune: keys an object schema
     neither lists in ``properties`` nor admits by ``additionalProperties``, below any
     ``x-kubernetes-preserve-unknown-fields``. An object schema with neither (``metadata: {type: object}``) is
@@ -70,7 +70,7 @@ def kuberay_gaps(d: Deployment) -> list[str]:
         crd = d.kube.get(CRD_API, "CustomResourceDefinition", crd_name)
         if crd is None:
             continue
-        schema = _served_schema(crd, doc["apiVersion"].split("/")[1])
+        schema = _served_schema(crd, str(doc["apiVersion"]).split("/")[1])
         if schema is None:
             gaps.append(f"{crd_name} serves no {doc['apiVersion']}")
             continue

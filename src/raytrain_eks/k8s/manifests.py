@@ -52,21 +52,21 @@ RAY_SERVICE_ACCOUNT = "raytrain-eks-ray"
 IMAGE_PYTHON = "python3"
 # Before a Ray pod is killed, a clean `ray stop` lets its raylet and workers (and on the head the GCS and the job's
 # driver) shut down instead of dying mid-write; the reference has it on the head and on the workers.
-RAY_STOP_HOOK: dict[str, Any] = {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}}
+RAY_STOP_HOOK: dict[str, object] = {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}}
 # The environment of a container that must see no GPU (the Ray head; a RayJob's submitter): "void" keeps the NVIDIA
 # container runtime from exposing any GPU to it, whatever node it lands on.
 NO_GPU_ENV: dict[str, str] = {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}
 
 
-def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+def merge(base: Mapping[str, object], over: Mapping[str, object]) -> dict[str, object]:
     """A new dict: ``over`` laid on ``base``, mappings merged key by key, anything else replaced. No input changes.
 
     Example: ``merge({"a": {"x": 1}}, {"a": {"y": 2}}) == {"a": {"x": 1, "y": 2}}``.
     """
     out = copy.deepcopy(dict(base))
     for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merge(out[key], value)
+        if isinstance(value, Mapping) and isinstance(held := out.get(key), Mapping):
+            out[key] = merge(held, value)
         else:
             out[key] = copy.deepcopy(value)
     return out
@@ -77,11 +77,11 @@ def labels(cfg: Config) -> dict[str, str]:
     return {"app.kubernetes.io/managed-by": "raytrain-eks", "app.kubernetes.io/instance": cfg.ray.cluster_name}
 
 
-def _meta(cfg: Config, name: str) -> dict[str, Any]:
+def _meta(cfg: Config, name: str) -> dict[str, object]:
     return {"name": name, "namespace": cfg.ray.namespace, "labels": labels(cfg)}
 
 
-def namespace(cfg: Config) -> dict[str, Any]:
+def namespace(cfg: Config) -> dict[str, object]:
     """The namespace of the Ray objects."""
     return {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": cfg.ray.namespace, "labels": labels(cfg)}}
 
@@ -104,13 +104,13 @@ def job_config_map(cfg: Config) -> dict[str, Any]:
     }
 
 
-def hf_token_env(cfg: Config) -> dict[str, Any]:
+def hf_token_env(cfg: Config) -> dict[str, object]:
     """The container environment entry that reads the token from the Secret (the value never enters a manifest)."""
     ref = {"name": cfg.ray.hf_token_secret, "key": HF_TOKEN_KEY}
     return {"name": HF_TOKEN_ENV, "valueFrom": {"secretKeyRef": ref}}
 
 
-def hf_token_secret(cfg: Config, token: str) -> dict[str, Any]:
+def hf_token_secret(cfg: Config, token: str) -> dict[str, object]:
     """The Secret holding the token, for the Kubernetes API only: never dump, print or log the result."""
     return {
         "apiVersion": "v1",
@@ -136,7 +136,7 @@ def job_env_secret_name(cfg: Config) -> str:
     return f"{cfg.ray.cluster_name}-job-env"
 
 
-def job_env_secret(cfg: Config, values: Mapping[str, str]) -> dict[str, Any]:
+def job_env_secret(cfg: Config, values: Mapping[str, str]) -> dict[str, object]:
     """The Secret holding :func:`passed_env`'s variables, for the Kubernetes API only: never dump or log it."""
     return {
         "apiVersion": "v1",
@@ -147,7 +147,7 @@ def job_env_secret(cfg: Config, values: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
-def _job_env_from(cfg: Config) -> list[dict[str, Any]]:
+def _job_env_from(cfg: Config) -> list[dict[str, object]]:
     # optional: pods start without it (nothing passed); a running pod keeps the values it started with.
     return [{"secretRef": {"name": job_env_secret_name(cfg), "optional": True}}]
 
@@ -222,9 +222,9 @@ def _guaranteed(resources: dict[str, str]) -> dict[str, dict[str, str]]:
     return {"requests": dict(resources), "limits": dict(resources)}
 
 
-def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
+def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, object]:
     cpu, mem = head_pod_resources(cfg)
-    env: list[dict[str, Any]] = [dict(NO_GPU_ENV)]
+    env: list[dict[str, object]] = [dict(NO_GPU_ENV)]
     if hf_token:
         env.append(hf_token_env(cfg))
     mounts, volumes = shared_volume(cfg)
@@ -258,9 +258,9 @@ def _head_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
     }
 
 
-def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
+def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, object]:
     cpu, mem = worker_pod_size(cfg)
-    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in cfg.network.env.items()]
+    env: list[dict[str, object]] = [{"name": k, "value": v} for k, v in cfg.network.env.items()]
     if hf_token:
         env.append(hf_token_env(cfg))
     resources = {
@@ -308,15 +308,15 @@ def _worker_template(cfg: Config, *, hf_token: bool) -> dict[str, Any]:
 SHARED_VOLUME = "shared"
 
 
-def shared_volume(cfg: Config) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def shared_volume(cfg: Config) -> tuple[list[dict[str, object]], list[dict[str, object]]]:
     """The mount and the volume of ``ray.shared_volume`` in every Ray pod (none when it is not set)."""
     if not cfg.ray.shared_volume:
         return [], []
-    mount = {"name": SHARED_VOLUME, "mountPath": cfg.ray.shared_volume_path}
+    mount: dict[str, object] = {"name": SHARED_VOLUME, "mountPath": cfg.ray.shared_volume_path}
     return [mount], [{"name": SHARED_VOLUME, "persistentVolumeClaim": {"claimName": cfg.ray.shared_volume}}]
 
 
-def ray_cluster_spec(cfg: Config, *, hf_token: bool = False) -> dict[str, Any]:
+def ray_cluster_spec(cfg: Config, *, hf_token: bool = False) -> dict[str, object]:
     """The ``spec`` of a RayCluster (also a RayJob's ``rayClusterSpec``): a GPU-less head on the system node and
     one worker pod per GPU node, the group fixed at ``gpu_node_count`` pods."""
     pods = cfg.cluster.gpu_node_count
@@ -344,7 +344,7 @@ def ray_cluster_spec(cfg: Config, *, hf_token: bool = False) -> dict[str, Any]:
     }
 
 
-def raycluster(cfg: Config, *, hf_token: bool = False) -> dict[str, Any]:
+def raycluster(cfg: Config, *, hf_token: bool = False) -> dict[str, object]:
     """The ``ray.io/v1`` RayCluster that ``train --address auto`` later runs on (submitted in the head pod)."""
     return {
         "apiVersion": "ray.io/v1",
@@ -354,14 +354,14 @@ def raycluster(cfg: Config, *, hf_token: bool = False) -> dict[str, Any]:
     }
 
 
-def rayjob(cfg: Config, *, hf_token: bool = False, runtime_env: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def rayjob(cfg: Config, *, hf_token: bool = False, runtime_env: Mapping[str, object] | None = None) -> dict[str, Any]:
     """A ``ray.io/v1`` RayJob: its own RayCluster, the training entrypoint, and a cluster deleted after it ends
     (by ``submit`` once it has read the pods' evidence, else by KubeRay :data:`RAYJOB_TTL_S` later).
 
     ``activeDeadlineSeconds`` bounds the whole run and ``preRunningDeadlineSeconds`` the wait for pods, so a job
     that hangs or never gets its GPUs stops costing. ``runtime_env`` (packages the image lacks) is optional.
     """
-    spec: dict[str, Any] = {
+    spec: dict[str, object] = {
         # shlex.join: the entrypoint is a shell string to Ray; quoting each argv item keeps it one argv again.
         "entrypoint": shlex.join(train_argv()),
         "submissionMode": "K8sJobMode",
@@ -395,6 +395,6 @@ def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
 _Dumper.add_representer(str, _str)
 
 
-def to_yaml(docs: list[dict[str, Any]]) -> str:
+def to_yaml(docs: list[dict[str, object]]) -> str:
     """Documents as YAML, ``---`` between them, keys in the order they were built."""
     return yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, default_flow_style=False)

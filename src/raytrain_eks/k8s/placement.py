@@ -10,7 +10,7 @@ labels), the ``kubernetes`` target knows nothing of the cluster's nodes until ``
 
 from __future__ import annotations
 
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 from raytrain_eks.config import Config
 from raytrain_eks.targets import implementation
@@ -38,7 +38,7 @@ class PodPlacement(Protocol):
         """The labels the head pod selects when ``cluster.head_node_selector`` is unset."""
         ...
 
-    def chart_values(self, cfg: Config) -> dict[str, dict[str, Any]]:
+    def chart_values(self, cfg: Config) -> dict[str, dict[str, object]]:
         """The Helm values of the three pinned charts, keyed ``nvidia``, ``efa`` and ``kuberay``: where the device
         plugins and the operator run on this target's nodes."""
         ...

@@ -14,12 +14,29 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
-
-Price = Callable[[Mapping[str, Any]], dict[str, Any]]
+from typing import Any, Required, TypedDict
 
 
-def priced_run(usd_per_hour: float, price_region: str, summary: Mapping[str, Any]) -> dict[str, Any]:
+class RunCost(TypedDict, total=False):
+    """What a run cost (``summary.json``'s ``cost``): in dollars, per million tokens trained, the hourly price it
+    was priced at and how; by whom it was priced (``source``), for which ``cluster``, and at a price per node the
+    ``nodes`` it ran on."""
+
+    usd: Required[float]
+    usd_per_million_tokens: Required[float | None]
+    usd_per_hour: Required[float]
+    basis: Required[str]
+    cluster: str | None
+    source: str
+    nodes: int
+    usd_per_node_hour: float
+
+
+# A run's cost from its summary (summary.json's fields, as JSON values).
+Price = Callable[[Mapping[str, Any]], RunCost]
+
+
+def priced_run(usd_per_hour: float, price_region: str, summary: Mapping[str, Any]) -> RunCost:
     """A run's cost from its ``summary.json`` fields: ``usd_per_hour`` times this attempt's ``wall_s``, and per
     million tokens this attempt trained (``trained_tokens``; a summary without it, from before that field, gives
     ``tokens_per_s`` x (``train_s`` - ``eval_s``); ``tokens`` would also count the steps before a resume)."""
@@ -44,18 +61,24 @@ def configured_price(
     if usd_per_node_hour is not None:
         rate = float(usd_per_node_hour)
 
-        def per_node(summary: Mapping[str, Any]) -> dict[str, Any]:
+        def per_node(summary: Mapping[str, Any]) -> RunCost:
             nodes = int(summary.get("nodes") or 1)
             cost = priced_run(rate * nodes, "configured", summary)
             basis = f"cluster.usd_per_node_hour as configured x {nodes} GPU node(s) x the run's wall time"
-            extra = {"nodes": nodes, "usd_per_node_hour": rate}
-            return {**cost, "basis": basis, "cluster": cluster, "source": "configured", **extra}
+            return {
+                **cost,
+                "basis": basis,
+                "cluster": cluster,
+                "source": "configured",
+                "nodes": nodes,
+                "usd_per_node_hour": rate,
+            }
 
         return per_node
     if usd_per_hour is not None:
         hourly = float(usd_per_hour)
 
-        def configured(summary: Mapping[str, Any]) -> dict[str, Any]:
+        def configured(summary: Mapping[str, Any]) -> RunCost:
             cost = priced_run(hourly, "configured", summary)
             basis = "cluster.usd_per_hour as configured x the run's wall time"
             return {**cost, "basis": basis, "cluster": cluster, "source": "configured"}

@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Required, TypedDict
 
 from raytrain_eks.config import Config
 from raytrain_eks.errors import UserError
@@ -28,6 +28,20 @@ from raytrain_eks.k8s.wait import POLL_S, T, poll
 STATE_DIR = ".raytrain-eks"
 STATE_FILE = "state.json"
 KUBECONFIG_FILE = "kubeconfig"
+
+
+class Item(TypedDict, total=False):
+    """Something raytrain-eks created, as the state file lists it: its ``type`` (cluster, nodegroup, bucket, helm,
+    object, iamserviceaccount), its ``name``, and by type what else finds it again; ``restore``: what an IAM service
+    account that existed before had, given back by ``down``."""
+
+    type: Required[str]
+    name: Required[str]
+    region: str
+    namespace: str | None
+    apiVersion: str
+    kind: str
+    restore: dict[str, dict[str, str | None]]
 
 
 class UnreadableAnswer(UserError):
@@ -68,13 +82,13 @@ class StateStore:
         return self.root / KUBECONFIG_FILE
 
     @property
-    def created(self) -> list[dict[str, Any]]:
+    def created(self) -> list[Item]:
         return list(self.data.get("created", []))
 
-    def get(self, key: str, default: Any = None) -> Any:
+    def get(self, key: str, default: object = None) -> Any:
         return self.data.get(key, default)
 
-    def update(self, **values: Any) -> None:
+    def update(self, **values: object) -> None:
         for key, value in values.items():
             if value is None:
                 self.data.pop(key, None)
@@ -82,16 +96,16 @@ class StateStore:
                 self.data[key] = value
         self.save()
 
-    def has(self, item: dict[str, Any]) -> bool:
+    def has(self, item: Item) -> bool:
         return item in self.data.get("created", [])
 
-    def record(self, item: dict[str, Any]) -> None:
+    def record(self, item: Item) -> None:
         """Remember ``item`` as created by raytrain-eks (idempotent)."""
         if not self.has(item):
             self.data.setdefault("created", []).append(item)
             self.save()
 
-    def forget(self, item: dict[str, Any]) -> None:
+    def forget(self, item: Item) -> None:
         if self.has(item):
             self.data["created"].remove(item)
             self.save()
@@ -129,15 +143,15 @@ class StateStore:
             self.root.rmdir()
 
 
-def cluster_item(cfg: Config) -> dict[str, Any]:
+def cluster_item(cfg: Config) -> Item:
     return {"type": "cluster", "name": cfg.cluster.name, "region": cfg.cluster.region}
 
 
-def nodegroup_item(name: str) -> dict[str, Any]:
+def nodegroup_item(name: str) -> Item:
     return {"type": "nodegroup", "name": name}
 
 
-def object_item(obj: dict[str, Any]) -> dict[str, Any]:
+def object_item(obj: Mapping[str, Any]) -> Item:
     meta = obj["metadata"]
     return {
         "type": "object",
@@ -148,7 +162,7 @@ def object_item(obj: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def describe(item: dict[str, Any]) -> str:
+def describe(item: Item) -> str:
     """A created item as words: ``EKS cluster ray-train-eks (us-east-1)``."""
     kind = item["type"]
     if kind == "cluster":
@@ -186,7 +200,7 @@ def with_shared_volume(cfg: Config) -> Config:
     if not r.shared_volume:
         return cfg
     if not t.storage_path:
-        update: dict[str, Any] = {"storage_path": f"{r.shared_volume_path}/{RUNS_PREFIX}", "storage_shared": True}
+        update: dict[str, object] = {"storage_path": f"{r.shared_volume_path}/{RUNS_PREFIX}", "storage_shared": True}
     elif t.storage_path == r.shared_volume_path or t.storage_path.startswith(f"{r.shared_volume_path}/"):
         update = {"storage_shared": True}
     else:

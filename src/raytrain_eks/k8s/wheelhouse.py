@@ -31,11 +31,15 @@ import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raytrain_eks.config import Config
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
+from raytrain_eks.k8s.cluster import ExecResult
+
+if TYPE_CHECKING:
+    from packaging.requirements import Requirement
 
 MANIFEST = "raytrain-eks-wheelhouse.json"
 STORAGE_FOLDER = ".raytrain-eks-wheelhouse"  # under training.storage_path, one folder per wheelhouse digest
@@ -185,7 +189,7 @@ def _wheel_id(path: Path) -> tuple[str, str]:
     return str(name), str(version)
 
 
-def _applies(req: Any, parent_extras: frozenset[str], markers: Mapping[str, str]) -> bool:
+def _applies(req: Requirement, parent_extras: frozenset[str], markers: Mapping[str, str]) -> bool:
     """Whether requirement ``req`` holds in the image's environment, for one of the extras its parent was asked with."""
     if req.marker is None:
         return True
@@ -592,7 +596,8 @@ except OSError:
 print("wheelhouse of %d wheels in %s" % (len(manifest["files"]), dest), flush=True)
 """
 
-PodRun = Callable[[list[str], "str | None"], Any]  # (argv, stdin) -> an ExecResult in a pod that mounts the volume
+# (argv, stdin) -> the command run in a pod that mounts the volume
+PodRun = Callable[[list[str], "str | None"], ExecResult]
 
 
 def write_through(house: Wheelhouse, location: str, run: PodRun, say: Callable[[str], None] = lambda _: None) -> str:
@@ -607,7 +612,7 @@ def write_through(house: Wheelhouse, location: str, run: PodRun, say: Callable[[
         return target
     partial = f"{target}.partial-{secrets.token_hex(4)}"
 
-    def checked(argv: list[str], stdin: str | None, what: str) -> Any:
+    def checked(argv: list[str], stdin: str | None, what: str) -> ExecResult:
         res = run(argv, stdin)
         if not res.ok:
             raise UserError(

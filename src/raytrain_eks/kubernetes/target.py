@@ -8,7 +8,6 @@ import os
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 from raytrain_eks.config import Config
 from raytrain_eks.deploy.plan import Mode, Plan
@@ -96,7 +95,7 @@ class KubernetesTarget:
     def head_node_labels(self, cfg: Config) -> dict[str, str]:
         return {}
 
-    def chart_values(self, cfg: Config) -> dict[str, dict[str, Any]]:
+    def chart_values(self, cfg: Config) -> dict[str, dict[str, object]]:
         # The plugins go to the nodes of cluster.gpu_node_selector (tolerating the worker pods' tolerations) and the
         # operator to those of cluster.head_node_selector; the NVIDIA chart's own affinity (labels that node feature
         # discovery sets) is replaced by that selector, which every cluster can give.
@@ -135,7 +134,7 @@ class KubernetesTarget:
         price = configured_price(cfg.cluster.usd_per_hour, cfg.cluster.usd_per_node_hour)
         return (price, None) if price is not None else (None, unpriced_reason(config))
 
-    def deployment_record(self, cfg: Config, state: StateStore) -> dict[str, Any] | None:
+    def deployment_record(self, cfg: Config, state: StateStore) -> dict[str, object] | None:
         """None: up made no cluster here, so there is no deployment to record (a configured price prices the run)."""
         return None
 

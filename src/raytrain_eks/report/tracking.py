@@ -18,8 +18,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from wandb import Run
 
 TENSORBOARD_DIR = "tensorboard"
 # The record fields sent as scalars, and the tag each gets (train/, eval/ and perf/ group them in TensorBoard).
@@ -36,7 +41,16 @@ _TAGS = {
 log = logging.getLogger(__name__)
 
 
-def _flat(prefix: str, value: Any, out: dict[str, str]) -> None:
+class RunSettings(Protocol):
+    """What the tracker reads of the run's configuration (``raytrain_eks.config.Config``): its YAML, and its settings
+    as JSON values (the ``training`` section goes to MLflow's parameters and W&B's config)."""
+
+    def to_yaml(self) -> str: ...
+
+    def model_dump(self, *, mode: str) -> Mapping[str, object]: ...
+
+
+def _flat(prefix: str, value: object, out: dict[str, str]) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
             _flat(f"{prefix}.{k}" if prefix else str(k), v, out)
@@ -47,19 +61,20 @@ def _flat(prefix: str, value: Any, out: dict[str, str]) -> None:
 class Tracker:
     """TensorBoard always; MLflow and Weights & Biases too when each is configured and installed."""
 
-    def __init__(self, run_dir: Path, cfg: Any) -> None:
+    def __init__(self, run_dir: Path, cfg: RunSettings) -> None:
         from tensorboardX import SummaryWriter
 
         self._tb = SummaryWriter(logdir=str(run_dir / TENSORBOARD_DIR), flush_secs=10)
         self._tb.add_text("config", "```\n" + cfg.to_yaml() + "\n```", 0)
-        self._mlflow: Any = None
+        self._mlflow: ModuleType | None = None  # mlflow itself: its run is the module's current one
         if os.environ.get("MLFLOW_TRACKING_URI"):
             self._mlflow = _start_mlflow(run_dir, cfg)
-        self._wandb: Any = _start_wandb(run_dir, cfg) if wandb_wanted(os.environ) else None
+        self._wandb: Run | None = _start_wandb(run_dir, cfg) if wandb_wanted(os.environ) else None
 
-    def log(self, record: dict[str, Any]) -> None:
-        step = int(record["step"])
-        values = {tag: float(record[k]) for k, tag in _TAGS.items() if isinstance(record.get(k), (int, float))}
+    def log(self, record: Mapping[str, object]) -> None:
+        step = record["step"]
+        assert isinstance(step, int), f"a metric record's step is a number, not {step!r}"
+        values = {tag: float(v) for k, tag in _TAGS.items() if isinstance(v := record.get(k), (int, float))}
         for tag, value in values.items():
             self._tb.add_scalar(tag, value, step)
         if self._mlflow is not None:
@@ -71,7 +86,7 @@ class Tracker:
         """Flush and close the event file (training is over; nothing more is logged per step)."""
         self._tb.close()
 
-    def finish(self, summary: dict[str, Any]) -> None:
+    def finish(self, summary: Mapping[str, object]) -> None:
         """End the MLflow run with the summary's numbers as final metrics, and the W&B run with them as its
         summary."""
         numbers = {k: float(v) for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -92,7 +107,7 @@ class Tracker:
 WANDB_VARIABLES = ("WANDB_PROJECT", "WANDB_API_KEY")  # either one asks for a W&B run (so does WANDB_MODE)
 
 
-def wandb_wanted(environ: Any) -> bool:
+def wandb_wanted(environ: Mapping[str, str]) -> bool:
     """Whether the environment asks for Weights & Biases: ``WANDB_MODE`` online or offline, or a project or an API
     key set (and ``WANDB_MODE`` not ``disabled``)."""
     mode = environ.get("WANDB_MODE", "").strip().lower()
@@ -101,7 +116,7 @@ def wandb_wanted(environ: Any) -> bool:
     return mode in ("online", "offline", "dryrun", "run") or any(environ.get(name) for name in WANDB_VARIABLES)
 
 
-def _start_wandb(run_dir: Path, cfg: Any) -> Any:
+def _start_wandb(run_dir: Path, cfg: RunSettings) -> Run | None:
     try:
         import wandb
     except ImportError:
@@ -109,12 +124,13 @@ def _start_wandb(run_dir: Path, cfg: Any) -> Any:
         return None
     folder = os.environ.get("WANDB_DIR") or str(run_dir)  # wandb makes its own wandb/ folder inside
     Path(folder).mkdir(parents=True, exist_ok=True)
+    training = cfg.model_dump(mode="json")["training"]  # a section of settings: a mapping
     try:
         return wandb.init(
             project=os.environ.get("WANDB_PROJECT") or "raytrain-eks",
             name=run_dir.name,
             dir=folder,
-            config=cfg.model_dump(mode="json")["training"],
+            config=dict(training) if isinstance(training, Mapping) else None,
             settings=wandb.Settings(console="off", quiet=True),
         )
     except Exception as exc:  # no API key, no route to W&B: the run is not lost for its tracker
@@ -127,7 +143,7 @@ def _start_wandb(run_dir: Path, cfg: Any) -> Any:
         return None
 
 
-def _start_mlflow(run_dir: Path, cfg: Any) -> Any:
+def _start_mlflow(run_dir: Path, cfg: RunSettings) -> ModuleType | None:
     try:
         import mlflow
     except ImportError:

@@ -16,10 +16,10 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -30,9 +30,15 @@ from raytrain_eks.train.data.cursor import Batch, DataCursor
 from raytrain_eks.train.records import FabricLook, Finished, Note, Record, StepRecord
 from raytrain_eks.train.storage import join
 
+if TYPE_CHECKING:
+    from ray.util.queue import Queue
+    from torch.distributed import ProcessGroup
+
+    from raytrain_eks.train.data.pipeline import PackedSet
+
 # Writes this rank's files of a checkpoint into a folder: at once (the process group None), or in the background over
 # the given process group, returning the write's future.
-CheckpointWriter = Callable[[Path, Any], "Future[Any] | None"]
+CheckpointWriter = Callable[[Path, "ProcessGroup | None"], "Future[None] | None"]
 
 
 class WorkerContext(Protocol):
@@ -60,7 +66,7 @@ class WorkerContext(Protocol):
         :func:`~raytrain_eks.train.checkpoint.load_sharded`), or ``None`` for a fresh start."""
         ...
 
-    def save_checkpoint(self, step: int, write: CheckpointWriter, metrics: dict[str, Any], keep: int) -> None:
+    def save_checkpoint(self, step: int, write: CheckpointWriter, metrics: Mapping[str, object], keep: int) -> None:
         """Save the checkpoint of ``step``, keep ``keep`` (a collective). ``write(folder, group)`` writes this rank's
         files: at once with ``group`` None, else in the background over that process group, returning the future
         of the write; the context then goes on with it at :meth:`settle`."""
@@ -71,7 +77,7 @@ class WorkerContext(Protocol):
         rank calls it once per step)."""
         ...
 
-    def finish(self, summary: dict[str, Any]) -> None:
+    def finish(self, summary: dict[str, object]) -> None:
         """Hand in the end-of-run summary, once the last checkpoint is complete (called on every rank)."""
         ...
 
@@ -95,10 +101,10 @@ class RayContext:
 
     def __init__(
         self,
-        metrics_queue: Any | None,
+        metrics_queue: Queue | None,
         checkpoint_root: str,
         resume_from: str | None = None,
-        datasets: dict[str, Any] | None = None,
+        datasets: dict[str, PackedSet] | None = None,
     ) -> None:
         import ray
         import ray.train
@@ -114,7 +120,7 @@ class RayContext:
         self._resume_from = resume_from
         self._datasets = datasets or {}
         self._pending: _InFlight | None = None  # the checkpoint being written or uploaded
-        self._groups: tuple[Any, Any] | None = None
+        self._groups: tuple[ProcessGroup, ProcessGroup] | None = None
         self._done_s: list[float] = []
         remove_stale_folders()  # what workers killed mid-run left (a rank's downloaded share of a checkpoint)
 
@@ -156,7 +162,7 @@ class RayContext:
         # Not downloaded here: load_sharded reads from remote storage only this rank's share of it.
         return latest_complete(self._root) or self._resume_from
 
-    def save_checkpoint(self, step: int, write: CheckpointWriter, metrics: dict[str, Any], keep: int) -> None:
+    def save_checkpoint(self, step: int, write: CheckpointWriter, metrics: Mapping[str, object], keep: int) -> None:
         """Write this rank's files in the background (DCP's asynchronous save, over a gloo group of its own), and
         go on training: :meth:`settle` reports the checkpoint to Ray Train once every rank's files are written, Ray
         uploads it on a thread of its own, and once every rank's upload is done rank 0 marks it complete. A save
@@ -176,7 +182,7 @@ class RayContext:
     def settle(self) -> None:
         self._settle(wait=False)
 
-    def _checkpoint_groups(self) -> tuple[Any, Any]:
+    def _checkpoint_groups(self) -> tuple[ProcessGroup, ProcessGroup]:
         """Two gloo groups of all ranks (made once, by every rank at its first save): one for the background writes'
         own collectives, one for :meth:`_settle`'s vote, so neither meets the training's collectives nor the other."""
         if self._groups is None:
@@ -220,7 +226,7 @@ class RayContext:
                 return
             time.sleep(_SETTLE_POLL_S)
 
-    def finish(self, summary: dict[str, Any]) -> None:
+    def finish(self, summary: dict[str, object]) -> None:
         self._settle(wait=True)  # the last checkpoint complete before the run is over
         # Seconds from each save's start until it was complete, while training went on (checkpoint_s: what it waited).
         summary["checkpoint_done_s"] = list(self._done_s)
@@ -229,6 +235,12 @@ class RayContext:
 
 
 _SETTLE_POLL_S = 0.05  # how often a save (or the end of the run) looks whether the one in flight is done
+
+
+class _Persists(Protocol):
+    """What :meth:`_InFlight.uploader` asks of Ray Train's storage context (``StorageContext``)."""
+
+    def persist_current_checkpoint(self, checkpoint: object, name: str) -> object: ...
 
 
 class _InFlight:
@@ -242,8 +254,8 @@ class _InFlight:
         step: int,
         name: str,
         staging: Path,
-        written: Future[Any] | None,
-        metrics: dict[str, Any],
+        written: Future[None] | None,
+        metrics: Mapping[str, object],
         keep: int,
         *,
         started: float,
@@ -265,11 +277,11 @@ class _InFlight:
             return self.UPLOADED
         return self.WRITTEN if self._written is None or self._written.done() else self.WRITING
 
-    def uploader(self, storage: Any) -> Callable[[Any, str], Any]:
+    def uploader(self, storage: _Persists) -> Callable[[object, str], object]:
         """Ray's own upload of the checkpoint (``persist_current_checkpoint``, what it does by default), which
         also tells this rank when it is done."""
 
-        def upload(checkpoint: Any, name: str) -> Any:
+        def upload(checkpoint: object, name: str) -> object:
             try:
                 persisted = storage.persist_current_checkpoint(checkpoint, name)
             except BaseException as exc:
@@ -320,7 +332,7 @@ class ProcessContext:
     Checkpoints go to ``out_dir/checkpoints`` (a folder all ranks share), in the same format as under Ray.
     """
 
-    def __init__(self, out_dir: Path, summary_extra: dict[str, Any] | None = None) -> None:
+    def __init__(self, out_dir: Path, summary_extra: Mapping[str, object] | None = None) -> None:
         self.rank = int(os.environ.get("RANK", 0))
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         # torchrun numbers its nodes (GROUP_RANK); a lone process is on the machine it runs on.
@@ -350,7 +362,7 @@ class ProcessContext:
     def resume_checkpoint(self) -> str | Path | None:
         return None
 
-    def save_checkpoint(self, step: int, write: CheckpointWriter, metrics: dict[str, Any], keep: int) -> None:
+    def save_checkpoint(self, step: int, write: CheckpointWriter, metrics: Mapping[str, object], keep: int) -> None:
         folder = self._out / "checkpoints" / checkpoint_name(step)
         write(folder, None)  # at once: the files are in place when it returns
         dist.barrier()
@@ -361,6 +373,6 @@ class ProcessContext:
     def settle(self) -> None:
         """Nothing is in flight: every checkpoint is written when :meth:`save_checkpoint` returns."""
 
-    def finish(self, summary: dict[str, Any]) -> None:
+    def finish(self, summary: dict[str, object]) -> None:
         if self.rank == 0:
             (self._out / "summary.json").write_text(json.dumps({**summary, **self._summary_extra}, indent=2) + "\n")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,10 +21,13 @@ import torch.distributed as dist
 from raytrain_eks.train.data.encoding import IGNORE_INDEX
 from raytrain_eks.train.model import OutputHead, chunked_cross_entropy, forward_inputs
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
 Batch = dict[str, torch.Tensor]
 
 
-def _all_reduce(t: torch.Tensor, op: Any = None) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType | None = None) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
     return t
@@ -45,14 +48,14 @@ class HeldOut:
         return self._cached
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, output_weight: OutputHead, device: torch.device) -> dict:
+    def evaluate(self, model: torch.nn.Module, output_weight: OutputHead, device: torch.device) -> dict[str, float]:
         mine = self._batches()
         count = _all_reduce(torch.tensor([len(mine)], device=device), dist.ReduceOp.MAX)
         masked = {
             "input_ids": torch.zeros(self._shape, dtype=torch.long),
             "labels": torch.full(self._shape, IGNORE_INDEX, dtype=torch.long),
         }
-        config: Any = model.config
+        config: PretrainedConfig = model.config
         attention = str(config._attn_implementation)  # flash-attention: a packed batch goes in as one row
         was_training = model.training
         model.eval()
@@ -86,12 +89,12 @@ class HeldOut:
 def greedy_samples(
     model: torch.nn.Module,
     output_weight: OutputHead,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: list[str],
     *,
     max_new_tokens: int,
     device: torch.device,
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """Greedy continuations of ``prompts`` (already rendered as the model was trained to read them).
 
     All prompts go through the model together: padded on the left to one length, the padding masked out and each

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -41,6 +41,20 @@ from raytrain_eks.train.checkpoint import EXPORT_MARKER, HF_DIR, resolve_checkpo
 from raytrain_eks.train.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_key, base_weight_of, is_adapter
 from raytrain_eks.train.storage import copy_ranges, is_remote
 from raytrain_eks.train.storage import filesystem as _fs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+class AdapterConfig(TypedDict, total=False):
+    """The fields of peft's ``adapter_config.json`` (its ``LoraConfig``) that the export reads."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    use_dora: bool
+    base_model_name_or_path: str | None
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # safetensors' names of the dtypes a model's tensors may have.
@@ -150,7 +164,7 @@ def _model_files(location: str, into: Path) -> Path:
     return into
 
 
-def _meta_model(hf: Path, dtype: torch.dtype) -> Any:
+def _meta_model(hf: Path, dtype: torch.dtype) -> PreTrainedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(hf)
@@ -158,7 +172,7 @@ def _meta_model(hf: Path, dtype: torch.dtype) -> Any:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def _entries(model: Any, dtype: torch.dtype) -> list[_Entry]:
+def _entries(model: torch.nn.Module, dtype: torch.dtype) -> list[_Entry]:
     """The tensors a Hugging Face folder of ``model`` holds: its state dict, a tied weight once (its first name)."""
     seen: set[int] = set()
     entries = []
@@ -186,7 +200,7 @@ def _split(entries: list[_Entry], limit: int) -> list[list[_Entry]]:
 
 def _header(entries: list[_Entry], dtype: torch.dtype) -> bytes:
     """A safetensors header (length prefix + JSON, padded to 8 bytes) for ``entries`` laid out in order."""
-    meta: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    meta: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for entry in entries:
         meta[entry.name] = {
@@ -269,7 +283,7 @@ def _staging(out_dir: Path) -> Path:
     return staging
 
 
-def _finish(staging: Path, out_dir: Path, hf: Path, *, source: str, dtype: torch.dtype, **extra: Any) -> Path:
+def _finish(staging: Path, out_dir: Path, hf: Path, *, source: str, dtype: torch.dtype, **extra: object) -> Path:
     """The tokenizer and :data:`EXPORT_MARKER` into ``staging``, then ``staging`` in the place of ``out_dir``."""
     from transformers import AutoTokenizer
 
@@ -287,7 +301,7 @@ def _finish(staging: Path, out_dir: Path, hf: Path, *, source: str, dtype: torch
 # --------------------------------------------------------------------------------------------- LoRA checkpoints
 
 
-def _adapters(checkpoint: Path) -> dict[str, Any] | None:
+def _adapters(checkpoint: Path) -> AdapterConfig | None:
     """The checkpoint's ``adapter_config.json`` (peft's), or ``None`` for a full fine-tune."""
     path = checkpoint / HF_DIR / ADAPTER_CONFIG
     return json.loads(path.read_text()) if path.is_file() else None
@@ -345,7 +359,8 @@ class _BaseWeights:
 
         if name in self._where:
             with safe_open(self._where[name], "pt") as f:
-                return f.get_tensor(name)
+                tensor: torch.Tensor = f.get_tensor(name)
+                return tensor
         if self._whole is None:
             from transformers import AutoModelForCausalLM
 
@@ -356,7 +371,7 @@ class _BaseWeights:
         return self._whole[name]
 
 
-def _merging_loader(checkpoint: Path, lora: dict[str, Any], base: Path) -> Loader:
+def _merging_loader(checkpoint: Path, lora: AdapterConfig, base: Path) -> Loader:
     """A loader of the merged weights: each base weight, plus ``alpha / r * B @ A`` where it has adapters."""
     if lora.get("use_rslora") or lora.get("use_dora"):
         raise UserError("the checkpoint's adapters use rsLoRA or DoRA, which this export does not merge")
@@ -388,7 +403,7 @@ def _merging_loader(checkpoint: Path, lora: dict[str, Any], base: Path) -> Loade
     return load
 
 
-def _export_adapters(checkpoint: Path, out_dir: Path, dtype: torch.dtype, lora: dict[str, Any], *, source: str) -> Path:
+def _export_adapters(checkpoint: Path, out_dir: Path, dtype: torch.dtype, lora: AdapterConfig, *, source: str) -> Path:
     """The adapters alone as a peft adapter folder, named as peft names them."""
     from safetensors.torch import save_file
 

@@ -14,7 +14,13 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
 
 ENV = "RAYTRAIN_EKS_FAULT"
 SLOW_WRITE_ENV = "RAYTRAIN_EKS_SLOW_WRITE"
@@ -35,7 +41,7 @@ def maybe_die(point: str, *, step: int, rank: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def checkpoint_writer(folder: str, *, thread_count: int) -> Any:
+def checkpoint_writer(folder: str, *, thread_count: int) -> FileSystemWriter:
     """DCP's file writer for ``folder``; with ``RAYTRAIN_EKS_SLOW_WRITE=SECONDS`` set, one that first waits that long
     (on the thread that writes the files)."""
     import torch.distributed.checkpoint as dcp
@@ -45,7 +51,7 @@ def checkpoint_writer(folder: str, *, thread_count: int) -> Any:
         return dcp.FileSystemWriter(folder, thread_count=thread_count)
 
     class Slowed(dcp.FileSystemWriter):
-        def write_data(self, plan: Any, planner: Any) -> Any:
+        def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
             time.sleep(delay)
             return super().write_data(plan, planner)
 

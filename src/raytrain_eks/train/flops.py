@@ -36,7 +36,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # Dense bf16 tensor-core peaks per GPU in TFLOPS (no sparsity), matched against torch.cuda.get_device_name().
 # Each row names the words the device name must contain; the first row that matches wins, so the variants of a
@@ -84,12 +87,12 @@ class _Layout:
     attention: tuple[tuple[int | None, int], ...]
 
 
-def _positive(config: Any, name: str) -> int | None:
+def _positive(config: PretrainedConfig, name: str) -> int | None:
     value = getattr(config, name, None)
     return value if isinstance(value, int) and value > 0 else None
 
 
-def _attention(config: Any) -> tuple[int, int]:
+def _attention(config: PretrainedConfig) -> tuple[int, int]:
     """(projection weights, heads * (query-key dim + value dim)) of one attention layer."""
     h, heads = config.hidden_size, config.num_attention_heads
     kv_lora = _positive(config, "kv_lora_rank")
@@ -105,7 +108,7 @@ def _attention(config: Any) -> tuple[int, int]:
     return h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h, 2 * heads * head_dim
 
 
-def _sparse_mlp(config: Any) -> int | None:
+def _sparse_mlp(config: PretrainedConfig) -> int | None:
     """Weights a token uses in a Mixture-of-Experts MLP (routed experts, shared experts, router), or ``None`` when
     the config names no experts and top-k."""
     experts = next((n for n in (_positive(config, f) for f in _EXPERT_COUNT_FIELDS) if n), None)
@@ -121,10 +124,10 @@ def _sparse_mlp(config: Any) -> int | None:
         shared = 3 * h * size * n_shared  # DeepSeek: one MLP n_shared times an expert's width
     elif granite_shared := _positive(config, "shared_intermediate_size"):
         shared = 3 * h * granite_shared
-    return top_k * 3 * h * size + h * experts + shared  # gate, up and down of each; the router's h x experts
+    return int(top_k * 3 * h * size + h * experts + shared)  # gate, up and down of each; the router's h x experts
 
 
-def _is_sparse(config: Any, layer: int) -> bool:
+def _is_sparse(config: PretrainedConfig, layer: int) -> bool:
     """Whether ``layer`` of a Mixture-of-Experts config has experts, by the fields that keep some layers dense."""
     if layer in (getattr(config, "mlp_only_layers", None) or ()):
         return False
@@ -135,7 +138,7 @@ def _is_sparse(config: Any, layer: int) -> bool:
     return not (first_dense and layer < first_dense)
 
 
-def _windows(config: Any, layers: int) -> list[int | None]:
+def _windows(config: PretrainedConfig, layers: int) -> list[int | None]:
     """Each layer's sliding window, ``None`` for full attention. Configs with ``layer_types`` window only their
     "sliding_attention" layers (Gemma 2, Qwen2); the others apply ``sliding_window`` to every layer (Mistral)."""
     window = _positive(config, "sliding_window")
@@ -145,7 +148,7 @@ def _windows(config: Any, layers: int) -> list[int | None]:
     return [window if i < len(types) and types[i] == "sliding_attention" else None for i in range(layers)]
 
 
-def _layout(config: Any) -> _Layout:
+def _layout(config: PretrainedConfig) -> _Layout:
     get_text_config = getattr(config, "get_text_config", None)
     config = get_text_config(decoder=True) if callable(get_text_config) else config
     h, layers = config.hidden_size, config.num_hidden_layers
@@ -161,7 +164,7 @@ def _layout(config: Any) -> _Layout:
     return _Layout(params, tuple(by_window.items()))
 
 
-def matmul_params(config: Any) -> int:
+def matmul_params(config: PretrainedConfig) -> int:
     """Weights one token's matrix multiplications use, from a Hugging Face config: every decoder weight and the
     output projection of a dense model; in Mixture-of-Experts layers only the routed top-k experts, the shared
     experts and the router. Example: 1.54 B for Qwen2.5-1.5B, 12.75 B for Mixtral-8x7B (46.7 B stored)."""
@@ -181,13 +184,13 @@ def _attention_flops(layout: _Layout, n: int) -> float:
     return 6.0 * squares
 
 
-def matmul_flops_per_token(config: Any, *, adapters: int = 0) -> float:
+def matmul_flops_per_token(config: PretrainedConfig, *, adapters: int = 0) -> float:
     """Training FLOPs per token of everything but the attention score and value products: 6 * N, or with
     ``adapters`` (LoRA's trainable parameters, the base frozen) 4 * N + 6 * adapters."""
     return _matmul_flops(_layout(config), adapters)
 
 
-def attention_flops_coefficient(config: Any) -> float:
+def attention_flops_coefficient(config: PretrainedConfig) -> float:
     """c such that a document of n tokens costs c * n * n in the attention score and value products, forward and
     backward, as a full square: 12 * layers * heads * head_dim for ordinary attention.
 
@@ -197,7 +200,7 @@ def attention_flops_coefficient(config: Any) -> float:
     return 6.0 * sum(width for _, width in _layout(config).attention)
 
 
-def documents_flops(config: Any, lengths: Iterable[int], *, adapters: int = 0) -> float:
+def documents_flops(config: PretrainedConfig, lengths: Iterable[int], *, adapters: int = 0) -> float:
     """Training FLOPs of documents of these token counts, each attending only within itself (the rows of a packed
     block, padding left out): the sum of ``matmul_flops_per_token * n`` and each document's attention,
     ``attention_flops_coefficient * n * n`` where no sliding window cuts it short.
@@ -209,7 +212,7 @@ def documents_flops(config: Any, lengths: Iterable[int], *, adapters: int = 0) -
     return sum((per_token * n + _attention_flops(layout, n) for n in map(int, lengths)), 0.0)
 
 
-def flops_per_token(config: Any, seq_len: int, *, adapters: int = 0) -> float:
+def flops_per_token(config: PretrainedConfig, seq_len: int, *, adapters: int = 0) -> float:
     """Training FLOPs per token of sequences of ``seq_len`` tokens that attend across their whole length:
     ``matmul_flops_per_token + attention_flops_coefficient * seq_len`` (less, beyond a sliding window)."""
     layout = _layout(config)

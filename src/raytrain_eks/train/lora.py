@@ -17,13 +17,16 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, TypedDict
 
 from raytrain_eks.config import LORA_ALL_LINEAR, LoraSettings
 from raytrain_eks.errors import UserError
 
 if TYPE_CHECKING:
     import torch
+    from peft.tuners.lora.config import LoraConfig
+    from transformers import PretrainedConfig
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's file name, in a checkpoint's hf/ and in an adapter export
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file name for the adapters' weights
@@ -31,7 +34,14 @@ ADAPTER_NAME = "default"  # peft's adapter name; it appears in the model's param
 _LORA_PART = ".lora_"  # in the name of every adapter parameter (lora_A, lora_B)
 
 
-def linear_layers(model: Any) -> list[str]:
+class AdapterSettings(TypedDict):
+    """What tells two runs' adapters apart for a resume: their rank and the layers they adapt, sorted."""
+
+    r: int
+    target_modules: list[str]
+
+
+def linear_layers(model: torch.nn.Module) -> list[str]:
     """The names of the linear layers inside the model's decoder blocks, as peft's ``target_modules`` takes them
     (``q_proj``, ``k_proj``, ..., ``down_proj`` for Qwen2), in the order the first block holds them."""
     import torch
@@ -47,7 +57,7 @@ def linear_layers(model: Any) -> list[str]:
     return names
 
 
-def lora_targets(model: Any, settings: LoraSettings) -> list[str]:
+def lora_targets(model: torch.nn.Module, settings: LoraSettings) -> list[str]:
     """The layer names ``settings.target_modules`` picks in ``model``'s decoder blocks; raise :class:`UserError`
     naming the model's linear layers when a name matches none of them."""
     have = linear_layers(model)
@@ -74,9 +84,9 @@ def refuse_unknown_targets(settings: LoraSettings, have: list[str], model: str) 
         )
 
 
-def lora_config(settings: LoraSettings, targets: list[str], base: str | None = None) -> Any:
+def lora_config(settings: LoraSettings, targets: list[str], base: str | None = None) -> LoraConfig:
     """peft's ``LoraConfig`` for ``settings`` on the layers ``targets`` (``base`` recorded as the base model)."""
-    from peft import LoraConfig
+    from peft.tuners.lora.config import LoraConfig
 
     return LoraConfig(
         r=settings.rank,
@@ -89,7 +99,7 @@ def lora_config(settings: LoraSettings, targets: list[str], base: str | None = N
     )
 
 
-def apply_lora(model: Any, settings: LoraSettings, *, base: str | None = None) -> list[str]:
+def apply_lora(model: torch.nn.Module, settings: LoraSettings, *, base: str | None = None) -> list[str]:
     """Put LoRA adapters into ``model`` in place (on its device, the meta device included) and freeze everything
     else; return the targeted layer names. ``model.raytrain_lora`` keeps the ``LoraConfig`` for the checkpoints."""
     from peft import inject_adapter_in_model
@@ -104,7 +114,7 @@ def apply_lora(model: Any, settings: LoraSettings, *, base: str | None = None) -
     return targets
 
 
-def lora_of(model: Any) -> Any | None:
+def lora_of(model: torch.nn.Module) -> LoraConfig | None:
     """The ``LoraConfig`` :func:`apply_lora` put into ``model``; ``None`` for full fine-tuning."""
     return getattr(model, "raytrain_lora", None)
 
@@ -134,7 +144,7 @@ def base_weight_of(adapter: str) -> str:
     return f"{module}.weight"
 
 
-def check_lora(config: Any, settings: LoraSettings) -> dict[str, Any]:
+def check_lora(config: PretrainedConfig, settings: LoraSettings) -> AdapterSettings:
     """Before a run: the layers ``settings`` targets in the model of ``config`` (a Hugging Face config), from its
     module tree on the meta device (no weight read); raise :class:`UserError` as :func:`lora_targets` does.
     Returns what :func:`~raytrain_eks.train.checkpoint.check_compatible` compares (``{"r", "target_modules"}``)."""
@@ -153,6 +163,6 @@ def check_lora(config: Any, settings: LoraSettings) -> dict[str, Any]:
     return adapter_settings(settings.rank, lora_targets(shell, settings))
 
 
-def adapter_settings(rank: int, targets: Any) -> dict[str, Any]:
+def adapter_settings(rank: int, targets: Iterable[str]) -> AdapterSettings:
     """What tells two runs' adapters apart for a resume: their rank and the layers they adapt."""
     return {"r": int(rank), "target_modules": sorted(targets)}

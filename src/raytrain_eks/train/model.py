@@ -11,11 +11,12 @@ same path as ``Qwen/Qwen2.5-1.5B``. Example::
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,8 +25,12 @@ from raytrain_eks.config import FLASH_ATTN_MIN
 from raytrain_eks.errors import UserError
 from raytrain_eks.train.memory import GRAD_PIECE_ELEMENTS
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 
-def checkpoint_activations(model: Any) -> None:
+
+def checkpoint_activations(model: PreTrainedModel) -> None:
     """Recompute each decoder layer's activations in the backward (non-reentrant). transformers 5.23 names this
     ``activation_checkpointing_enable``; releases before it (the 5.13 of AWS's Ray DLC) only
     ``gradient_checkpointing_enable``."""
@@ -35,7 +40,7 @@ def checkpoint_activations(model: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def load_model(path: str, *, activation_checkpointing: bool, attention: str | None = None) -> Any:
+def load_model(path: str, *, activation_checkpointing: bool, attention: str | None = None) -> PreTrainedModel:
     """The causal LM in fp32 master weights (FSDP's policy casts for compute), ready to shard. ``attention``: the
     attention implementation (:func:`choose_attention`); ``None``, transformers' default (sdpa where the model has
     it)."""
@@ -48,7 +53,7 @@ def load_model(path: str, *, activation_checkpointing: bool, attention: str | No
     return model
 
 
-def load_model_shell(path: str, *, activation_checkpointing: bool, attention: str | None = None) -> Any:
+def load_model_shell(path: str, *, activation_checkpointing: bool, attention: str | None = None) -> PreTrainedModel:
     """:func:`load_model`'s module tree on the meta device: shapes, no weights, no memory. A rank that gets its
     shard of the weights from rank 0 (:func:`fill_from_rank0`) builds this instead of reading the whole model."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -66,7 +71,7 @@ def load_model_shell(path: str, *, activation_checkpointing: bool, attention: st
 FLASH_ATTENTION = "flash_attention_2"
 
 
-def causal_lm_class(config: Any) -> Any | None:
+def causal_lm_class(config: PretrainedConfig) -> type[PreTrainedModel] | None:
     """The class ``AutoModelForCausalLM`` builds for ``config`` (a Hugging Face config); ``None`` where it has none."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -76,13 +81,13 @@ def causal_lm_class(config: Any) -> Any | None:
         return None
 
 
-def default_attention(model_class: Any) -> str:
+def default_attention(model_class: type[PreTrainedModel] | None) -> str:
     """transformers' own choice when none is given: sdpa, or eager for a model without an sdpa path."""
     return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
 def _flash_missing(
-    model_class: Any, *, cuda: bool | None, flash_installed: bool | None, precision: str | None
+    model_class: type[PreTrainedModel] | None, *, cuda: bool | None, flash_installed: bool | None, precision: str | None
 ) -> list[str]:
     """What :data:`FLASH_ATTENTION` lacks to run: the model's support for it in transformers (its class's
     ``_supports_flash_attn``), a CUDA device, the flash-attn package, bf16 compute. An answer given as ``None`` is not
@@ -103,7 +108,12 @@ def _flash_missing(
 
 
 def choose_attention(
-    requested: str, model_class: Any, *, cuda: bool | None, precision: str, flash_installed: bool | None = None
+    requested: str,
+    model_class: type[PreTrainedModel] | None,
+    *,
+    cuda: bool | None,
+    precision: str,
+    flash_installed: bool | None = None,
 ) -> tuple[str, str]:
     """The attention implementation to build the model with (``training.attention``), and why, decided on the host.
 
@@ -119,8 +129,9 @@ def choose_attention(
     if requested == "eager" or (requested == "sdpa" and default == "sdpa"):
         return requested, "as configured"
     if requested == "sdpa":
+        name = getattr(model_class, "__name__", "the model")  # a model without a class has sdpa (the default)
         raise UserError(
-            f"training.attention sdpa: {model_class.__name__} has no sdpa path in transformers",
+            f"training.attention sdpa: {name} has no sdpa path in transformers",
             hint="Use attention auto or eager.",
         )
     if cuda and flash_installed is None:
@@ -142,7 +153,7 @@ def choose_attention(
     return default, f"auto: {missing[0]}"
 
 
-def check_attention(requested: str, precision: str, config: Any, *, local: bool) -> None:
+def check_attention(requested: str, precision: str, config: PretrainedConfig, *, local: bool) -> None:
     """Before the workers start: refuse the ``training.attention`` that cannot run (:func:`choose_attention`), from
     what the driver knows (the model's class from its ``config``, an fp32 ``precision`` set as such) and, for a
     ``local`` run whose workers are on this machine, its CUDA and flash-attn too. The workers decide the rest."""
@@ -151,7 +162,7 @@ def check_attention(requested: str, precision: str, config: Any, *, local: bool)
         choose_attention(requested, causal_lm_class(config), cuda=cuda, precision=precision)
 
 
-def fill_from_rank0(model: Any, weights: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+def fill_from_rank0(model: torch.nn.Module, weights: dict[str, torch.Tensor] | None, device: torch.device) -> None:
     """After sharding a model that holds no weights (on the meta device: a :func:`load_model_shell`, or rank 0's
     model after :func:`~raytrain_eks.train.start.take_weights`): storage for every rank's shard on ``device``, then
     its values from rank 0's ``weights`` (``take_weights``'s, on the CPU; ``None`` on the other ranks). Buffers
@@ -193,7 +204,7 @@ def resolve_compile(requested: str, device: torch.device) -> tuple[bool, str]:
     return False, f"auto: compiled by default on CUDA only, not on {device.type}"
 
 
-def compile_layers(model: Any) -> int:
+def compile_layers(model: torch.nn.Module) -> int:
     """Compile each decoder layer in place with ``torch.compile`` (the inductor); returns how many were compiled.
 
     Called before sharding, so FSDP's gather and reduce hooks stay outside the compiled code. The layers share one
@@ -232,7 +243,7 @@ class LogitTransform:
     scale: float = 1.0
     softcap: float | None = None
     # (object, attribute, identity value): what turns the model's own transform off while the loss applies it.
-    neutral: tuple[tuple[Any, str, Any], ...] = field(default=(), compare=False, repr=False)
+    neutral: tuple[tuple[object, str, float | None], ...] = field(default=(), compare=False, repr=False)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.scale != 1.0:
@@ -251,12 +262,13 @@ class _Step:
     """One operation on the logits: ``*`` or ``/`` by the number in ``owner.name``, or ``tanh``."""
 
     op: str  # "*", "/" or "tanh"
-    owner: Any = None
+    owner: object = None
     name: str = ""
     guarded: bool = False  # inside ``if <the number> is not None:``, so ``None`` turns it off
 
     @property
-    def value(self) -> Any:
+    def value(self) -> float | None:
+        # _ForwardReader._number let only a number or None through
         return getattr(self.owner, self.name) if self.owner is not None else None
 
 
@@ -266,15 +278,14 @@ class _ForwardReader:
     nothing; any statement on that variable that is not the projection, a cast or a known step is :class:`_Unknown`.
     """
 
-    def __init__(self, model: Any, source: str) -> None:
-        import ast
+    def __init__(self, model: PreTrainedModel, source: str) -> None:
         import textwrap
 
-        self.ast, self.model = ast, model
+        self.model = model
         self.tree = ast.parse(textwrap.dedent(source))
         self.parents = {child: node for node in ast.walk(self.tree) for child in ast.iter_child_nodes(node)}
         # Local names bound to an attribute of the model or its config (``cap = self.config.logits_soft_cap``).
-        self.aliases: dict[str, Any] = {}
+        self.aliases: dict[str, ast.expr] = {}
         for node in ast.walk(self.tree):
             if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
                 self.aliases[node.targets[0].id] = node.value
@@ -286,7 +297,6 @@ class _ForwardReader:
     def loss_variable(self) -> str | None:
         """The name of the logits the forward hands to ``self.loss_function``, or ``None`` where it computes its
         loss some other way (its own ``CrossEntropyLoss``, unshifted labels, ...)."""
-        ast = self.ast
         for node in ast.walk(self.tree):
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "self.loss_function":
                 given = [k.value for k in node.keywords if k.arg == "logits"] or node.args[:1]
@@ -295,8 +305,7 @@ class _ForwardReader:
         return None
 
     def steps(self, variable: str) -> list[_Step]:
-        ast = self.ast
-        found: list[tuple[int, Any]] = []
+        found: list[tuple[int, ast.Assign | ast.AnnAssign | ast.AugAssign]] = []
         for node in ast.walk(self.tree):
             if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -332,9 +341,8 @@ class _ForwardReader:
                 raise _Unknown(ast.unparse(node))
         return steps
 
-    def _expression(self, node: Any, variable: str) -> tuple[str, list[_Step]]:
+    def _expression(self, node: ast.expr, variable: str) -> tuple[str, list[_Step]]:
         """What ``node`` is: (``"projection"`` or the variable, the steps applied to it)."""
-        ast = self.ast
         if isinstance(node, ast.Name) and node.id == variable:
             return variable, []
         if isinstance(node, ast.Call):
@@ -359,10 +367,9 @@ class _ForwardReader:
                 return base, [*ops, _Step(op, owner, name, self._guarded(node, owner, name))]
         raise _Unknown(ast.unparse(node))
 
-    def _number(self, node: Any) -> tuple[Any, str]:
+    def _number(self, node: ast.expr) -> tuple[object, str]:
         """The (object, attribute) a known field is read from: ``self.config.x``, ``self.model.x``,
         ``self.config.get_text_config().x``, or a local name bound to one of these."""
-        ast = self.ast
         if isinstance(node, ast.Name) and node.id in self.aliases:
             node = self.aliases[node.id]
         if not (isinstance(node, ast.Attribute) and node.attr in KNOWN_LOGIT_FIELDS):
@@ -373,19 +380,17 @@ class _ForwardReader:
             raise _Unknown(ast.unparse(node))  # a learned scale (a parameter) or something else
         return owner, node.attr
 
-    def _object(self, node: Any) -> Any:
-        ast = self.ast
+    def _object(self, node: ast.expr) -> object:
         if isinstance(node, ast.Name) and node.id == "self":
             return self.model
         if isinstance(node, ast.Attribute) and hasattr(owner := self._object(node.value), node.attr):
             return getattr(owner, node.attr)
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get_text_config":
-            return self._object(node.func.value).get_text_config()
+            return getattr(self._object(node.func.value), "get_text_config")()  # noqa: B009  (an object here)
         raise _Unknown(ast.unparse(node))
 
-    def _guarded(self, node: Any, owner: Any, name: str) -> bool:
+    def _guarded(self, node: ast.AST, owner: object, name: str) -> bool:
         """Whether ``node`` runs only under ``if <owner.name> is not None:``."""
-        ast = self.ast
         while node in self.parents:
             node = self.parents[node]
             if isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
@@ -405,7 +410,7 @@ def _compose(steps: list[_Step]) -> LogitTransform | None:
     """The steps as one :class:`LogitTransform`: scalings first, then at most one soft-cap (``/ c``, ``tanh``,
     ``* c`` by the same number), which must be turned off by ``None``; anything else raises :class:`_Unknown`."""
     scale, softcap = 1.0, None
-    neutral: list[tuple[Any, str, float | None]] = []  # (object, attribute, the value that turns it off)
+    neutral: list[tuple[object, str, float | None]] = []  # (object, attribute, the value that turns it off)
     i = 0
     while i < len(steps):
         step = steps[i]
@@ -431,7 +436,7 @@ def _compose(steps: list[_Step]) -> LogitTransform | None:
     return LogitTransform(scale=scale, softcap=softcap, neutral=tuple(neutral))
 
 
-def logit_transform(model: Any) -> LogitTransform | None:
+def logit_transform(model: PreTrainedModel) -> LogitTransform | None:
     """What ``model``'s own forward does to its logits after the output projection, or ``None`` for nothing.
 
     The forward's source is read: its loss must be ``self.loss_function`` of one logits variable (the causal-LM
@@ -470,7 +475,7 @@ def _refusal(name: str, what: str) -> UserError:
     )
 
 
-def router_aux_loss(model: Any, outputs: Any) -> torch.Tensor | None:
+def router_aux_loss(model: PreTrainedModel, outputs: CausalLMOutputWithPast) -> torch.Tensor | None:
     """A mixture-of-experts model's router load-balancing term as its own loss adds it: the config's
     ``router_aux_loss_coef`` times ``outputs.aux_loss``, when the config asks for it (``output_router_logits``)."""
     config = model.config
@@ -485,7 +490,7 @@ class OutputHead:
     """The output projection the loss applies: called, its weight (read after each forward, since sharding swaps
     the parameter between its sharded and gathered forms); ``transform``, what the model does to the logits."""
 
-    module: Any
+    module: torch.nn.Linear
     transform: LogitTransform | None
 
     def __call__(self) -> torch.Tensor:
@@ -505,7 +510,7 @@ class OutputHead:
             for obj, name, value in saved:
                 setattr(obj, name, value)
 
-    def forward(self, model: Any, **inputs: Any) -> Any:
+    def forward(self, model: torch.nn.Module, **inputs: torch.Tensor | int) -> CausalLMOutputWithPast:
         """``model(**inputs)`` with ``.logits`` the final hidden states, for the loss to project. Whether the
         rows are packed is told from the inputs (:func:`forward_inputs` passes ``position_ids`` only then), so the
         model never asks the device (:func:`packing_told_by_host`)."""
@@ -552,7 +557,7 @@ def packing_told_by_host(packed: bool) -> Iterator[None]:
         _HOST_PACKING.reset(token)
 
 
-def forward_inputs(batch: dict[str, torch.Tensor], *, attention: str | None = None) -> dict[str, Any]:
+def forward_inputs(batch: dict[str, torch.Tensor], *, attention: str | None = None) -> dict[str, torch.Tensor | int]:
     """The model's inputs for a packed batch (host tensors): ``input_ids``, and ``position_ids`` where a block holds
     more than one row (``packing: documents``), from which transformers keeps attention inside each row (a
     block-causal mask). Decided on the host, so it never waits for a device; a block of one row needs no positions
@@ -560,7 +565,7 @@ def forward_inputs(batch: dict[str, torch.Tensor], *, attention: str | None = No
     :data:`FLASH_ATTENTION` the blocks of a packed batch go in as one row (:func:`_packed_as_one_row`): the model's
     output is then one row too, ``(1, blocks * seq_len, ...)``; reshape it to the labels' shape.
     """
-    inputs: dict[str, Any] = {"input_ids": batch["input_ids"]}
+    inputs: dict[str, torch.Tensor | int] = {"input_ids": batch["input_ids"]}
     positions = batch.get("position_ids")
     if positions is not None and bool((positions[:, 1:] - positions[:, :-1] != 1).any()):
         if attention == FLASH_ATTENTION:
@@ -569,7 +574,7 @@ def forward_inputs(batch: dict[str, torch.Tensor], *, attention: str | None = No
     return inputs
 
 
-def _packed_as_one_row(ids: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
+def _packed_as_one_row(ids: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor | int]:
     """A packed batch as flash-attention's variable-length kernel takes it. transformers (5.x,
     ``_flash_attention_forward``) uses that kernel for packed positions in a batch of one row only: given several rows
     without a padding mask, it runs each row as one causal sequence, across its documents. So the blocks go in as one
@@ -591,7 +596,7 @@ def _packed_as_one_row(ids: torch.Tensor, positions: torch.Tensor) -> dict[str, 
     }
 
 
-def output_projection_deferred(model: Any) -> OutputHead:
+def output_projection_deferred(model: PreTrainedModel) -> OutputHead:
     """Make ``model(...).logits`` the final hidden states, and return the :class:`OutputHead` the loss projects with.
 
     The loss then projects chunk by chunk (:func:`chunked_cross_entropy`) instead of the model materialising the

@@ -11,7 +11,6 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from raytrain_eks.config import BUILTIN_MODEL
 from raytrain_eks.errors import UserError
@@ -39,7 +38,7 @@ def resolve_model_path(model_id: str) -> str:
     return model_id
 
 
-def check_model(path: str) -> Any:
+def check_model(path: str) -> object:
     """Load the model's config and tokenizer on the driver, so a bad id fails before any worker starts."""
     from transformers import AutoConfig
 

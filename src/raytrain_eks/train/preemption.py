@@ -38,11 +38,16 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup, Work
 
 ENDPOINT_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"
 DISABLED_ENV = "AWS_EC2_METADATA_DISABLED"
@@ -93,7 +98,7 @@ class Notice:
             return f"the run's stop time (training.stop_at {self.deadline}: a Capacity Block's drain time on EKS)"
         return "SIGTERM (the node is being drained)"
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"kind": self.kind, "action": self.action, "deadline": self.deadline, "seen": self.seen}
 
 
@@ -141,7 +146,7 @@ class MetadataClient:
                 self._token, self._token_at = answer.read().decode().strip(), time.monotonic()
         return self._token
 
-    def get_json(self, path: str) -> dict[str, Any] | None:
+    def get_json(self, path: str) -> dict[str, str] | None:
         """The JSON at ``path``, or ``None`` on 404 (nothing announced). A 401 (the token expired) renews it once."""
         for attempt in (0, 1):
             request = urllib.request.Request(self.endpoint + path, headers={"X-aws-ec2-metadata-token": self.token()})
@@ -173,7 +178,8 @@ class NoticeWatch:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         self.sigterm = False  # whether the SIGTERM handler is installed
-        self._before: Any = None  # the handler it replaced, put back by close()
+        # the handler it replaced, put back by close()
+        self._before: Callable[[int, FrameType | None], object] | int | None = None
 
     @classmethod
     def start(
@@ -214,7 +220,7 @@ class NoticeWatch:
         self._before = signal.signal(signal.SIGTERM, self._on_sigterm)
         return True
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
         self.record(Notice("sigterm", seen=time.time()))
 
     def record(self, notice: Notice) -> None:
@@ -274,10 +280,12 @@ class StepAgreement:
     over a gloo group of its own and reads the one started after step N-1, which is long done, so no step waits.
     Every rank reads the same value after the same step. With one rank (or no watch) no collective is made."""
 
-    def __init__(self, watch: NoticeWatch | None, *, world_size: int, on_rebalance: str, device: Any = None) -> None:
+    def __init__(
+        self, watch: NoticeWatch | None, *, world_size: int, on_rebalance: str, device: torch.device | None = None
+    ) -> None:
         self._watch, self._on_rebalance = watch, on_rebalance
-        self._group: Any = None
-        self._pending: tuple[Any, Any] | None = None
+        self._group: ProcessGroup | None = None
+        self._pending: tuple[Work, torch.Tensor] | None = None
         if world_size > 1:
             import torch
             import torch.distributed as dist
@@ -334,7 +342,7 @@ class StepAgreement:
             self._watch.close()
 
 
-def preempted_summary(decision: Decision, saved_s: float) -> dict[str, Any]:
+def preempted_summary(decision: Decision, saved_s: float) -> dict[str, object]:
     """The summary's ``preempted`` fields: why, after which step, and how long the save took against the notice."""
     notice = decision.notice
     return {

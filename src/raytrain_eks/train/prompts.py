@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from raytrain_eks.errors import DataError
 from raytrain_eks.formats import MalformedRow, renamed
@@ -21,12 +21,15 @@ from raytrain_eks.train.data.encoding import _segments, text_start
 from raytrain_eks.train.data.json_reader import json_rows
 from raytrain_eks.train.storage import filesystem
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 DEFAULT_COUNT = 3
 SAMPLES_FILE = "samples.jsonl"
 _CHUNK_BYTES = 1 << 16  # the first data file is read this much at a time, until its first rows are in
 
 
-def render(messages: list[dict[str, str]], tokenizer: Any) -> str:
+def render(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase) -> str:
     """The conversation ``messages`` (ending before the assistant's answer) as the model reads it, answer next.
 
     It is the untrained text that training puts before an answer (the pieces of ``encoding._segments``), so the two
@@ -37,8 +40,8 @@ def render(messages: list[dict[str, str]], tokenizer: Any) -> str:
 
 
 def _prompt_of(
-    row: dict[str, Any], data_format: str, text_field: str, columns: dict[str, str] | None = None
-) -> tuple[str, list[dict[str, Any]] | None]:
+    row: dict[str, object], data_format: str, text_field: str, columns: dict[str, str] | None = None
+) -> tuple[str, list[dict[str, str]] | None]:
     """(what a person reads, the messages before the first answer); messages are ``None`` for text data."""
     fmt = registered_format(data_format)
     row = dict(renamed(row, columns))
@@ -51,7 +54,7 @@ def _prompt_of(
     return before[-1]["content"] if before else "", before
 
 
-def first_rows(files: list[str], kind: str, count: int, csv_delimiter: str = ",") -> list[dict[str, Any]]:
+def first_rows(files: list[str], kind: str, count: int, csv_delimiter: str = ",") -> list[dict[str, object]]:
     """Up to ``count`` rows (and a few more, for rows that turn out malformed) from the start of the first data file
     (local or ``s3://``), read as training reads it (:func:`~raytrain_eks.train.data.json_reader.json_rows`): chunk by
     chunk, a JSON array item by item, so however large the file or its first rows, only what they need is read. A CSV
@@ -68,7 +71,7 @@ def first_rows(files: list[str], kind: str, count: int, csv_delimiter: str = ","
         from raytrain_eks.train.data.tabular import first_table_rows
 
         return first_table_rows(files[0], kind, wanted, csv_delimiter)
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, object]] = []
     with fs.open_input_stream(path) as f:
         for item in json_rows(iter(lambda: f.read(_CHUNK_BYTES), b"")):
             if item["error"]:  # a malformed row (one nested too deeply, too) is skipped
@@ -89,7 +92,7 @@ def sample_prompts(
     listed: tuple[list[str], str] | None,
     data_format: str,
     text_field: str,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     count: int = DEFAULT_COUNT,
     columns: dict[str, str] | None = None,
     csv_delimiter: str = ",",
@@ -131,7 +134,7 @@ def sample_prompts(
     return shown, rendered
 
 
-def write_samples(run_dir: Path, shown: list[str], samples: list[dict[str, Any]]) -> Path:
+def write_samples(run_dir: Path, shown: list[str], samples: list[dict[str, object]]) -> Path:
     """``RUN_DIR/samples.jsonl``: one ``{"prompt", "completion", "tokens"}`` line per prompt, as a person reads it."""
     path = run_dir / SAMPLES_FILE
     with path.open("w") as f:

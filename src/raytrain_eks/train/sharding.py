@@ -22,13 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from raytrain_eks.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where a model is sharded: choosing a layout (plan) needs none of it
     import torch
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+    from transformers import PreTrainedModel
 
 SHARDING_MODES = ("auto", "fsdp", "hsdp", "none")
 MESH_DIMS = ("replicate", "shard")  # HSDP's mesh: one row per node, one column per rank of a node
@@ -137,7 +139,7 @@ def _per_node(nodes: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
     return ", ".join(str(len(ranks)) for _, ranks in nodes) + " ranks per node"
 
 
-def build_mesh(layout: Layout, device_type: str) -> Any:
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
     """The DeviceMesh of ``layout`` (a collective: every rank calls it), or ``None`` for ``none``.
 
     HSDP's rows are the nodes' rank lists, whatever order the launcher numbered the ranks in.
@@ -152,7 +154,7 @@ def build_mesh(layout: Layout, device_type: str) -> Any:
     return DeviceMesh(device_type, rows, mesh_dim_names=MESH_DIMS)
 
 
-def decoder_layers(model: Any) -> list[torch.nn.Module]:
+def decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
     """The transformer blocks of a Hugging Face causal LM (``model.model.layers`` for Llama/Qwen2 families; a
     multimodal model's text decoder, ``model.model.language_model.layers`` for Gemma 3's conditional generation)."""
     base = getattr(model, "model", None) or getattr(model, model.base_model_prefix, None)
@@ -191,7 +193,7 @@ def mixed_precision(precision: str, reduce_precision: str = "fp32") -> MixedPrec
 
 
 def apply_fsdp(
-    model: torch.nn.Module, *, precision: str, reduce_precision: str = "fp32", mesh: Any | None = None
+    model: torch.nn.Module, *, precision: str, reduce_precision: str = "fp32", mesh: DeviceMesh | None = None
 ) -> torch.nn.Module:
     """Shard ``model`` in place over ``mesh`` (default: the default process group, flat) and return it.
 

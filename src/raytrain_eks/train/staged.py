@@ -22,7 +22,7 @@ import shutil
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from raytrain_eks.config import BUILTIN_MODEL
 from raytrain_eks.errors import UserError
@@ -92,12 +92,28 @@ def stage_model(model: str, destination: str, say: Callable[[str], None] = lambd
     return target
 
 
-def _upload(source: Path, files: list[Path], target: str, model: str) -> list[dict[str, Any]]:
+class StagedFile(TypedDict):
+    """A file of a staged model, as its manifest lists it: its path in the model's folder and its size."""
+
+    path: str
+    bytes: int
+
+
+class StagedManifest(TypedDict):
+    """A staged model's manifest: what was staged, when, the staging's own id, and its files."""
+
+    source: str
+    staged_at: str
+    staging: str
+    files: list[StagedFile]
+
+
+def _upload(source: Path, files: list[Path], target: str, model: str) -> list[StagedFile]:
     """Write ``files`` (of the folder ``source``) to ``target``, then the manifest; returns its file entries."""
     fs, root = filesystem(target)
     if not is_remote(target):
         Path(root).mkdir(parents=True, exist_ok=True)
-    entries: list[dict[str, Any]] = []
+    entries: list[StagedFile] = []
     for path in files:
         rel = path.relative_to(source).as_posix()
         parent = f"{root}/{rel}".rsplit("/", 1)[0]
@@ -106,7 +122,7 @@ def _upload(source: Path, files: list[Path], target: str, model: str) -> list[di
         with path.open("rb") as src, fs.open_output_stream(f"{root}/{rel}") as dst:
             shutil.copyfileobj(src, dst, 8 << 20)
         entries.append({"path": rel, "bytes": path.stat().st_size})
-    manifest = {
+    manifest: StagedManifest = {
         "source": model,
         "staged_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "staging": secrets.token_hex(8),  # each staging its own: the nodes copy it again
@@ -117,7 +133,7 @@ def _upload(source: Path, files: list[Path], target: str, model: str) -> list[di
     return entries
 
 
-def _manifest(uri: str) -> tuple[dict[str, Any], bytes]:
+def _manifest(uri: str) -> tuple[StagedManifest, bytes]:
     fs, root = filesystem(uri)
     try:
         with fs.open_input_stream(f"{root.rstrip('/')}/{MANIFEST}") as f:

@@ -39,12 +39,19 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from raytrain_eks.train.checkpoint import tied_names
 from raytrain_eks.train.lora import ADAPTER_NAME, is_adapter
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+    from torch.distributed.checkpoint.state_dict import ValueType
+    from transformers import PreTrainedModel
+    from transformers.core_model_loading import WeightConverter
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -95,7 +102,7 @@ def _local_files(path: str) -> tuple[list[Path], str]:
         return [], f"the safetensors files of {path} could not be had ({str(exc).strip().splitlines()[0]})"
 
 
-def weights_source(path: str, model: Any) -> WeightFiles | str:
+def weights_source(path: str, model: PreTrainedModel) -> WeightFiles | str:
     """The files to read each weight of ``model`` (a meta-device shell, not yet sharded) from by shard, or the
     reason they cannot be: every weight to fill (all but a tied second name and LoRA's adapters) must be in the
     files, under its own name or the one transformers renames on load, with its shape, or be a stack of experts."""
@@ -151,7 +158,9 @@ def _stacked_shape(parts: list[list[tuple[int, ...]]]) -> tuple[int, ...] | None
     return (len(parts[0]), sum(f[0] for f in firsts), *firsts[0][1:])
 
 
-def _loaded_as(model: Any, file_keys: list[str]) -> tuple[dict[str, str], dict[str, tuple[tuple[str, ...], ...]]] | str:
+def _loaded_as(
+    model: PreTrainedModel, file_keys: list[str]
+) -> tuple[dict[str, str], dict[str, tuple[tuple[str, ...], ...]]] | str:
     """Which weight of ``model`` each of the files' tensors becomes when transformers loads them, by transformers'
     own conversion table for the model: the weights read as stored (their name in the files, the same or renamed),
     and the stacks of experts (for each source, the files' names in the order transformers stacks them). The reason
@@ -167,7 +176,7 @@ def _loaded_as(model: Any, file_keys: list[str]) -> tuple[dict[str, str], dict[s
     meta = model.state_dict()
     renamed: dict[str, str] = {}
     sources: dict[str, dict[str, list[str]]] = {}  # weight -> source pattern -> the files' names, in load order
-    converter_of: dict[str, Any] = {}
+    converter_of: dict[str, WeightConverter] = {}
     for key in sorted(file_keys, key=dot_natural_key):  # the order transformers collects them in
         target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta)
         if target not in meta and key in meta:  # as transformers does: a name it renamed in vain stays as stored
@@ -191,7 +200,7 @@ def _loaded_as(model: Any, file_keys: list[str]) -> tuple[dict[str, str], dict[s
     return renamed, stacked
 
 
-def read_own_shard(model: Any, source: WeightFiles) -> int:
+def read_own_shard(model: PreTrainedModel, source: WeightFiles) -> int:
     """Fill this rank's shard of every weight of the sharded ``model`` (storage already on its device) from
     ``source``'s files, reading only the slices the shard holds, cast to the model's dtype; returns the bytes read
     from the files. A collective."""
@@ -200,7 +209,7 @@ def read_own_shard(model: Any, source: WeightFiles) -> int:
     class Counted(dcp.HuggingFaceStorageReader):
         read = 0
 
-        def _process_read_request(self, f: Any, req: Any, planner: Any) -> None:
+        def _process_read_request(self, f: safe_open, req: ReadItem, planner: LoadPlanner) -> None:
             sliced = f.get_slice(req.storage_index.fqn)
             Counted.read += math.prod(req.lengths) * _DTYPE_BYTES[sliced.get_dtype()]
             super()._process_read_request(f, req, planner)
@@ -218,7 +227,7 @@ def read_own_shard(model: Any, source: WeightFiles) -> int:
     return Counted.read + _read_stacked(stacks, source)
 
 
-def _read_stacked(weights: dict[str, Any], source: WeightFiles) -> int:
+def _read_stacked(weights: dict[str, torch.Tensor], source: WeightFiles) -> int:
     """Fill this rank's shard of each stack of experts in ``weights`` (name -> sharded tensor) from the experts'
     tensors in the files, reading only the experts the shard holds; returns the bytes read."""
     from contextlib import ExitStack
@@ -229,7 +238,7 @@ def _read_stacked(weights: dict[str, Any], source: WeightFiles) -> int:
 
     read = 0
     with ExitStack() as stack, torch.no_grad():
-        opened: dict[Path, Any] = {}
+        opened: dict[Path, safe_open] = {}
 
         def tensor(name: str) -> torch.Tensor:
             nonlocal read
@@ -266,7 +275,7 @@ _DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16
 _DTYPE_BYTES.update({"F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1})
 
 
-def computed_buffers(model: Any) -> dict[str, torch.Tensor]:
+def computed_buffers(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The model's non-persistent buffers (rotary frequencies and the like: in no state dict, so in no file), computed
     on the CPU by the model's own ``_init_weights`` as ``from_pretrained`` computes them. Call on the meta shell
     before sharding; :func:`restore_buffers` puts them back after the storage is made."""
@@ -284,7 +293,7 @@ def computed_buffers(model: Any) -> dict[str, torch.Tensor]:
     return values
 
 
-def take_weights(model: Any) -> dict[str, torch.Tensor]:
+def take_weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The weights of a loaded ``model``, taken out of it for rank 0 to send: its state dict and the buffers outside
     it (rotary frequencies), the loaded tensors themselves where they are (the CPU), not a copy. ``model`` is left
     holding none, its parameters and buffers on the meta device like a
@@ -311,7 +320,7 @@ def take_weights(model: Any) -> dict[str, torch.Tensor]:
     return weights
 
 
-def restore_buffers(model: Any, values: dict[str, torch.Tensor]) -> None:
+def restore_buffers(model: PreTrainedModel, values: dict[str, torch.Tensor]) -> None:
     """Copy :func:`computed_buffers`'s values into the model's buffers (now on their device)."""
     buffers = dict(model.named_buffers())
     with torch.no_grad():
@@ -319,7 +328,7 @@ def restore_buffers(model: Any, values: dict[str, torch.Tensor]) -> None:
             buffers[name].copy_(value)
 
 
-def initial_adapters(model: Any, seed: int) -> dict[str, torch.Tensor]:
+def initial_adapters(model: PreTrainedModel, seed: int) -> dict[str, torch.Tensor]:
     """LoRA's adapters as they start, full size on the CPU, drawn from ``seed`` by peft's own initialisation
     (``reset_lora_parameters``): the same values on every rank, whether its model holds real weights or is a meta
     shell (whose adapters hold none). Empty for a model without adapters."""
@@ -351,12 +360,12 @@ def initial_adapters(model: Any, seed: int) -> dict[str, torch.Tensor]:
     return values
 
 
-def set_full_values(model: Any, values: dict[str, torch.Tensor]) -> None:
+def set_full_values(model: PreTrainedModel, values: dict[str, torch.Tensor]) -> None:
     """Give the (sharded) model's parameters named in ``values`` those full-size values; each rank keeps its shard.
     Every rank holds the same ``values``, so nothing is sent."""
     if not values:
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    full: dict[str, Any] = dict(values)
+    full: dict[str, ValueType] = dict(values)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))

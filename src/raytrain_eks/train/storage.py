@@ -12,16 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyarrow.fs import FileSystem
 
 
-def filesystem(location: str | Path) -> tuple[Any, str]:
+def filesystem(location: str | Path) -> tuple[FileSystem, str]:
     """(pyarrow file system, path in it) for a local path or a URI such as ``s3://bucket/prefix``."""
     from pyarrow import fs as pafs
 
     text = str(location)
     if "://" in text:
-        return pafs.FileSystem.from_uri(text)
+        found: tuple[FileSystem, str] = pafs.FileSystem.from_uri(text)
+        return found
     return pafs.LocalFileSystem(), str(Path(text).expanduser().resolve())
 
 
@@ -73,7 +77,7 @@ def copy_ranges(location: str | Path, into: Path, pieces: Iterable[tuple[str, in
         return sum(pool.map(copy, spans))
 
 
-def _copy_file(fs: Any, remote: str, local: Path, ranges: list[tuple[int, int]], *, shown: str) -> int:
+def _copy_file(fs: FileSystem, remote: str, local: Path, ranges: list[tuple[int, int]], *, shown: str) -> int:
     from raytrain_eks.errors import UserError
 
     step = READ_RANGE_BYTES

@@ -25,25 +25,48 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    import torch
 
 MIN_GAP_S = 0.002
 RANK_STEPS = "rank_steps.jsonl"  # in the run folder: {"step": S, "own_s": [rank 0's, rank 1's, ...]} per step
+
+
+class RankIdentity(TypedDict):
+    """Who a rank is, as its beat tells the watchdog's board: its Ray node, host address and name, process, GPU."""
+
+    node_id: str
+    host: str
+    hostname: str
+    pid: int
+    gpu: str | None
+
+
+class RankOnBoard(RankIdentity):
+    """A rank as the watchdog's board holds it: who it is, and its recent beats, oldest first."""
+
+    rank: int
+    # [step, wall time, own seconds]: the own seconds (None before the first is timed) may be left out altogether.
+    beats: list[list[Any]]
 
 
 class StepClock:
     """This rank's optimizer step times, from the optimizer's own hooks: :meth:`take` returns the newest finished
     one (seconds), or ``None``."""
 
-    def __init__(self, optimizer: Any, device: Any) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, device: torch.device | None) -> None:
         self._cuda = getattr(device, "type", "cpu") == "cuda"
         self._started = 0.0
         self._last: float | None = None
-        self._events: deque[tuple[Any, Any]] = deque(maxlen=8)  # CUDA: (start, end) pairs not read yet
+        self._events: deque[tuple[torch.cuda.Event, torch.cuda.Event | None]] = deque(
+            maxlen=8
+        )  # CUDA: (start, end) pairs not read yet
         optimizer.register_step_pre_hook(self._before)
         optimizer.register_step_post_hook(self._after)
 
-    def _before(self, *_: Any) -> None:
+    def _before(self, *_: object) -> None:
         if self._cuda:
             import torch
 
@@ -53,7 +76,7 @@ class StepClock:
         else:
             self._started = time.perf_counter()
 
-    def _after(self, *_: Any) -> None:
+    def _after(self, *_: object) -> None:
         if self._cuda:
             import torch
 
@@ -64,9 +87,9 @@ class StepClock:
             self._last = time.perf_counter() - self._started
 
     def take(self) -> float | None:
-        while self._events and self._events[0][1] is not None and self._events[0][1].query():
-            start, end = self._events.popleft()
-            self._last = start.elapsed_time(end) / 1000.0
+        while self._events and (done := self._events[0][1]) is not None and done.query():
+            start = self._events.popleft()[0]
+            self._last = start.elapsed_time(done) / 1000.0
         return self._last
 
 
@@ -93,11 +116,11 @@ class Straggler:
             f"{self.median_s * 1e3:.1f} ms)"
         )
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return asdict(self)
 
 
-def own_times(ranks: dict[int, dict[str, Any]]) -> dict[int, dict[int, float]]:
+def own_times(ranks: dict[int, RankOnBoard]) -> dict[int, dict[int, float]]:
     """Each rank's own time per step, from its beats (``[step, time, own seconds]``); a restart's repeated steps keep
     the later time."""
     return {
@@ -113,7 +136,7 @@ def common_steps(times: dict[int, dict[int, float]]) -> list[int]:
     return sorted(set.intersection(*(set(t) for t in times.values())))
 
 
-def find_stragglers(ranks: dict[int, dict[str, Any]], *, margin: float, steps: int, named: set[int]) -> list[Straggler]:
+def find_stragglers(ranks: dict[int, RankOnBoard], *, margin: float, steps: int, named: set[int]) -> list[Straggler]:
     """The ranks slower than ``margin`` x the median of ranks (and by :data:`MIN_GAP_S`) in each of the last
     ``steps`` steps they all have times for, consecutive ones, that ``named`` does not hold yet. ``named`` is
     updated: a rank found is added, a rank no longer slow in the newest step is taken out (a later stretch is named
@@ -158,7 +181,7 @@ def _slow(times: dict[int, dict[int, float]], rank: int, step: int, margin: floa
     return own > margin * median and own - median >= MIN_GAP_S
 
 
-def append_rank_steps(path: Path, ranks: dict[int, dict[str, Any]], after: int) -> int:
+def append_rank_steps(path: Path, ranks: dict[int, RankOnBoard], after: int) -> int:
     """Append to ``path`` (:data:`RANK_STEPS`) every step past ``after`` that every rank has a time for; return the
     newest step written (``after`` when none)."""
     times = own_times(ranks)

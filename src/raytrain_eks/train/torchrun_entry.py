@@ -18,7 +18,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,9 +26,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from raytrain_eks.config import TrainingConfig
 from raytrain_eks.errors import UserError
 from raytrain_eks.train.context import ProcessContext
-from raytrain_eks.train.launch import compile_cache_environment
 from raytrain_eks.train.loop import quiet_libraries, train
 from raytrain_eks.train.model_source import resolve_model_path
+from raytrain_eks.train.worker_env import compile_cache_environment
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -56,14 +55,14 @@ def load_training(path: Path) -> TrainingConfig:
     return cfg
 
 
-def run(cfg: TrainingConfig, out: Path) -> dict[str, Any] | None:
+def run(cfg: TrainingConfig, out: Path) -> dict[str, object] | None:
     """Train in the already-initialised process group; rank 0 returns the summary, the others ``None``."""
     # The built-in model is built once per node (by local rank 0) before the others look for it in the cache.
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         resolve_model_path(cfg.model_id)
         out.mkdir(parents=True, exist_ok=True)
     # Before training, not after: no collective of ours runs between the loop's last one and the exit.
-    threads: list[Any] = [None] * dist.get_world_size()
+    threads: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(threads, torch.get_num_threads())
     launcher = {
         "launcher": "torchrun",

@@ -35,11 +35,23 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
-from raytrain_eks.train.stragglers import RANK_STEPS, StepClock, Straggler, append_rank_steps, find_stragglers
+from raytrain_eks.train.stragglers import (
+    RANK_STEPS,
+    RankIdentity,
+    RankOnBoard,
+    StepClock,
+    Straggler,
+    append_rank_steps,
+    find_stragglers,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from ray.actor import ActorHandle
 
 ENV = "RAYTRAIN_EKS_WATCHDOG"  # the run's board actor, by name: set in the workers' environment by the driver
 SEND_S = (
@@ -100,6 +112,34 @@ def nccl_trace_env(name: str) -> dict[str, str]:
     }
 
 
+class SpyFrame(TypedDict, total=False):
+    """A frame of ``py-spy dump --json`` (py-spy's ``Frame``, of which these fields are read)."""
+
+    name: str
+    filename: str
+    line: int
+
+
+class SpyThread(TypedDict, total=False):
+    """A thread of ``py-spy dump --json`` (py-spy's ``StackTrace``, of which these fields are read), innermost frame
+    first."""
+
+    os_thread_id: int
+    thread_name: str
+    active: bool
+    frames: list[SpyFrame]
+
+
+class RankProcess(TypedDict):
+    """A rank's process as its node saw it (:func:`inspect_ranks`): its state, its threads, why there are none, and
+    the NCCL flight recorder's dump."""
+
+    state: str
+    threads: list[SpyThread]
+    error: str | None
+    nccl: bytes | None
+
+
 # -- the ranks' side --------------------------------------------------------------------------------------------
 
 
@@ -107,7 +147,7 @@ class _Beats:
     """A rank's beat: notes ``(step, wall time, its own time)`` (``clock``: the optimizer step's time, see
     :mod:`.stragglers`), sends the notes to the board at most every :data:`SEND_S`."""
 
-    def __init__(self, board: Any, rank: int, who: dict[str, Any], clock: StepClock | None = None) -> None:
+    def __init__(self, board: ActorHandle, rank: int, who: RankIdentity, clock: StepClock | None = None) -> None:
         self._board, self._rank, self._who, self._clock = board, rank, who, clock
         self._noted: list[tuple[int, float, float | None]] = []
         self._sent = 0.0
@@ -124,7 +164,9 @@ def _no_beat(step: int) -> None:
     """Nothing watches this run (torchrun, a test, the watchdog off)."""
 
 
-def heartbeat(rank: int, device: Any = None, optimizer: Any = None) -> Callable[[int], None]:
+def heartbeat(
+    rank: int, device: torch.device | None = None, optimizer: torch.optim.Optimizer | None = None
+) -> Callable[[int], None]:
     """This rank's per-step beat: to the run's board when the driver started one (its name in :data:`ENV`), else a
     no-op. ``device`` (a torch device) names the GPU in the board's record of the rank; ``optimizer``'s steps are
     timed for the straggler check (:class:`~raytrain_eks.train.stragglers.StepClock`)."""
@@ -141,7 +183,7 @@ def heartbeat(rank: int, device: Any = None, optimizer: Any = None) -> Callable[
 
         gpu = f"{torch.cuda.get_device_name(device)} (cuda:{device.index}, CUDA_VISIBLE_DEVICES="
         gpu += f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')})"
-    who = {
+    who: RankIdentity = {
         "node_id": ray.get_runtime_context().get_node_id(),
         "host": ray.util.get_node_ip_address(),
         "hostname": socket.gethostname(),
@@ -161,15 +203,15 @@ class BeatBoard:
     worker group) starts afresh."""
 
     def __init__(self) -> None:
-        self._ranks: dict[int, dict[str, Any]] = {}
+        self._ranks: dict[int, RankOnBoard] = {}
 
-    def beat(self, rank: int, who: dict[str, Any], beats: list[tuple[int, float, float | None]]) -> None:
+    def beat(self, rank: int, who: RankIdentity, beats: list[tuple[int, float, float | None]]) -> None:
         held = self._ranks.get(rank)
         if held is None or held["pid"] != who["pid"]:
             held = self._ranks[rank] = {**who, "rank": rank, "beats": []}
         held["beats"] = (held["beats"] + [list(b) for b in beats])[-KEEP:]
 
-    def snapshot(self) -> dict[int, dict[str, Any]]:
+    def snapshot(self) -> dict[int, RankOnBoard]:
         return self._ranks
 
     def reset(self) -> None:
@@ -194,14 +236,14 @@ def step_times(beats: list[list[float]]) -> dict[int, float]:
     return {int(b[0]): b[1] - a[1] for a, b in zip(beats, beats[1:], strict=False) if b[0] == a[0] + 1}
 
 
-def median_step_s(ranks: dict[int, dict[str, Any]]) -> float | None:
+def median_step_s(ranks: dict[int, RankOnBoard]) -> float | None:
     """The median step time over every rank's recorded steps; ``None`` before any rank took two steps."""
     times = [t for r in ranks.values() for t in step_times(r["beats"]).values()]
     return statistics.median(times) if times else None
 
 
 def stalled(
-    ranks: dict[int, dict[str, Any]], *, world_size: int, last_step: int, now: float, factor: float, floor_s: float
+    ranks: dict[int, RankOnBoard], *, world_size: int, last_step: int, now: float, factor: float, floor_s: float
 ) -> Stall | None:
     """A :class:`Stall` when every rank has beaten, not all reached ``last_step``, and the newest beat of any rank is
     older than ``max(factor x median step time, floor_s)``; else ``None``."""
@@ -241,13 +283,13 @@ class Finding:
     message: str
     quiet_s: float
     threshold_s: float
-    ranks: list[dict[str, Any]] = field(default_factory=list)
+    ranks: list[dict[str, object]] = field(default_factory=list)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return asdict(self)
 
 
-def diagnose(ranks: dict[int, dict[str, Any]], looks: dict[int, RankLook], stall: Stall) -> Finding:
+def diagnose(ranks: dict[int, RankOnBoard], looks: dict[int, RankLook], stall: Stall) -> Finding:
     """Name the rank that stopped (see the module's docstring for the order of evidence) and the collective the
     other ranks wait in."""
     last = {r: int(info["beats"][-1][0]) for r, info in ranks.items()}
@@ -267,12 +309,12 @@ def diagnose(ranks: dict[int, dict[str, Any]], looks: dict[int, RankLook], stall
         reason = f"its last step ({last[culprit]}) is behind the others'"
     others = [looks[r].collective for r in sorted(looks) if r != culprit and looks[r].collective]
     collective = max(set(others), key=others.count) if others else None
-    info = ranks.get(culprit, {}) if culprit is not None else {}
+    info = ranks.get(culprit) if culprit is not None else None
     finding = Finding(
         rank=culprit,
-        host=info.get("host"),
-        hostname=info.get("hostname"),
-        gpu=info.get("gpu"),
+        host=info["host"] if info else None,
+        hostname=info["hostname"] if info else None,
+        gpu=info["gpu"] if info else None,
         step=last.get(culprit) if culprit is not None else None,
         reason=reason,
         collective=collective,
@@ -287,7 +329,7 @@ def diagnose(ranks: dict[int, dict[str, Any]], looks: dict[int, RankLook], stall
     return _with_message(finding, stall)
 
 
-def _look_json(look: RankLook | None) -> dict[str, Any]:
+def _look_json(look: RankLook | None) -> dict[str, object]:
     if look is None:
         return {"state": "unknown", "collective": None}
     return {"state": look.state, "collective": look.collective}
@@ -304,10 +346,10 @@ def _with_message(finding: Finding, stall: Stall) -> Finding:
         text = f"watchdog: rank {finding.rank} on host {where}{gpu} stopped after step {finding.step}: {finding.reason}"
         text += f"; {quiet}"
     waits = f"the other ranks wait in {finding.collective}" if finding.collective else "no rank is in a collective"
-    return Finding(**{**asdict(finding), "message": f"{text}; {waits}"})
+    return replace(finding, message=f"{text}; {waits}")
 
 
-def waiting_in(frames: list[dict[str, Any]]) -> str | None:
+def waiting_in(frames: list[SpyFrame]) -> str | None:
     """The collective a thread waits in (py-spy's frames, innermost first): the innermost frame of torch.distributed
     in :data:`COLLECTIVES`, the outermost such frame when it is another (FSDP's, which called it), and the innermost
     frame of this package above them (where the run called it). ``None`` when the thread is not in one."""
@@ -324,25 +366,28 @@ def waiting_in(frames: list[dict[str, Any]]) -> str | None:
         name += f" via {outer}"
     caller = next((f for f in frames[inside[-1] + 1 :] if "raytrain_eks" in str(f.get("filename", ""))), None)
     if caller is not None:
-        name += f" called from {caller['name']} ({Path(caller['filename']).name}:{caller['line']})"
+        name += f" called from {caller.get('name')} ({Path(caller.get('filename', '')).name}:{caller.get('line')})"
     return name
 
 
-def look_from_dump(state: str, threads: list[dict[str, Any]]) -> RankLook:
+def look_from_dump(state: str, threads: list[SpyThread]) -> RankLook:
     """A rank's :class:`RankLook` from its process state and ``py-spy dump --json``'s threads: the thread of the
     training loop decides (the one whose stack shows this package's loop), else the first."""
     loop = next((t for t in threads if any(_is_loop(f) for f in t.get("frames", []))), None)
-    chosen = loop or (threads[0] if threads else {"frames": []})
+    chosen: SpyThread = loop or (threads[0] if threads else {"frames": []})
     return RankLook(
-        state=state, stack=format_threads(threads), collective=waiting_in(chosen["frames"]), in_loop=loop is not None
+        state=state,
+        stack=format_threads(threads),
+        collective=waiting_in(chosen.get("frames", [])),
+        in_loop=loop is not None,
     )
 
 
-def _is_loop(frame: dict[str, Any]) -> bool:
+def _is_loop(frame: SpyFrame) -> bool:
     return str(frame.get("filename", "")).endswith(os.path.join("raytrain_eks", "train", "loop.py"))
 
 
-def format_threads(threads: list[dict[str, Any]]) -> str:
+def format_threads(threads: list[SpyThread]) -> str:
     """py-spy's threads as text, innermost frame first (as ``py-spy dump`` prints them)."""
     out = []
     for t in threads:
@@ -363,16 +408,16 @@ def process_state(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[0]  # after the command name, which may hold spaces and brackets
 
 
-def inspect_ranks(pids: dict[int, int], nccl: str | None) -> dict[int, dict[str, Any]]:
+def inspect_ranks(pids: dict[int, int], nccl: str | None) -> dict[int, RankProcess]:
     """On a node: each rank's (``pids``: rank -> pid) process state, its threads from ``py-spy dump --nonblocking
     --json`` (or why there are none), and with ``nccl`` (the run's name, :func:`nccl_stems`) the flight recorder's
     dump (bytes, or ``None``)."""
     import subprocess
 
     spy = shutil.which("py-spy", path=os.path.dirname(sys.executable)) or shutil.which("py-spy")
-    out: dict[int, dict[str, Any]] = {}
+    out: dict[int, RankProcess] = {}
     for rank, pid in pids.items():
-        entry: dict[str, Any] = {"state": process_state(pid), "threads": [], "error": None, "nccl": None}
+        entry: RankProcess = {"state": process_state(pid), "threads": [], "error": None, "nccl": None}
         out[rank] = entry
         if entry["state"] == "gone":
             continue
@@ -443,7 +488,7 @@ class Watchdog:
 
     def __init__(
         self,
-        board: Any,
+        board: ActorHandle,
         settings: WatchSettings,
         run_dir: Path,
         found: Callable[[Finding | Straggler], None],
@@ -499,13 +544,13 @@ class Watchdog:
             self._found(self.finding)
             return
 
-    def _stragglers(self, ranks: dict[int, dict[str, Any]]) -> None:
+    def _stragglers(self, ranks: dict[int, RankOnBoard]) -> None:
         s = self._settings
         self._written = append_rank_steps(self._run_dir / RANK_STEPS, ranks, self._written)
         for straggler in find_stragglers(ranks, margin=s.straggler_margin, steps=s.straggler_steps, named=self._named):
             self._found(straggler)
 
-    def _inspect(self, ranks: dict[int, dict[str, Any]]) -> tuple[dict[int, RankLook], dict[int, bytes]]:
+    def _inspect(self, ranks: dict[int, RankOnBoard]) -> tuple[dict[int, RankLook], dict[int, bytes]]:
         """Every rank's :class:`RankLook` (and NCCL dumps), from one task on each of their nodes."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -552,7 +597,7 @@ def write_findings(folder: Path, finding: Finding, looks: dict[int, RankLook], d
         (folder / f"nccl_trace_rank{rank}.pkl").write_bytes(data)
 
 
-def start_board(name: str) -> Any:
+def start_board(name: str) -> ActorHandle:
     """The run's :class:`BeatBoard`, named ``name`` (the workers find it by that name), on the driver's node."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
