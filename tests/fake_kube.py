@@ -239,6 +239,7 @@ class _FakePod:
     bound_at: float | None = None
     placement: Placement | None = None  # None: only node_selector counts, every taint tolerated
     ended: str | None = None  # its container's state.terminated, as the real API's Pod carries it
+    ip: str | None = None  # status.podIP (set_pod_ip): the fake's network gives pods no address of its own
 
 
 def device_plugin_resource(pod_spec: Mapping[str, Any]) -> str | None:
@@ -471,10 +472,14 @@ class FakeKube:
 
     def pods(self, namespace: str, selector: Mapping[str, str] | None = None) -> list[Pod]:
         return [
-            Pod(name, ns, p.phase, dict(p.labels), p.node, p.ready, p.waiting_reason, p.ended)
+            Pod(name, ns, p.phase, dict(p.labels), p.node, p.ready, p.waiting_reason, p.ended, p.ip)
             for (ns, name), p in self._pods.items()
             if ns == namespace and matches(p.labels, selector)
         ]
+
+    def set_pod_ip(self, namespace: str, name: str, ip: str) -> None:
+        """Give a pod its ``status.podIP``, as the CNI does once the pod has a node."""
+        self._pods[(namespace, name)].ip = ip
 
     def pod_events(self, namespace: str, name: str) -> list[Event]:
         return list(self._events.get((namespace, name), []))

@@ -14,19 +14,24 @@ DMESG_REFUSED = ExecResult(1, "", "dmesg: read kernel buffer failed: Operation n
 # What kubectl exec reports for a program the image lacks: the runtime's "executable file not found in $PATH"
 # with exit status 127, the status the deploy steps read as "not installed" (check_efa_provider).
 NOT_IN_IMAGE = ExecResult(127, "", 'exec: "dcgmi": executable file not found in $PATH\n')
+# A node whose driver runs the default image's CUDA 13 (580 or later: raytrain_eks.k8s.cuda): four GPUs on the bus
+# ids a g6.12xlarge's L4s have, recorded on a g6e.12xlarge (four L40S) with driver 580.126.09. The checks count the
+# GPUs and read ECC and the driver; they do not compare the model's name with the instance type.
+HEALTHY = "nvidia_smi_4xl40s_580.txt"
 
 
 class GpuNodeTools:
     """What the GPU node checks (``raytrain_eks.health.node``) read in a worker pod, from the public recordings of
-    ``fixtures/recorded/`` (SOURCES.md): by default a healthy g6.12xlarge (4 L4s, row remapper clean), a kernel log
-    the pod may not read and no ``dcgmi`` in the image. :meth:`break_pod` makes one pod's node answer as the failing
-    recordings do: a GPU with uncorrectable ECC errors, the Xids of that double-bit error, DCGM's failed test.
-    ``fi_info`` is FakeRay's (its ``efa``)."""
+    ``fixtures/recorded/`` (SOURCES.md): by default a healthy node of four GPUs with a 580 driver (row remapper
+    clean), a kernel log the pod may not read and no ``dcgmi`` in the image. :meth:`break_pod` makes one pod's node
+    answer as the failing recordings do: a GPU with uncorrectable ECC errors, the Xids of that double-bit error,
+    DCGM's failed test. ``fi_info`` is FakeRay's (its ``efa``)."""
 
     def __init__(self, recorded: Any) -> None:
         self.recorded = recorded
         self.broken: set[str] = set()
         self.dcgmi: bool = False  # the image has dcgmi (its healthy answer: dcgmi_diag_pass.txt)
+        self.old_driver: bool = False  # the nodes run driver 535 (nvidia_smi_4xl4.txt): too old for a CUDA 13 image
 
     def break_pod(self, pod: str) -> None:
         self.broken.add(pod)
@@ -37,7 +42,8 @@ class GpuNodeTools:
     def answer(self, pod: str, argv: list[str]) -> ExecResult | None:
         bad = pod in self.broken
         if argv == ["nvidia-smi"]:
-            return ExecResult(0, self._read("nvidia_smi_ecc_uncorrected.txt" if bad else "nvidia_smi_4xl4.txt"))
+            healthy = "nvidia_smi_4xl4.txt" if self.old_driver else HEALTHY
+            return ExecResult(0, self._read("nvidia_smi_ecc_uncorrected.txt" if bad else healthy))
         if argv[:1] == ["nvidia-smi"] and argv[1].startswith("--query-remapped-rows="):
             return ExecResult(0, self._read("nvidia_smi_remapped_rows.txt"))
         if argv == ["dmesg"]:

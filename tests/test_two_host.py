@@ -6,7 +6,10 @@ hosts and completes (placement proven from each host's own Ray Train logs), ``--
 the host with the run folder, then on the other host (no run folder there) from the S3 storage folder, which also
 exports the model from S3; a local storage folder not declared shared is refused with one message before anything
 starts; the bandwidth probe reports ranks on two nodes and a bandwidth figure, and with one host's link capped by
-``tc`` it reports the lower figure and a ``degraded`` verdict against the configured line rate; a run whose worker
+``tc`` it reports the lower figure and a ``degraded`` verdict against the configured line rate, and ``check``'s pair
+probe, run as the head pod's job of a fake Kubernetes cluster whose head pod is host 0 and whose two worker pods are
+the two hosts, names that pair with its figure, exits 1 and with ``--exclude-bad-nodes`` cordons both of its nodes (one
+pair cannot tell which end is slow); a run whose worker
 on host 1 is killed (SIGKILL), and then loses host 1 itself (replaced by a fresh host with an empty disk), ends with
 the losses and the weights of the same run without faults; in a run whose worker on host 1 is first held to a
 tenth of a CPU (a cgroup), then stopped (SIGSTOP), the first makes it a straggler named with its host, the second
@@ -29,8 +32,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import typer
 from safetensors.torch import load_file
+from test_deploy import World
+from test_health import UNKNOWN_CUDA_IMAGE
 from twohost import BUCKET, HOST_IPS, TwoHostCluster, WorkerRecord, requirement_missing, tool
+from typer.testing import CliRunner
+
+from raytrain_eks.config import load_config
+from raytrain_eks.deploy import commands as deploy_commands
+from raytrain_eks.k8s.cluster import ExecResult
 
 _MISSING = requirement_missing()
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
@@ -185,7 +196,51 @@ def _probe(cluster, config) -> dict:
     return report
 
 
-def test_probe_measures_the_link_and_sees_a_cap(cluster):
+class HeadOnHost0:
+    """The fake cluster's head pod is host 0: the pair probe's job (``ray job submit ... -- python3 -m raytrain_eks.cli
+    probe --pairs --address auto ...``) runs its entrypoint there, as Ray's job supervisor runs an entrypoint on the
+    head node of its cluster, and what it prints comes back as ``ray job submit``'s output (it tails the job's logs).
+    The entrypoint runs as this environment's console script, joined to the cluster's address. Every other command
+    goes to the fake's Ray pods (FakeRay: the node checks' recordings, the package upload)."""
+
+    def __init__(self, cluster: TwoHostCluster, world: World) -> None:
+        self.cluster, self.world = cluster, world
+
+    def __call__(self, ns: str, pod: str, argv: list[str], stdin: str | None) -> ExecResult:
+        if argv[:3] != ["ray", "job", "submit"] or "--pairs" not in argv:
+            return self.world.ray(ns, pod, argv, stdin)
+        entry = argv[argv.index("--") + 1 :]
+        assert entry[:4] == ["python3", "-m", "raytrain_eks.cli", "probe"], entry
+        cmd = [tool("raytrain-eks"), *entry[3:]]
+        cmd[cmd.index("auto")] = self.cluster.address
+        proc = self.cluster.run(cmd, timeout=300)
+        return ExecResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def _fake_cluster_on_the_hosts(cluster: TwoHostCluster, tmp_path: Path) -> tuple[World, list[str]]:
+    """The deploy tests' world after ``up`` and ``submit``, its two worker pods at the two hosts' addresses (a Ray
+    node goes by its pod's IP); the image one whose CUDA is not known here, so the fake nodes' recorded driver passes.
+    Returns the world and the worker pods' node names, in host order."""
+    world = World(tmp_path, load_config(environ={}, path=None, sets=[f"ray.image={UNKNOWN_CUDA_IMAGE}"]))
+    world.up()
+    assert world.submit().exit_code == 0
+    cfg = world.d.cfg
+    workers = world.kube.pods(cfg.ray.namespace, {"ray.io/cluster": cfg.ray.cluster_name, "ray.io/node-type": "worker"})
+    workers = sorted(workers, key=lambda p: p.name)
+    for pod, ip in zip(workers, cluster.ips, strict=True):
+        world.kube.set_pod_ip(pod.namespace, pod.name, ip)
+    world.kube.exec_handler = HeadOnHost0(cluster, world)
+    return world, [str(p.node_name) for p in workers]
+
+
+def _check(world: World, monkeypatch: pytest.MonkeyPatch, *args: str):
+    monkeypatch.setattr(deploy_commands, "make_deployment", lambda cfg, state_dir, *say: world.d)
+    app = typer.Typer()
+    deploy_commands.register(app)
+    return CliRunner().invoke(app, ["check", *args])
+
+
+def test_probe_measures_the_link_and_sees_a_cap(cluster, tmp_path, aws_env, monkeypatch):
     config = "/tmp/work/probe.yaml"  # on host 0, where the probe's driver runs
     cluster.host_path(0, config).write_text(f"fabric:\n  expected_gbps: {EXPECTED_GBPS}\n")
 
@@ -204,8 +259,26 @@ def test_probe_measures_the_link_and_sees_a_cap(cluster):
     assert capped["verdict"] == "degraded", capped["reason"]
     assert capped["best_busbw_gbps"] <= 0.1 * 1.1, "busbw cannot beat the 100 Mbit/s cap (10% slack)"
     assert capped["best_busbw_gbps"] < free["best_busbw_gbps"] / 3
+
+    # check's pair probe over the same capped link, from a (fake) Kubernetes cluster whose pods are the two hosts.
+    world, nodes = _fake_cluster_on_the_hosts(cluster, tmp_path)
+    sizes = ["--probe-max-bytes", "4M", "--probe-iters", "3", "--expected-gbps", str(EXPECTED_GBPS)]
+    started = time.monotonic()
+    with cluster.capped(1, CAP):
+        checked = _check(world, monkeypatch, *sizes, "--exclude-bad-nodes")
+    check_s = time.monotonic() - started
+    assert checked.exit_code == 1, checked.output
+    assert f"pairs: bus bandwidth against the line rate {EXPECTED_GBPS:g} Gbit/s (--expected-gbps)" in checked.output
+    (pair,) = [line.strip() for line in checked.output.splitlines() if line.startswith(f"  {nodes[0]} - {nodes[1]}: ")]
+    busbw = float(pair.split(": ")[1].split(" Gbit/s")[0])
+    assert busbw <= 0.1 * 1.1 and pair.endswith("(below 50%)"), pair
+    assert f"check: failing nodes: {nodes[0]}, {nodes[1]}" in checked.output
+    for node in nodes:  # two nodes, one slow pair: both are named, both cordoned
+        assert world.kube.get("v1", "Node", node)["spec"].get("unschedulable") is True
+        assert f"cordoned node {node}" in checked.output
     # Print the figures (pytest -s shows them): the benchmark reports the same with more sizes.
     print(f"\nprobe busbw: {free['best_busbw_gbps']:.3f} Gbit/s free, {capped['best_busbw_gbps']:.3f} capped at {CAP}")
+    print(f"check, capped: {pair} ({check_s:.1f} s)")
 
 
 def _records(path) -> list[dict]:

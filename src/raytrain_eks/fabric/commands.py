@@ -6,6 +6,7 @@ raytrain-eks verify-transport worker.log --require any          # report only; e
 raytrain-eks verify-transport logs/ --instance-type p5.48xlarge --require-full-efa  # exit 1 on EFA used short
 raytrain-eks probe --address auto                               # collective busbw vs the line rate; exit 1 if degraded
 raytrain-eks probe --max-bytes 4M --iters 5 --json              # a quick local run (CPU, gloo)
+raytrain-eks probe --pairs --address auto --json                # each pair of nodes on its own (`check` runs it)
 
 Call :func:`register` once on the top-level Typer app to add the commands.
 """
@@ -37,6 +38,7 @@ from raytrain_eks.fabric.probe import (
     ProbeSpec,
     format_size,
     parse_size,
+    run_pair_probes,
     run_probe,
 )
 from raytrain_eks.instances import instance_type as known_instance_type
@@ -152,6 +154,9 @@ def probe(
     healthy_ratio: Annotated[
         float, typer.Option(help="busbw / line rate at or above which the fabric is healthy.")
     ] = HEALTHY_RATIO,
+    pairs: Annotated[
+        bool, typer.Option("--pairs", help="Each pair of nodes on its own, every GPU of both (--num-workers unused).")
+    ] = False,
     json_output: JsonOpt = False,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -174,6 +179,22 @@ def probe(
     err = Console(stderr=True, highlight=False)
     address = joined_address(address, err.print)  # inside a Ray cluster's pod, that cluster (as `train` does)
     cfg = load_config(preset=presets.choose(preset, address=address), path=config)
+    if pairs:
+        deployed = read_deployment(config) if address is not None else None
+        found = run_pair_probes(
+            cfg,
+            spec,
+            address=address,
+            expected_gbps=expected_gbps,
+            healthy_ratio=healthy_ratio,
+            say=err.print,
+            verbose=verbose,
+            deployed=deployed,
+        )
+        typer.echo(found.to_json() if json_output else found.render())
+        if found.exit_code:
+            raise typer.Exit(found.exit_code)
+        return
     report = run_probe(
         cfg,
         spec,

@@ -428,17 +428,8 @@ def run_probe(
     expected line rate, see :func:`expected_line_rate`).
     """
     import ray
-    import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
-    from ray.util.queue import Queue
 
-    from raytrain_eks.ray_session import (
-        LOCAL_CPU_WORKERS,
-        fit_keeping_sigint,
-        init_ray,
-        resolve_num_workers,
-        worker_error,
-    )
+    from raytrain_eks.ray_session import LOCAL_CPU_WORKERS, init_ray, resolve_num_workers
 
     t_start = time.perf_counter()
     line_rate, source = expected_line_rate(cfg, expected_gbps, deployed)
@@ -449,6 +440,29 @@ def run_probe(
         raise ProbeError(f"the probe needs at least 2 workers, not {workers}", hint="Pass --num-workers 2 or more.")
     backend = "nccl" if use_gpu else "gloo"
     say(f"ray: {workers} {'GPU' if use_gpu else 'CPU'} workers ({backend}), sizes {_sizes_text(spec)}")
+
+    gathered = _measure(spec, workers, use_gpu)
+    return build_report(
+        gathered,
+        spec,
+        expected_gbps=line_rate,
+        expected_source=source,
+        healthy_ratio=healthy_ratio,
+        wall_s=time.perf_counter() - t_start,
+    )
+
+
+def _measure(
+    spec: ProbeSpec, workers: int, use_gpu: bool, label_selector: list[dict[str, str]] | None = None
+) -> dict[str, Any]:
+    """One Ray Train run of :func:`_probe_worker` on ``workers`` ranks; what rank 0 gathered. ``label_selector``:
+    each rank's Ray node labels (the pair probe pins each rank to its node by ``ray.io/node-id``)."""
+    import ray
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.util.queue import Queue
+
+    from raytrain_eks.ray_session import fit_keeping_sigint, worker_error
 
     queue = Queue(actor_options={"num_cpus": 0})
     storage = tempfile.mkdtemp(prefix="raytrain-eks-probe-")
@@ -461,29 +475,21 @@ def run_probe(
             "warmup": spec.warmup,
             "queue": queue,
         },
-        torch_config=TorchConfig(backend=backend),
-        scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=use_gpu),
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=use_gpu, label_selector=label_selector),
         run_config=ray.train.RunConfig(
             name="probe", storage_path=storage, failure_config=ray.train.FailureConfig(max_failures=0)
         ),
     )
     try:
         fit_keeping_sigint(trainer)
-        gathered = queue.get(timeout=60)
+        gathered: dict[str, Any] = queue.get(timeout=60)
     except Exception as exc:
         raise ProbeError(f"the bandwidth probe failed: {worker_error(exc)}") from None
     finally:
         ray.kill(queue.actor)
         shutil.rmtree(storage, ignore_errors=True)
-
-    return build_report(
-        gathered,
-        spec,
-        expected_gbps=line_rate,
-        expected_source=source,
-        healthy_ratio=healthy_ratio,
-        wall_s=time.perf_counter() - t_start,
-    )
+    return gathered
 
 
 def build_report(
@@ -510,6 +516,129 @@ def build_report(
             "latency may hold the bandwidth down; use --max-bytes 1G for a fabric check"
         )
     return ProbeReport(gathered["backend"], placements, rows, verdict, spec, wall_s=wall_s, notes=notes)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Each pair of nodes
+# --------------------------------------------------------------------------------------------------------------
+
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label every Ray node carries with its node id (Ray's ``RAY_NODE_ID_KEY``): a rank's label selector on it
+places the rank on that node."""
+
+
+@dataclass(frozen=True)
+class ProbeNode:
+    """A Ray node the pair probe may use: its id, IP and the ranks it takes (its GPUs, or 1 CPU rank)."""
+
+    node_id: str
+    ip: str
+    ranks: int
+
+
+@dataclass
+class PairsReport:
+    """The probe run between each pair of nodes: per pair, its report (``None`` with the error when it could not
+    run). :meth:`to_dict` gives each pair's nodes (IPs), best large-message busbw and verdict."""
+
+    nodes: list[ProbeNode]
+    pairs: list[tuple[tuple[str, str], ProbeReport | None, str | None]]
+    backend: str
+
+    @property
+    def exit_code(self) -> int:
+        """1 when a pair is degraded or failed, 2 when none was judged (no line rate, or fewer than 2 nodes)."""
+        reports = [r for _, r, _ in self.pairs]
+        if any(r is None or r.verdict.verdict == "degraded" for r in reports):
+            return 1
+        return 0 if reports and all(r is not None and r.verdict.verdict == "healthy" for r in reports) else 2
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "nodes": [asdict(n) for n in self.nodes],
+            "pairs": [
+                {
+                    "nodes": list(ips),
+                    "best_busbw_gbps": None if r is None else r.verdict.best_busbw_gbps,
+                    "verdict": "failed" if r is None else r.verdict.verdict,
+                    "reason": error if r is None else r.verdict.reason,
+                    "ranks": 0 if r is None else r.world_size,
+                }
+                for ips, r, error in self.pairs
+            ],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def render(self) -> str:
+        lines = [f"collective bandwidth between each pair of {len(self.nodes)} nodes ({self.backend})"]
+        for (a, b), report, error in self.pairs:
+            said = f"FAILED: {error}" if report is None else f"{report.verdict.verdict}: {report.verdict.reason}"
+            lines.append(f"  {a} - {b}: {said}")
+        return "\n".join(lines)
+
+
+def probe_nodes(ray_nodes: Sequence[Mapping[str, Any]], use_gpu: bool) -> list[ProbeNode]:
+    """The alive nodes of ``ray.nodes()`` the pair probe uses: those with GPUs (as many ranks as the node with the
+    fewest has) when ``use_gpu``, else those with a CPU to give (one rank each), in IP order."""
+    key = "GPU" if use_gpu else "CPU"
+    found = [n for n in ray_nodes if n.get("Alive") and n.get("Resources", {}).get(key, 0) >= 1]
+    ranks = min((int(n["Resources"][key]) for n in found), default=0) if use_gpu else 1
+    nodes = [ProbeNode(str(n["NodeID"]), str(n["NodeManagerAddress"]), ranks) for n in found]
+    return sorted(nodes, key=lambda n: (tuple(int(x) if x.isdigit() else 0 for x in n.ip.split(".")), n.node_id))
+
+
+def run_pair_probes(
+    cfg: Config,
+    spec: ProbeSpec,
+    *,
+    address: str | None = None,
+    expected_gbps: float | None = None,
+    healthy_ratio: float = HEALTHY_RATIO,
+    say: Callable[[str], None] = lambda _line: None,
+    verbose: bool = False,
+    deployed: Mapping[str, Any] | None = None,
+) -> PairsReport:
+    """The probe between each pair of nodes in turn, each rank pinned to its node (a label selector on
+    :data:`NODE_ID_LABEL`): on GPU nodes every GPU of both nodes, so the pair's figure is the fabric between them as a
+    training run uses it. A pair whose probe fails is kept with its error. Example::
+
+        report = run_pair_probes(cfg, ProbeSpec(ops=("all_reduce",)), address="auto")
+        [(ips, r.verdict.best_busbw_gbps) for ips, r, _ in report.pairs if r]
+    """
+    import itertools
+
+    import ray
+
+    from raytrain_eks.ray_session import init_ray
+
+    line_rate, source = expected_line_rate(cfg, expected_gbps, deployed)
+    init_ray(address, 2, verbose)
+    use_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    nodes = probe_nodes(ray.nodes(), use_gpu)
+    backend = "nccl" if use_gpu else "gloo"
+    pairs: list[tuple[tuple[str, str], ProbeReport | None, str | None]] = []
+    for a, b in itertools.combinations(nodes, 2):
+        say(f"probe: {a.ip} - {b.ip} ({a.ranks} + {b.ranks} {'GPU' if use_gpu else 'CPU'} ranks, {backend})")
+        selector = [{NODE_ID_LABEL: a.node_id}] * a.ranks + [{NODE_ID_LABEL: b.node_id}] * b.ranks
+        start = time.perf_counter()
+        try:
+            gathered = _measure(spec, a.ranks + b.ranks, use_gpu, selector)
+        except ProbeError as exc:
+            pairs.append(((a.ip, b.ip), None, exc.message))
+            continue
+        report = build_report(
+            gathered,
+            spec,
+            expected_gbps=line_rate,
+            expected_source=source,
+            healthy_ratio=healthy_ratio,
+            wall_s=time.perf_counter() - start,
+        )
+        pairs.append(((a.ip, b.ip), report, None))
+    return PairsReport(nodes, pairs, backend)
 
 
 def _sizes_text(spec: ProbeSpec) -> str:

@@ -1,6 +1,7 @@
 """The checks of one GPU node, run in a pod on it: every GPU seen and free of uncorrectable ECC errors, no pending
 or failed row remap, no hardware Xid in the kernel log (where the pod may read it), DCGM's level-1 diagnostic
-(where the image has ``dcgmi``) and the EFA devices libfabric sees against the instance type's EFA interfaces.
+(where the image has ``dcgmi``), the EFA devices libfabric sees against the instance type's EFA interfaces, and the
+NVIDIA driver against the one the image's CUDA needs (where this tool knows the image's CUDA).
 
 :func:`check_node` takes how to run a command in that pod, so the same checks run through ``kubectl exec`` in a Ray
 worker pod or anywhere else. Example::
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from raytrain_eks.health import parsers
 from raytrain_eks.k8s.cluster import ExecResult
+from raytrain_eks.k8s.cuda import driver_version
 
 Run = Callable[[list[str]], ExecResult]
 
@@ -41,10 +43,13 @@ _NOT_FOUND = 127  # a shell's and kubectl exec's status when the program is not 
 
 @dataclass(frozen=True)
 class Expectation:
-    """What each node should show: its pod's GPUs, and the EFA devices the instance type has (0: none expected)."""
+    """What each node should show: its pod's GPUs, the EFA devices the instance type has (0: none expected), and the
+    oldest NVIDIA driver the image's CUDA runs on (``None``: the image's CUDA is not known, the driver not judged)."""
 
     gpus: int
     efa: int
+    min_driver: tuple[int, int] | None = None
+    image_cuda: str | None = None
 
 
 @dataclass(frozen=True)
@@ -93,11 +98,11 @@ def _gpus(run: Run, expect: Expectation) -> list[Finding]:
     if not res.ok:
         return [Finding("gpus", False, f"nvidia-smi failed: {_said(res)}")]
     gpus = parsers.gpu_table(res.stdout)
-    driver = parsers.driver_version(res.stdout) or "unknown"
+    driver = parsers.driver_version(res.stdout)
     seen = Finding(
         "gpus",
         len(gpus) >= expect.gpus,
-        f"{len(gpus)} of {expect.gpus} GPUs seen (driver {driver})",
+        f"{len(gpus)} of {expect.gpus} GPUs seen (driver {driver or 'unknown'})",
     )
     bad = [g for g in gpus if g.uncorrected_ecc]
     ecc = Finding(
@@ -106,7 +111,20 @@ def _gpus(run: Run, expect: Expectation) -> list[Finding]:
         "; ".join(f"GPU {g.index} ({g.bus_id}): {g.uncorrected_ecc} volatile uncorrectable ECC errors" for g in bad)
         or "no uncorrectable ECC errors",
     )
-    return [seen, ecc]
+    return [seen, ecc, _driver(driver, expect)]
+
+
+def _driver(driver: str | None, expect: Expectation) -> Finding:
+    """The node's driver against the oldest one the image's CUDA runs on: an older driver fails the job's first CUDA
+    call ("CUDA driver version is insufficient for CUDA runtime version")."""
+    if expect.min_driver is None:
+        return Finding("driver", None, f"{driver or 'unknown'}; the CUDA of the image is not known here")
+    found = driver_version(driver or "")
+    need = ".".join(map(str, expect.min_driver)).removesuffix(".0")
+    if found is None:
+        return Finding("driver", None, f"nvidia-smi named no driver version; CUDA {expect.image_cuda} needs {need}+")
+    words = f"{driver}, CUDA {expect.image_cuda} of the image needs {need} or later"
+    return Finding("driver", found >= expect.min_driver, words)
 
 
 def _remaps(run: Run) -> Finding:

@@ -19,9 +19,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from raytrain_eks.errors import UserError
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient
+    from kubernetes.client.exceptions import ApiException
+    from kubernetes.dynamic import DynamicClient
+
 
 KUBERNETES_INSTALL_HINT = "Install the Kubernetes client: pip install 'kubernetes==37.0.1' (a raytrain-eks dependency)."
 
@@ -54,6 +60,7 @@ class Pod:
     ready: bool = False
     waiting_reason: str | None = None
     ended: str | None = None
+    ip: str | None = None  # status.podIP: a Ray node in the pod goes by it (the pod's one interface)
 
 
 @dataclass(frozen=True)
@@ -133,7 +140,7 @@ class KubeApi(Protocol):
         """The DaemonSets of ``namespace`` (``None``: of every namespace) that ``selector`` selects."""
         ...
 
-    def apply(self, obj: Mapping[str, Any]) -> None:
+    def apply(self, obj: Mapping[str, object]) -> None:
         """Create or update ``obj`` (server-side apply): applying the same dict twice changes nothing."""
         ...
 
@@ -149,7 +156,7 @@ class KubeApi(Protocol):
         ...
 
     def merge_patch(
-        self, api_version: str, kind: str, name: str, namespace: str | None, patch: Mapping[str, Any]
+        self, api_version: str, kind: str, name: str, namespace: str | None, patch: Mapping[str, object]
     ) -> bool:
         """Change the object by a JSON merge patch (RFC 7386: a ``None`` value removes that key, whoever set it);
         ``False`` when there was no such object."""
@@ -206,12 +213,12 @@ class KubernetesApi:
     def __init__(self, kubeconfig: str | Path | None = None, *, context: str | None = None) -> None:
         self._kubeconfig = str(kubeconfig) if kubeconfig is not None else None
         self._context = context
-        self._client: Any = None
-        self._dynamic: Any = None
+        self._client: ApiClient | None = None
+        self._dynamic: DynamicClient | None = None
 
     # -- connection ------------------------------------------------------------------------------------------------
 
-    def _api(self) -> Any:
+    def _api(self) -> ApiClient:
         if self._client is None:
             try:
                 from kubernetes import client, config
@@ -232,7 +239,7 @@ class KubernetesApi:
             self._apps = client.AppsV1Api(api_client)
         return self._client
 
-    def _dyn(self) -> Any:
+    def _dyn(self) -> DynamicClient:
         if self._dynamic is None:
             from kubernetes.dynamic import DynamicClient
 
@@ -304,6 +311,7 @@ class KubernetesApi:
                     ready=any(c.type == "Ready" and c.status == "True" for c in conditions),
                     waiting_reason=waiting,
                     ended=ended,
+                    ip=p.status.pod_ip,
                 )
             )
         return out
@@ -424,7 +432,7 @@ class KubernetesApi:
         from websocket import WebSocketException
 
         self._api()
-        kwargs: dict[str, Any] = {"container": container} if container else {}
+        kwargs: dict[str, object] = {"container": container} if container else {}
         try:
             ws = stream(
                 self._core.connect_get_namespaced_pod_exec,
@@ -504,8 +512,8 @@ def _secret_values(obj: Mapping[str, Any]) -> list[str]:
     return [v for v in values if isinstance(v, str) and v]
 
 
-def _api_message(exc: Any) -> str:
+def _api_message(exc: ApiException) -> str:
     try:
-        return str(json.loads(exc.body).get("message", ""))
+        return str(json.loads(exc.body or "").get("message", ""))
     except (TypeError, ValueError, AttributeError):
         return ""

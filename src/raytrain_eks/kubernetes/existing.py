@@ -45,6 +45,7 @@ from raytrain_eks.k8s.addons import (
     wait_kuberay,
 )
 from raytrain_eks.k8s.cluster import KubeApi, Node, quantity
+from raytrain_eks.k8s.cuda import IMAGE_CUDA, MIN_DRIVER, min_driver_text
 from raytrain_eks.k8s.job import known_image_packages
 from raytrain_eks.k8s.kuberay_fields import check_kuberay_fields
 from raytrain_eks.k8s.raypods import check_shared_volume, cluster_words, ray_lines
@@ -63,13 +64,6 @@ DRIVER_LABELS = (
     ("nvidia.com/cuda.driver-version.major", "nvidia.com/cuda.driver-version.minor"),
     ("nvidia.com/cuda.driver.major", "nvidia.com/cuda.driver.minor"),
 )
-# The CUDA of the images whose contents this tool knows (AWS's Ray Train DLC tags of resources/image_packages.json:
-# ARG CUDA_VERSION=13.0.2 in its docker/ray-train/Dockerfile.cuda), and the oldest NVIDIA driver that CUDA runs on:
-# 580 (NVIDIA's CUDA Compatibility guide, "Minor Version Compatibility", Table 1: CUDA 13.x, minimum required driver
-# >= 580). The image's CUDA forward-compatibility libraries do not lower it here: only the image's entrypoint adds
-# them, and KubeRay replaces the Ray containers' command.
-IMAGE_CUDA = "13.0"
-MIN_DRIVER = (580, 0)
 # Where a node is (kubelet's well-known label, set from the cloud provider): EFA traffic does not cross zones.
 ZONE_LABEL = "topology.kubernetes.io/zone"
 # A worker pod fills 5/6 of the smallest GPU node's allocatable CPU and memory: the rest is for the DaemonSets
@@ -220,7 +214,7 @@ def check_driver(cfg: Config, nodes: list[Node]) -> str | None:
             f"The GPU nodes' NVIDIA driver was not checked: the CUDA version of ray.image {cfg.ray.image} is not "
             f"known here (a CUDA {IMAGE_CUDA.split('.')[0]} image needs driver {MIN_DRIVER[0]} or later)."
         )
-    need = f"{MIN_DRIVER[0]}" + (f".{MIN_DRIVER[1]}" if MIN_DRIVER[1] else "")
+    need = min_driver_text()
     old = [(n.name, v) for n in nodes if (v := driver_of(n)) is not None and v < MIN_DRIVER]
     if old:
         listed = ", ".join(f"{name} ({major}.{minor})" for name, (major, minor) in old)
