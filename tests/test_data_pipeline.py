@@ -438,3 +438,23 @@ def test_the_data_command_shows_the_blocks_train_trains_on(ray_local, builtin_mo
     assert [b.documents for b in shown.blocks] == [
         block_documents(p, int(f)) for p, f in zip(read["position_ids"], read["filled"], strict=True)
     ]
+
+
+def test_preference_pairs_pack_the_same_through_ray_data(ray_local, builtin_model, tmp_path, monkeypatch):
+    # Method dpo: each row a pair joined at its split, carried through the keyed sort and the packing groups (several,
+    # at 40 rows a group): both paths give the same blocks, and the ranks read pairs whole (an even number of
+    # documents in every block).
+    from raytrain_eks.config import load_config
+    from raytrain_eks.train.data.pipeline import PackedSet, prepare_for
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(data_module, "PACK_ROWS", 40)
+    training = load_config(environ={}, sets=["training.method=dpo", "training.seq_len=128"]).training
+    given = {"data": training.data, "min_blocks": 1, "eval_fraction": 0.05}
+    driver = prepare_for(training, builtin_model, in_driver=True, **given)
+    ray_data = prepare_for(training, builtin_model, in_driver=False, **given)
+    assert driver.counts() == ray_data.counts() and driver.counts()["usable_pairs"] == 100
+    assert np.array_equal(blocks(driver.dataset), blocks(ray_data.dataset))
+    assert np.array_equal(blocks(driver.eval_dataset), blocks(ray_data.eval_dataset))
+    read = PackedSet.of(ray_data.dataset).take(np.arange(ray_data.blocks))
+    assert ((read["position_ids"] == 0).sum(axis=1) % 2 == 0).all()

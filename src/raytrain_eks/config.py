@@ -33,6 +33,7 @@ DEFAULT_CONFIG_FILE = "raytrain-eks.yaml"
 BUILTIN_MODEL = "builtin:tiny-qwen2"
 DEFAULT_BATCH_SIZE = 2  # training.batch_size, and what auto is where no GPU's memory is estimated
 BUILTIN_DATA = "builtin:sample-instructions"
+BUILTIN_PREFERENCES = "builtin:sample-preferences"  # the data of method dpo when none is set
 RANDOM_DATA = "random"
 
 
@@ -204,9 +205,19 @@ def check_sharding_for_nodes(training: TrainingConfig, nodes: int, workers: int 
 PACKING_MODES = ("documents", "concat")  # whole rows kept apart in a block (their own positions), or run on as one text
 OVERLONG_MODES = ("truncate", "drop")  # a row longer than seq_len under documents packing: its start kept, or left out
 # The peak learning rate of a method when none is set: full fine-tuning moves every weight a little; LoRA's few adapters
-# start at zero and take about ten times more (peft's and TRL's LoRA recipes use 1e-4 to 3e-4).
-DEFAULT_LEARNING_RATES = {"full": 2e-5, "lora": 2e-4}
-_METHOD_NAMES = {"full": "full fine-tuning's", "lora": "LoRA's"}
+# start at zero and take about ten times more (peft's and TRL's LoRA recipes use 1e-4 to 3e-4). DPO steps away from a
+# reference it must stay near, so it takes a quarter of SFT's rate (TRL's DPOConfig defaults to 1e-6), with LoRA ten
+# times that again. Keyed by :attr:`TrainingConfig.recipe`.
+DEFAULT_LEARNING_RATES = {"full": 2e-5, "lora": 2e-4, "dpo": 5e-6, "dpo-lora": 5e-5}
+_RECIPE_NAMES = {
+    "full": "full fine-tuning's",
+    "lora": "LoRA's",
+    "dpo": "full DPO's",
+    "dpo-lora": "DPO with LoRA's",
+}
+_RECIPE_OTHER = {"full": "lora", "lora": "full", "dpo": "dpo-lora", "dpo-lora": "dpo"}
+_RECIPE_WORDS = {"full": "full", "lora": "lora", "dpo": "dpo with adapters none", "dpo-lora": "dpo with adapters lora"}
+PREFERENCE_FORMAT = "preference"  # the one data format whose rows are pairs (chosen and rejected), read by method dpo
 LORA_ALL_LINEAR: Literal["all-linear"] = "all-linear"  # peft's name for every linear layer of the decoder blocks
 FLASH_ATTN_MIN = "2.3.3"  # the oldest flash-attn 2 transformers' is_flash_attn_2_available accepts
 
@@ -248,6 +259,29 @@ class LoraSettings(Section):
         return v
 
 
+class DpoSettings(Section):
+    """Direct preference optimisation (``training.method: dpo``): the policy learns to rank each pair's chosen answer
+    above its rejected one, measured against a reference model. Read only by method dpo (ignored otherwise)."""
+
+    beta: float = Field(
+        0.1, gt=0, description="how far the policy may move from the reference: the scale of the implicit reward"
+    )
+    loss_type: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid", description="sigmoid (DPO's loss, -log sigmoid of beta x the margin) or ipo (IPO's squared loss)"
+    )
+    adapters: Literal["lora", "none"] = Field(
+        "lora",
+        description="lora: training.lora's adapters train and the reference is the same model with them off (no "
+        "second copy); none: every weight trains and the reference is a frozen copy of the start weights, sharded "
+        "like the model (its memory counted by the estimate)",
+    )
+
+
+def _recipe(method: str, dpo: DpoSettings) -> str:
+    """The key of :data:`DEFAULT_LEARNING_RATES` of a method (and, for dpo, its adapters)."""
+    return "dpo-lora" if method == "dpo" and dpo.adapters == "lora" else method
+
+
 class TrainingConfig(Section):
     """The fine-tuning job run by every Ray Train worker."""
 
@@ -256,11 +290,16 @@ class TrainingConfig(Section):
     )
     data: str = Field(
         RANDOM_DATA,
-        description="'random' (synthetic ids), builtin:sample-instructions, a .jsonl/.ndjson/.json/.parquet/.csv/"
-        ".tsv/.arrow file or folder or s3:// URI, or a Hugging Face dataset: hf:OWNER/NAME[:SPLIT]",
+        description="'random' (synthetic ids), builtin:sample-instructions, builtin:sample-preferences, a .jsonl/"
+        ".ndjson/.json/.parquet/.csv/.tsv/.arrow file or folder or s3:// URI, or a Hugging Face dataset: "
+        "hf:OWNER/NAME[:SPLIT]; empty with method dpo = builtin:sample-preferences",
     )
     data_format: Literal[FORMAT_NAMES] = Field(  # type: ignore[valid-type]  # the registry's names
-        "instruction", description=" | ".join(FORMAT_NAMES) + " (raytrain_eks.formats: " + formats_help() + ")"
+        "instruction",
+        description=" | ".join(FORMAT_NAMES)
+        + " (raytrain_eks.formats: "
+        + formats_help()
+        + "); empty with method dpo = preference, the only format dpo reads",
     )
     text_field: str = Field("text", description="the field read by the text format")
     chat_template: str | None = Field(
@@ -283,13 +322,17 @@ class TrainingConfig(Section):
     overlong: Literal[OVERLONG_MODES] = Field(  # type: ignore[valid-type]
         "truncate",
         description="a row longer than seq_len under documents packing: truncate (keep its first seq_len tokens) or "
-        "drop it; either way counted and reported",
+        "drop it; either way counted and reported (method dpo: a pair is always dropped, never cut)",
     )
-    method: Literal["full", "lora"] = Field(
+    method: Literal["full", "lora", "dpo"] = Field(
         "full",
-        description="full: every weight trains; lora: low-rank adapters (training.lora) on the frozen base model",
+        description="full: every weight trains; lora: low-rank adapters (training.lora) on the frozen base model; "
+        "dpo: direct preference optimisation on preference pairs (training.dpo)",
     )
-    lora: LoraSettings = Field(default_factory=LoraSettings, description="the adapters of method lora")
+    lora: LoraSettings = Field(
+        default_factory=LoraSettings, description="the adapters of method lora, and of dpo with dpo.adapters lora"
+    )
+    dpo: DpoSettings = Field(default_factory=DpoSettings, description="the settings of method dpo")
     steps: int = Field(100, ge=1)
     seq_len: int = Field(1024, ge=8, le=131072)
     batch_size: Annotated[int, Field(ge=1, le=4096)] | Literal["auto"] = Field(
@@ -300,11 +343,11 @@ class TrainingConfig(Section):
     )
     grad_accum_steps: int = Field(1, ge=1, le=1024)
     learning_rate: float = Field(
-        default_factory=lambda data: DEFAULT_LEARNING_RATES[data["method"]],
+        default_factory=lambda data: DEFAULT_LEARNING_RATES[_recipe(data["method"], data["dpo"])],
         gt=0,
         le=1,
         description="peak learning rate; empty = the method's default: "
-        + ", ".join(f"{rate!r} for {method}" for method, rate in DEFAULT_LEARNING_RATES.items()),
+        + ", ".join(f"{rate!r} for {_RECIPE_WORDS[recipe]}" for recipe, rate in DEFAULT_LEARNING_RATES.items()),
     )
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     warmup_steps: int | None = Field(
@@ -410,6 +453,11 @@ class TrainingConfig(Section):
         description="prompts answered greedily at the end (RUN_DIR/samples.jsonl); empty = the data's first prompts",
     )
     sample_tokens: int = Field(32, ge=0, le=1024, description="new tokens per sample; 0 = no samples")
+    eval_tasks: list[str] = Field(
+        default_factory=list,
+        description="lm-evaluation-harness tasks scored on the exported model at the end (RUN_DIR/eval.json, as "
+        "`raytrain-eks eval` does); empty = none",
+    )
 
     @field_validator("model_id", "data", "text_field")
     @classmethod
@@ -432,6 +480,14 @@ class TrainingConfig(Section):
 
     @model_validator(mode="before")
     @classmethod
+    def _preference_data(cls, data: Any) -> Any:
+        """Method dpo reads preference pairs: with no data or format set, the built-in pairs in that format."""
+        if isinstance(data, dict) and data.get("method") == "dpo":
+            return {"data": BUILTIN_PREFERENCES, "data_format": PREFERENCE_FORMAT, **data}
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _empty_learning_rate(cls, data: Any) -> Any:
         """An empty learning_rate (``learning_rate:`` in the file, ``LEARNING_RATE=``) is not set: the method's."""
         if isinstance(data, dict) and data.get("learning_rate") in (None, ""):
@@ -446,6 +502,33 @@ class TrainingConfig(Section):
             raise ValueError("set eval_data (a separate file) or eval_fraction (a share of data), not both")
         if self.eval_data and self.uses_random_data:
             raise ValueError("eval_data needs real training data; random token ids have nothing to compare it with")
+        if self.eval_tasks and not self.export:
+            raise ValueError("eval_tasks score the exported model: set export to true, or leave eval_tasks empty")
+        return self
+
+    @model_validator(mode="after")
+    def _dpo_reads_pairs(self) -> TrainingConfig:
+        """Method dpo's data: preference pairs, packed as documents; every problem of it in one message."""
+        if self.method != "dpo":
+            return self
+        problems = []
+        if self.data_format != PREFERENCE_FORMAT:
+            problems.append(
+                f"data_format is {self.data_format!r}: set data_format to {PREFERENCE_FORMAT} (--data-format "
+                f"{PREFERENCE_FORMAT}; rows of prompt, chosen and rejected), or use method full or lora"
+            )
+        if self.packing != "documents":
+            problems.append(
+                f"packing is {self.packing!r}, but each pair's answers are packed as two documents side by side: set "
+                "packing to documents, or leave it out"
+            )
+        if self.uses_random_data:
+            problems.append(
+                f"data is random token ids, which hold no pairs: set data to {BUILTIN_PREFERENCES} or a file of "
+                "prompt, chosen and rejected rows (--data)"
+            )
+        if problems:
+            raise ValueError("method dpo trains on preference pairs, but " + "; and ".join(problems))
         return self
 
     @model_validator(mode="after")
@@ -499,11 +582,23 @@ class TrainingConfig(Section):
     def learning_rate_reason(self) -> str:
         """Why ``learning_rate`` is what it is: ``LoRA's default; full fine-tuning's is 2e-05`` when the method chose
         it, ``as set`` (and the method's default, where it differs) when it was given."""
-        mine, default = _METHOD_NAMES[self.method], DEFAULT_LEARNING_RATES[self.method]
+        recipe = _recipe(self.method, self.dpo)
+        mine, default = _RECIPE_NAMES[recipe], DEFAULT_LEARNING_RATES[recipe]
         if "learning_rate" in self.model_fields_set:
             return "as set" + (f"; {mine} default is {default!r}" if self.learning_rate != default else "")
-        other = next(m for m in DEFAULT_LEARNING_RATES if m != self.method)
-        return f"{mine} default; {_METHOD_NAMES[other]} is {DEFAULT_LEARNING_RATES[other]!r}"
+        other = _RECIPE_OTHER[recipe]
+        return f"{mine} default; {_RECIPE_NAMES[other]} is {DEFAULT_LEARNING_RATES[other]!r}"
+
+    @property
+    def adapters(self) -> LoraSettings | None:
+        """The LoRA settings when the model trains adapters (method lora, or dpo with ``dpo.adapters: lora``), else
+        ``None``: every weight trains."""
+        return self.lora if _recipe(self.method, self.dpo) in ("lora", "dpo-lora") else None
+
+    @property
+    def preference(self) -> bool:
+        """Whether the run trains on preference pairs (method dpo)."""
+        return self.method == "dpo"
 
     @property
     def effective_warmup_steps(self) -> int:
@@ -620,6 +715,18 @@ class Config(Section):
         return re.sub(r"(?m)^  learning_rate: .*$", lambda line: line.group(0) + why, text, count=1)
 
 
+def _method_data(tree: dict[str, Any], sources: Mapping[tuple[str, ...], str]) -> None:
+    """Method dpo reads its own data: the preset's (supervised) data and format, where no layer set them, are left
+    out of ``tree`` so that :class:`TrainingConfig` gives dpo's (the built-in pairs, the preference format)."""
+    training = tree.get("training")
+    if not isinstance(training, dict) or training.get("method") != "dpo":
+        return
+    if ("training", "data_format") not in sources:
+        training.pop("data_format", None)
+    if ("training", "data") not in sources and training.get("data") in (RANDOM_DATA, BUILTIN_DATA):
+        training.pop("data", None)
+
+
 def load_config(
     *,
     preset: Config | None = None,
@@ -644,6 +751,7 @@ def load_config(
         raise ConfigError([f"config file {str(file)!r} does not exist; create one with `raytrain-eks init {file}`"])
     sources: dict[tuple[str, ...], str] = {}
     tree = layers.lay(tree, sources, Config, file if file.exists() else None, environ, overrides or {}, sets or ())
+    _method_data(tree, sources)
     try:
         cfg = Config.model_validate(tree)
     except ValidationError as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,13 +26,15 @@ from raytrain_eks.config import TrainingConfig
 from raytrain_eks.errors import UserError
 from raytrain_eks.train.checkpoint import checkpoint_stager, load_sharded, save_sharded
 from raytrain_eks.train.context import WorkerContext
+from raytrain_eks.train.counting import Tally, ThroughputWindow, all_ranks, batch_work, through
 from raytrain_eks.train.data.encoding import IGNORE_INDEX, load_tokenizer
-from raytrain_eks.train.data.packing import block_documents
 from raytrain_eks.train.data.pipeline import random_batch
+from raytrain_eks.train.dpo import METRICS as DPO_METRICS
+from raytrain_eks.train.dpo import Reference, metrics_of, pairs_in
 from raytrain_eks.train.evaluation import HeldOut, greedy_samples
 from raytrain_eks.train.fabric_gate import check_transport
 from raytrain_eks.train.faults import maybe_die
-from raytrain_eks.train.flops import documents_flops, mfu, peak_flops_for
+from raytrain_eks.train.flops import mfu, peak_flops_for
 from raytrain_eks.train.lora import apply_lora, parameter_counts
 from raytrain_eks.train.loss import LossKernel, agreed_loss_kernel, host_logits_fit
 from raytrain_eks.train.memory import LOSS_CHUNK_LOGITS, check_run, refuse_unless_fits  # logits held at once
@@ -52,7 +55,7 @@ from raytrain_eks.train.model import (
     router_aux_loss,
 )
 from raytrain_eks.train.precision import resolve_precision
-from raytrain_eks.train.preemption import Decision, NoticeWatch, StepAgreement, preempted_summary
+from raytrain_eks.train.preemption import NoticeWatch, StepAgreement, preempted_summary
 from raytrain_eks.train.records import FabricLook, Note, Samples, StepRecord, WorkerJob
 from raytrain_eks.train.sharding import Layout, choose_sharding, set_gradient_sync, shard_model
 from raytrain_eks.train.start import (
@@ -209,7 +212,7 @@ class PreparedModel:
     output_weight: OutputHead
     parameters: int
     trainable: int
-    lora_targets: list[str] | None = None  # the layers given adapters (method lora); None for full fine-tuning
+    lora_targets: list[str] | None = None  # the layers given adapters (cfg.adapters); None when every weight trains
     attention: str = "sdpa"  # the attention implementation the model was built with (its config's)
     compiled: bool = False  # its decoder layers compiled with torch.compile (training.compile, resolved)
     loss: LossKernel = field(default_factory=LossKernel)  # training.loss_kernel, resolved (decide_run)
@@ -226,41 +229,32 @@ def prepare_model(
     device: torch.device,
     resuming: bool = False,
     attention: str | None = None,
+    reference: bool = False,
 ) -> PreparedModel:
     """Load, adapt, shard and fill the model: the one place where the model is prepared (a collective).
 
     Sharded over several ranks, every rank builds the model on the meta device and, once it is sharded, reads only
     its own shard of each weight from the model's safetensors files (:mod:`.start`); when they cannot be read by
-    shard, rank 0 reads the whole model and sends each rank its shard. A full fine-tune that ``resuming`` reads no
-    weight from the model's files at all (the checkpoint holds them). LoRA's adapters go in right after the model is
-    built, on every rank alike, and start from the same values everywhere (drawn from the seed); only they train.
-    Every rank builds it with the same ``attention`` implementation (:func:`agreed_attention`; ``None``: transformers'
-    default).
+    shard, rank 0 reads the whole model and sends each rank its shard. A run that trains every weight and is
+    ``resuming`` reads no weight from the model's files at all (the checkpoint holds them). LoRA's adapters
+    (``cfg.adapters``) go in right after the model is built, on every rank alike, and start from the same values
+    everywhere (drawn from the seed); only they train. Every rank builds it with the same ``attention``
+    implementation (:func:`agreed_attention`; ``None``: transformers' default). ``reference``: DPO's frozen copy of
+    the start weights (``training.dpo.adapters: none``), read from the model's files even when resuming, without
+    adapters or compiling, every parameter frozen; its notes say ``dpo reference``.
     """
-    sharded = layout.mode != "none" and ctx.world_size > 1
+
+    def say(text: str) -> None:
+        ctx.emit(Note(f"dpo reference {text}" if reference else text))
+
     start = "whole"  # one rank of its own reads the whole model
-    if resuming and cfg.method == "full":
+    if resuming and cfg.adapters is None and not reference:
         start = "checkpoint"
-    elif sharded:
+    elif layout.mode != "none" and ctx.world_size > 1:  # sharded
         start = "own-shard"
-    source: WeightFiles | None = None
-    model = (
-        None
-        if start == "whole"
-        else load_model_shell(model_path, activation_checkpointing=checkpointing, attention=attention)
-    )
-    if start == "own-shard":
-        found = weights_source(model_path, model)
-        if _everywhere(isinstance(found, WeightFiles), device) and isinstance(found, WeightFiles):
-            source = found
-        else:
-            start = "rank0"
-            why = found if isinstance(found, str) else "another rank cannot read them by shard"
-            ctx.emit(Note(f"model start: rank 0 reads the whole model and sends each rank its shard ({why})"))
-    reads_whole = start == "whole" or (start == "rank0" and ctx.rank == 0)
-    if model is None or reads_whole:
-        model = load_model(model_path, activation_checkpointing=checkpointing, attention=attention)
-    targets = apply_lora(model, cfg.lora, base=cfg.model_id) if cfg.method == "lora" else None
+    model, start, source = _built(model_path, ctx, start, checkpointing=checkpointing, attention=attention, say=say)
+    lora = None if reference else cfg.adapters
+    targets = apply_lora(model, lora, base=cfg.model_id) if lora is not None else None
     adapters = initial_adapters(model, cfg.seed)  # the same on every rank, whatever its model holds
     # Buffers outside the state dict: computed here where nothing sends them (rank 0's start broadcasts them).
     buffers = computed_buffers(model) if start in ("own-shard", "checkpoint") else {}
@@ -271,24 +265,14 @@ def prepare_model(
         weights = take_weights(model)
     elif start == "whole":
         model.to(device)
+    if reference:
+        model.requires_grad_(False)
     trainable, total = parameter_counts(model)
     output_weight = output_projection_deferred(model)
-    compiled, why = resolve_compile(cfg.compile, device)
-    if compiled:  # before sharding: FSDP's gathers and reductions stay outside the compiled code
-        ctx.emit(Note(f"compile: {compile_layers(model)} decoder layers with torch.compile ({why})"))
-    else:
-        ctx.emit(Note(f"compile: off ({why})"))
+    compiled = False if reference else _compiled(cfg, model, device, say)
     shard_model(model, layout, precision=precision, reduce_precision=cfg.reduce_precision, device=device)
-    if start == "rank0":
-        fill_from_rank0(model, weights, device)
-        del weights  # the CPU copy of the whole model
-    elif start != "whole":  # storage for this rank's shard, then its values
-        model.to_empty(device=device)
-        restore_buffers(model, buffers)
-        if source is not None:
-            read, size = read_own_shard(model, source), files_bytes(source)
-            shares = f"rank 0: {_gb(read)} of {_gb(size)}"
-            ctx.emit(Note(f"model start: each rank read its own shard of the weights ({shares})"))
+    _fill(model, start, source, weights, buffers, rank=ctx.rank, device=device, say=say)
+    del weights  # rank 0's CPU copy of the whole model
     set_full_values(model, adapters)
     return PreparedModel(
         model,
@@ -299,6 +283,89 @@ def prepare_model(
         attention=str(model.config._attn_implementation),
         compiled=compiled,
     )
+
+
+def _compiled(cfg: TrainingConfig, model: PreTrainedModel, device: torch.device, say: Callable[[str], None]) -> bool:
+    """Whether the decoder layers were compiled (``training.compile``, resolved for ``device``), said either way.
+    Before sharding: FSDP's gathers and reductions stay outside the compiled code."""
+    compiled, why = resolve_compile(cfg.compile, device)
+    say(
+        f"compile: {compile_layers(model)} decoder layers with torch.compile ({why})"
+        if compiled
+        else f"compile: off ({why})"
+    )
+    return compiled
+
+
+def _built(
+    model_path: str,
+    ctx: WorkerContext,
+    start: str,
+    *,
+    checkpointing: bool,
+    attention: str | None,
+    say: Callable[[str], None],
+) -> tuple[PreTrainedModel, str, WeightFiles | None]:
+    """The model as ``start`` builds it (a meta shell where a rank reads only its shard or takes it from rank 0), the
+    start it ends up with (``own-shard`` falls back to ``rank0`` unless every rank can read by shard) and the files
+    each rank reads its shard from."""
+    source: WeightFiles | None = None
+    model = (
+        None
+        if start == "whole"
+        else load_model_shell(model_path, activation_checkpointing=checkpointing, attention=attention)
+    )
+    if start == "own-shard":
+        found = weights_source(model_path, model)
+        if _everywhere(isinstance(found, WeightFiles), ctx.device) and isinstance(found, WeightFiles):
+            source = found
+        else:
+            start = "rank0"
+            why = found if isinstance(found, str) else "another rank cannot read them by shard"
+            say(f"model start: rank 0 reads the whole model and sends each rank its shard ({why})")
+    reads_whole = start == "whole" or (start == "rank0" and ctx.rank == 0)
+    if model is None or reads_whole:
+        model = load_model(model_path, activation_checkpointing=checkpointing, attention=attention)
+    return model, start, source
+
+
+def _fill(
+    model: PreTrainedModel,
+    start: str,
+    source: WeightFiles | None,
+    weights: Any,
+    buffers: dict[str, torch.Tensor],
+    *,
+    rank: int,
+    device: torch.device,
+    say: Callable[[str], None],
+) -> None:
+    """The sharded model's values: rank 0's ``weights`` sent to every rank, or storage for this rank's shard and
+    its values read from ``source`` (a checkpoint's start leaves them to the resume)."""
+    if start == "rank0":
+        fill_from_rank0(model, weights, device)
+    elif start != "whole":  # storage for this rank's shard, then its values
+        model.to_empty(device=device)
+        restore_buffers(model, buffers)
+        if source is not None:
+            read, size = read_own_shard(model, source), files_bytes(source)
+            say(f"model start: each rank read its own shard of the weights (rank 0: {_gb(read)} of {_gb(size)})")
+
+
+def dpo_reference(
+    cfg: TrainingConfig, prepared: PreparedModel, build: Callable[..., PreparedModel]
+) -> Reference | None:
+    """DPO's reference (None unless method dpo): with adapters, the policy itself with its adapters off; without,
+    a frozen copy of the start weights made by ``build`` (:func:`prepare_model` with the run's settings) like the
+    policy, kept out of the optimizer and the checkpoints."""
+    if not cfg.preference:
+        return None
+    beta, loss_type = cfg.dpo.beta, cfg.dpo.loss_type
+    if cfg.adapters is not None:
+        return Reference(prepared.model, prepared.output_weight, adapters=True, beta=beta, loss_type=loss_type)
+    frozen = build(reference=True)
+    frozen.model.eval()  # no dropout: the start weights' own log-probabilities
+    return Reference(frozen.model, frozen.output_weight, adapters=False, beta=beta, loss_type=loss_type)
 
 
 def _gb(n: int) -> str:
@@ -318,10 +385,11 @@ def _everywhere(ok: bool, device: torch.device) -> bool:
 class StepResult:
     """One optimizer step's outcome, still on the device: read only on the steps that log (:func:`logged_loss`)."""
 
-    loss_sum: torch.Tensor  # this rank's summed token cross-entropy
+    loss_sum: torch.Tensor  # this rank's summed token cross-entropy (DPO: its pairs' summed loss)
     aux_sum: torch.Tensor  # a mixture of experts' router term, averaged over the micro-batches
-    global_count: torch.Tensor  # trained tokens of all ranks
+    global_count: torch.Tensor  # trained tokens of all ranks (DPO: their pairs)
     grad_norm: torch.Tensor
+    dpo: torch.Tensor | None = None  # DPO's metrics summed over this rank's pairs (train/dpo.py's METRICS)
 
 
 def train_step(
@@ -334,43 +402,54 @@ def train_step(
     mode: str,
     world_size: int,
     device: torch.device,
+    reference: Reference | None = None,
 ) -> StepResult:
     """Forward and backward over the step's micro-batches, each one's loss normalised by the step's token count over
-    all ranks (so any world size computes one process's gradient), then clip, step AdamW and the schedule."""
+    all ranks (so any world size computes one process's gradient), then clip, step AdamW and the schedule. With a
+    DPO ``reference`` the loss is the pairs' (:meth:`Reference.loss`), normalised by the step's pairs over all
+    ranks in the same way."""
     model, output_weight = prepared.model, prepared.output_weight
     # Counted on the host (labels are CPU tensors), summed across ranks on the device: no wait for the device.
-    count = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro)
+    if reference is None:
+        count = sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro)
+    else:
+        count = sum(pairs_in(mb) for mb in micro)
     global_count = _to_device(torch.tensor(float(count), dtype=torch.float64), device)
     dist.all_reduce(global_count)
     scale = (world_size / global_count.clamp(min=1.0)).float()
     loss_sum = torch.zeros((), dtype=torch.float32, device=device)
     aux_sum = torch.zeros((), dtype=torch.float32, device=device)
+    dpo_sum = torch.zeros(len(DPO_METRICS), dtype=torch.float32, device=device)
     for i, mb in enumerate(micro):
         set_gradient_sync(model, mode, last=i == len(micro) - 1)  # sharded; across nodes on the last
         given = forward_inputs(mb, attention=prepared.attention)  # flash-attention: a packed batch in one row
         inputs = {k: _to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in given.items()}
         labels = _to_device(mb["labels"], device)
-        outputs = output_weight.forward(model, **inputs)  # .logits: the final hidden states
-        token_loss = prepared.loss(  # training.loss_kernel's; a mixture of experts' router term is added below
-            outputs.logits.reshape(*labels.shape, -1)[:, :-1],
-            output_weight(),
-            labels[:, 1:],
-            max_logits=LOSS_CHUNK_LOGITS,
-            ignore_index=IGNORE_INDEX,
-            transform=output_weight.transform,
-        )
+        if reference is None:
+            outputs = output_weight.forward(model, **inputs)  # .logits: the final hidden states
+            loss = prepared.loss(  # training.loss_kernel's; a mixture of experts' router term is added below
+                outputs.logits.reshape(*labels.shape, -1)[:, :-1],
+                output_weight(),
+                labels[:, 1:],
+                max_logits=LOSS_CHUNK_LOGITS,
+                ignore_index=IGNORE_INDEX,
+                transform=output_weight.transform,
+            )
+        else:
+            loss, outputs, metrics = reference.loss(model, output_weight, inputs, labels, mb["position_ids"])
+            dpo_sum += metrics
         router = router_aux_loss(model, outputs)  # a mixture of experts' own load-balancing term, per batch
         if router is None:
-            (token_loss * scale).backward()
+            (loss * scale).backward()
         else:  # averaged over micro-batches here and over ranks by the gradient reduction, as one batch's
-            (token_loss * scale + router / len(micro)).backward()
+            (loss * scale + router / len(micro)).backward()
             aux_sum += router.detach() / len(micro)
-        loss_sum += token_loss.detach()
+        loss_sum += loss.detach()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum, aux_sum, global_count, grad_norm)
+    return StepResult(loss_sum, aux_sum, global_count, grad_norm, dpo_sum if reference is not None else None)
 
 
 def logged_loss(result: StepResult, world_size: int) -> tuple[float, float]:
@@ -384,86 +463,13 @@ def logged_loss(result: StepResult, world_size: int) -> tuple[float, float]:
     return loss, float(norm)
 
 
-class ThroughputWindow:
-    """Time, steps and tokens since the last logged step; checkpoint and evaluation time are left out of it.
-
-    Each logged step closes a window (:meth:`close`): its time over its steps is that window's step time. The
-    steady figures (:meth:`steady`) leave the first window out, which holds the first step's one-off costs.
-    """
-
-    def __init__(self) -> None:
-        self.steps, self.tokens, self.flops = 0, 0, 0.0  # this rank's, since the window opened
-        self.start = time.perf_counter()
-        self.closed: list[tuple[float, int, float, float]] = []  # (seconds, steps, tokens, FLOPs) of every rank
-
-    def add(self, tokens: int, flops: float) -> None:
-        """One step of this rank: its tokens (padding left out) and their training FLOPs."""
-        self.steps += 1
-        self.tokens += tokens
-        self.flops += flops
-
-    def leave_out(self, seconds: float) -> None:
-        """Time spent on something other than training (a checkpoint) while this window is open."""
-        self.start += seconds
-
-    def close(self, tokens: float, flops: float) -> tuple[float, float, float]:
-        """Close the window at this logged step, given every rank's ``tokens`` and ``flops`` in it: (its step time,
-        its tokens per second, its FLOPs per second)."""
-        seconds = time.perf_counter() - self.start
-        self.closed.append((seconds, self.steps, tokens, flops))
-        return seconds / self.steps, tokens / seconds, flops / seconds
-
-    def reopen(self) -> None:
-        self.steps, self.tokens, self.flops, self.start = 0, 0, 0.0, time.perf_counter()
-
-    def steady(self) -> tuple[float | None, float, float]:
-        """The median step time, and the tokens and FLOPs per second, over the windows after the first."""
-        windows = self.closed[1:] or self.closed
-        seconds = sum(w[0] for w in windows)
-        step_time = statistics.median(w[0] / w[1] for w in windows) if windows else None
-        if seconds <= 0:
-            return step_time, 0.0, 0.0
-        return step_time, sum(w[2] for w in windows) / seconds, sum(w[3] for w in windows) / seconds
-
-    @property
-    def trained(self) -> float:
-        """Every rank's tokens in the closed windows."""
-        return sum(w[2] for w in self.closed)
-
-
-def _through(trained: float, *, done: int, before: int) -> int:
-    """Tokens trained through the last step: ``trained`` in this attempt's ``done`` steps, and a resumed run's
-    ``before`` steps counted at this attempt's tokens per step (the same data, so a close estimate; exact for
-    random ids)."""
-    return round(trained + before * trained / done) if done else 0
-
-
-def batch_work(batch: dict[str, torch.Tensor], config: Any, *, adapters: int = 0) -> tuple[int, float]:
-    """The tokens of a packed batch that hold a row (padding left out) and their training FLOPs, each row's
-    attention charged over its own length (:func:`~raytrain_eks.train.flops.documents_flops`), counted on the host
-    from the batch's ``filled`` and ``position_ids``. A block without positions (``packing: concat``, random ids)
-    attends across all its filled positions."""
-    seq_len = batch["input_ids"].shape[-1]
-    rows = batch["input_ids"].shape[0]
-    filled = batch.get("filled")
-    positions = batch.get("position_ids")
-    lengths: list[int] = []
-    for r in range(rows):
-        n = int(filled[r]) if filled is not None else seq_len
-        if positions is not None:
-            lengths += [length for _, length in block_documents(positions[r].numpy(), n)]
-        else:
-            lengths.append(n)
-    return sum(lengths), documents_flops(config, lengths, adapters=adapters)
-
-
-def _all_ranks(window: ThroughputWindow, device: torch.device) -> tuple[float, float]:
-    """Every rank's tokens and FLOPs in the open window (a collective, on logged steps only)."""
-    totals = _to_device(torch.tensor([float(window.tokens), window.flops], dtype=torch.float64), device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(totals)
-    tokens, flops = totals.tolist()
-    return tokens, flops
+def logged_dpo(result: StepResult) -> dict[str, float] | None:
+    """DPO's metrics of the step, averaged over every pair of every rank and micro-batch (one all-reduce of a small
+    tensor, on logged steps only); None for a step without pairs' metrics."""
+    if result.dpo is None:
+        return None
+    dist.all_reduce(result.dpo)
+    return metrics_of(result.dpo, float(result.global_count))
 
 
 @dataclass
@@ -530,71 +536,76 @@ def decide_run(cfg: TrainingConfig, model_path: str, ctx: WorkerContext) -> tupl
     return precision, layout, fit.checkpointing, attention, loss
 
 
+@dataclass(frozen=True)
+class FabricCheck:
+    """The transport the run requires of NCCL (``fabric.require``; ``any``: no look), whether EFA must be used as
+    fully as the nodes offer it, and the nodes' configured instance type to compare with."""
+
+    require: str = "any"
+    full_efa: bool = False
+    instance_type: str | None = None
+
+
 @dataclass
-class Tally:
-    """What a run counts as it goes, for its summary: the steps this attempt trained, the logged losses, the
-    checkpoints and the time they took, the last held-out evaluation and the time evaluation took, the transport
-    gate's last answer, and the time in the loop and in the final samples."""
+class Run:
+    """One worker's run as :func:`train` takes it through its steps: the settings decided for it, the model (and
+    DPO's reference), the optimizer and schedule, where it starts, its data, and what it counts."""
 
-    done: int = 0
-    losses: dict[int, float] = field(default_factory=dict)
-    checkpoints: list[int] = field(default_factory=list)
-    checkpoint_s: float = 0.0
-    stalls: list[float] = field(default_factory=list)  # per save: from its call until training could go on
-    last_eval: dict[str, Any] = field(default_factory=dict)
-    eval_s: float = 0.0
-    fabric: dict[str, Any] | None = None
-    train_s: float = 0.0
-    samples_s: float = 0.0
-    first_step_s: float | None = None  # from the start of train() to the end of this attempt's first step
-    preempted: Decision | None = None  # the notice that ended the run before its last step
+    cfg: TrainingConfig
+    ctx: WorkerContext
+    model_path: str
+    layout: Layout
+    precision: str
+    prepared: PreparedModel
+    reference: Reference | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    start: Resumed
+    batches: Any  # the data cursor: next() gives a micro-batch, .position where it stands
+    held_out: HeldOut | None
+    peak: float | None  # the device's peak FLOP/s for MFU (None: not a GPU we know)
+    began: float  # when train() began: the first step's time counts the model's start
+    tally: Tally = field(default_factory=Tally)
+    window: ThroughputWindow = field(default_factory=ThroughputWindow)
+    stager: Any = None  # host buffers kept across the run's checkpoint saves
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
 
 
-def run_summary(
-    cfg: TrainingConfig,
-    ctx: WorkerContext,
-    prepared: PreparedModel,
-    *,
-    layout: Layout,
-    precision: str,
-    start: Resumed,
-    tally: Tally,
-    window: ThroughputWindow,
-    fabric_require: str,
-    peak: float | None,
-) -> dict[str, Any]:
-    """The run's ``summary.json`` fields, from what it counted (``tally``), its steady-state throughput (``window``:
-    tokens and FLOPs of every rank) and the device's ``peak``."""
+def run_summary(run: Run, fabric: FabricCheck) -> dict[str, Any]:
+    """The run's ``summary.json`` fields, from what it counted (``run.tally``), its steady-state throughput
+    (``run.window``: tokens and FLOPs of every rank) and the device's peak."""
+    cfg, ctx, prepared, start, tally, window = run.cfg, run.ctx, run.prepared, run.start, run.tally, run.window
     device = ctx.device
     steady_step_time, tps, flops_per_s = window.steady()
     fpt = flops_per_s / tps if tps else 0.0  # the FLOPs of a real token: its row's own attention, no padding
-    last_step = start.step + tally.done  # cfg.steps, unless the transport gate stopped the run early
     checkpoints, checkpoint_s, train_s = tally.checkpoints, tally.checkpoint_s, tally.train_s
-    trained = round(window.trained)  # by this attempt, padding left out
     return {
-        "steps": last_step,
+        "steps": start.step + tally.done,  # cfg.steps, unless the transport gate stopped the run early
         "first_loss": tally.losses.get(start.step + 1),
         "final_loss": tally.losses.get(cfg.steps),
-        "tokens": _through(window.trained, done=tally.done, before=start.step),
-        "trained_tokens": trained,
+        "tokens": through(window.trained, done=tally.done, before=start.step),
+        "trained_tokens": round(window.trained),  # by this attempt, padding left out
         "train_s": train_s,
         "tokens_per_s": tps,
         "step_time_s": steady_step_time,
-        "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=peak, devices=ctx.world_size),
-        "precision": precision,
+        "mfu": mfu(tokens_per_s=tps, flops_per_token=fpt, peak_flops=run.peak, devices=ctx.world_size),
+        "precision": run.precision,
         "attention": prepared.attention,
         "compile": "on" if prepared.compiled else "off",
         "loss_kernel": prepared.loss.name,
         "loss_kernel_reason": prepared.loss.reason,
         "first_step_s": tally.first_step_s,
-        "sharding": layout.mode,
+        "sharding": run.layout.mode,
         "reduce_precision": cfg.reduce_precision,
         "flops_per_token": fpt,
         "parameters": prepared.parameters,
         "trainable_parameters": prepared.trainable,
         "method": cfg.method,
         "world_size": ctx.world_size,
-        "nodes": len(layout.nodes),  # the nodes the workers ran on (a per-node price counts them)
+        "nodes": len(run.layout.nodes),  # the nodes the workers ran on (a per-node price counts them)
         "device": device_name(device),
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         # What the caching allocator held at most: what must fit the GPU (allocated plus its free blocks).
@@ -614,7 +625,7 @@ def run_summary(
         "eval_tokens": tally.last_eval.get("eval_tokens"),
         "eval_s": tally.eval_s,
         "samples_s": tally.samples_s,
-        "fabric": tally.fabric or {"require": fabric_require, "verdict": None, "met": None},
+        "fabric": tally.fabric or {"require": fabric.require, "verdict": None, "met": None},
     }
 
 
@@ -637,16 +648,26 @@ def train(
     held-out data (``ctx.eval_batches``), its loss joins the record every ``eval_every`` steps and at the end;
     ``sample_prompts`` (rendered as trained) are answered greedily at the end.
 
-    The run, in its named steps: :func:`decide_run`, :func:`prepare_model`, :func:`resume_from`, then per step
-    :func:`train_step`, on logged steps :func:`logged_loss` and a :class:`ThroughputWindow`, checkpoints through
-    the context, and at the end the samples and :func:`run_summary`.
+    The run, in its named steps: :func:`start_run` (:func:`decide_run`, :func:`prepare_model`, DPO's
+    :func:`dpo_reference`, :func:`resume_from`), :func:`run_steps` (per step :func:`train_step`, on logged steps
+    :func:`log_step`, checkpoints by :func:`save`), and :func:`finish_run` (the samples and :func:`run_summary`).
     """
     began = time.perf_counter()  # the first step's time counts the model's start and its compiling
     torch.manual_seed(cfg.seed)
+    fabric = FabricCheck(fabric_require, fabric_require_full_efa, fabric_instance_type)
+    run = start_run(cfg, model_path, ctx, began)
+    run_steps(run, fabric)
+    return finish_run(run, fabric, sample_prompts)
+
+
+def start_run(cfg: TrainingConfig, model_path: str, ctx: WorkerContext, began: float) -> Run:
+    """Everything before the first step: the run's decisions, the model (and DPO's reference), the optimizer, the
+    checkpoint resumed from, the data from where it stands, and the held-out set."""
     device = ctx.device
     precision, layout, checkpointing, attention, loss_kernel = decide_run(cfg, model_path, ctx)
     resume = ctx.resume_checkpoint()
-    prepared = prepare_model(
+    build = partial(
+        prepare_model,
         cfg,
         model_path,
         ctx,
@@ -654,140 +675,70 @@ def train(
         precision=precision,
         checkpointing=checkpointing,
         device=device,
-        resuming=resume is not None,
         attention=attention,
     )
+    prepared = build(resuming=resume is not None)
     prepared.loss = loss_kernel
-    model = prepared.model
     if prepared.lora_targets:
-        ctx.emit(
-            Note(
-                f"lora: rank {cfg.lora.rank} adapters on {', '.join(prepared.lora_targets)}; "
-                f"{prepared.trainable:,} of {prepared.parameters:,} parameters train"
-            )
-        )
-    optimizer, scheduler = build_optimizer(model, cfg, device)
-    start = resume_from(resume, prepared, optimizer, scheduler, ctx.rank)
+        trains = f"{prepared.trainable:,} of {prepared.parameters:,} parameters train"
+        ctx.emit(Note(f"lora: rank {cfg.lora.rank} adapters on {', '.join(prepared.lora_targets)}; {trains}"))
+    reference = dpo_reference(cfg, prepared, build)
+    if reference is not None:
+        ctx.emit(Note(reference.describe()))
+    optimizer, scheduler = build_optimizer(prepared.model, cfg, device)
+    start = resume_from(resume, prepared, optimizer, scheduler, ctx.rank)  # after the reference: the RNG restored
     if start.note:  # rank 0's share of a checkpoint in remote storage
         ctx.emit(Note(start.note))
     batches = (
-        _RandomCursor(cfg, ctx, model.config.vocab_size, start.position)
+        _RandomCursor(cfg, ctx, prepared.model.config.vocab_size, start.position)
         if cfg.uses_random_data
         else ctx.data_batches(cfg.micro_batch, start.position, seed=cfg.seed)
     )
     note = getattr(batches, "note", "")
     if note:  # a data position in an earlier checkpoint format, converted
         ctx.emit(Note(note))
-
-    adapters = prepared.trainable if prepared.lora_targets else 0
-    peak = peak_flops_for(device_name(device), precision) if device.type == "cuda" else None
     eval_source = ctx.eval_batches(cfg.micro_batch)
-    held_out = (
-        HeldOut(eval_source, seq_len=cfg.seq_len, batch_size=cfg.micro_batch, max_logits=LOSS_CHUNK_LOGITS)
-        if eval_source is not None
-        else None
-    )
-    tally = Tally()
-    window = ThroughputWindow()
-    stager = checkpoint_stager(device)  # host buffers kept across the run's saves
+    held_out = None
+    if eval_source is not None:
+        held_out = HeldOut(eval_source, seq_len=cfg.seq_len, batch_size=cfg.micro_batch, max_logits=LOSS_CHUNK_LOGITS)
+    peak = peak_flops_for(device_name(device), precision) if device.type == "cuda" else None
+    return Run(cfg, ctx, model_path, layout, precision, prepared, reference, optimizer, scheduler, start, batches,
+               held_out, peak, began, stager=checkpoint_stager(device))  # fmt: skip
 
-    def save(step: int, record: StepRecord | None) -> None:
-        t = time.perf_counter()
 
-        def write(folder: Path, background: Any) -> Future[Any] | None:
-            written = save_sharded(
-                folder,
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                step=step,
-                data_position=batches.position,
-                rank=ctx.rank,
-                tokenizer_path=model_path,  # the tokenizer goes into every checkpoint, for export
-                chat_template=cfg.chat_template,
-                background=background,
-                stager=stager,
-            )
-            maybe_die("checkpoint", step=step, rank=ctx.rank)
-            return written
-
-        metrics = record.to_json() if record is not None else {"step": step}
-        ctx.save_checkpoint(step, write, metrics, keep=cfg.keep_checkpoints)
-        tally.checkpoints.append(step)
-        spent = time.perf_counter() - t
-        tally.checkpoint_s += spent
-        tally.stalls.append(spent)  # what the save cost the training thread: the staging, or the whole write
-        window.leave_out(spent)  # throughput and step time leave checkpoint time out
-
+def run_steps(run: Run, fabric: FabricCheck) -> None:
+    """The optimizer steps from where the run starts to ``steps``, or to the step a notice or the transport gate
+    stops it at; checkpoints on the way."""
+    cfg, ctx, tally, window = run.cfg, run.ctx, run.tally, run.window
+    adapters = run.prepared.trainable if run.prepared.lora_targets else 0
     loop_start = time.perf_counter()
     window.reopen()
-    model.train()
-    beat = heartbeat(ctx.rank, device, optimizer)  # the driver's watchdog hears of every step (none: a no-op)
+    run.prepared.model.train()
+    beat = heartbeat(ctx.rank, run.device, run.optimizer)  # the driver's watchdog hears of every step (none: a no-op)
     # This node's interruption notices and the run's stop time (None: nothing to watch).
     watch = NoticeWatch.start(cfg.notice_poll_s, stop_at=cfg.stop_at)
-    agree = StepAgreement(watch, world_size=ctx.world_size, on_rebalance=cfg.on_rebalance, device=device)
-    for step in range(start.step + 1, cfg.steps + 1):
+    agree = StepAgreement(watch, world_size=ctx.world_size, on_rebalance=cfg.on_rebalance, device=run.device)
+    for step in range(run.start.step + 1, cfg.steps + 1):
         maybe_die("step", step=step, rank=ctx.rank)
-        micro = [next(batches) for _ in range(cfg.grad_accum_steps)]
-        result = train_step(
-            prepared, optimizer, scheduler, micro, cfg=cfg, mode=layout.mode, world_size=ctx.world_size, device=device
-        )
+        micro = [next(run.batches) for _ in range(cfg.grad_accum_steps)]
+        result = train_step(run.prepared, run.optimizer, run.scheduler, micro, cfg=cfg, mode=run.layout.mode,
+                            world_size=ctx.world_size, device=run.device, reference=run.reference)  # fmt: skip
         beat(step)
         decision = agree(step)  # a notice on any rank: every rank saves after this same step
         tally.done += 1
-        work = [batch_work(mb, model.config, adapters=adapters) for mb in micro]  # on the host, while the device works
+        work = [batch_work(mb, run.prepared.model.config, adapters=adapters) for mb in micro]  # while the device works
         window.add(sum(t for t, _ in work), sum(f for _, f in work))
         ctx.settle()  # a checkpoint still being written or uploaded goes on (reported, then marked complete)
-
-        record = None
-        eval_due = held_out is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0))
-        if eval_due or step == start.step + 1 or step % cfg.log_every == 0 or step == cfg.steps:
-            loss, grad_norm = logged_loss(result, ctx.world_size)
-            _sync(device)
-            if step == start.step + 1:  # what starting costs, compiling included: the cache of compiled code cuts it
-                tally.first_step_s = time.perf_counter() - began
-                held = "model start, compiling and the step" if prepared.compiled else "model start and the step"
-                ctx.emit(Note(f"first step: done {tally.first_step_s:.1f} s after training started ({held})"))
-            tally.losses[step] = loss
-            step_time, tps, flops_per_s = window.close(*_all_ranks(window, device))
-            if eval_due and held_out is not None:  # after the window's timing: left out of throughput, like checkpoints
-                t = time.perf_counter()
-                tally.last_eval = held_out.evaluate(model, prepared.output_weight, device)
-                tally.eval_s += time.perf_counter() - t
-            record = StepRecord(
-                step=step,
-                loss=loss,
-                lr=scheduler.get_last_lr()[0],
-                grad_norm=grad_norm,
-                tokens=_through(window.trained, done=tally.done, before=start.step),
-                tokens_per_s=tps,
-                step_time_s=step_time,
-                mfu=mfu(
-                    tokens_per_s=tps,
-                    flops_per_token=flops_per_s / tps if tps else 0.0,
-                    peak_flops=peak,
-                    devices=ctx.world_size,
-                ),
-                resumed_from_step=start.from_step,
-                **(tally.last_eval if eval_due else {}),
-            )
-            ctx.emit(record)
-        if fabric_require != "any" and (tally.fabric is None or tally.fabric["action"] == "look-again"):
-            last_look = tally.fabric is not None
-            tally.fabric, nccl_lines = check_transport(
-                fabric_require,
-                rank=ctx.rank,
-                world_size=ctx.world_size,
-                node=ctx.node,
-                last_look=last_look,
-                require_full_efa=fabric_require_full_efa,
-                instance_type=fabric_instance_type,
-            )
-            ctx.emit(FabricLook(tally.fabric, nccl_lines))
-            if tally.fabric["action"] == "stop":
-                break
+        eval_due = run.held_out is not None and (
+            step == cfg.steps or bool(cfg.eval_every and step % cfg.eval_every == 0)
+        )
+        logs = eval_due or step == run.start.step + 1 or step % cfg.log_every == 0 or step == cfg.steps
+        record = log_step(run, step, result, eval_due=eval_due) if logs else None
+        looks = fabric.require != "any" and (tally.fabric is None or tally.fabric["action"] == "look-again")
+        if looks and look_at_fabric(run, fabric) == "stop":
+            break
         if decision or step == cfg.steps or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0):
-            save(step, record)
+            save(run, step, record)
         if decision is not None:
             then = "the run stops once it is written" if decision.stop else "training goes on"
             ctx.emit(Note(f"{decision.notice.reason()}: checkpoint {step} is being saved; {then}"))
@@ -796,34 +747,114 @@ def train(
                 break
         if record is not None:
             window.reopen()
-
     tally.train_s = time.perf_counter() - loop_start
     agree.close()
+
+
+def log_step(run: Run, step: int, result: StepResult, *, eval_due: bool) -> StepRecord:
+    """A logged step's record, sent to the driver: the loss over all ranks (and DPO's metrics), the throughput of
+    the window it closes, and the held-out loss when ``eval_due`` (collectives: every rank logs the same steps)."""
+    ctx, tally, window, device = run.ctx, run.tally, run.window, run.device
+    loss, grad_norm = logged_loss(result, ctx.world_size)
+    dpo = logged_dpo(result)
+    _sync(device)
+    if step == run.start.step + 1:  # what starting costs, compiling included: the cache of compiled code cuts it
+        tally.first_step_s = time.perf_counter() - run.began
+        held = "model start, compiling and the step" if run.prepared.compiled else "model start and the step"
+        ctx.emit(Note(f"first step: done {tally.first_step_s:.1f} s after training started ({held})"))
+    tally.losses[step] = loss
+    tally.last_dpo = dpo or tally.last_dpo
+    step_time, tps, flops_per_s = window.close(*all_ranks(window, device))
+    if eval_due and run.held_out is not None:  # after the window's timing: left out of throughput, like checkpoints
+        t = time.perf_counter()
+        tally.last_eval = run.held_out.evaluate(run.prepared.model, run.prepared.output_weight, device)
+        tally.eval_s += time.perf_counter() - t
+    record = StepRecord(
+        step=step,
+        loss=loss,
+        lr=run.scheduler.get_last_lr()[0],
+        grad_norm=grad_norm,
+        tokens=through(window.trained, done=tally.done, before=run.start.step),
+        tokens_per_s=tps,
+        step_time_s=step_time,
+        mfu=mfu(
+            tokens_per_s=tps,
+            flops_per_token=flops_per_s / tps if tps else 0.0,
+            peak_flops=run.peak,
+            devices=ctx.world_size,
+        ),  # fmt: skip
+        resumed_from_step=run.start.from_step,
+        **(tally.last_eval if eval_due else {}),
+        dpo=dpo,
+    )
+    ctx.emit(record)
+    return record
+
+
+def look_at_fabric(run: Run, fabric: FabricCheck) -> str:
+    """The transport gate's look at NCCL's choice after this step, sent to the driver; its action (``stop``:
+    not the required transport)."""
+    ctx, tally = run.ctx, run.tally
+    tally.fabric, nccl_lines = check_transport(
+        fabric.require,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        node=ctx.node,
+        last_look=tally.fabric is not None,
+        require_full_efa=fabric.full_efa,
+        instance_type=fabric.instance_type,
+    )
+    ctx.emit(FabricLook(tally.fabric, nccl_lines))
+    return str(tally.fabric["action"])
+
+
+def save(run: Run, step: int, record: StepRecord | None) -> None:
+    """A checkpoint after ``step`` (the policy only: DPO's frozen reference is the model's files), through the
+    context; its time is left out of throughput."""
+    t = time.perf_counter()
+    ctx = run.ctx
+
+    def write(folder: Path, background: Any) -> Future[Any] | None:
+        written = save_sharded(
+            folder,
+            model=run.prepared.model,
+            optimizer=run.optimizer,
+            scheduler=run.scheduler,
+            step=step,
+            data_position=run.batches.position,
+            rank=ctx.rank,
+            tokenizer_path=run.model_path,  # the tokenizer goes into every checkpoint, for export
+            chat_template=run.cfg.chat_template,
+            background=background,
+            stager=run.stager,
+        )
+        maybe_die("checkpoint", step=step, rank=ctx.rank)
+        return written
+
+    metrics = record.to_json() if record is not None else {"step": step}
+    ctx.save_checkpoint(step, write, metrics, keep=run.cfg.keep_checkpoints)
+    run.tally.checkpoints.append(step)
+    spent = time.perf_counter() - t
+    run.tally.checkpoint_s += spent
+    run.tally.stalls.append(spent)  # what the save cost the training thread: the staging, or the whole write
+    run.window.leave_out(spent)  # throughput and step time leave checkpoint time out
+
+
+def finish_run(run: Run, fabric: FabricCheck, sample_prompts: list[str] | None) -> dict[str, Any]:
+    """After the last step: the greedy samples (a run that finished), the summary, handed to the context."""
+    cfg, ctx, tally = run.cfg, run.ctx, run.tally
     samples_start = time.perf_counter()
     finished = tally.preempted is None and (tally.fabric is None or tally.fabric.get("met") is not False)
     if sample_prompts and cfg.sample_tokens and finished:
-        samples = greedy_samples(
-            model,
-            prepared.output_weight,
-            load_tokenizer(model_path),
-            sample_prompts,
-            max_new_tokens=cfg.sample_tokens,
-            device=device,
-        )
+        tokenizer = load_tokenizer(run.model_path)
+        model, head = run.prepared.model, run.prepared.output_weight
+        samples = greedy_samples(model, head, tokenizer, sample_prompts, max_new_tokens=cfg.sample_tokens,
+                                 device=run.device)  # fmt: skip
         ctx.emit(Samples(samples))
     tally.samples_s = time.perf_counter() - samples_start
-    summary = run_summary(
-        cfg,
-        ctx,
-        prepared,
-        layout=layout,
-        precision=precision,
-        start=start,
-        tally=tally,
-        window=window,
-        fabric_require=fabric_require,
-        peak=peak,
-    )
+    summary = run_summary(run, fabric)
+    if tally.last_dpo is not None:  # the last logged step's rewards, margin and accuracy
+        summary["dpo"] = tally.last_dpo
     if tally.preempted is not None:
         summary.update(preempted_summary(tally.preempted, tally.stalls[-1]))
     if tally.stalls:
@@ -831,7 +862,7 @@ def train(
         saved = len(tally.stalls)
         ctx.emit(Note(f"checkpoints: {saved} saved; training waited at most {most:.2f} s (mean {mean:.2f} s)"))
     ctx.finish(summary)
-    stager.close()  # after finish: the last save's write is done
+    run.stager.close()  # after finish: the last save's write is done
     return summary
 
 

@@ -57,7 +57,7 @@ MIB = 2**20
 # allocator's margin, plus the fixed terms, fits the GPU's memory (check_fit).
 # PyTorch's caching allocator reserves more than it allocates (blocks split and cached per size). Measured on one H200
 # for the Qwen2.5-1.5B architecture at 2 x 2048: 37.63 GiB reserved for 30.38 GiB allocated at the peak
-# (benchmarks/results/2026-12-04-h200/figures.md), before the job's workers set expandable_segments (launch.py's
+# (benchmarks/results/2026-12-04-h200/figures.md), before the job's workers set expandable_segments (worker_env.py's
 # CUDA_ALLOC_CONF), which PyTorch's CUDA semantics notes introduce to cut that fragmentation: an upper bound, until
 # benchmarks/gpu_check.py measures the margin with them.
 RESERVED_PER_ALLOCATED = 1.24
@@ -266,14 +266,14 @@ def _lora_targets(shape: ModelShape, lora: Any) -> list[tuple[int, int]]:
 
 
 def check_lora_targets(cfg: Config) -> None:
-    """Before anything is created: with method lora, every name of ``training.lora.target_modules`` is a linear
-    layer of the model's decoder blocks, as the shape :func:`model_shape` knows (the one the estimate uses); a
-    :class:`UserError` naming the model's linear layers otherwise (the job checks again when the shape is not known
-    here)."""
+    """Before anything is created: with adapters (method lora, or dpo with adapters lora), every name of
+    ``training.lora.target_modules`` is a linear layer of the model's decoder blocks, as the shape :func:`model_shape`
+    knows (the one the estimate uses); a :class:`UserError` naming the model's linear layers otherwise (the job checks
+    again when the shape is not known here)."""
     from raytrain_eks.train.lora import refuse_unknown_targets
 
     t = cfg.training
-    if t.method != "lora":
+    if t.adapters is None:
         return
     shape = model_shape(t.model_id)
     if shape is not None and shape.linear:
@@ -345,6 +345,7 @@ def estimate(
     lora: Any = None,
     attention: str = "sdpa",
     loss_kernel: str = "chunked",
+    dpo_reference: bool = False,
 ) -> MemoryEstimate:
     """The per-GPU peak of one worker; ``shard_ranks`` is how many ranks split each parameter. One rank in fp32
     has no wrapper (:mod:`raytrain_eks.train.sharding`): nothing gathered, nothing reduced.
@@ -352,7 +353,9 @@ def estimate(
     ``lora`` (``training.lora``, method lora): the base is frozen, so gradients and AdamW's moments are the
     adapters' only (:func:`lora_params`), the output projection and the root take no gradient, and each adapter
     keeps its dropped-out input (and the dropout's mask) for backward. ``attention`` (``training.attention``):
-    ``eager`` keeps each layer's attention matrices (:func:`eager_attention_bytes`); the others keep none."""
+    ``eager`` keeps each layer's attention matrices (:func:`eager_attention_bytes`); the others keep none.
+    ``dpo_reference`` (method dpo with ``dpo.adapters: none``): DPO's frozen copy of the start weights, sharded like
+    the model in its fp32 parameters, is held all along; it has no gradient, moments or stored activations."""
     if precision not in {"bf16", "fp32"}:
         raise ValueError(f"precision must be resolved to bf16 or fp32, not {precision!r}")
     s = max(1, shard_ranks)
@@ -364,6 +367,11 @@ def estimate(
     trained = adapters if lora is not None else p  # the parameters with gradients and moments
     trained_root = 0 if lora is not None else root
     static = {"weights (fp32, sharded)": 4 * (p + adapters) // s, "AdamW moments (fp32, sharded)": 8 * trained // s}
+    # DPO's reference pass runs under no_grad before the policy's forward of the same block: it keeps no activation
+    # and its logits are freed before the policy's exist, so it never adds to the peaks below. With adapters the
+    # reference is the model itself (adapters off): nothing more is held. A frozen copy's weights are held all along.
+    if dpo_reference:
+        static["DPO reference weights (fp32, sharded)"] = 4 * p // s
     earlier = {"gradients of earlier micro-batches (fp32, sharded)": 4 * trained // s} if grad_accum_steps > 1 else {}
     per_layer = activation_bytes_per_token(shape, cdt) * tokens
     if lora is not None and lora.dropout > 0:
@@ -423,6 +431,7 @@ def estimate(
         "activation_checkpointing": activation_checkpointing,
         "grad_accum_steps": grad_accum_steps,
         "method": "full" if lora is None else "lora",
+        **({"dpo_reference": True} if dpo_reference else {}),
         "attention": attention,
         "loss_kernel": loss_kernel,
     }
@@ -507,12 +516,13 @@ def check_fit(
     attention: str = "sdpa",
     loss_kernel: str = "chunked",
     communicators: int = 0,
+    dpo_reference: bool = False,
 ) -> MemoryCheck:
     """The estimate against ``gpu_bytes``, judged on what the GPU must hold: the peak times
     :data:`RESERVED_PER_ALLOCATED`, plus :func:`fixed_bytes` (``communicators``: NCCL's). Over the GPU, activation
     checkpointing goes on; if that is not enough, ``fits`` is False and ``line`` names the numbers and the terms."""
     common = dict(shard_ranks=shard_ranks, precision=precision, micro_batch=micro_batch, seq_len=seq_len, lora=lora,
-                  attention=attention, loss_kernel=loss_kernel)  # fmt: skip
+                  attention=attention, loss_kernel=loss_kernel, dpo_reference=dpo_reference)  # fmt: skip
     est = estimate(
         shape, activation_checkpointing=activation_checkpointing, grad_accum_steps=grad_accum_steps, **common
     )
@@ -624,12 +634,15 @@ def check_training(
             seq_len=training.seq_len,
             activation_checkpointing=training.activation_checkpointing,
             grad_accum_steps=training.grad_accum_steps,
-            lora=training.lora if training.method == "lora" else None,
+            lora=training.adapters,
             attention=attention,
             loss_kernel=kernel,
             communicators=communicators,
+            dpo_reference=training.preference and training.adapters is None,
         )
 
+    if training.preference:  # DPO sums each response's log-probabilities from the whole logits, whatever the kernel
+        return replace(fit("plain"), loss="loss kernel: plain (method dpo scores each response from the full logits)")
     requested = loss_kernel or training.loss_kernel
     if requested != "auto":
         return replace(fit(requested), loss=f"loss kernel: {requested} (as configured)")

@@ -61,13 +61,23 @@ class StepRecord:
     eval_loss: float | None = None
     eval_ppl: float | None = None
     eval_tokens: int | None = None
+    dpo: dict[str, float] | None = None  # method dpo: TRL's metrics by name (train/dpo.py's METRICS)
 
     def to_json(self) -> dict[str, Any]:
         record = asdict(self)
-        for name in EVAL_FIELDS:
+        for name in (*EVAL_FIELDS, "dpo"):
             if record[name] is None:
                 del record[name]
         return record
+
+
+def dpo_line(record: dict[str, Any]) -> str:
+    """What a run's line shows of a DPO step's record: its reward margin and accuracy (``margin 0.12 acc 0.75``);
+    ``""`` for a record without DPO's metrics."""
+    dpo = record.get("dpo")
+    if not dpo:
+        return ""
+    return f"margin {dpo['rewards/margins']:.2f} acc {dpo['rewards/accuracies']:.2f}"
 
 
 @dataclass(frozen=True)

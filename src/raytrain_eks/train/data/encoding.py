@@ -213,6 +213,7 @@ class Encoded:
     ids: list[int]
     labels: list[int]
     last_answer_only: bool = False
+    split: int = 0  # a preference pair joined (:func:`encode_joined_pair`): where the rejected encoding starts
 
 
 def encode_row(
@@ -289,9 +290,28 @@ def encode_pair(
         raise MalformedRow("the row is not a JSON object")
     fmt = registered_format(data_format)
     if fmt.pair is None:
-        raise MalformedRow(f"the {data_format} format holds no chosen/rejected pairs (use --format preference)")
+        raise MalformedRow(f"the {data_format} format holds no chosen/rejected pairs (use --data-format preference)")
     try:
         chosen, rejected = fmt.pair(renamed(row, columns))
     except MalformedRow as exc:
         raise MalformedRow(column_reason(str(exc), columns)) from None
     return _encoded_conversation(chosen, tokenizer), _encoded_conversation(rejected, tokenizer)
+
+
+def encode_joined_pair(
+    row: dict[str, Any], data_format: str, tokenizer: Any, columns: dict[str, str] | None = None
+) -> Encoded:
+    """:func:`encode_pair`'s two encodings as one row, chosen then rejected, with ``split`` where the rejected one
+    starts: the pipeline shuffles and counts a pair as one row, and :func:`~.packing.pack_pairs`'s layout puts its
+    two documents side by side in one block.
+
+    >>> joined = encode_joined_pair({"prompt": "2+2=", "chosen": "4", "rejected": "5"}, "preference", tok)
+    >>> joined.ids[joined.split :] == encode_pair(...)[1].ids
+    """
+    chosen, rejected = encode_pair(row, data_format, tokenizer, columns)
+    return Encoded(
+        chosen.ids + rejected.ids,
+        chosen.labels + rejected.labels,
+        last_answer_only=chosen.last_answer_only or rejected.last_answer_only,
+        split=len(chosen.ids),
+    )

@@ -243,7 +243,8 @@ def pack_table(
     table: Any, seq_len: int, pad_id: int, *, packing: str = "documents", overlong: str = "truncate"
 ) -> dict[str, np.ndarray]:
     """:func:`pack` of a pyarrow table's ``input_ids`` and ``labels`` list columns, from their values as they lie
-    (no Python int per token)."""
+    (no Python int per token). A ``split`` column makes each row a preference pair joined at that offset
+    (:func:`~.encoding.encode_joined_pair`), packed as :func:`pack_pairs` packs pairs."""
     import pyarrow.compute as pc
 
     ids, labels = table.column("input_ids"), table.column("labels")
@@ -251,7 +252,12 @@ def pack_table(
     if pc.any(pc.not_equal(lengths, pc.list_value_length(labels))).as_py():
         raise ValueError("input_ids and labels of a row differ in length")
     counts = lengths.to_numpy(zero_copy_only=False).astype(np.int64) if len(lengths) else np.empty(0, np.int64)
-    return _packed_arrays(_values(ids), _values(labels), counts, seq_len, pad_id, packing, overlong)
+    splits = None
+    if "split" in table.column_names:  # joined preference pairs: whole, or not at all (:func:`pack_pairs`)
+        if (packing, overlong) != ("documents", "drop"):
+            raise ValueError("preference pairs pack as documents, a pair too long left out (overlong drop)")
+        splits = table.column("split").to_numpy(zero_copy_only=False).astype(np.int64)
+    return _packed_arrays(_values(ids), _values(labels), counts, seq_len, pad_id, packing, overlong, splits)
 
 
 def _values(column: Any) -> np.ndarray:

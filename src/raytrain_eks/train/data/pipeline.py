@@ -38,6 +38,7 @@ from raytrain_eks.formats import FORMAT_NAMES, MalformedRow
 from raytrain_eks.train.data.encoding import (
     IGNORE_INDEX,
     encode,
+    encode_joined_pair,
     encoding_tokenizer,
     load_tokenizer,
 )
@@ -85,14 +86,15 @@ def _encode_batch(
     text_field: str,
     columns: dict[str, str] | None = None,
     chat_template: str | None = None,
+    pairs: bool = False,
 ) -> Any:
     """Ray Data ``map_batches`` step: encode a batch of rows (a pyarrow table), marking malformed ones instead of
-    failing."""
+    failing. ``pairs``: each row a preference pair, joined (:func:`encode_joined_pair`; column ``split``)."""
     import pyarrow as pa
 
     tokenizer = encoding_tokenizer(tokenizer_path, chat_template)
     rows = batch.to_pylist()
-    ids_out, labels_out, reasons, last_only = [], [], [], []
+    ids_out, labels_out, reasons, last_only, splits = [], [], [], [], []
     for row in rows:
         encoded, reason = None, ""
         try:
@@ -100,7 +102,10 @@ def _encode_batch(
                 if row.get("error"):
                     raise MalformedRow(row["error"])
                 row = json.loads(row["json"])
-            encoded = encode(row, data_format, tokenizer, text_field, columns)
+            if pairs:
+                encoded = encode_joined_pair(row, data_format, tokenizer, columns)
+            else:
+                encoded = encode(row, data_format, tokenizer, text_field, columns)
         except MalformedRow as exc:
             reason = str(exc)
         except RecursionError:  # the reader decoded it higher up its stack; this task runs deeper (Ray's frames)
@@ -111,6 +116,7 @@ def _encode_batch(
         labels_out.append(encoded.labels if encoded else [])
         reasons.append(reason)
         last_only.append(encoded is not None and encoded.last_answer_only)
+        splits.append(encoded.split if encoded else 0)
     tokens = pa.list_(pa.int32())  # half of int64's bytes through the sort and the object store; ids < 2**31
     return pa.table(
         {
@@ -122,6 +128,7 @@ def _encode_batch(
             "trained": pa.array([sum(t != IGNORE_INDEX for t in lab[1:]) for lab in labels_out], pa.int64()),
             # the chat template rewrote earlier turns: of several answers, only the last one is trained
             "last_only": pa.array(last_only, pa.bool_()),
+            **({"split": pa.array(splits, pa.int32())} if pairs else {}),
         }
     )
 
@@ -158,6 +165,7 @@ class PreparedData:
     truncated_tokens: int = 0  # the tokens they lost
     dropped_rows: int = 0  # rows longer than seq_len left out (``overlong: drop``, or nothing trained in the start)
     dropped_tokens: int = 0
+    pairs: bool = False  # each row a preference pair (method dpo): counted and described as pairs
 
     @property
     def padding(self) -> int:
@@ -172,8 +180,9 @@ class PreparedData:
         return (self.tokens - self.eval_tokens) / positions if positions else 0.0
 
     def counts(self) -> dict[str, Any]:
-        """What was read, kept and packed, by name (``summary.json``'s ``data``, ``raytrain-eks data --json``)."""
-        return {
+        """What was read, kept and packed, by name (``summary.json``'s ``data``, ``raytrain-eks data --json``); of
+        preference pairs, ``pairs`` for ``rows`` in each name (a pair is never truncated)."""
+        counts = {
             "rows": self.rows,
             "usable_rows": self.usable_rows,
             "malformed_rows": sum(self.malformed.values()),
@@ -194,23 +203,32 @@ class PreparedData:
             "packing_efficiency": round(self.efficiency, 4),
             "last_answer_only_rows": self.last_answer_only,
         }
+        if not self.pairs:
+            return counts
+        return {k.replace("rows", "pairs"): v for k, v in counts.items() if not k.startswith("truncated")}
 
     def describe(self, data: str, seq_len: int | None = None) -> str:
         seq_len = seq_len or self.seq_len
+        unit = "pairs" if self.pairs else "rows"
         line = (
-            f"data: {data}: {self.usable_rows}/{self.rows} rows usable, {self.tokens} tokens "
+            f"data: {data}: {self.usable_rows}/{self.rows} {unit} usable, {self.tokens} tokens "
             f"({self.trained_tokens} trained), {self.blocks} blocks of {seq_len}, "
             f"{100 * self.efficiency:.1f}% of their positions filled"
         )
         if self.malformed:
             reasons = "; ".join(f"{n} x {why}" for why, n in sorted(self.malformed.items(), key=lambda kv: -kv[1]))
-            line += f"\n  skipped {sum(self.malformed.values())} malformed rows: {reasons}"
+            line += f"\n  skipped {sum(self.malformed.values())} malformed {unit}: {reasons}"
         if self.truncated_rows:
             line += (
                 f"\n  truncated {self.truncated_rows} rows longer than {seq_len} tokens to their first {seq_len} "
                 f"({self.truncated_tokens} tokens cut; training.overlong: drop leaves them out)"
             )
-        if self.dropped_rows:
+        if self.dropped_rows and self.pairs:
+            line += (
+                f"\n  dropped {self.dropped_rows} pairs longer than {seq_len} tokens ({self.dropped_tokens} tokens): "
+                "a pair's chosen and rejected answers go whole into one block (raise --seq-len to keep them)"
+            )
+        elif self.dropped_rows:
             line += (
                 f"\n  dropped {self.dropped_rows} rows longer than {seq_len} tokens ({self.dropped_tokens} tokens): "
                 "training.overlong is drop, or nothing of the row's answer lay within its first "
@@ -584,10 +602,12 @@ class DataSettings:
     overlong: str = "truncate"
     chat_template: str | None = None
     seed: int = 0
+    pairs: bool = False  # rows are preference pairs, packed whole (``overlong`` drop) as two documents side by side
 
     @classmethod
     def of(cls, training: Any, tokenizer_path: str) -> DataSettings:
-        """The data settings of ``training`` (a :class:`~raytrain_eks.config.TrainingConfig`)."""
+        """The data settings of ``training`` (a :class:`~raytrain_eks.config.TrainingConfig`): method dpo's rows are
+        pairs, never truncated."""
         return cls(
             tokenizer_path=tokenizer_path,
             seq_len=training.seq_len,
@@ -596,9 +616,10 @@ class DataSettings:
             columns=training.columns or None,
             csv_delimiter=training.csv_delimiter,
             packing=training.packing,
-            overlong=training.overlong,
+            overlong="drop" if training.preference else training.overlong,
             chat_template=training.chat_template,
             seed=training.seed,
+            pairs=training.preference,
         )
 
     @property
@@ -655,7 +676,7 @@ def prepare_dataset(
         else encoded.select_columns(_COUNTED).iter_batches(batch_size=None, batch_format="pyarrow")
     )
     usable = _usable_rows(tally, settings, files, kind, data=data, option=option)
-    say(f"shuffling and packing {usable} rows ({tally.tokens} tokens)")
+    say(f"shuffling and packing {usable} {'pairs' if settings.pairs else 'rows'} ({tally.tokens} tokens)")
     eval_rows = max(1, round(eval_fraction * usable)) if eval_fraction else 0
     if in_driver:
         packed, eval_dataset = _shuffled_and_packed_here(encoded, settings, eval_rows, ray_dataset=ray_dataset)
@@ -687,6 +708,7 @@ def prepare_dataset(
         truncated_tokens=tally.cut[TRUNCATED],
         dropped_rows=tally.fates[DROPPED],
         dropped_tokens=tally.cut[DROPPED],
+        pairs=settings.pairs,
     )
 
 
@@ -699,6 +721,7 @@ def _encoded(files: list[str], kind: str, settings: DataSettings, in_driver: boo
         "text_field": settings.text_field,
         "columns": settings.columns,
         "chat_template": settings.chat_template,
+        "pairs": settings.pairs,
         "fit": {"seq_len": settings.seq_len, "packing": settings.packing, "overlong": settings.overlong},
     }
     if in_driver:

@@ -24,22 +24,27 @@ from raytrain_eks.train.data.packing import block_documents
 @dataclass(frozen=True)
 class ShownBlock:
     """One packed block as the model gets it: ``labels`` is -100 where a token is not trained; ``documents`` are its
-    rows as (start, length); the positions from ``filled`` on are padding."""
+    rows as (start, length); the positions from ``filled`` on are padding. ``pairs``: the documents are preference
+    pairs, each chosen answer's followed by its rejected one's (method dpo)."""
 
     index: int
     input_ids: list[int]
     labels: list[int]
     documents: list[tuple[int, int]]
     filled: int
+    pairs: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        shown: dict[str, Any] = {
             "index": self.index,
             "input_ids": self.input_ids,
             "labels": self.labels,
             "documents": [{"start": s, "length": n} for s, n in self.documents],
             "filled": self.filled,
         }
+        if self.pairs:  # documents 2k and 2k + 1: a pair's chosen and rejected encodings
+            shown["pairs"] = [{"chosen": 2 * k, "rejected": 2 * k + 1} for k in range(len(self.documents) // 2)]
+        return shown
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,7 @@ def preview_data(
                 labels=[int(t) for t in shown["labels"][i]],
                 documents=documents,
                 filled=filled,
+                pairs=training.preference,
             )
         )
     return DataPreview(
@@ -143,29 +149,57 @@ def render_block(block: ShownBlock, tokenizer: Any, *, marks: Marks) -> Any:
     out = Text()
     trained_total = sum(1 for t in block.labels if t != IGNORE_INDEX)
     seq_len = len(block.input_ids)
+    count, unit = (len(block.documents) // 2, "pair") if block.pairs else (len(block.documents), "row")
     out.append(
-        f"block {block.index}: {len(block.documents)} row{'s' if len(block.documents) != 1 else ''}, "
+        f"block {block.index}: {count} {unit}{'s' if count != 1 else ''}, "
         f"{block.filled} of {seq_len} positions filled, {trained_total} tokens trained\n",
         style="bold",
     )
-    for n, (start, length) in enumerate(block.documents, 1):
+    if block.pairs:
+        _render_pairs(block, tokenizer, marks, out)
+    for n, (start, length) in enumerate([] if block.pairs else block.documents, 1):
         labels = np.asarray(block.labels[start : start + length])
         trained = int((labels != IGNORE_INDEX).sum())
         out.append(
             f"-- row {n}: positions {start}-{start + length - 1}, {length} tokens, {trained} trained\n", style="dim"
         )
-        for is_trained, span in _spans(block.input_ids[start : start + length], labels):
-            text = tokenizer.decode(span)
-            if not is_trained:
-                out.append(text)
-            elif marks == "colour":
-                out.append(text, style="bold green")
-            else:
-                out.append(f"{OPEN}{text}{CLOSE}")
+        _append_marked(out, tokenizer, _spans(block.input_ids[start : start + length], labels), marks)
         out.append("\n")
     if block.filled < seq_len:
         out.append(f"-- padding: {seq_len - block.filled} positions (not trained)\n", style="dim")
     return out
+
+
+def _render_pairs(block: ShownBlock, tokenizer: Any, marks: Marks, out: Any) -> None:
+    """The preference pairs of ``block`` into ``out``: each pair's prompt once (both answers share it), then the
+    chosen and the rejected answer, the tokens the loss scores marked."""
+    for n, k in enumerate(range(0, len(block.documents) - 1, 2), 1):
+        (c_start, c_length), (r_start, r_length) = block.documents[k], block.documents[k + 1]
+        chosen = np.asarray(block.labels[c_start : c_start + c_length])
+        prompt = int(np.argmax(chosen != IGNORE_INDEX)) if (chosen != IGNORE_INDEX).any() else c_length
+        out.append(
+            f"-- pair {n}: positions {c_start}-{r_start + r_length - 1}, prompt {prompt} tokens, chosen "
+            f"{c_length - prompt}, rejected {r_length - prompt}\n",
+            style="dim",
+        )
+        out.append("prompt: " + tokenizer.decode(block.input_ids[c_start : c_start + prompt]) + "\n")
+        for name, start, length in (("chosen", c_start, c_length), ("rejected", r_start, r_length)):
+            out.append(f"{name}: ", style="bold")
+            answer = slice(start + prompt, start + length)
+            _append_marked(out, tokenizer, _spans(block.input_ids[answer], np.asarray(block.labels[answer])), marks)
+            out.append("\n")
+
+
+def _append_marked(out: Any, tokenizer: Any, spans: Iterator[tuple[bool, list[int]]], marks: Marks) -> None:
+    """Each span of tokens decoded into ``out``, the trained ones marked as :func:`render_block` says."""
+    for is_trained, span in spans:
+        text = tokenizer.decode(span)
+        if not is_trained:
+            out.append(text)
+        elif marks == "colour":
+            out.append(text, style="bold green")
+        else:
+            out.append(f"{OPEN}{text}{CLOSE}")
 
 
 def _spans(ids: list[int], labels: np.ndarray) -> Iterator[tuple[bool, list[int]]]:

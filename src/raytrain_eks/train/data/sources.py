@@ -31,6 +31,24 @@ _KIND_NAMES = {"json": "JSON", "parquet": "Parquet", "csv": "CSV", "tsv": "TSV",
 SAVED_DATASET_FILES = ("dataset_info.json", "state.json")
 
 
+# The data sets that ship with the package, by the name training.data gives them, and their file in its resources.
+BUILTIN_DATA_FILES = {
+    "builtin:sample-instructions": "sample_instructions.jsonl",  # alpaca-style instruction rows
+    "builtin:sample-preferences": "sample_preferences.jsonl",  # prompt, chosen and rejected (method dpo)
+}
+BUILTIN_PREFIX = "builtin:"
+
+
+def builtin_data_file(data: str, option: str = "--data") -> str:
+    """The file of a data set that ships with the package (:data:`BUILTIN_DATA_FILES`); :class:`DataError` naming
+    the known ones otherwise."""
+    from importlib import resources
+
+    if data not in BUILTIN_DATA_FILES:
+        raise DataError(f"{option} {data!r}: no such built-in data set; there are {', '.join(BUILTIN_DATA_FILES)}")
+    return str(resources.files("raytrain_eks.resources").joinpath(BUILTIN_DATA_FILES[data]))
+
+
 HF_PREFIX = "hf:"  # a Hugging Face dataset: hf:OWNER/NAME[:SPLIT], or hf:FOLDER[:SPLIT] for one in the Hub's layout
 
 
@@ -119,14 +137,16 @@ def list_data_files(data: str, option: str = "--data") -> tuple[list[str], str]:
     """The files to read and their reader ('json', 'parquet', 'csv', 'tsv' or 'arrow'); :class:`DataError` when
     there are none.
 
-    ``data`` is a file or a folder, local or ``s3://`` (listed through pyarrow's file systems), or a Hugging Face
-    dataset (:func:`hf_data_files`). ``option`` is the setting it came from, named in the errors
-    (``training.eval_data`` for the evaluation set).
+    ``data`` is a file or a folder, local or ``s3://`` (listed through pyarrow's file systems), a Hugging Face
+    dataset (:func:`hf_data_files`), or one that ships with the package (``builtin:sample-preferences``).
+    ``option`` is the setting it came from, named in the errors (``training.eval_data`` for the evaluation set).
     """
     from pyarrow import fs as pafs
 
     if data.startswith(HF_PREFIX):
         return hf_data_files(data, option)
+    if data.startswith(BUILTIN_PREFIX):
+        return [builtin_data_file(data, option)], "json"
 
     from raytrain_eks.train.storage import filesystem as storage_fs
     from raytrain_eks.train.storage import is_remote
