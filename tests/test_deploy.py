@@ -1004,7 +1004,7 @@ def test_submit_runs_the_job_from_the_head_pod_and_checks_efa(ready: World):
     result = ready.submit(hf_token=TOKEN)
     assert result.exit_code == 0 and result.job_status == "SUCCEEDED"
     assert result.report is not None and result.report.verdict == "efa" and result.efa_provider is True
-    assert result.versions == {"driver": "535.183.01", "cuda": "12.2"}  # fixtures/recorded/nvidia_smi_4xl4.txt
+    assert result.versions == {"driver": "580.126.09", "cuda": "13.0"}  # fixtures/recorded/nvidia_smi_4xl40s_580.txt
     # Submitted through exec in the head pod, to the dashboard on the pod's own loopback.
     (argv,) = ready.ray.submitted
     head_calls = [c for c in ready.kube.exec_calls if c[2][:3] == ["ray", "job", "submit"]]
@@ -1341,6 +1341,15 @@ def test_image_missing_requirements_are_the_pinned_deps_minus_the_image():
     reqs = shipping.image_missing_requirements()
     assert "transformers==5.23.0" in reqs and "pydantic==2.14.3" in reqs
     assert not [r for r in reqs if r.startswith(("torch", "ray", "pyarrow", "kubernetes", "boto3", "s3fs"))]
+
+
+def test_a_job_that_scores_eval_tasks_brings_lm_eval_and_no_other_extra():
+    plain = load_config(environ={}, path=None).training
+    scoring = plain.model_copy(update={"eval_tasks": ["raytrain_sample_mc"]})
+    assert shipping.job_extras(plain) == () and shipping.job_extras(scoring) == ("eval",)
+    without, with_eval = shipping.job_requirements(), shipping.job_requirements(shipping.job_extras(scoring))
+    assert not [r for r in without if r.startswith(("lm-eval", "mlflow", "wandb"))]
+    assert set(with_eval) - set(without) == {"lm-eval>=0.4.13,<0.5"}
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -1822,7 +1831,7 @@ def test_rayjob_evidence_is_read_before_its_cluster_is_deleted(ready: World):
     result = ready.submit(mode="rayjob")
     assert result.exit_code == 0, result.summary
     assert result.report is not None and result.report.verdict == "efa"
-    assert result.efa_provider is True and result.versions == {"driver": "535.183.01", "cuda": "12.2"}
+    assert result.efa_provider is True and result.versions == {"driver": "580.126.09", "cuda": "13.0"}
     # Then submit deletes the cluster itself, before the GPU nodes go.
     status = ready.kube.get("ray.io/v1", "RayJob", "ray-train", "default")["status"]
     cluster = status["rayClusterName"]  # KubeRay's: the RayJob's name and five random characters

@@ -123,6 +123,7 @@ TRAIN_FLAGS: dict[str, str | None] = {
     "--reduce-precision": "reduce_precision",
     "--compile": "compile",
     "--no-compile": "compile",
+    "--eval-tasks": "eval_tasks",
 }
 # A value for each setting flag, and the value the setting then holds.
 FLAG_VALUES: dict[str, tuple[list[str], object]] = {
@@ -146,6 +147,7 @@ FLAG_VALUES: dict[str, tuple[list[str], object]] = {
     "--reduce-precision": (["--reduce-precision", "bf16", "--sharding", "fsdp"], "bf16"),
     "--compile": (["--compile"], "on"),
     "--no-compile": (["--no-compile"], "off"),
+    "--eval-tasks": (["--eval-tasks", "raytrain_sample_mc, hellaswag"], ["raytrain_sample_mc", "hellaswag"]),
 }
 
 
@@ -171,3 +173,13 @@ def test_each_setting_flag_sets_its_field(flag, train_settings):
     training = train_settings(*argv)
     got = getattr(training, TRAIN_FLAGS[flag.split()[0]])
     assert got.endswith(str(expected)) if flag == "--output-dir" else got == expected, (flag, got)
+
+
+def test_eval_tasks_without_an_export_are_refused_before_anything_starts(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--eval-tasks", "raytrain_sample_mc", "--set", "training.export=false"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "eval_tasks score the exported model: set export to true" in err and "Traceback" not in err
+    assert not (tmp_path / "runs").exists()

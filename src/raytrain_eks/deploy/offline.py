@@ -14,7 +14,8 @@ on the shared volume it is written through the pod asked, and pip reads it there
 stops ``--offline`` with nothing applied but the namespace. Example::
 
     check(d)                                              # --offline: storage the pods read, before anything
-    packages = prepare(d, job_requirements(), head=None, mode="rayjob")   # pip, its wheelhouse, or py_modules
+    wanted = job_requirements(job_extras(d.cfg.training))  # the job's packages (lm-eval too with eval_tasks)
+    packages = prepare(d, wanted, head=None, mode="rayjob")  # pip, its wheelhouse, or py_modules
     doc = packages.wheels.into(raycluster_doc, cfg)       # --offline with pip; then, once the pods run:
     copy_into(d, [head, *workers], packages.wheels)       # idempotent; nothing to do on the volume
     modules = ship_into_head(d, head, packages.shipped)   # raycluster: the unpacked wheels' py_modules entries
@@ -34,7 +35,7 @@ from raytrain_eks.config import Config
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s import wheelhouse as wh
-from raytrain_eks.k8s.cluster import Pod, image_never_pulls
+from raytrain_eks.k8s.cluster import ExecResult, Pod, image_never_pulls
 from raytrain_eks.k8s.job import (
     IMAGE_VERSIONS,
     MAX_SHIPPED,
@@ -323,7 +324,7 @@ def _store(d: Deployment, house: wh.Wheelhouse, pod: Pod | None) -> Wheels:
         raise AssertionError("a wheelhouse for the shared volume needs a pod that mounts it")
     through = pod
 
-    def run(argv: list[str], stdin: str | None) -> Any:
+    def run(argv: list[str], stdin: str | None) -> ExecResult:
         return d.kube.exec(
             through.namespace,
             through.name,

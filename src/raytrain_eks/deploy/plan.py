@@ -15,7 +15,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from raytrain_eks.config import Config
 from raytrain_eks.deploy.fit import sharding_line
@@ -49,8 +49,13 @@ class Step:
     files: list[str] = field(default_factory=list)
     stdin: str | None = None  # a file of the plan folder the command reads on its standard input
 
-    def to_dict(self) -> dict[str, Any]:
-        out = {"name": self.name, "action": self.action, "command": self.command, "files": self.files}
+    def to_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "name": self.name,
+            "action": self.action,
+            "command": self.command,
+            "files": self.files,
+        }
         if self.stdin is not None:
             out["stdin"] = self.stdin
         return out
@@ -70,7 +75,7 @@ class Plan:
     summary: dict[str, Any]
     texts: dict[str, str] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {
             "mode": self.mode,
             "commands_run_in": "the plan folder: file paths in commands are relative to it",
@@ -81,6 +86,11 @@ class Plan:
             "cost_per_hour": self.cost,
             "files": sorted([*self.files, *self.texts, PLAN_FILE]),
         }
+
+
+def _job_packages(cfg: Config) -> str:
+    """The packages the job needs beyond the image (with its extras: lm-eval for ``training.eval_tasks``), listed."""
+    return ", ".join(job_files.job_requirements(job_files.job_extras(cfg.training)))
 
 
 def job_steps(
@@ -151,7 +161,7 @@ def job_steps(
                 "submit",
                 f"Run the job from inside the head pod (the dashboard port stays inside the cluster): "
                 f"{shlex.join(m.train_argv())} on {d.world_size} workers; {sharding}; with a runtime_env that ships "
-                f"the package unpacked above and brings those of {', '.join(job_files.job_requirements())} the "
+                f"the package unpacked above and brings those of {_job_packages(cfg)} the "
                 "image does not have in range (asked of the head pod's python3 first): unpacked beside it, each "
                 "top-level folder one more py_modules entry, else pip (the command below lists them all for pip). "
                 + image_installs(cfg)["how"],
@@ -185,7 +195,7 @@ def job_steps(
                 f"{r.job_start_deadline_s} s. "
                 f"KubeRay deletes the cluster {m.RAYJOB_TTL_S} s after the job ended unless submit has (below). "
                 "Its runtime_env is fixed before a pod exists, so submit first asks the image which of "
-                + ", ".join(job_files.job_requirements())
+                + _job_packages(cfg)
                 + " it has in range (what an earlier submit remembered of it, else a short-lived pod of the image on "
                 "a node the workers use) and applies the RayJob with only the others; the file here lists them all "
                 "for pip. " + image_installs(cfg)["how"],
@@ -200,12 +210,21 @@ def job_steps(
     return steps
 
 
-def planned_sharding(cfg: Config) -> dict[str, Any]:
+def planned_sharding(cfg: Config) -> dict[str, object]:
     """For plan.json: the sharding the job's ``training.sharding`` gives on the planned GPUs, the one the memory
     estimate assumes: ``mode``, ``mesh_shape`` (``[nodes, ranks per node]`` for hsdp, ``[ranks]`` for fsdp, ``[]``
     for none) and ``line`` (:func:`~raytrain_eks.deploy.fit.sharding_line`, which the job's step says too)."""
     layout = planned_layout(cfg)
     return {"mode": layout.mode, "mesh_shape": list(layout.mesh_shape), "line": sharding_line(cfg)}
+
+
+class ImageInstalls(TypedDict):
+    """How the job's packages beyond the image reach it (:func:`image_installs`)."""
+
+    installs: list[str] | None
+    ships: list[str] | None
+    local_only: list[str]
+    how: str
 
 
 # How submit brings what the image lacks, in words (deploy/offline.py's choose).
@@ -217,7 +236,7 @@ _PACKAGES_RULE = (
 )
 
 
-def image_installs(cfg: Config) -> dict[str, Any]:
+def image_installs(cfg: Config) -> ImageInstalls:
     """How the job's packages beyond ``ray.image`` reach it, where this tool knows the image's packages
     (:func:`~raytrain_eks.k8s.job.planned_installs`): ``installs``, what pip installs, and ``ships``, what travels
     unpacked in py_modules (:func:`~raytrain_eks.k8s.job.expected_not_shipped`; both ``None`` for an image not
@@ -265,7 +284,7 @@ def _offline_step(cfg: Config, mode: Mode) -> str:
         "--offline, before any Ray object: read the image's Python, platform tags and packages from "
         + ", else from ".join(sources)
         + ". Download here wheels (`pip download --no-deps --only-binary=:all:` for that Python "
-        "and platform) of those of " + ", ".join(job_files.job_requirements()) + " the image lacks in range and of "
+        "and platform) of those of " + _job_packages(cfg) + " the image lacks in range and of "
         "their dependencies the image does not meet; submit prints each wheel and the total size, and stops "
         "(exit 2) naming a package without a wheel. When every one is pure Python they travel unpacked beside the "
         "package (py_modules), and what follows is not done. "
@@ -329,7 +348,7 @@ def storage_estimate(cfg: Config, *, where: str = "S3") -> dict[str, Any] | None
     shape = model_shape(t.model_id)
     if shape is None:
         return None
-    lora = t.method == "lora"
+    lora = t.adapters is not None
     params = lora_params(shape, t.lora) if lora else shape.params
     gb = params * CHECKPOINT_BYTES_PER_PARAM * t.keep_checkpoints / 1e9
     trained = (

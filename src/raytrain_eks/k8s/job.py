@@ -23,12 +23,12 @@ import io
 import json
 import re
 import tarfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import raytrain_eks
-from raytrain_eks.config import FLASH_ATTN_MIN, Config
+from raytrain_eks.config import FLASH_ATTN_MIN, Config, TrainingConfig
 from raytrain_eks.errors import UserError
 from raytrain_eks.k8s import manifests as m
 from raytrain_eks.k8s.wheelhouse import Unpacked
@@ -157,8 +157,9 @@ def submitter_unpack_argv(argv: list[str]) -> list[str]:
     return [argv[0], "-c", _SUBMITTER_UNPACK, *argv[3:]]
 
 
-def image_missing_requirements() -> list[str]:
-    """This package's pinned dependencies minus what the cluster image already has, as pip requirement lines.
+def image_missing_requirements(extras: Collection[str] = ()) -> list[str]:
+    """This package's pinned dependencies (and those of its ``extras``, such as ``eval``) minus what the cluster image
+    already has, as pip requirement lines.
 
     Example (reference): ``["transformers==5.23.0", "tokenizers==0.23.3", ..., "rich==15.0.0"]``.
     """
@@ -172,7 +173,8 @@ def image_missing_requirements() -> list[str]:
     out = []
     for line in requires:
         spec, _, marker = line.partition(";")
-        if "extra" in marker:
+        extra = re.search(r"""extra\s*==\s*["']([^"']+)""", marker)
+        if "extra" in marker and (extra is None or extra.group(1) not in extras):
             continue
         name = re.match(r"\s*([A-Za-z0-9._-]+)", spec)
         if name is None or name.group(1).lower().replace("_", "-") in IMAGE_PROVIDED | DEPLOY_ONLY | LOCAL_ONLY:
@@ -204,14 +206,20 @@ def _range(version: str, oldest: str | None = None) -> str:
     return f">={oldest or version},<{upper}"
 
 
-def job_requirements() -> list[str]:
-    """What the job needs on the cluster beyond the image's Ray and PyTorch, as ranges (:func:`_range`) of the
-    pinned versions (:data:`LOCAL_ONLY` left out).
+def job_extras(training: TrainingConfig) -> tuple[str, ...]:
+    """The extras of this package a job of ``training`` needs on the cluster: ``eval`` (lm-eval) when it scores
+    ``training.eval_tasks`` after its export."""
+    return ("eval",) if training.eval_tasks else ()
+
+
+def job_requirements(extras: Collection[str] = ()) -> list[str]:
+    """What the job needs on the cluster beyond the image's Ray and PyTorch (with this package's ``extras``: see
+    :func:`job_extras`), as ranges (:func:`_range`) of the pinned versions (:data:`LOCAL_ONLY` left out).
 
     Example (reference): ``["transformers>=5.13.0,<6", "tokenizers>=0.22.2,<0.24", "safetensors>=0.8.0,<0.9", ...]``.
     """
     out = []
-    for spec in image_missing_requirements():
+    for spec in image_missing_requirements(extras):
         name, _, version = spec.partition("==")
         oldest = OLDEST_CHECKED.get(name.lower())
         out.append(f"{name}{_range(version, oldest)}" if version and "," not in version else spec)
@@ -394,14 +402,14 @@ def runtime_env(
     pip: list[str] | None = None,
     pip_options: list[str] | None = None,
     modules: Sequence[str] = (),
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The job's Ray ``runtime_env``: pip installs ``pip`` (default: all of :func:`job_requirements`; ``submit``
     leaves out what the image has in range, and what travels in ``modules``), ``py_modules`` ships ``raytrain_eks``
     from ``code_dir`` (a path where ``ray job submit`` runs) and then ``modules`` (:func:`shipped_modules`).
     ``pip_options`` (``submit --offline``: the local wheelhouse, no index) go to ``pip install`` in Ray's dict form.
     No secret is ever put here. Example: ``runtime_env("/c", [], modules=["/p/peft", "/p/peft-0.21.2.dist-info"])
     == {"py_modules": ["/c/raytrain_eks", "/p/peft", "/p/peft-0.21.2.dist-info"]}``."""
-    env: dict[str, Any] = {"py_modules": [f"{code_dir}/raytrain_eks", *modules]}
+    env: dict[str, object] = {"py_modules": [f"{code_dir}/raytrain_eks", *modules]}
     packages = job_requirements() if pip is None else pip
     if packages and pip_options:
         return {"pip": {"packages": packages, "pip_install_options": list(pip_options)}, **env}
@@ -469,7 +477,7 @@ def _where(doc: Mapping[str, Any]) -> str:
     return f"{doc['metadata']['namespace']}/{doc['metadata']['name']}"
 
 
-def config_map_bytes(doc: Mapping[str, Any]) -> int:
+def config_map_bytes(doc: Mapping[str, object]) -> int:
     """The ConfigMap's size as compact UTF-8 JSON: at least the sum of its values, which the API server holds to
     1 MiB, and about what etcd stores. Example: ``config_map_bytes({"data": {"a": "xy"}}) == 19``."""
     return len(json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
