@@ -14,6 +14,7 @@ import pytest
 from metadata_standin import MetadataStandIn
 
 from raytrain_eks.cli import main
+from raytrain_eks.report.segments import SEGMENTS, read_segments
 from raytrain_eks.train.checkpoint import MARKER, latest_complete, list_checkpoints, load_trainer_state
 from raytrain_eks.train.preemption import ENDPOINT_ENV, EXIT_CODE
 
@@ -84,3 +85,11 @@ def test_notice_checkpoints_ends_preempted_and_resumes_on_one_worker(
     # every sample once: the same data position as the uninterrupted run's at the end
     end = load_trainer_state(Path(latest_complete(run / "ray")), 0)["data"]
     assert end == load_trainer_state(Path(latest_complete(reference / "ray")), 0)["data"]
+    # the run's two segments: the preempted one on two workers, the resumed one on one, as `train` printed them
+    first, second = read_segments(run / SEGMENTS)
+    assert (first.first_step, first.last_step, first.world_size, first.ended) == (0, step, 2, "preempted")
+    assert first.reason.startswith("spot reclaim: spot interruption notice") and first.capacity == "local"
+    assert (second.first_step, second.last_step, second.world_size, second.ended) == (step, STEPS, 1, "finished")
+    assert f"segment 1: steps 0-{step}, 2 workers on 1 node (local)" in said, said
+    assert f"segment 2: steps {step}-{STEPS}, 1 worker on 1 node (local)" in said
+    assert "<h2>Segments</h2>" in (run / "report.html").read_text()

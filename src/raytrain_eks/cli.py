@@ -30,6 +30,7 @@ from raytrain_eks.aws import commands as aws_commands
 from raytrain_eks.config import DEFAULT_CONFIG_FILE, load_config
 from raytrain_eks.deploy import commands as deploy_commands
 from raytrain_eks.errors import ConfigError, UserError
+from raytrain_eks.eval_command import eval_command
 from raytrain_eks.fabric import commands as fabric_commands
 from raytrain_eks.formats import FORMAT_NAMES
 from raytrain_eks.options import AddressOpt, ConfigOpt, JsonOpt, PresetOpt, SetOpt, VerboseOpt
@@ -80,6 +81,7 @@ deploy_commands.register(app)
 aws_commands.register(app)
 fabric_commands.register(app)
 report_commands.register(app)
+app.command("eval")(eval_command)
 
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -103,7 +105,9 @@ def train(
     method: Annotated[
         str | None,
         typer.Option(
-            help="full (every weight trains) or lora (adapters on a frozen base; --set training.lora.rank=N)."
+            help="full (every weight trains), lora (adapters on a frozen base; --set training.lora.rank=N) or dpo "
+            "(preference pairs, --data-format preference; LoRA by default, --set training.dpo.adapters=none for "
+            "every weight, --set training.dpo.beta=0.2)."
         ),
     ] = None,
     steps: Annotated[int | None, typer.Option(help="Optimizer steps.")] = None,
@@ -152,6 +156,10 @@ def train(
             "training.compile, auto by default (compiled on CUDA GPUs, not on CPUs).",
         ),
     ] = None,
+    eval_tasks: Annotated[
+        str | None,
+        typer.Option(help="lm-eval tasks scored on the exported model at the end, comma-separated (see `eval`)."),
+    ] = None,
     resume: Annotated[
         str | None,
         typer.Option(
@@ -184,6 +192,7 @@ def train(
         "reduce_precision": reduce_precision,
         "compile": compile_layers,
         "output_dir": str(output_dir) if output_dir else None,
+        "eval_tasks": [t.strip() for t in eval_tasks.split(",") if t.strip()] if eval_tasks else None,
     }
     address = joined_address(address, err.print)
     if resume is not None:
@@ -206,6 +215,9 @@ def train(
 
         price, unpriced = target_for(cfg).price(cfg, config)
 
+    from raytrain_eks.fabric.deployment import read_deployment
+    from raytrain_eks.report.segments import SEGMENTS, capacity_of, read_segments, segment_lines
+
     with _Progress() as progress:
         result = run_training(
             cfg,
@@ -216,7 +228,12 @@ def train(
             resume=resume,
             price=price,
             unpriced=unpriced,
+            capacity=capacity_of(read_deployment(config), joined=address is not None),
         )
+    segments = read_segments(result.run_dir / SEGMENTS)
+    if len(segments) > 1:  # a resumed run: each attempt's steps, nodes, ending and cost
+        for line in segment_lines(segments):
+            out.print(line, markup=False, highlight=False)
     s = result.summary
     if "cost" in s:
         from raytrain_eks.report.html import cost_text
@@ -270,11 +287,12 @@ def data(
         return
     out.print(shown.line, markup=False)
     c = shown.counts
+    unit = "pairs" if "pairs" in c else "rows"  # preference pairs are counted as pairs (method dpo)
     out.print(
         f"tokens: {c['trained_tokens']} trained, {c['masked_tokens']} masked (prompts, each row's first), "
         f"{c['padding_tokens']} padding; {c['blocks']} blocks of {c['seq_len']}, "
         f"{100 * c['packing_efficiency']:.1f}% filled"
-        + (f"; {c['eval_rows']} rows held out for evaluation" if c["eval_rows"] else ""),
+        + (f"; {c[f'eval_{unit}']} {unit} held out for evaluation" if c[f"eval_{unit}"] else ""),
         markup=False,
     )
     if shown.blocks:
@@ -369,7 +387,11 @@ class _Progress:
             self._stage = None
         if self._task is None:
             self._task = self._bar.add_task("train", total=total, info="")
+        from raytrain_eks.train.records import dpo_line
+
         info = f"loss {record['loss']:.3f}  {record['tokens_per_s']:.0f} tok/s  lr {record['lr']:.2e}"
+        if dpo := dpo_line(record):  # a preference run's reward margin and accuracy
+            info = f"{info}  {dpo}"
         self._bar.update(self._task, completed=record["step"], info=info)
 
 

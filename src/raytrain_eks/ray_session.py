@@ -15,10 +15,14 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from raytrain_eks.errors import UserError
+
+if TYPE_CHECKING:
+    from ray.train import Result
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 LOCAL_CPU_WORKERS = 2
 
@@ -31,7 +35,7 @@ def resolve_num_workers(requested: int, cluster_gpus: int) -> tuple[int, bool]:
     return (cluster_gpus, True) if use_gpu else (LOCAL_CPU_WORKERS, False)
 
 
-def fit_keeping_sigint(trainer: Any) -> Any:
+def fit_keeping_sigint(trainer: DataParallelTrainer) -> Result:
     """``trainer.fit()``, then the process's Ctrl-C handler as it was before.
 
     Ray Train's ``fit`` (run on the main thread) installs a SIGINT handler that aborts its controller and never
@@ -63,7 +67,7 @@ def init_ray(address: str | None, num_workers: int, verbose: bool) -> None:
         DataContext.get_current().enable_progress_bars = False  # and its bars: the driver shows one display
     if ray.is_initialized():
         return
-    kwargs: dict[str, Any] = {"log_to_driver": verbose, "configure_logging": verbose}
+    kwargs: dict[str, object] = {"log_to_driver": verbose, "configure_logging": verbose}
     if address:
         _check_reachable(address)
         try:
@@ -179,7 +183,7 @@ def _import_train_modules() -> None:
         import ray.train.torch  # noqa: F401  (Ray Train and Ray Data: about 2 s of imports on a small machine)
 
 
-def address_from_environment(address: str | None, environ: Any = None) -> tuple[str | None, str]:
+def address_from_environment(address: str | None, environ: Mapping[str, str] | None = None) -> tuple[str | None, str]:
     """The Ray cluster a run joins, and where that came from: ``--address``, else ``RAY_ADDRESS`` as ``ray.init()``
     reads it (set inside a Ray cluster's pods, so a run there joins that cluster rather than starting a second Ray
     beside it), else ``None``: a Ray of the run's own. Example: ``(None, "")`` with neither."""
@@ -229,6 +233,16 @@ def worker_error(exc: BaseException) -> str:
         return f"rank {rank}: {lines[-1] if lines else type(cause).__name__}"
     lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
     return lines[-1] if lines else type(exc).__name__
+
+
+def worker_host_addresses() -> list[str]:
+    """The addresses of the nodes :func:`worker_hosts` counts, sorted: where a run on the connected cluster can place
+    its workers (its segments record them)."""
+    import ray
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    key = "GPU" if any(n.get("Resources", {}).get("GPU", 0) > 0 for n in alive) else "CPU"
+    return sorted(str(n.get("NodeManagerAddress")) for n in alive if n.get("Resources", {}).get(key, 0) >= 1)
 
 
 def worker_hosts() -> int:

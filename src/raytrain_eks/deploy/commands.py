@@ -38,6 +38,7 @@ from raytrain_eks import presets
 from raytrain_eks.config import Config, load_config
 from raytrain_eks.deploy import compare
 from raytrain_eks.folders import new_folder
+from raytrain_eks.health.pairs import MIN_BANDWIDTH_FRACTION
 from raytrain_eks.options import ClusterPresetOpt, ConfigOpt, JsonOpt, SetOpt, StateDirOpt, YesOpt
 
 if TYPE_CHECKING:
@@ -287,18 +288,37 @@ def check(
             help="Cordon each failing node (on EKS the node group also replaces its instance) before the next run.",
         ),
     ] = False,
+    min_bandwidth_fraction: Annotated[
+        float, typer.Option(help="Share of the line rate each pair of nodes must reach (bus bandwidth).")
+    ] = MIN_BANDWIDTH_FRACTION,
+    expected_gbps: Annotated[
+        float | None,
+        typer.Option(help="Line rate in Gbit/s (default: fabric.expected_gbps, else the nodes' instance type)."),
+    ] = None,
+    probe_max_bytes: Annotated[
+        str, typer.Option(help="Largest all_reduce message of the pair probe (from a quarter of it).")
+    ] = "1G",
+    probe_iters: Annotated[int, typer.Option(help="Timed all_reduce calls per size and pair.")] = 5,
+    skip_pairs: Annotated[bool, typer.Option("--skip-pairs", help="Leave out the probe between pairs.")] = False,
     json_output: JsonOpt = False,
     state_dir: StateDirOpt = Path(".raytrain-eks"),
     kubeconfig: KubeconfigOpt = None,
     context: ContextOpt = None,
 ) -> None:
-    """Check every GPU node in its Ray worker pod: GPUs, ECC, row remaps, Xids, DCGM, EFA (exit 1 if one fails)."""
-    from raytrain_eks.deploy.checks import check_cluster
+    """Check every GPU node in its Ray worker pod (GPUs, ECC, row remaps, Xids, DCGM, EFA, the driver) and the bus
+    bandwidth between each pair of them (exit 1 if one fails)."""
+    from raytrain_eks.deploy.checks import PairOptions, check_cluster
+    from raytrain_eks.deploy.submit import _upload_package
     from raytrain_eks.deploy.target import target_for
+    from raytrain_eks.fabric.probe import parse_size
 
+    pairs = PairOptions(min_bandwidth_fraction, expected_gbps, parse_size(probe_max_bytes), probe_iters)
     cfg = _load(config, preset, None, kubeconfig, context)
     d = make_deployment(cfg, state_dir, _say_to_stderr if json_output else _say)
-    result = check_cluster(d, target_for(d.cfg), exclude=exclude_bad_nodes)
+    target = target_for(d.cfg)
+    result = check_cluster(
+        d, target, exclude=exclude_bad_nodes, pairs=None if skip_pairs else pairs, upload=_upload_package
+    )
     if json_output:
         typer.echo(result.to_json())
     else:
@@ -322,6 +342,10 @@ def status(
     d, target = make_deployment(cfg, state_dir), target_for(cfg)
     target.check_own_programs(d, "status")
     for line in target.status(d):
+        _say(line)
+    from raytrain_eks.deploy.results import segment_lines_of
+
+    for line in segment_lines_of(d):  # the last job's attempts, as its bundle records them
         _say(line)
 
 

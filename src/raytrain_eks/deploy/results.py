@@ -335,6 +335,31 @@ def where_the_run_is(bundle: str | None, run_dir: str | None, *, kept: str | Non
     return [f"Run folder {run_dir} went with the RayJob's pods, unread (training.storage_path is not set)"]
 
 
+def segment_lines_of(d: Deployment) -> list[str]:
+    """``status``'s lines on the last job's run: its segments (each attempt's steps, nodes, capacity, why it ended and
+    cost) as its bundle in storage records them, or as the folder a RayJob's files were kept in here does; nothing
+    when neither is readable (no job yet, no storage, or a run that ended no attempt)."""
+    from raytrain_eks.report.segments import SEGMENTS, parse_segments, segment_lines
+
+    job = d.state.get("job") or {}
+    bundle, kept = job.get("bundle"), job.get("kept")
+    text = None
+    if bundle:
+        try:
+            fs, base = filesystem(join(bundle, SEGMENTS))
+            with fs.open_input_stream(base) as f:
+                text = f.read().decode(errors="replace")
+        except (OSError, ValueError):
+            text = None
+    elif kept and (Path(kept) / SEGMENTS).is_file():
+        text = (Path(kept) / SEGMENTS).read_text(errors="replace")
+    segments = parse_segments(text) if text else []
+    if not segments:
+        return []
+    name = PurePosixPath(str(job.get("run_dir") or bundle or kept)).name
+    return [f"Run {name}:", *(f"  {line}" for line in segment_lines(segments))]
+
+
 def lost_with_the_pods(d: Deployment) -> list[str]:
     """What ``down`` would lose of the runs, as lines for the user before it deletes anything: the last job's run
     folder in the head pod of this deployment's RayCluster when that run has no bundle in storage (with the command

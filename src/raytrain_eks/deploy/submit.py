@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from raytrain_eks.config import BUILTIN_MODEL, Config
 from raytrain_eks.deploy import offline as offline_wheels
-from raytrain_eks.deploy.checks import before_job
+from raytrain_eks.deploy.checks import before_job, record_health
 from raytrain_eks.deploy.fit import fit_on_image
 from raytrain_eks.deploy.results import run_bundle, where_the_run_is
 from raytrain_eks.deploy.target import target_for
@@ -48,6 +48,7 @@ from raytrain_eks.k8s.job import (
     DASHBOARD,
     code_config_map,
     head_code_dir,
+    job_extras,
     job_requirements,
     package_archive,
     package_files,
@@ -243,7 +244,7 @@ def image_lacks(d: Deployment, head: Pod) -> offline_wheels.JobPackages:
     the head pod's image already has in range (asked of its python3), as unpacked wheels in ``py_modules`` when they
     can travel so, else for pip (:func:`~raytrain_eks.deploy.offline.choose`); pip installs all of them when the image
     cannot be asked."""
-    return offline_wheels.for_running_head(d, head, job_requirements())
+    return offline_wheels.for_running_head(d, head, job_requirements(job_extras(d.cfg.training)))
 
 
 def submit_job(
@@ -575,9 +576,10 @@ def submit(
         raise NodesNotReady(problems)  # at once: pods would only sit Pending
     apply_namespace(d)
     packages = None  # None: the head pod's image is asked once it runs (raycluster, not --offline)
+    health = None  # the gate's checks, kept in the run folder
     if offline or mode == "rayjob":  # the image asked before any Ray object; --offline: a wheel missing stops here
         running = _running_head(d) if mode == "raycluster" else None
-        packages = offline_wheels.prepare(d, job_requirements(), head=running, mode=mode)
+        packages = offline_wheels.prepare(d, job_requirements(job_extras(cfg.training)), head=running, mode=mode)
     wheels = packages.wheels if packages is not None else None
 
     apply_job_config(d, hf_token, env)
@@ -617,8 +619,8 @@ def submit(
         head, workers = wait_for_ray_pods(d, ns, cluster, cfg.ray.job_start_deadline_s)
         if wheels is not None:  # pods made before the init container was in the template
             offline_wheels.copy_into(d, [head, *workers], wheels)
-        if checks:
-            before_job(d, target, workers)  # a RayJob's job starts with its cluster: only `check` proves those nodes
+        if checks:  # a RayJob's job starts with its cluster: only `check` proves those nodes
+            health = before_job(d, target, workers, upload=_upload_package)
 
     run_dirs: list[str] = []
     bundles: list[str] = []
@@ -655,10 +657,13 @@ def submit(
     result = _judge(d, submission_id, final, workers)
     result.run_dir = run_dirs[-1] if run_dirs else None
     result.bundle = bundles[-1] if bundles else run_bundle(cfg, result.run_dir)
+    if health is not None and result.run_dir:
+        record_health(d, head, result.run_dir, health)
     d.state.update(job={**d.state.get("job"), "run_dir": result.run_dir, "bundle": result.bundle})  # for `down`
     if mode == "rayjob":
         if result.bundle is None and result.run_dir:  # no storage: what can be read goes here before the pods go
             result.kept = keep_run_files(d, result.run_dir)
+            d.state.update(job={**d.state.get("job"), "kept": result.kept})  # status reads its segments there
         # The evidence above was read from the RayJob's pods: only now may its cluster go (KubeRay's own deletion,
         # ttlSecondsAfterFinished after the job ended, is the backstop for when submit is not there).
         if d.kube.delete("ray.io/v1", "RayCluster", cluster, ns):
@@ -676,7 +681,7 @@ _RUN_BUNDLE = re.compile(r"^\s*run bundle: (\S+)", re.IGNORECASE)
 
 
 # What a RayJob without storage leaves here from its run folder: its small files, each cut at _RUN_FILE_LIMIT.
-KEPT_FILES = ("metrics.jsonl", "summary.json", "config.yaml", "samples.jsonl", "error.log")
+KEPT_FILES = ("metrics.jsonl", "summary.json", "config.yaml", "samples.jsonl", "error.log", "segments.jsonl")
 
 
 def keep_run_files(d: Deployment, run_dir: str) -> str | None:
@@ -827,7 +832,7 @@ def _last_job_head(d: Deployment, what: str) -> Pod:
     return heads[0]
 
 
-def read_metrics(d: Deployment, run_dir: str) -> list[dict[str, Any]]:
+def read_metrics(d: Deployment, run_dir: str) -> list[dict[str, object]]:
     """The job's ``metrics.jsonl`` records, read in the head pod of the last submitted job (``run_dir`` is the run
     folder the job's log named). Lines that are not JSON objects are skipped."""
     argv = ["cat", f"{run_dir.rstrip('/')}/metrics.jsonl"]

@@ -34,7 +34,7 @@ from raytrain_eks.instances import (
     InstanceType,
     eks_support,
 )
-from raytrain_eks.k8s.prices import Price, configured_price, priced_run, unpriced_reason
+from raytrain_eks.k8s.prices import Price, RunCost, configured_price, priced_run, unpriced_reason
 from raytrain_eks.k8s.state import StateStore
 
 
@@ -223,7 +223,7 @@ def cost_per_hour(
     }
 
 
-def run_cost(cfg: Config, summary: Mapping[str, Any]) -> dict[str, Any] | None:
+def run_cost(cfg: Config, summary: Mapping[str, Any]) -> RunCost | None:
     """What a run would have cost on the configured cluster at its on-demand prices (see :func:`priced_run`); ``None``
     when the cluster is not one this tool can price. A finished run is priced by :func:`job_price` instead, only on a
     cluster this tool deployed.
@@ -238,7 +238,7 @@ def run_cost(cfg: Config, summary: Mapping[str, Any]) -> dict[str, Any] | None:
     return priced_run(hourly["total_usd"], hourly["price_region"], summary)
 
 
-def deployment_record(cfg: Config, state: StateStore) -> dict[str, Any] | None:
+def deployment_record(cfg: Config, state: StateStore) -> dict[str, object] | None:
     """What ``submit`` tells the job about its cluster (:mod:`raytrain_eks.fabric.deployment`), or None when the
     state does not say that ``up`` made the cluster ``cfg`` names. Its price is the cluster's hourly cost on that day.
     Example: ``deployment_record(cfg, d.state)["usd_per_hour"] == 9.5498`` for the reference cluster."""
@@ -257,6 +257,8 @@ def deployment_record(cfg: Config, state: StateStore) -> dict[str, Any] | None:
         "system_node_count": c.system_node_count,
         "usd_per_hour": hourly["total_usd"],
         "price_region": hourly["price_region"],
+        # The source up launched the GPU nodes from (spot, a Capacity Block...): each segment of a run records it.
+        "gpu_capacity": state.get("gpu_capacity_used"),
     }
 
 
@@ -280,7 +282,7 @@ def job_price(
     if record is None:
         return None, unpriced_reason(config)
 
-    def price(summary: Mapping[str, Any]) -> dict[str, Any]:
+    def price(summary: Mapping[str, Any]) -> RunCost:
         cost = priced_run(float(record["usd_per_hour"]), str(record["price_region"]), summary)
         return {**cost, "cluster": cluster, "source": "deployment record"}
 

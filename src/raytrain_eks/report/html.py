@@ -156,6 +156,11 @@ def _overview(runs: list[Run]) -> str:
         ("checkpoint time (s per save, share of the loop)", _checkpoint_time),
         ("exported model", lambda s: escape(str(s.get("model_dir") or "—"))),
     ]
+    if any(r.summary.get("dpo") for r in runs):  # method dpo: its last logged step's reward margin and accuracy
+        rows[2:2] = [
+            ("DPO reward margin (last step)", lambda s: _num((s.get("dpo") or {}).get("rewards/margins"), "{:.3f}")),
+            ("DPO accuracy (last step)", lambda s: _num((s.get("dpo") or {}).get("rewards/accuracies"), "{:.0%}")),
+        ]
     head = "".join(f"<th>{escape(r.label)}</th>" for r in runs)
     body = "".join(
         f"<tr><th>{escape(name)}</th>" + "".join(f"<td>{fn(r.summary)}</td>" for r in runs) + "</tr>"
@@ -250,7 +255,119 @@ def _watch(runs: list[Run]) -> str:
         finding = _json_object(run.path / _FINDINGS)
         if finding.get("message"):
             items.append(f"<li>{escape(run.label)}: {escape(str(finding['message']))}</li>")
-    return f"<h2>Stragglers and watchdog</h2><ul>{''.join(items)}</ul>" if items else ""
+    return f"<h3>Stragglers and watchdog</h3><ul>{''.join(items)}</ul>" if items else ""
+
+
+_CHECK = "health/check.json"  # `raytrain-eks check --json` of the run's nodes (deploy/checks.py: ClusterHealth)
+
+
+def _node_checks(check: dict[str, Any]) -> str:
+    """One row per check of each node: the node, its verdict, the check and its evidence."""
+    marks = {True: "ok", False: "FAIL", None: "not checked"}
+    rows = []
+    for node in check.get("nodes") or []:
+        verdict = "FAILED" if any(f.get("ok") is False for f in node.get("findings") or []) else "healthy"
+        for f in node.get("findings") or []:
+            rows.append(
+                f"<tr><td>{escape(str(node.get('node')))}</td><td>{verdict}</td><td>{escape(str(f.get('check')))}</td>"
+                f"<td>{marks.get(f.get('ok'), '?')}</td><td>{escape(str(f.get('evidence')))}</td></tr>"
+            )
+    head = "<tr><th>node</th><th>verdict</th><th>check</th><th>result</th><th>evidence</th></tr>"
+    return f"<table>{head}{''.join(rows)}</table>" if rows else ""
+
+
+def _bandwidth_matrix(pairs: dict[str, Any]) -> str:
+    """The pair probe's bus bandwidth between each pair of nodes, in Gbit/s and as a share of the line rate."""
+    found = pairs.get("pairs") or []
+    nodes = list(dict.fromkeys(n for p in found for n in p.get("nodes") or []))
+    if not nodes:
+        return f"<p>{escape(str(pairs.get('error') or 'No pair was measured.'))}</p>"
+    rate = pairs.get("expected_gbps")
+    cells: dict[tuple[str, str], str] = {}
+    for p in found:
+        a, b = p["nodes"]
+        gbps = p.get("busbw_gbps")
+        text = escape(str(p.get("error") or "not measured")) if gbps is None else f"{gbps:.3g} Gbit/s"
+        if gbps is not None and rate:
+            text += f" ({100 * gbps / rate:.0f}%)"
+        cells[(a, b)] = cells[(b, a)] = text if p.get("ok", True) else f"<b>{text}: FAIL</b>"
+    head = "".join(f"<th>{escape(n)}</th>" for n in nodes)
+    body = "".join(
+        f"<tr><th>{escape(a)}</th>" + "".join(f"<td>{cells.get((a, b), '—')}</td>" for b in nodes) + "</tr>"
+        for a in nodes
+    )
+    against = (
+        f"against {rate:g} Gbit/s ({escape(str(pairs.get('expected_source')))}), at least "
+        f"{100 * float(pairs.get('min_fraction') or 0):.0f}%"
+        if rate
+        else "no line rate known"
+    )
+    return f"<p>Bus bandwidth between each pair of nodes, {against}.</p><table><tr><th></th>{head}</tr>{body}</table>"
+
+
+def _health(runs: list[Run], rank_chart: str) -> str:
+    """The checks of the run's nodes and the bandwidth between each pair (``health/check.json``), each rank's step
+    times (the straggler chart) and the stragglers and watchdog's finding; nothing when a run has none of them."""
+    parts = []
+    for run in runs:
+        check = _json_object(run.path / _CHECK)
+        if not check:
+            continue
+        verdict = "every GPU node passed" if check.get("ok") else f"failing: {', '.join(check.get('bad_nodes') or [])}"
+        matrix = _bandwidth_matrix(check["pairs"]) if check.get("pairs") else ""
+        excluded = "".join(f"<li>{escape(str(line))}</li>" for line in check.get("excluded") or [])
+        parts.append(
+            f"<h3>{escape(run.label)}: node checks ({escape(verdict or 'no verdict')})</h3>{_node_checks(check)}"
+            f"{matrix}{f'<ul>{excluded}</ul>' if excluded else ''}"
+        )
+    watch = _watch(runs)
+    if not parts and not rank_chart and not watch:
+        return ""
+    return f"<h2>Cluster health</h2>{''.join(parts)}{rank_chart}{watch}"
+
+
+_EVAL = "eval.json"  # the run's benchmark results (raytrain_eks.evaluation: `train --eval-tasks`, `eval RUN`)
+
+
+def _evaluation(runs: list[Run]) -> str:
+    """The lm-eval results of each run that has an ``eval.json``: task, metric, value ± stderr, examples; nothing
+    when none has."""
+    rows = []
+    for run in runs:
+        for task, found in (_json_object(run.path / _EVAL).get("tasks") or {}).items():
+            for metric, figures in (found.get("metrics") or {}).items():
+                stderr = figures.get("stderr")
+                spread = "" if stderr is None else f" ± {_num(stderr, '{:.4f}')}"
+                value = _num(figures.get("value"), "{:.4f}") + spread
+                rows.append(
+                    f"<tr><td>{escape(run.label)}</td><td>{escape(task)}</td><td>{escape(metric)}</td>"
+                    f"<td>{value}</td><td>{_num(found.get('n'), '{}')}</td></tr>"
+                )
+    head = "<tr><th>run</th><th>task</th><th>metric</th><th>value ± stderr</th><th>examples</th></tr>"
+    return f"<h2>Evaluation</h2><table>{head}{''.join(rows)}</table>" if rows else ""
+
+
+def _segments(runs: list[Run]) -> str:
+    """Each run's attempts (:mod:`raytrain_eks.report.segments`): steps, workers and nodes, capacity, how each ended
+    and what it cost; nothing when no run has ``segments.jsonl``."""
+    from raytrain_eks.report.segments import SEGMENTS, read_segments
+
+    rows = []
+    for run in runs:
+        for n, seg in enumerate(read_segments(run.path / SEGMENTS), 1):
+            where = f"{seg.capacity}: {', '.join(seg.hosts)}" if seg.hosts else seg.capacity
+            ended = f"{seg.ended} ({seg.reason})" if seg.reason else seg.ended
+            cost = "" if seg.cost_usd is None else f"${seg.cost_usd:.2f}"
+            rows.append(
+                f"<tr><td>{escape(run.label)}</td><td>{n}</td><td>{seg.first_step}-{seg.last_step}</td>"
+                f"<td>{seg.world_size} on {seg.nodes} node(s)</td><td>{escape(where)}</td>"
+                f"<td>{escape(seg.started)} to {escape(seg.ended_at)}</td><td>{escape(ended)}</td><td>{cost}</td></tr>"
+            )
+    head = (
+        "<tr><th>run</th><th>segment</th><th>steps</th><th>workers</th><th>capacity</th><th>time (UTC)</th>"
+        "<th>ended</th><th>cost</th></tr>"
+    )
+    return f"<h2>Segments</h2><table>{head}{''.join(rows)}</table>" if rows else ""
 
 
 def write_report(run_dirs: list[Path], out_dir: Path, *, comparison: str | None = None) -> Path:
@@ -268,8 +385,12 @@ def write_report(run_dirs: list[Path], out_dir: Path, *, comparison: str | None 
     titles = {name: title for name, title, _, _ in FIGURES}
     by_rank = [(r.label, _jsonl(r.path / _RANK_STEPS)) for r in runs if (r.path / _RANK_STEPS).is_file()]
     rank_png = draw_rank_steps(by_rank, out_dir / PLOTS_DIR)
-    if rank_png is not None:
-        pngs["rank_steps"], titles["rank_steps"] = rank_png, RANK_STEPS_TITLE
+    rank_chart = (  # the straggler chart goes with the cluster's health
+        f'<figure><img alt="{escape(RANK_STEPS_TITLE)}" src="data:image/png;base64,'
+        f'{base64.b64encode(rank_png.read_bytes()).decode()}"></figure>'
+        if rank_png is not None
+        else ""
+    )
     images = "".join(
         f'<figure><img alt="{escape(titles[name])}" src="data:image/png;base64,'
         f'{base64.b64encode(path.read_bytes()).decode()}"></figure>'
@@ -290,7 +411,9 @@ def write_report(run_dirs: list[Path], out_dir: Path, *, comparison: str | None 
 {f"<h2>Comparison</h2><pre>{escape(comparison)}</pre>" if comparison else ""}
 <h2>Overview</h2>{_overview(runs)}
 <h2>Curves</h2><div class="plots">{images}</div>
-{_watch(runs)}
+{_segments(runs)}
+{_evaluation(runs)}
+{_health(runs, rank_chart)}
 <h2>Samples</h2>{_samples(runs)}
 <h2>Fabric</h2>{_fabric(runs)}
 <h2>Configuration</h2>{configs or "<p>No config.yaml.</p>"}

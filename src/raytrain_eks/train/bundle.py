@@ -12,8 +12,9 @@ the start; :class:`RunBundle` adds the rest of the run folder, as the run goes:
   steps), ``train.log`` (the driver's lines), ``error.log``, ``nccl/rank*.log`` and ``rank_steps.jsonl`` when they
   changed;
 - at the end, everything else of the run folder: the export ``model/``, ``summary.json``, ``samples.jsonl``,
-  ``report.html``, ``plots/``, ``tensorboard/``; after a failure, what the run folder holds then (``error.log`` with
-  every failed rank's traceback among it; ``watchdog/``, every rank's stack, when the watchdog ended a hung run).
+  ``eval.json`` (:data:`EVAL_RESULTS`, ``train --eval-tasks``), ``report.html``, ``plots/``, ``tensorboard/``;
+  after a failure, what the run folder holds then (``error.log`` with every failed rank's traceback among it;
+  ``watchdog/``, every rank's stack, when the watchdog ended a hung run).
 - ``logs/NODE/`` (:data:`WORKER_LOGS`): the output of the run's Ray worker processes (the training ranks among them)
   on each node, as Ray writes it in the node's session folder, each file's last :data:`LOG_TAIL` bytes; at every
   sync once the driver names its Ray job (:meth:`RunBundle.follow_workers`), and a last time when training has ended
@@ -40,10 +41,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from raytrain_eks.errors import UserError
+from raytrain_eks.report.segments import SEGMENTS
 from raytrain_eks.train.checkpoint import RAY_DIR, storage_root
 from raytrain_eks.train.storage import filesystem, is_remote, join
 
 RUN_STATE = "run.json"
+# The run's benchmark results (raytrain_eks.evaluation): written before the end by `train --eval-tasks`, or later
+# by `raytrain-eks eval RUN`, which puts it into a finished run's bundle (put_run_file).
+EVAL_RESULTS = "eval.json"
 DRIVER_LOG = "train.log"
 METRICS = "metrics.jsonl"
 ERROR_LOG = "error.log"
@@ -145,7 +151,7 @@ class RunBundle:
             warn=warn,
             every_s=every_s,
         )
-        bundle._restore(METRICS, ERROR_LOG)
+        bundle._restore(METRICS, ERROR_LOG, SEGMENTS)
         bundle.sync()
         bundle._thread = threading.Thread(target=bundle._run, name="run-bundle-sync", daemon=True)
         bundle._thread.start()
@@ -442,6 +448,25 @@ def _copy_into(path: Path, out: Any) -> None:
     with path.open("rb") as src:
         while chunk := src.read(COPY_CHUNK):
             out.write(chunk)
+
+
+def put_run_file(run_dir: Path, storage_path: str, name: str) -> str:
+    """Copy the run folder's file ``name`` into the run's bundle (its storage folder), after the run has ended (a
+    later ``raytrain-eks eval`` writes ``eval.json``); returns where it went. A :class:`UserError` when storage
+    cannot be written."""
+    location = join(storage_root(run_dir, storage_path), name)
+    try:
+        fs, base = filesystem(location)
+        if not is_remote(location):
+            fs.create_dir(base.rsplit("/", 1)[0], recursive=True)
+        with fs.open_output_stream(base) as out:
+            _copy_into(run_dir / name, out)
+    except OSError as exc:
+        raise UserError(
+            f"cannot write {location}: {_first_line(exc)}; the run folder {run_dir} keeps {name}",
+            hint="Check that this machine may write to the run's storage (credentials, role), and run again.",
+        ) from None
+    return location
 
 
 def bundle_note(location: str) -> str:

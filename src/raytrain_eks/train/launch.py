@@ -10,7 +10,6 @@ a running cluster (how it runs inside the head pod on EKS). Example::
 from __future__ import annotations
 
 import gc
-import getpass
 import json
 import os
 import re
@@ -23,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raytrain_eks.config import BUILTIN_DATA, Config, check_sharding_for_nodes, check_storage_for_nodes
 from raytrain_eks.errors import DataError, TrainingError, UserError
@@ -34,31 +33,36 @@ from raytrain_eks.ray_session import (
     init_ray,
     resolve_num_workers,
     worker_error,
+    worker_host_addresses,
     worker_hosts,
 )
+from raytrain_eks.report.segments import SegmentStart, append_segment, capacity_of, checkpoint_step, failed_cost
 from raytrain_eks.train.bundle import RunBundle, bundle_note
-from raytrain_eks.train.fabric_gate import nccl_env
-from raytrain_eks.train.faults import ENV as FAULT_ENV
-from raytrain_eks.train.faults import SLOW_WRITE_ENV
-from raytrain_eks.train.preemption import DISABLED_ENV as METADATA_OFF_ENV
-from raytrain_eks.train.preemption import ENDPOINT_ENV as METADATA_ENV
+from raytrain_eks.train.collect import DONE, Collected, Progress, collect
 from raytrain_eks.train.preemption import PREEMPTED, Notice, keep_global_batch, preempted_line
-from raytrain_eks.train.records import FabricLook, Finished, Note, Samples, StepRecord, WorkerFailure, WorkerJob
-from raytrain_eks.train.staged import CACHE_ENV as MODEL_CACHE_ENV
+from raytrain_eks.train.records import WorkerFailure, WorkerJob
 from raytrain_eks.train.staged import is_staged_location
 from raytrain_eks.train.stragglers import Straggler
-from raytrain_eks.train.watchdog import ENV as WATCHDOG_ENV
-from raytrain_eks.train.watchdog import Finding, nccl_trace_env, start_board
+from raytrain_eks.train.watchdog import Finding, start_board
+from raytrain_eks.train.worker_env import worker_environment
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray.train.torch import TorchTrainer
+    from ray.util.queue import Queue
+
+    from raytrain_eks.report.tracking import Tracker
+    from raytrain_eks.train.data.pipeline import PackedSet, PreparedData
+    from raytrain_eks.train.watchdog import Watchdog
 
 ERROR_LOG = "error.log"  # in the run folder: the full tracebacks behind a failure's one-line message
-_DONE = {"done": True}
 
 
 @dataclass
 class RunResult:
     run_dir: Path
     summary: dict[str, Any]
-    records: list[dict[str, Any]]
+    records: list[dict[str, object]]
     bundle: str | None = None  # the run's bundle in its storage (training.storage_path), see train/bundle.py
 
 
@@ -145,11 +149,12 @@ def run_training(
     address: str | None = None,
     runs_root: Path = Path("runs"),
     say: Callable[[str], None] = print,
-    progress: Any | None = None,
+    progress: Progress | None = None,
     verbose: bool = False,
     resume: Path | str | None = None,
-    price: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None,
+    price: Callable[[dict[str, Any]], Mapping[str, object] | None] | None = None,
     unpriced: str | None = None,
+    capacity: str | None = None,
 ) -> RunResult:
     """Train with Ray Train as configured and write the run folder; raise a :class:`UserError` on failure.
 
@@ -163,6 +168,10 @@ def run_training(
 
     With ``training.storage_path`` set, the run folder is also kept, as the run goes, in the run's storage folder
     beside its checkpoints (its bundle, :mod:`raytrain_eks.train.bundle`), whether the run finishes or fails.
+
+    Each attempt (this one, and every ``resume`` of the run) adds its segment to ``segments.jsonl``
+    (:mod:`raytrain_eks.report.segments`): ``capacity`` names where its nodes came from (default: ``local`` for a run
+    on this machine).
     """
     import ray
 
@@ -186,6 +195,10 @@ def run_training(
     eval_files = list_data_files(training.eval_data, option="training.eval_data") if training.eval_data else None
     resume_dir, resume_root = _resume_source(resume, cfg, runs_root)
     resume_from: str | None = None
+    attempt = SegmentStart(
+        capacity=capacity or capacity_of(None, joined=address is not None),
+        world_size=training.num_workers or LOCAL_CPU_WORKERS,
+    )
     ray_was_running = ray.is_initialized()
     local_ray = None
     bundle: RunBundle | None = None
@@ -203,7 +216,7 @@ def run_training(
         model_config = check_model(model_path)
         check_attention(training.attention, training.precision, model_config, local=address is None)
         check_loss_kernel(training.loss_kernel, local=address is None)
-        lora = check_lora(model_config, training.lora) if training.method == "lora" else None
+        lora = check_lora(model_config, training.adapters) if training.adapters is not None else None
         if address:
             # Joining a cluster: its nodes decide whether the checkpoints need storage every node reaches, and where
             # the ranks can be placed. (_train_in's own init_ray then finds Ray initialised and leaves it as it is.)
@@ -211,10 +224,12 @@ def run_training(
             counted = "alive nodes of the Ray cluster that can host a training worker"
             check_storage_for_nodes(training, worker_hosts(), counted=counted)
             check_sharding_for_nodes(training, worker_hosts(), training.num_workers or None, counted=counted)
+            attempt.hosts = worker_host_addresses()
         if resume_dir is not None and resume_root is not None:
             run_dir = resume_dir
             resume_from = resume_from or resolve_checkpoint(resume_root)  # a cluster's storage: read once joined
             check_compatible(resume_from, model_config, lora=lora)
+            attempt.resumed_from = checkpoint_step(resume_from)
             run_dir.mkdir(parents=True, exist_ok=True)  # a run continued on a machine that does not have its folder
             say(f"resuming {run_dir} from {resume_from}")
         else:
@@ -242,9 +257,13 @@ def run_training(
                 unpriced=unpriced,
                 trained=local_ray.stop_soon if local_ray is not None else None,
                 bundle=bundle,
+                attempt=attempt,
             )
         except Exception as exc:
             logged = _logged(exc, run_dir)
+            if (run_dir / "metrics.jsonl").exists():  # the attempt reached training: it is one of the run's segments
+                message = getattr(logged, "message", str(logged))
+                append_segment(run_dir, attempt.failed(message, run_dir, failed_cost(price, attempt)))
             if bundle is not None:  # the evidence outlives this machine: the run folder's logs point into it
                 bundle.fail(getattr(logged, "message", str(logged)))
                 if isinstance(logged, UserError):
@@ -265,48 +284,151 @@ def run_training(
             ray.shutdown()
 
 
+@dataclass
+class _RayData:
+    """The data sets the workers read and the prepared data behind them: references into Ray's object store, let go
+    (:meth:`release`) before a local Ray stops."""
+
+    datasets: dict[str, PackedSet] = field(default_factory=dict)
+    prepared: PreparedData | None = None
+
+    def release(self) -> None:
+        self.datasets, self.prepared = {}, None
+
+
+@dataclass(frozen=True)
+class _PreparedRun:
+    """A run ready for its workers: its configuration (resized for a resume), where it writes, its Ray workers, the
+    data they read, the sample prompts (as a person reads them, as the model gets them) and the tracker."""
+
+    run_dir: Path
+    cfg: Config
+    model_path: str
+    resume_from: str | None  # the checkpoint it continues from
+    num_workers: int
+    use_gpu: bool
+    root: str  # the checkpoints' folder (training.storage_path's, or the run folder's)
+    board_name: str | None  # the watchdog's board, by the name the workers look it up with
+    worker_env: dict[str, str]
+    prompts: tuple[list[str], list[str]]
+    tracker: Tracker
+    data: _RayData
+    data_counts: dict[str, object] | None  # what the data held and how it packed (summary.json's data_counts)
+
+
 def _train_in(
     run_dir: Path,
     cfg: Config,
     *,
     address: str | None,
     say: Callable[[str], None],
-    progress: Any | None,
+    progress: Progress | None,
     verbose: bool,
     model_path: str,
-    data_files: Any,
+    data_files: tuple[list[str], str] | None,
     eval_files: tuple[list[str], str] | None,
     resume_from: str | None,
     t_start: float,
-    price: Callable[[dict[str, Any]], dict[str, Any] | None] | None,
+    price: Callable[[dict[str, Any]], Mapping[str, object] | None] | None,
     unpriced: str | None = None,
     trained: Callable[[], None] | None = None,
     bundle: RunBundle | None = None,
+    attempt: SegmentStart | None = None,
 ) -> RunResult:
     """Everything of :func:`run_training` after the run folder exists: Ray, data, the trainer, the summary.
 
     ``trained`` (optional) is called once the trainer has returned and Ray is needed no more (a local Ray then shuts
     down while the export and the report are written). ``bundle``: told of every logged step, and finished with the
     whole run folder at the end."""
-    import ray
-    import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
-    from ray.util.queue import Queue
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from raytrain_eks.report.plots import can_draw, load_plotting
-    from raytrain_eks.report.tracking import Tracker
-    from raytrain_eks.train.checkpoint import (
-        RAY_DIR,
-        checkpoint_root,
-        forget_ray_snapshot,
-        storage_root,
+    run = _prepared_run(
+        run_dir,
+        cfg,
+        address=address,
+        say=say,
+        progress=progress,
+        verbose=verbose,
+        model_path=model_path,
+        data_files=data_files,
+        eval_files=eval_files,
+        resume_from=resume_from,
+        bundle=bundle,
     )
-    from raytrain_eks.train.data.encoding import encoding_tokenizer
-    from raytrain_eks.train.prompts import sample_prompts
+    heard, error = _trained(run, say=say, progress=progress, bundle=bundle, trained=trained)
+    return _finished(
+        run, heard, error, t_start=t_start, say=say, price=price, unpriced=unpriced, bundle=bundle, attempt=attempt
+    )
+
+
+def _finished(
+    run: _PreparedRun,
+    heard: Collected,
+    error: BaseException | None,
+    *,
+    t_start: float,
+    say: Callable[[str], None],
+    price: Callable[[dict[str, Any]], Mapping[str, object] | None] | None,
+    unpriced: str | None,
+    bundle: RunBundle | None,
+    attempt: SegmentStart | None = None,
+) -> RunResult:
+    """The run after its trainer: the summary (:func:`_summarised`) priced and written, its segment added, the
+    tracker finished, the report written and the bundle finished."""
+    from raytrain_eks.report.plots import can_draw, load_plotting
+
+    # The report's plotting library loads on a thread while the model is exported (both take a second or two).
+    if can_draw():
+        threading.Thread(target=load_plotting, name="import-plotting", daemon=True).start()
+    run.tracker.close()
+    run_dir = run.run_dir
+    summary = _summarised(
+        run_dir,
+        run.cfg,
+        heard,
+        error,
+        root=run.root,
+        model_path=run.model_path,
+        data_counts=run.data_counts,
+        t_start=t_start,
+        say=say,
+    )
+    if price is not None:
+        summary["cost"] = price(summary)
+    elif unpriced is not None:
+        summary["cost"], summary["cost_note"] = None, unpriced
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if attempt is not None:  # before the report and the bundle, which show and keep it
+        append_segment(run_dir, attempt.ended(summary))
+    run.tracker.finish(summary)
+    say(report_line(run_dir))
+    if bundle is not None and bundle.finish(summary):  # else its warning said what is missing
+        say(bundle_note(bundle.location))
+    return RunResult(
+        run_dir=run_dir, summary=summary, records=heard.records, bundle=bundle.location if bundle is not None else None
+    )
+
+
+def _prepared_run(
+    run_dir: Path,
+    cfg: Config,
+    *,
+    address: str | None,
+    say: Callable[[str], None],
+    progress: Progress | None,
+    verbose: bool,
+    model_path: str,
+    data_files: tuple[list[str], str] | None,
+    eval_files: tuple[list[str], str] | None,
+    resume_from: str | None,
+    bundle: RunBundle | None,
+) -> _PreparedRun:
+    """Ray (started or joined), the workers counted, the configuration resized for them on a resume, the data
+    prepared, the checkpoints' folder, the workers' environment, the sample prompts and the tracker."""
+    import ray
+
+    from raytrain_eks.report.tracking import Tracker
+    from raytrain_eks.train.checkpoint import checkpoint_root, forget_ray_snapshot
 
     training = cfg.training
-
     init_ray(address, training.num_workers or LOCAL_CPU_WORKERS, verbose)
     num_workers, use_gpu = resolve_num_workers(training.num_workers, int(ray.cluster_resources().get("GPU", 0)))
     say(f"ray: {num_workers} {'GPU' if use_gpu else 'CPU'} workers, model {training.model_id}")
@@ -316,9 +438,7 @@ def _train_in(
     if bundle is not None:  # the workers run under this driver's Ray job: their output joins the bundle's syncs
         bundle.follow_workers(ray.get_runtime_context().get_job_id())
 
-    datasets, prepared, data_counts = _prepared_data(
-        cfg, model_path, data_files, eval_files, num_workers, progress, say
-    )
+    data, data_counts = _prepared_data(cfg, model_path, data_files, eval_files, num_workers, progress, say)
 
     root = checkpoint_root(run_dir, training.storage_path)
     if resume_from is not None:
@@ -330,72 +450,53 @@ def _train_in(
         board_name = f"raytrain-eks-watchdog-{run_dir.name}-{os.getpid()}-{secrets.token_hex(4)}"
     worker_env = worker_environment(cfg, f"{run_dir.name}-{os.getpid()}", use_gpu=use_gpu, watchdog=board_name)
 
-    prompts = sample_prompts(
-        training.sample_prompts,
-        data_files,
-        training.data_format,
-        training.text_field,
-        encoding_tokenizer(model_path, training.chat_template),
-        columns=training.columns or None,
-        csv_delimiter=training.csv_delimiter,
-    )
-    tracker = Tracker(run_dir, cfg)
-    # The metric records' queue lives on the driver's node, with no CPU of its own (a cluster's head offers none):
-    # a worker node that is lost and replaced mid-run takes none of the run's driver-side state with it.
-    queue = Queue(
-        actor_options={
-            "num_cpus": 0,
-            "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        }
-    )
-    board = start_board(board_name) if board_name else None  # before the workers, which look it up by name
-    trainer = TorchTrainer(
-        _worker_entry,
-        train_loop_config={
-            "job": WorkerJob(
-                training=training.model_dump(mode="json"),
-                # A staged model: each worker reads its own node's copy (the driver's folder is on its own node).
-                model_path=training.model_id if is_staged_location(training.model_id) else model_path,
-                metrics_queue=queue,
-                checkpoint_root=root,
-                resume_from=resume_from,
-                fabric_require=cfg.fabric.require,
-                fabric_require_full_efa=cfg.fabric.require_full_efa,
-                fabric_instance_type=cfg.cluster.gpu_node_type,
-                datasets=datasets,
-                sample_prompts=prompts[1],
-            )
-        },
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo"),
-        scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
-        run_config=ray.train.RunConfig(
-            name=RAY_DIR,
-            storage_path=storage_root(run_dir, training.storage_path),
-            failure_config=ray.train.FailureConfig(max_failures=training.max_failures),
-            worker_runtime_env={"env_vars": worker_env},  # Ray Train v2's RunConfig (ray.train picks v2 at import)
-        ),
+    return _PreparedRun(
+        run_dir=run_dir,
+        cfg=cfg,
+        model_path=model_path,
+        resume_from=resume_from,
+        num_workers=num_workers,
+        use_gpu=use_gpu,
+        root=root,
+        board_name=board_name,
+        worker_env=worker_env,
+        prompts=_prompts(cfg, model_path, data_files),
+        tracker=Tracker(run_dir, cfg),
+        data=data,
+        data_counts=data_counts,
     )
 
-    outcome: dict[str, Any] = {}
+
+def _trained(
+    run: _PreparedRun,
+    *,
+    say: Callable[[str], None],
+    progress: Progress | None,
+    bundle: RunBundle | None,
+    trained: Callable[[], None] | None,
+) -> tuple[Collected, BaseException | None]:
+    """The trainer run on a thread while the driver collects what the workers send
+    (:func:`~raytrain_eks.train.collect.collect`): what was heard, and the trainer's error (``None`` when it returned).
+    A :class:`TrainingError` when the watchdog finds the ranks hung. Every reference into Ray is let go before
+    ``trained`` is called."""
+    import ray
+
+    queue = _driver_queue()
+    board = start_board(run.board_name) if run.board_name else None  # before the workers, which look it up by name
+    trainer = _trainer(run, queue)
+    outcome: dict[str, object] = {}
     abandoned = threading.Event()  # the run ended without this thread (hung ranks): Ray may go before fit returns
-
-    def fit() -> None:
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as exc:  # handed to the main thread below
-            outcome["error"] = exc
-        finally:
-            try:
-                queue.put(_DONE)  # wakes the driver's blocking get: no polling while training runs
-            except Exception:
-                if not abandoned.is_set():  # nobody waits for this thread any more, and its queue went with Ray
-                    raise
-
-    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
-    thread.start()
-    watchdog = _start_watchdog(board, board_name, cfg, num_workers, use_gpu, run_dir, queue.put, say)
-    heard = _collect(
-        queue, run_dir, training.steps, say=say, tracker=tracker, bundle=bundle, progress=progress, prompts=prompts[0]
+    thread = _fit_thread(trainer, queue, outcome, abandoned)
+    watchdog = _start_watchdog(board, run, queue.put, say)
+    heard = collect(
+        queue,
+        run.run_dir,
+        run.cfg.training.steps,
+        say=say,
+        tracker=run.tracker,
+        bundle=bundle,
+        progress=progress,
+        prompts=run.prompts[0],
     )
     if watchdog is not None:
         watchdog.stop()
@@ -406,67 +507,129 @@ def _train_in(
         if bundle is not None:
             bundle.last_worker_logs()
         raise TrainingError(
-            heard.hung.message, hint=f"Stacks of every rank: {run_dir / 'watchdog'}; resume with --resume {run_dir}"
+            heard.hung.message,
+            hint=f"Stacks of every rank: {run.run_dir / 'watchdog'}; resume with --resume {run.run_dir}",
         )
     thread.join()
     if bundle is not None:  # the ranks' output as they left it, finished or failed, before a local Ray goes
         bundle.last_worker_logs()
     queue.shutdown(force=True)
+    error = outcome.get("error")
     if trained is not None:
         # Ray begins to stop on another thread: first every object reference and actor handle of this run goes, while
         # Ray still answers. One dropped later (by the collector, on any thread) reaches a core worker that has shut
         # down, and Ray ends the whole process there with status 1 and no message.
-        del queue, trainer, datasets, prepared, board, watchdog
+        del queue, trainer, board, watchdog
+        run.data.release()
         outcome.pop("result", None)
         gc.collect()
         trained()
-    # The report's plotting library loads on a thread while the model is exported (both take a second or two).
-    if can_draw():
-        threading.Thread(target=load_plotting, name="import-plotting", daemon=True).start()
-    tracker.close()
+    return heard, error if isinstance(error, BaseException) else None
 
-    summary = _summarised(
-        run_dir,
-        cfg,
-        heard,
-        outcome.get("error"),
-        root=root,
-        model_path=model_path,
-        data_counts=data_counts,
-        t_start=t_start,
-        say=say,
+
+def _driver_queue() -> Queue:
+    """The metric records' queue, on the driver's node with no CPU of its own (a cluster's head offers none): a worker
+    node that is lost and replaced mid-run takes none of the run's driver-side state with it."""
+    import ray
+    from ray.util.queue import Queue
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = ray.get_runtime_context().get_node_id()
+    return Queue(actor_options={"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)})
+
+
+def _fit_thread(
+    trainer: TorchTrainer, queue: Queue, outcome: dict[str, object], abandoned: threading.Event
+) -> threading.Thread:
+    """``trainer.fit()`` started on a thread: its result or error goes into ``outcome``, then the end of the messages
+    into ``queue``. Once ``abandoned`` is set (the driver no longer waits), a queue gone with Ray is no error."""
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # handed to the main thread below
+            outcome["error"] = exc
+        finally:
+            try:
+                queue.put(DONE)  # wakes the driver's blocking get: no polling while training runs
+            except Exception:
+                if not abandoned.is_set():  # nobody waits for this thread any more, and its queue went with Ray
+                    raise
+
+    thread = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    thread.start()
+    return thread
+
+
+def _prompts(cfg: Config, model_path: str, data_files: tuple[list[str], str] | None) -> tuple[list[str], list[str]]:
+    """The sample prompts: as a person reads them, and as the model gets them."""
+    from raytrain_eks.train.data.encoding import encoding_tokenizer
+    from raytrain_eks.train.prompts import sample_prompts
+
+    training = cfg.training
+    return sample_prompts(
+        training.sample_prompts,
+        data_files,
+        training.data_format,
+        training.text_field,
+        encoding_tokenizer(model_path, training.chat_template),
+        columns=training.columns or None,
+        csv_delimiter=training.csv_delimiter,
     )
-    if price is not None:
-        summary["cost"] = price(summary)
-    elif unpriced is not None:
-        summary["cost"], summary["cost_note"] = None, unpriced
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    tracker.finish(summary)
-    say(report_line(run_dir))
-    if bundle is not None and bundle.finish(summary):  # else its warning said what is missing
-        say(bundle_note(bundle.location))
-    return RunResult(
-        run_dir=run_dir, summary=summary, records=heard.records, bundle=bundle.location if bundle is not None else None
+
+
+def _trainer(run: _PreparedRun, queue: Queue) -> TorchTrainer:
+    """The run's ``TorchTrainer``: its workers send their messages to ``queue``."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raytrain_eks.train.checkpoint import RAY_DIR, storage_root
+
+    training = run.cfg.training
+    return TorchTrainer(
+        _worker_entry,
+        train_loop_config={
+            "job": WorkerJob(
+                training=training.model_dump(mode="json"),
+                # A staged model: each worker reads its own node's copy (the driver's folder is on its own node).
+                model_path=training.model_id if is_staged_location(training.model_id) else run.model_path,
+                metrics_queue=queue,
+                checkpoint_root=run.root,
+                resume_from=run.resume_from,
+                fabric_require=run.cfg.fabric.require,
+                fabric_require_full_efa=run.cfg.fabric.require_full_efa,
+                fabric_instance_type=run.cfg.cluster.gpu_node_type,
+                datasets=run.data.datasets,
+                sample_prompts=run.prompts[1],
+            )
+        },
+        torch_config=TorchConfig(backend="nccl" if run.use_gpu else "gloo"),
+        scaling_config=ray.train.ScalingConfig(num_workers=run.num_workers, use_gpu=run.use_gpu),
+        run_config=ray.train.RunConfig(
+            name=RAY_DIR,
+            storage_path=storage_root(run.run_dir, training.storage_path),
+            failure_config=ray.train.FailureConfig(max_failures=training.max_failures),
+            worker_runtime_env={"env_vars": run.worker_env},  # Ray Train v2's RunConfig (ray.train picks v2 at import)
+        ),
     )
 
 
 def _prepared_data(
     cfg: Config,
     model_path: str,
-    data_files: Any,
+    data_files: tuple[list[str], str] | None,
     eval_files: tuple[list[str], str] | None,
     num_workers: int,
-    progress: Any | None,
+    progress: Progress | None,
     say: Callable[[str], None],
-) -> tuple[dict[str, Any], Any, dict[str, Any] | None]:
-    """The packed data sets the workers read (none for random token ids), the prepared data behind them, and its
+) -> tuple[_RayData, dict[str, object] | None]:
+    """The packed data sets the workers read (none for random token ids) with the prepared data behind them, and its
     counts (``summary.json``'s ``data_counts``)."""
     from raytrain_eks.train.data.pipeline import prepare_for, train_datasets
 
     training = cfg.training
-    datasets: dict[str, Any] = {}
-    prepared: Any = None
-    data_counts: dict[str, Any] | None = None  # what the data held and how it packed (summary.json's data_counts)
+    data = _RayData()
+    data_counts: dict[str, object] | None = None  # what the data held and how it packed (summary.json's data_counts)
     if not training.uses_random_data:
         prepared = prepare_for(
             training,
@@ -483,97 +646,30 @@ def _prepared_data(
         if stage is not None:
             stage("ready; starting the training workers")
         # Every rank reads all of the (small) held-out set and keeps its share: splitting would drop a remainder.
-        datasets = train_datasets(prepared.dataset, _eval_dataset(cfg, prepared, eval_files, model_path, say))
+        data = _RayData(
+            train_datasets(prepared.dataset, _eval_dataset(cfg, prepared, eval_files, model_path, say)), prepared
+        )
     else:
         say(f"data: random token ids, {training.seq_len} tokens per sample")
 
-    return datasets, prepared, data_counts
-
-
-@dataclass
-class _Collected:
-    """What the driver heard from the workers: the summary rank 0 sent, the logged steps, the stragglers named, the
-    workers' tracebacks, and the watchdog's finding when the ranks stopped advancing."""
-
-    summary: dict[str, Any] = field(default_factory=dict)
-    records: list[dict[str, Any]] = field(default_factory=list)
-    stragglers: list[dict[str, Any]] = field(default_factory=list)
-    tracebacks: list[str] = field(default_factory=list)
-    hung: Finding | None = None
-
-
-def _collect(
-    queue: Any,
-    run_dir: Path,
-    steps: int,
-    *,
-    say: Callable[[str], None],
-    tracker: Any,
-    bundle: RunBundle | None,
-    progress: Any | None,
-    prompts: list[str],
-) -> _Collected:
-    """The workers' messages until training ends (or the watchdog finds the ranks hung): each logged step appended
-    to ``metrics.jsonl`` (never truncated: a resumed run keeps every attempt's steps), tracked, bundled and shown;
-    notes, stragglers and the fabric's report said; the samples written."""
-    from raytrain_eks.train.prompts import write_samples
-
-    heard = _Collected()
-    unlogged = 0  # the stragglers named so far that a logged step's record carries
-    # Appended, never truncated: a resumed run keeps the steps of every attempt.
-    with (run_dir / "metrics.jsonl").open("a") as metrics_file:
-        while True:
-            record = queue.get()
-            if record == _DONE:
-                break
-            match record:
-                case Finished():
-                    heard.summary.update(record.summary)
-                case WorkerFailure():
-                    heard.tracebacks.append(f"--- worker rank {record.rank} ---\n{record.traceback}")
-                case Note():  # a line for the user from rank 0, such as the precision chosen
-                    say(record.text)
-                case Finding():  # the watchdog's: no rank advances; the stacks are in the run folder
-                    heard.hung = record
-                    say(record.message)
-                    break
-                case Straggler():
-                    say(record.line())
-                    heard.stragglers.append(record.to_json())
-                case Samples():
-                    write_samples(run_dir, prompts, record.samples)
-                case FabricLook():
-                    _write_nccl_lines(run_dir / "nccl", record.nccl_lines)
-                    say(record.fabric["report"])
-                case StepRecord():
-                    line = record.to_json()
-                    if len(heard.stragglers) > unlogged:
-                        line["stragglers"], unlogged = heard.stragglers[unlogged:], len(heard.stragglers)
-                    heard.records.append(line)
-                    metrics_file.write(json.dumps(line) + "\n")
-                    metrics_file.flush()
-                    tracker.log(line)
-                    if bundle is not None:
-                        bundle.step(line)
-                    if progress is not None:
-                        progress(line, steps)
-    return heard
+    return data, data_counts
 
 
 def _summarised(
     run_dir: Path,
     cfg: Config,
-    heard: _Collected,
+    heard: Collected,
     error: BaseException | None,
     *,
     root: str,
     model_path: str,
-    data_counts: dict[str, Any] | None,
+    data_counts: dict[str, object] | None,
     t_start: float,
     say: Callable[[str], None],
 ) -> dict[str, Any]:
     """The run's summary once training is over, its model exported (unless a notice ended it); a
     :class:`TrainingError` when the workers failed, sent no summary, or the transport was not the one required."""
+    from raytrain_eks.evaluation.run import evaluate_run
     from raytrain_eks.train.checkpoint import latest_complete, list_checkpoints
     from raytrain_eks.train.export import export_hf
 
@@ -611,6 +707,9 @@ def _summarised(
         # A LoRA run's export merges the adapters into the base it trained on (model_path: already here).
         summary["model_dir"] = str(export_hf(final, run_dir / "model", base=model_path))
         say(f"model: {summary['model_dir']} (Hugging Face format)")
+        if eval_tasks := training.eval_tasks:  # --eval-tasks: RUN/eval.json before report, bundle
+            workers = int(summary.get("world_size") or 1)  # a cluster job scores on as many GPUs as it trained on
+            summary["eval"] = evaluate_run(run_dir, list(eval_tasks), workers=workers, say=say)["tasks"]
     summary["wall_s"] = time.perf_counter() - t_start
     summary["model_id"] = training.model_id
     summary["data"] = training.data
@@ -635,94 +734,37 @@ def report_line(run_dir: Path) -> str:
     return f"report: {write_report([run_dir], run_dir)}"
 
 
-# PyTorch's caching allocator on the GPU workers: segments that grow in place instead of a new block per size, which
-# keeps the memory reserved beyond what is allocated small when shapes vary (packed batches, loss chunks, gathered
-# layers); see the CUDA semantics notes of PyTorch's documentation. A value the user exports is kept.
-CUDA_ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-
-
-def compile_cache_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables that keep what torch.compile compiled: the inductor's FX graph cache and AOT autograd's cache,
-    both on (torch 2.13's defaults, set so that no site default turns them off), in one folder per user on each
-    node, ``/tmp/raytrain-eks-<user>/inductor``. The folder outlives the worker processes, so a worker group Ray
-    Train restarts, or the next run on the node, loads the compiled layers rather than compiling them again. A value
-    the user set in ``environ`` is kept (``TORCHINDUCTOR_CACHE_DIR``, or ``TORCHINDUCTOR_FX_GRAPH_CACHE=0``)."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):  # a container's user without a passwd entry (torch names it by its uid too)
-        user = f"uid{os.getuid()}"
-    # /tmp, not this process's temp folder: the path is chosen here but used on every node, and a driver on macOS
-    # has a per-user temp folder the Linux nodes lack.
-    default = f"/tmp/raytrain-eks-{re.sub(r'[^A-Za-z0-9._-]', '_', user)}/inductor"
-    wanted = {
-        "TORCHINDUCTOR_CACHE_DIR": default,
-        "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
-        "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
-    }
-    return {name: environ.get(name) or value for name, value in wanted.items()}
-
-
-def worker_environment(cfg: Config, nccl_name: str, *, use_gpu: bool, watchdog: str | None = None) -> dict[str, str]:
-    """The environment the training workers get. Workers inherit the raylet's environment, not the driver's, so
-    what they need is passed explicitly: the staged model's offline switch, NCCL's evidence file (``nccl_name``
-    names it) unless the fabric requirement is ``any``, the allocator setting on GPU workers, the compile cache
-    (:func:`compile_cache_environment`), the watchdog's board (``watchdog``: its actor's name; on GPU workers the
-    NCCL flight recorder with it), the instance metadata service's endpoint and off switch where the driver's
-    environment sets them (:mod:`.preemption`), and the test faults."""
-    env: dict[str, str] = compile_cache_environment(os.environ)
-    if is_staged_location(cfg.training.model_id):  # read from where it is staged: no worker asks the Hub
-        env["HF_HUB_OFFLINE"] = "1"
-        if os.environ.get(MODEL_CACHE_ENV):
-            env[MODEL_CACHE_ENV] = os.environ[MODEL_CACHE_ENV]
-    if cfg.fabric.require != "any":
-        env.update(nccl_env(nccl_name))
-    if use_gpu:
-        name, default = CUDA_ALLOC_CONF
-        env[name] = os.environ.get(name) or default
-    if watchdog:
-        env[WATCHDOG_ENV] = watchdog
-        if use_gpu:
-            env.update(nccl_trace_env(watchdog))
-    for fault in (FAULT_ENV, SLOW_WRITE_ENV, METADATA_ENV, METADATA_OFF_ENV):  # a local run's metadata service too
-        if os.environ.get(fault):
-            env[fault] = os.environ[fault]
-    if os.environ.get(METADATA_ENV) and not os.environ.get(METADATA_OFF_ENV):
-        # An endpoint named to the driver is asked, even by workers of a Ray started with the service turned off.
-        env[METADATA_OFF_ENV] = "false"
-    return env
-
-
 def _start_watchdog(
-    board: Any,
-    board_name: str | None,
-    cfg: Config,
-    world_size: int,
-    use_gpu: bool,
-    run_dir: Path,
+    board: ActorHandle | None,
+    run: _PreparedRun,
     found: Callable[[Finding | Straggler], None],
     say: Callable[[str], None],
-) -> Any:
+) -> Watchdog | None:
     """The run's :class:`~raytrain_eks.train.watchdog.Watchdog`, started (``None`` with ``training.watchdog`` off)."""
     from raytrain_eks.train.watchdog import Watchdog, WatchSettings
 
     if board is None:
         return None
-    training = cfg.training
+    training = run.cfg.training
     settings = WatchSettings(
-        world_size=world_size,
+        world_size=run.num_workers,
         last_step=training.steps,
         factor=training.watchdog_factor,
         floor_s=training.watchdog_floor_s,
-        nccl=board_name if use_gpu else None,
+        nccl=run.board_name if run.use_gpu else None,
         straggler_margin=training.straggler_margin,
         straggler_steps=training.straggler_steps,
     )
-    return Watchdog(board, settings, run_dir, found, say).start()
+    return Watchdog(board, settings, run.run_dir, found, say).start()
 
 
 def _eval_dataset(
-    cfg: Config, prepared: Any, eval_files: tuple[list[str], str] | None, model_path: str, say: Callable[[str], None]
-) -> Any:
+    cfg: Config,
+    prepared: PreparedData,
+    eval_files: tuple[list[str], str] | None,
+    model_path: str,
+    say: Callable[[str], None],
+) -> object:
     """The packed held-out data: the rows held out of the training data, or ``training.eval_data`` (``eval_files``,
     its listing); ``None`` without either."""
     from raytrain_eks.train.data.pipeline import prepare_for
@@ -842,9 +884,3 @@ def error_report(exc: BaseException) -> str:
 def _last_line(exc: BaseException) -> str:
     lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
     return f"{type(exc).__name__}: {lines[-1]}" if lines else type(exc).__name__
-
-
-def _write_nccl_lines(folder: Path, lines_by_rank: list[list[str]]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    for rank, lines in enumerate(lines_by_rank):
-        (folder / f"rank{rank:05d}.log").write_text("".join(line + "\n" for line in lines))
