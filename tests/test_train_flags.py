@@ -183,3 +183,13 @@ def test_eval_tasks_without_an_export_are_refused_before_anything_starts(tmp_pat
     err = capsys.readouterr().err
     assert "eval_tasks score the exported model: set export to true" in err and "Traceback" not in err
     assert not (tmp_path / "runs").exists()
+
+
+def test_an_eval_task_lm_eval_does_not_know_stops_the_run_before_it_trains(starts_ray, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--eval-tasks", "raytrain_sample_mc,no_such_task_here", "--output-dir", str(tmp_path / "run")])
+    assert info.value.code != 0
+    err = capsys.readouterr().err
+    assert "unknown lm-eval task(s): no_such_task_here" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()

@@ -216,6 +216,10 @@ def run_training(
         model_config = check_model(model_path)
         check_attention(training.attention, training.precision, model_config, local=address is None)
         check_loss_kernel(training.loss_kernel, local=address is None)
+        if training.eval_tasks:  # a task name lm-eval does not know stops the run now, not after the training
+            from raytrain_eks.evaluation.harness import check_task_names, task_manager
+
+            check_task_names(list(training.eval_tasks), task_manager(list(training.eval_tasks), []))
         lora = check_lora(model_config, training.adapters) if training.adapters is not None else None
         if address:
             # Joining a cluster: its nodes decide whether the checkpoints need storage every node reaches, and where
