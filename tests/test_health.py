@@ -29,6 +29,7 @@ from raytrain_eks.deploy import commands as deploy_commands
 from raytrain_eks.eks.replace import instance_of, replace_instance
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.probe import PairsReport, ProbeNode, ProbeSpec, build_report
+from raytrain_eks.folders import NODE_CHECKS_ENV, keep_node_checks
 from raytrain_eks.health import parsers
 from raytrain_eks.health.node import Expectation, Finding, NodeHealth, check_node
 from raytrain_eks.health.pairs import PairFigure, judge_pairs
@@ -350,9 +351,19 @@ def test_submit_gate_refuses_a_slow_pair_and_keeps_the_checks_in_the_run_folder(
     ready.probe.slow.clear()
     result = ready.submit(checks=True)
     assert result.exit_code == 0 and result.run_dir == RUN_DIR and len(ready.ray.submitted) == 1
-    kept = json.loads((ready.ray.tmp / "head" / RUN_DIR.lstrip("/") / checks.HEALTH_FILE).read_text())
+    # The checks are left in the head pod for the job, which is told where by its runtime_env: its driver keeps them
+    # in the run folder before it trains (keep_node_checks), so its report and bundle have them.
+    (argv,) = ready.ray.submitted
+    env_vars = json.loads(argv[argv.index("--runtime-env-json") + 1])["env_vars"]
+    handed = ready.ray.tmp / "head" / env_vars[NODE_CHECKS_ENV].lstrip("/")
+    kept = json.loads(handed.read_text())
     assert kept["ok"] is True and [n["node"] for n in kept["nodes"]] == nodes
     assert [(p["nodes"], p["busbw_gbps"]) for p in kept["pairs"]["pairs"]] == [(nodes, 35.0)]
+    run_dir = ready.ray.tmp / "run"
+    run_dir.mkdir()  # the job's run folder (run_training makes it, then keeps the checks)
+    assert keep_node_checks(run_dir, {NODE_CHECKS_ENV: str(handed)})
+    assert json.loads((run_dir / checks.HEALTH_FILE).read_text()) == kept
+    assert not keep_node_checks(run_dir, {})  # a job submitted without the gate keeps none
 
 
 def test_submit_gate_stops_before_the_job_and_skip_checks_runs_it(ready: World, monkeypatch: pytest.MonkeyPatch):

@@ -9,7 +9,16 @@ Example::
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Mapping
 from pathlib import Path
+
+# The node checks ``submit`` ran before a job (``raytrain-eks check``'s JSON): the job finds them at the path this
+# variable names (in the head pod, where its driver runs) and keeps them in its run folder as NODE_CHECKS, which the
+# report's health section and the run bundle read.
+NODE_CHECKS_ENV = "RAYTRAIN_EKS_NODE_CHECKS"
+NODE_CHECKS = "health/check.json"
 
 
 def new_folder(root: Path, stem: str, *, create: bool = True) -> Path:
@@ -29,3 +38,14 @@ def new_folder(root: Path, stem: str, *, create: bool = True) -> Path:
                 pass
         n += 1
         path = root / f"{stem}-{n}"
+
+
+def keep_node_checks(run_dir: Path, environ: Mapping[str, str] = os.environ) -> bool:
+    """Copy the node checks ``submit`` ran before this job (the file :data:`NODE_CHECKS_ENV` names) into the run
+    folder (:data:`NODE_CHECKS`), where the report's health section and the bundle find them. Whether it did."""
+    source = environ.get(NODE_CHECKS_ENV)
+    if not source or not Path(source).is_file():
+        return False
+    (run_dir / NODE_CHECKS).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, run_dir / NODE_CHECKS)
+    return True

@@ -15,12 +15,14 @@ instance). Example::
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.probe import ProbeSpec
+from raytrain_eks.folders import NODE_CHECKS, NODE_CHECKS_ENV
 from raytrain_eks.health.node import Expectation, NodeHealth, check_node, table
 from raytrain_eks.health.pairs import MIN_BANDWIDTH_FRACTION, PairCheck, PairFigure, judge_pairs
 from raytrain_eks.instances import INSTANCE_TYPES
@@ -301,7 +303,7 @@ def before_job(
 
 
 #: Where a run folder keeps the checks of the nodes it ran on (the report's health section reads it).
-HEALTH_FILE = "health/check.json"
+HEALTH_FILE = NODE_CHECKS
 # Writes stdin to the file named by its argument, making its folder: run by the head pod's python3.
 _WRITE = (
     "import os, sys; os.makedirs(os.path.dirname(sys.argv[1]), exist_ok=True); "
@@ -309,15 +311,20 @@ _WRITE = (
 )
 
 
-def record_health(d: Deployment, head: Pod, run_dir: str, health: ClusterHealth) -> None:
-    """Keep the gate's checks in the job's run folder in the head pod (:data:`HEALTH_FILE`), said when it cannot."""
-    path = f"{run_dir.rstrip('/')}/{HEALTH_FILE}"
+def hand_over_health(d: Deployment, head: Pod, health: ClusterHealth) -> dict[str, str]:
+    """Leave the gate's checks in the head pod for the job about to start, and return the job's environment that
+    names them (:data:`~raytrain_eks.folders.NODE_CHECKS_ENV`): its driver keeps them in the run folder
+    (:data:`HEALTH_FILE`) before it trains, so its report and bundle have them. Empty (said) when they cannot be
+    written."""
+    path = f"/tmp/raytrain-eks/node-checks-{secrets.token_hex(4)}.json"
     argv = [m.IMAGE_PYTHON, "-c", _WRITE, path]
     res = d.kube.exec(
         head.namespace, head.name, argv, timeout=CHECK_TIMEOUT_S, stdin=health.to_json(), container="ray-head"
     )
     if not res.ok:
-        d.say(f"the node checks were not written into the run folder: {(res.stderr or res.stdout).strip()[-200:]}")
+        d.say(f"the node checks were not handed to the job: {(res.stderr or res.stdout).strip()[-200:]}")
+        return {}
+    return {NODE_CHECKS_ENV: path}
 
 
 def cordon(d: Deployment, node: str) -> str:

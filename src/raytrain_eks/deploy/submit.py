@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from raytrain_eks.config import BUILTIN_MODEL, Config
 from raytrain_eks.deploy import offline as offline_wheels
-from raytrain_eks.deploy.checks import before_job, record_health
+from raytrain_eks.deploy.checks import before_job, hand_over_health
 from raytrain_eks.deploy.fit import fit_on_image
 from raytrain_eks.deploy.results import run_bundle, where_the_run_is
 from raytrain_eks.deploy.target import target_for
@@ -253,10 +253,11 @@ def submit_job(
     code_dir: str,
     *,
     packages: offline_wheels.JobPackages | None = None,
+    env_vars: dict[str, str] | None = None,
 ) -> str:
     """``ray job submit --no-wait`` in the head pod; returns the submission id. ``packages``: how the runtime_env
     brings what the image lacks (``None``: what :func:`image_lacks` finds); unpacked wheels are copied into the head
-    pod first, and named in ``py_modules``.
+    pod first, and named in ``py_modules``. ``env_vars``: the job's environment (the node checks it keeps).
 
     While the dashboard says its job agent is not ready, the same submission is tried again every
     :data:`AGENT_RETRY_S` for up to :data:`AGENT_WAIT_S`; a try that reached the agent after all (its status is
@@ -272,6 +273,7 @@ def submit_job(
         pip=packages.pip,
         pip_options=packages.pip_options(),
         modules=modules,
+        env_vars=env_vars,
     )
     start = d.clock()
     while True:
@@ -643,7 +645,8 @@ def submit(
                 )
         if submission_id is None:
             code_dir = _upload_package(d, head) if rayjob_id is None else ""
-            submission_id = rayjob_id if rayjob_id is not None else submit_job(d, head, code_dir, packages=packages)
+            handed = hand_over_health(d, head, health) if health is not None else None  # raycluster's gate only
+            submission_id = rayjob_id or submit_job(d, head, code_dir, packages=packages, env_vars=handed)
         d.state.update(
             job={"id": submission_id, "mode": mode, "namespace": ns, "raycluster": cluster, "status": "RUNNING"}
         )
@@ -657,8 +660,6 @@ def submit(
     result = _judge(d, submission_id, final, workers)
     result.run_dir = run_dirs[-1] if run_dirs else None
     result.bundle = bundles[-1] if bundles else run_bundle(cfg, result.run_dir)
-    if health is not None and result.run_dir:
-        record_health(d, head, result.run_dir, health)
     d.state.update(job={**d.state.get("job"), "run_dir": result.run_dir, "bundle": result.bundle})  # for `down`
     if mode == "rayjob":
         if result.bundle is None and result.run_dir:  # no storage: what can be read goes here before the pods go

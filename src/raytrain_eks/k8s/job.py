@@ -402,14 +402,18 @@ def runtime_env(
     pip: list[str] | None = None,
     pip_options: list[str] | None = None,
     modules: Sequence[str] = (),
+    env_vars: Mapping[str, str] | None = None,
 ) -> dict[str, object]:
     """The job's Ray ``runtime_env``: pip installs ``pip`` (default: all of :func:`job_requirements`; ``submit``
     leaves out what the image has in range, and what travels in ``modules``), ``py_modules`` ships ``raytrain_eks``
     from ``code_dir`` (a path where ``ray job submit`` runs) and then ``modules`` (:func:`shipped_modules`).
     ``pip_options`` (``submit --offline``: the local wheelhouse, no index) go to ``pip install`` in Ray's dict form.
-    No secret is ever put here. Example: ``runtime_env("/c", [], modules=["/p/peft", "/p/peft-0.21.2.dist-info"])
+    ``env_vars`` are set for the job's driver and workers. No secret is ever put here.
+    Example: ``runtime_env("/c", [], modules=["/p/peft", "/p/peft-0.21.2.dist-info"])
     == {"py_modules": ["/c/raytrain_eks", "/p/peft", "/p/peft-0.21.2.dist-info"]}``."""
     env: dict[str, object] = {"py_modules": [f"{code_dir}/raytrain_eks", *modules]}
+    if env_vars:
+        env["env_vars"] = dict(env_vars)
     packages = job_requirements() if pip is None else pip
     if packages and pip_options:
         return {"pip": {"packages": packages, "pip_install_options": list(pip_options)}, **env}
@@ -554,6 +558,7 @@ def ray_job_submit_argv(
     pip: list[str] | None = None,
     pip_options: list[str] | None = None,
     modules: Sequence[str] = (),
+    env_vars: Mapping[str, str] | None = None,
 ) -> list[str]:
     """``ray job submit`` as run in the head pod: the job's ``runtime_env`` (:func:`runtime_env` of ``code_dir``,
     ``pip``, ``pip_options`` and ``modules``) and its entrypoint (:func:`raytrain_eks.k8s.manifests.train_argv`).
@@ -564,5 +569,5 @@ def ray_job_submit_argv(
         argv += ["--submission-id", submission_id]
     if not wait:
         argv.append("--no-wait")
-    env = runtime_env(code_dir, pip, pip_options, modules)
+    env = runtime_env(code_dir, pip, pip_options, modules, env_vars)
     return [*argv, "--runtime-env-json", json.dumps(env), "--", *m.train_argv()]

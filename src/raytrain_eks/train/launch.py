@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from raytrain_eks.config import BUILTIN_DATA, Config, check_sharding_for_nodes, check_storage_for_nodes
 from raytrain_eks.errors import DataError, TrainingError, UserError
-from raytrain_eks.folders import new_folder
+from raytrain_eks.folders import keep_node_checks, new_folder
 from raytrain_eks.ray_session import (
     LOCAL_CPU_WORKERS,
     LocalRayStart,
@@ -240,6 +240,7 @@ def run_training(
             run_dir = new_run_dir(cfg, runs_root)
             say(f"run folder: {run_dir}")
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        keep_node_checks(run_dir)
         try:
             write_storage_config(run_dir, training.storage_path, cfg.to_yaml())
             bundle = RunBundle.start(run_dir, training.storage_path, total_steps=training.steps, lines=lines, warn=say)
