@@ -15,8 +15,9 @@ import logging
 import os
 import shutil
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -27,7 +28,7 @@ from typer._click.exceptions import ClickException
 
 from raytrain_eks import presets
 from raytrain_eks.aws import commands as aws_commands
-from raytrain_eks.config import DEFAULT_CONFIG_FILE, load_config
+from raytrain_eks.config import DEFAULT_CONFIG_FILE, Config, load_config
 from raytrain_eks.deploy import commands as deploy_commands
 from raytrain_eks.errors import ConfigError, UserError
 from raytrain_eks.eval_command import eval_command
@@ -35,6 +36,9 @@ from raytrain_eks.fabric import commands as fabric_commands
 from raytrain_eks.formats import FORMAT_NAMES
 from raytrain_eks.options import AddressOpt, ConfigOpt, JsonOpt, PresetOpt, SetOpt, VerboseOpt
 from raytrain_eks.report import commands as report_commands
+
+if TYPE_CHECKING:
+    from raytrain_eks.train.launch import RunResult
 
 # Typer's rich help gives each option a table row of five narrow columns and cuts what does not fit with "…": option
 # names, defaults and paths, at 80 columns. Click's plain help wraps instead, so it is the help of pipes and narrow
@@ -195,28 +199,13 @@ def train(
         "eval_tasks": [t.strip() for t in eval_tasks.split(",") if t.strip()] if eval_tasks else None,
     }
     address = joined_address(address, err.print)
-    if resume is not None:
-        if output_dir is not None:
-            raise UserError("--resume continues the run in its own folder; leave out --output-dir")
-        if config is None:
-            config = _resume_config(resume)
-    try:
-        cfg = load_config(
-            preset=presets.choose(preset, address=address), path=config, overrides={"training": flags}, sets=sets
-        )
-    finally:
-        if config is not None and config.parent.name.startswith(_RESUME_TMP):  # a copy of a storage folder's
-            shutil.rmtree(config.parent, ignore_errors=True)
-    price = unpriced = None
-    if address is not None:  # priced by its target: at the price the user configured, or (EKS) on a cluster this
-        from raytrain_eks.deploy.target import (
-            target_for,  # tool deployed, from the record submit puts beside the config
-        )
-
-        price, unpriced = target_for(cfg).price(cfg, config)
-
+    if resume is not None and output_dir is not None:
+        raise UserError("--resume continues the run in its own folder; leave out --output-dir")
+    config = config if config is not None or resume is None else _resume_config(resume)
+    cfg = _train_config(flags, preset, config, address, sets)
+    price, unpriced = _train_price(cfg, config, address)
     from raytrain_eks.fabric.deployment import read_deployment
-    from raytrain_eks.report.segments import SEGMENTS, capacity_of, read_segments, segment_lines
+    from raytrain_eks.report.segments import capacity_of
 
     with _Progress() as progress:
         result = run_training(
@@ -230,6 +219,40 @@ def train(
             unpriced=unpriced,
             capacity=capacity_of(read_deployment(config), joined=address is not None),
         )
+    _said_at_the_end(result, cfg.training.steps)
+
+
+def _train_config(
+    flags: dict[str, Any], preset: str | None, config: Path | None, address: str | None, sets: list[str] | None
+) -> Config:
+    """``train``'s configuration: the preset for where it runs, the file (a resumed run's copy, removed once read),
+    the flags and ``--set``."""
+    try:
+        return load_config(
+            preset=presets.choose(preset, address=address), path=config, overrides={"training": flags}, sets=sets
+        )
+    finally:
+        if config is not None and config.parent.name.startswith(_RESUME_TMP):  # a copy of a storage folder's
+            shutil.rmtree(config.parent, ignore_errors=True)
+
+
+def _train_price(
+    cfg: Config, config: Path | None, address: str | None
+) -> tuple[Callable[[dict[str, object]], Mapping[str, object] | None] | None, str | None]:
+    """How a run on a cluster is priced by its target: at the price the user configured, or (EKS) on a cluster this
+    tool deployed, from the record submit puts beside the config; a local run is not priced."""
+    if address is None:
+        return None, None
+    from raytrain_eks.deploy.target import target_for
+
+    return target_for(cfg).price(cfg, config)
+
+
+def _said_at_the_end(result: RunResult, steps: int) -> None:
+    """``train``'s last lines: the segments of a resumed run, the cost, then how it ended (preempted: the exit status
+    and the command that resumes it) and where its folder and bundle are."""
+    from raytrain_eks.report.segments import SEGMENTS, read_segments, segment_lines
+
     segments = read_segments(result.run_dir / SEGMENTS)
     if len(segments) > 1:  # a resumed run: each attempt's steps, nodes, ending and cost
         for line in segment_lines(segments):
@@ -242,7 +265,7 @@ def train(
     if s.get("ended") == "preempted":  # saved, not failed: the next attempt continues from its checkpoint
         from raytrain_eks.train.preemption import EXIT_CODE
 
-        out.print(f"preempted after step {s['preempted']['step']} of {cfg.training.steps}: {s['preempted']['reason']}")
+        out.print(f"preempted after step {s['preempted']['step']} of {steps}: {s['preempted']['reason']}")
         out.print(f"Run folder: {result.run_dir}")
         out.print(f"Resume it (on any number of workers): raytrain-eks train --resume {result.run_dir}")
         raise typer.Exit(code=EXIT_CODE)
