@@ -915,8 +915,11 @@ def test_up_train_runs_the_job_with_its_checkpoints_in_the_bucket_up_created(
         world.d = dataclasses.replace(world.d, cfg=state.remembered_config(cfg, world.store, world.d.say))
         return world.d
 
+    from test_health import PairProbeJob  # submit's gate on EKS: the head pod answers the pair probe's job too
+
     monkeypatch.setattr(deploy_commands, "make_deployment", make_deployment)
     monkeypatch.setattr(nodegroups, "placement_zones", lambda cfg: nodegroups.Placement(list(ZONES)))
+    world.kube.exec_handler = PairProbeJob(world)
     app = typer.Typer()
     deploy_commands.register(app)
     result = CliRunner().invoke(app, ["up", "--train", "-y"])

@@ -36,8 +36,9 @@ from raytrain_eks.health.pairs import PairFigure, judge_pairs
 from raytrain_eks.k8s.cluster import ExecResult
 from raytrain_eks.k8s.state import apply_state
 
-# An image tag this tool does not know the contents of (a floating tag): its CUDA, so the driver it needs, is unknown,
-# and the fake's healthy node (the recorded 535 driver) passes. The default image (CUDA 13.0) is the driver test's.
+# An image tag this tool does not know the contents of (a floating tag): its CUDA, so the driver it needs, is unknown
+# and the driver is not judged, so these tests see the other checks alone. The default image (CUDA 13.0) is the
+# driver test's.
 UNKNOWN_CUDA_IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda"
 RUN_DIR = "/tmp/raytrain-eks/runs/20261208-000000-tiny"  # the job's run folder in the head pod
 
