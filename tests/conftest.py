@@ -116,6 +116,16 @@ def starts_ray() -> None:
 
 
 @pytest.fixture
+def one_process_group(tmp_path: Path) -> Iterator[None]:
+    """torch.distributed's default group as a gloo world of one, in this process (FSDP over one rank)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
 def fabric_cli() -> Any:
     """The fabric commands (``verify-transport``, ...) under a root group, addressed by name as under raytrain-eks."""
     import typer

@@ -15,7 +15,6 @@ import json
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from test_packing import save_tiny_llama
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -206,7 +205,7 @@ def test_flash_attentions_one_row_is_the_packed_batch_as_transformers_reads_it(l
     assert _loss(model, batch, attention=FLASH_ATTENTION) == pytest.approx(_loss(model, batch), rel=1e-5, abs=1e-5)
 
 
-class _Packed(ProcessContext):
+class PackedInMemory(ProcessContext):
     """A lone process whose data is a packed set in memory, read as the Ray workers read theirs."""
 
     def __init__(self, out, blocks: dict[str, np.ndarray]) -> None:
@@ -217,13 +216,6 @@ class _Packed(ProcessContext):
         n = len(self._set["input_ids"])
         parts = take_from_parts(lambda: [self._set], n)
         return DataCursor(parts, blocks=n, seed=seed, rank=0, world_size=1, batch_size=batch_size, position=position)
-
-
-@pytest.fixture
-def one_process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_the_run_says_and_records_its_attention(builtin_model, tmp_path, one_process_group, capsys):
@@ -245,7 +237,7 @@ def test_the_run_says_and_records_its_attention(builtin_model, tmp_path, one_pro
             attention=attention,
             sample_tokens=0,
         )
-        summary = train(cfg, builtin_model, _Packed(out, blocks))
+        summary = train(cfg, builtin_model, PackedInMemory(out, blocks))
         assert json.loads((out / "summary.json").read_text())["attention"] == summary["attention"]
         losses[summary["attention"]] = summary["first_loss"]
     printed = capsys.readouterr().out

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from raytrain_eks.config import BUILTIN_MODEL, RANDOM_DATA, TrainingConfig, load_config
 from raytrain_eks.errors import ConfigError
@@ -40,13 +39,6 @@ def _training(**extra: Any) -> TrainingConfig:
         checkpoint_every=0,
         **extra,
     )
-
-
-@pytest.fixture
-def one_process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _records(folder: Path) -> list[dict[str, Any]]:

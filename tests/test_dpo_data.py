@@ -140,7 +140,6 @@ def test_packed_pairs_score_as_the_same_pairs_run_one_by_one(tokenizer):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from raytrain_eks.train.data.packing import pack_pairs
     from raytrain_eks.train.dpo import packed_pair_logps, response_logps
 
     rows = [
@@ -148,7 +147,7 @@ def test_packed_pairs_score_as_the_same_pairs_run_one_by_one(tokenizer):
         for a, b in [(1, 2), (13, 4), (7, 70), (2, 2), (40, 5)]
     ]
     pairs = [encode_pair(row, "preference", tokenizer) for row in rows]
-    packed = pack_pairs([((c.ids, c.labels), (r.ids, r.labels)) for c, r in pairs], seq_len=64, pad_id=0)
+    packed = packed_pairs([((c.ids, c.labels), (r.ids, r.labels)) for c, r in pairs], seq_len=64, pad_id=0)
     assert len(packed["input_ids"]) < len(pairs)  # several pairs share a block
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -179,12 +178,27 @@ def test_packed_pairs_score_as_the_same_pairs_run_one_by_one(tokenizer):
     assert got.chosen_tokens.sum() + got.rejected_tokens.sum() == int((blocks["labels"] != IGNORE_INDEX).sum())
 
 
-def test_a_pair_longer_than_a_block_is_left_out_whole():
-    from raytrain_eks.train.data.packing import pack_pairs
+def packed_pairs(pairs, seq_len: int, pad_id: int) -> dict:
+    """Pairs ``((chosen ids, labels), (rejected ids, labels))`` packed as the pipeline packs them: each pair one
+    joined row with its split (encode_joined_pair's layout), the rows packed by pack_table."""
+    import pyarrow as pa
 
+    from raytrain_eks.train.data.packing import pack_table
+
+    table = pa.table(
+        {
+            "input_ids": [[*c[0], *r[0]] for c, r in pairs],
+            "labels": [[*c[1], *r[1]] for c, r in pairs],
+            "split": [len(c[0]) for c, _ in pairs],
+        }
+    )
+    return pack_table(table, seq_len, pad_id, packing="documents", overlong="drop")
+
+
+def test_a_pair_longer_than_a_block_is_left_out_whole():
     short = (([1, 2], [IGNORE_INDEX, 2]), ([1, 3], [IGNORE_INDEX, 3]))
     long = (([1, 2, 3, 4], [IGNORE_INDEX, 2, 3, 4]), ([1, 5, 6], [IGNORE_INDEX, 5, 6]))
-    packed = pack_pairs([short, long], seq_len=6, pad_id=0)
+    packed = packed_pairs([short, long], seq_len=6, pad_id=0)
     assert packed["input_ids"].tolist() == [[1, 2, 1, 3, 0, 0]]
     assert packed["position_ids"].tolist() == [[0, 1, 0, 1, 2, 3]]
 
@@ -196,8 +210,6 @@ def test_the_built_in_preference_set_is_pairs_with_one_wrong_answer_each(tokeniz
     import operator
     from importlib.resources import files
 
-    from raytrain_eks.train.data.packing import pack_pairs
-
     text = files("raytrain_eks.resources").joinpath("sample_preferences.jsonl").read_text(encoding="utf-8")
     rows = [json.loads(line) for line in text.splitlines()]
     assert len(rows) == 100 and len({row["prompt"] for row in rows}) == 100
@@ -208,7 +220,7 @@ def test_the_built_in_preference_set_is_pairs_with_one_wrong_answer_each(tokeniz
         right = {"+": operator.add, "-": operator.sub, "*": operator.mul}[op](int(a), int(b))
         assert row["chosen"] == f"{a} {op} {b} = {right}." and row["rejected"] != row["chosen"]
         assert row["rejected"].startswith(f"{a} {op} {b} = ")
-    packed = pack_pairs([((c.ids, c.labels), (r.ids, r.labels)) for c, r in pairs], seq_len=128, pad_id=0)
+    packed = packed_pairs([((c.ids, c.labels), (r.ids, r.labels)) for c, r in pairs], seq_len=128, pad_id=0)
     assert int((packed["position_ids"] == 0).sum()) == 200  # every pair whole: 100 chosen, 100 rejected
 
 

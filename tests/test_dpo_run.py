@@ -14,18 +14,18 @@ import time
 from importlib import resources
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 import torch.distributed as dist
+from test_attention import PackedInMemory
 from test_host_syncs import META, _meta_model
 from test_lora import history, make_config, quiet
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from raytrain_eks.config import BUILTIN_MODEL, LoraSettings, TrainingConfig
-from raytrain_eks.train.context import ProcessContext
-from raytrain_eks.train.data.cursor import DataCursor, take_from_parts
-from raytrain_eks.train.data.encoding import encode_pair
-from raytrain_eks.train.data.packing import pack_pairs
+from raytrain_eks.train.data.encoding import encode_joined_pair
+from raytrain_eks.train.data.packing import pack_table
 from raytrain_eks.train.dpo import METRICS, Reference, pair_documents, pairs_in
 from raytrain_eks.train.faults import ENV as FAULT_ENV
 from raytrain_eks.train.launch import run_training
@@ -38,31 +38,14 @@ SEQ = 64
 
 
 def _pair_blocks(tokenizer, pairs: int = 16) -> dict[str, np.ndarray]:
-    """The first built-in preference pairs, encoded and packed as the pipeline packs them (pack_pairs)."""
+    """The first built-in preference pairs, encoded and packed as the pipeline does: each pair one joined row
+    (encode_joined_pair), the rows packed by pack_table with their split."""
     text = resources.files("raytrain_eks.resources").joinpath("sample_preferences.jsonl").read_text()
-    rows = [json.loads(line) for line in text.splitlines()[:pairs]]
-    encoded = [encode_pair(row, "preference", tokenizer) for row in rows]
-    return pack_pairs([((c.ids, c.labels), (r.ids, r.labels)) for c, r in encoded], SEQ, tokenizer.pad_token_id)
-
-
-class _Pairs(ProcessContext):
-    """A lone process whose data is a packed set of pairs in memory, read as the Ray workers read theirs."""
-
-    def __init__(self, out, blocks: dict[str, np.ndarray]) -> None:
-        super().__init__(out)
-        self._set = blocks
-
-    def data_batches(self, batch_size, position, seed):
-        n = len(self._set["input_ids"])
-        parts = take_from_parts(lambda: [self._set], n)
-        return DataCursor(parts, blocks=n, seed=seed, rank=0, world_size=1, batch_size=batch_size, position=position)
-
-
-@pytest.fixture
-def one_process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    joined = [encode_joined_pair(json.loads(line), "preference", tokenizer) for line in text.splitlines()[:pairs]]
+    table = pa.table(
+        {"input_ids": [j.ids for j in joined], "labels": [j.labels for j in joined], "split": [j.split for j in joined]}
+    )
+    return pack_table(table, SEQ, tokenizer.pad_token_id, packing="documents", overlong="drop")
 
 
 def _full(model) -> dict[str, torch.Tensor]:
@@ -88,7 +71,7 @@ def test_full_dpo_trains_the_policy_against_a_frozen_copy_of_its_start(
     )
     blocks = _pair_blocks(tokenizer, pairs=4)
     assert len(blocks["input_ids"]) == 4  # a pair a block: each step trains on the same pairs, in its 4 blocks
-    ctx = _Pairs(tmp_path, blocks)
+    ctx = PackedInMemory(tmp_path, blocks)
     run = start_run(cfg, builtin_model, ctx, time.perf_counter())
     reference, policy = run.reference.model, run.prepared.model
     assert reference is not policy and not run.reference.adapters
@@ -134,7 +117,7 @@ def test_lora_dpo_under_fsdp2_in_bf16_trains_after_its_reference_pass(
         sharding="fsdp",
         sample_tokens=0,
     )
-    run = start_run(cfg, builtin_model, _Pairs(tmp_path, _pair_blocks(tokenizer, pairs=2)), time.perf_counter())
+    run = start_run(cfg, builtin_model, PackedInMemory(tmp_path, _pair_blocks(tokenizer, pairs=2)), time.perf_counter())
     assert run.reference.adapters and run.reference.model is run.prepared.model
     policy = run.prepared.model
     start = _full(policy)

@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from raytrain_eks.config import BUILTIN_MODEL, RANDOM_DATA, TrainingConfig
@@ -103,13 +102,6 @@ def test_all_masked_chunk_counts_zero():
         lambda a, b, y: chunked_cross_entropy(a, b, y, max_logits=50 * 4, ignore_index=IGNORE), h, w, labels
     )
     assert loss.item() == 0.0 and torch.count_nonzero(h_grad) == 0 and torch.count_nonzero(w_grad) == 0
-
-
-@pytest.fixture
-def one_process_group(tmp_path):
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_loop_losses_are_the_same_by_the_plain_loss_and_by_many_chunks(

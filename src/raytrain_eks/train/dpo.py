@@ -18,7 +18,7 @@ Example::
     policy = PairLogps(chosen, rejected, n_chosen, n_rejected)
     loss, metrics = dpo_loss(policy, ref_chosen, ref_rejected, beta=0.1, loss_type="sigmoid")
 
-In the training loop a step's micro-batches are blocks packed by :func:`~raytrain_eks.train.data.packing.pack_pairs`
+In the training loop a step's micro-batches are blocks packed by :func:`~.data.packing.pack_table`
 and :class:`Reference` computes each one's loss: the reference's pass under ``no_grad`` (the same model with its
 adapters off, or a frozen copy of the start weights), then the policy's, summed over the pairs (:func:`dpo_sums`)
 so that the step divides by the pairs of every rank and micro-batch, as the supervised loss divides by tokens.
@@ -81,7 +81,7 @@ def response_logps(
 
 def pair_documents(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Where each scored position's log-probability goes in blocks packed by
-    :func:`~raytrain_eks.train.data.packing.pack_pairs`: the index of its document among all the batch's documents
+    :func:`~.data.packing.pack_table`: the index of its document among all the batch's documents
     (``[B * (T - 1)]``, in the order of the labels it scores) and how many documents there are. Each document starts
     where ``position_ids`` is 0, and a block's documents pair up in order (chosen, rejected, chosen, ...); the
     padding after a block's last document goes on counting (it is masked, so it adds nothing). Computed from host
@@ -89,7 +89,7 @@ def pair_documents(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     starts = position_ids == 0
     per_block = starts.sum(dim=-1)
     if bool((per_block % 2).any()):
-        raise ValueError("a packed block holds a document without its pair: pack preference data with pack_pairs")
+        raise ValueError("a packed block holds a document without its pair: pack pairs joined, with their split")
     first = per_block.cumsum(0) - per_block  # the index of each block's first document among all of them
     document = (starts.long().cumsum(dim=-1) - 1 + first[:, None])[:, 1:].reshape(-1)
     return document, int(per_block.sum())
@@ -102,7 +102,7 @@ def packed_pair_logps(
     ignore_index: int = IGNORE_INDEX,
     documents: tuple[torch.Tensor, int] | None = None,
 ) -> PairLogps:
-    """:class:`PairLogps` of blocks packed by :func:`~raytrain_eks.train.data.packing.pack_pairs` (the pairs as
+    """:class:`PairLogps` of blocks packed by :func:`~.data.packing.pack_table` (the pairs as
     :func:`pair_documents` finds them; ``documents``: its answer, already computed)."""
     token_logps, scored = _token_logps(logits, labels, ignore_index)
     document, total = documents if documents is not None else pair_documents(position_ids)
@@ -236,7 +236,7 @@ def metrics_of(sums: torch.Tensor, pairs: float) -> dict[str, float]:
 
 
 def pairs_in(batch: dict[str, torch.Tensor]) -> int:
-    """The pairs of a batch packed by :func:`~raytrain_eks.train.data.packing.pack_pairs`, counted from its host
+    """The pairs of a batch packed by :func:`~.data.packing.pack_table`, counted from its host
     ``position_ids`` (two documents a pair)."""
     return int((batch["position_ids"] == 0).sum()) // 2
 

@@ -302,7 +302,7 @@ def encode_joined_pair(
     row: dict[str, Any], data_format: str, tokenizer: Any, columns: dict[str, str] | None = None
 ) -> Encoded:
     """:func:`encode_pair`'s two encodings as one row, chosen then rejected, with ``split`` where the rejected one
-    starts: the pipeline shuffles and counts a pair as one row, and :func:`~.packing.pack_pairs`'s layout puts its
+    starts: the pipeline shuffles and counts a pair as one row, and :func:`~.packing.pack_table`'s layout puts its
     two documents side by side in one block.
 
     >>> joined = encode_joined_pair({"prompt": "2+2=", "chosen": "4", "rejected": "5"}, "preference", tok)

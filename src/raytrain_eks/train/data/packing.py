@@ -70,7 +70,8 @@ def _packed_arrays(
     splits: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """The joined tokens of :func:`pack` (rows of ``lengths``, one after another) packed as it describes; a row
-    with a ``splits`` offset above 0 holds two documents, the second starting there (:func:`pack_pairs`)."""
+    with a ``splits`` offset above 0 holds two documents, the second starting there
+    (a preference pair: :func:`pack_table`'s ``split``)."""
     if packing not in PACKING_MODES:
         raise ValueError(f"packing must be one of {', '.join(PACKING_MODES)}, not {packing!r}")
     if packing == "concat":
@@ -199,35 +200,6 @@ def _check_fits(lengths: np.ndarray, capacity: int) -> None:
         raise ValueError(f"a row of {int(lengths.max())} tokens does not fit a block of {capacity}")
 
 
-def pack_pairs(
-    pairs: Iterable[tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]],
-    seq_len: int,
-    pad_id: int,
-) -> dict[str, np.ndarray]:
-    """Preference pairs, each ``((chosen ids, labels), (rejected ids, labels))``, packed as :func:`pack`'s
-    documents with each pair kept whole in one block: its chosen then its rejected response, two documents
-    (``position_ids`` count from 0 at each), so a block's documents pair up in order, 1st with 2nd, 3rd with 4th.
-    A pair longer than ``seq_len`` is left out: cutting it would lose the rejected answer.
-
-    >>> pack_pairs([(([5, 6], [-100, 6]), ([5, 7], [-100, 7]))], seq_len=6, pad_id=0)["position_ids"].tolist()
-    [[0, 1, 0, 1, 2, 3]]
-    """
-    ids: list[np.ndarray] = []
-    labels: list[np.ndarray] = []
-    splits: list[int] = []
-    for (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) in pairs:
-        if len(chosen_ids) != len(chosen_labels) or len(rejected_ids) != len(rejected_labels):
-            raise ValueError("input_ids and labels of a row differ in length")
-        ids.append(np.asarray([*chosen_ids, *rejected_ids], dtype=np.int64))
-        labels.append(np.asarray([*chosen_labels, *rejected_labels], dtype=np.int64))
-        splits.append(len(chosen_ids))
-    lengths = np.array([len(i) for i in ids], dtype=np.int64)
-    flat_ids = np.concatenate(ids) if ids else np.empty(0, np.int64)
-    flat_labels = np.concatenate(labels) if labels else np.empty(0, np.int64)
-    split_at = np.array(splits, dtype=np.int64)
-    return _packed_arrays(flat_ids, flat_labels, lengths, seq_len, pad_id, "documents", "drop", split_at)
-
-
 def _run_on(ids: np.ndarray, labels: np.ndarray, seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
     """``packing: concat``: the joined tokens cut every ``seq_len``, the tail block padded and masked."""
     n_blocks = -(-len(ids) // seq_len)
@@ -244,7 +216,9 @@ def pack_table(
 ) -> dict[str, np.ndarray]:
     """:func:`pack` of a pyarrow table's ``input_ids`` and ``labels`` list columns, from their values as they lie
     (no Python int per token). A ``split`` column makes each row a preference pair joined at that offset
-    (:func:`~.encoding.encode_joined_pair`), packed as :func:`pack_pairs` packs pairs."""
+    (:func:`~.encoding.encode_joined_pair`): each pair kept whole in one block, its chosen then its rejected
+    answer as two documents (``position_ids`` count from 0 at each), so a block's documents pair up in order; a pair
+    longer than ``seq_len`` is left out, since cutting it would lose the rejected answer."""
     import pyarrow.compute as pc
 
     ids, labels = table.column("input_ids"), table.column("labels")
@@ -253,7 +227,7 @@ def pack_table(
         raise ValueError("input_ids and labels of a row differ in length")
     counts = lengths.to_numpy(zero_copy_only=False).astype(np.int64) if len(lengths) else np.empty(0, np.int64)
     splits = None
-    if "split" in table.column_names:  # joined preference pairs: whole, or not at all (:func:`pack_pairs`)
+    if "split" in table.column_names:  # joined preference pairs: whole, or not at all
         if (packing, overlong) != ("documents", "drop"):
             raise ValueError("preference pairs pack as documents, a pair too long left out (overlong drop)")
         splits = table.column("split").to_numpy(zero_copy_only=False).astype(np.int64)
