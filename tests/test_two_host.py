@@ -42,6 +42,7 @@ from typer.testing import CliRunner
 from raytrain_eks.config import load_config
 from raytrain_eks.deploy import commands as deploy_commands
 from raytrain_eks.k8s.cluster import ExecResult
+from raytrain_eks.report.segments import SEGMENTS, read_segments
 
 _MISSING = requirement_missing()
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
@@ -445,6 +446,11 @@ def test_a_slowed_rank_is_named_a_straggler_and_a_stopped_one_ends_the_run(clust
     assert sorted(stacks) == ["rank0.txt", "rank1.txt"], sorted(stacks)
     assert "process state T" in stacks[f"rank{finding['rank']}.txt"]
     assert all("raytrain_eks/train/loop.py:" in text for text in stacks.values()), stacks  # inside the loop
+    # The attempt is a failed segment of the run: its two workers on the cluster's hosts, ended by the watchdog.
+    (segment,) = read_segments(folder / SEGMENTS)
+    assert (segment.ended, segment.world_size, segment.first_step) == ("failed", 2, 0), segment
+    assert segment.reason.startswith("watchdog: rank") and set(cluster.ips) <= set(segment.hosts), segment
+    assert segment.last_step >= named["step"] and segment.capacity == "cluster (capacity not recorded)"
     threshold = finding["threshold_s"]
     print(f"\n{named['stragglers'][0]} at step {named['step']}, capped after step {capped_at[-1]['step']}")
     print(f"{finding['message']}\nnamed {named_after:.1f} s after SIGSTOP (threshold {threshold:.0f} s), run over")

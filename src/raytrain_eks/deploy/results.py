@@ -76,11 +76,19 @@ def _storage_error(storage: str, exc: BaseException) -> UserError:
     )
 
 
-def _read_json(fs: Any, path: str) -> dict[str, Any] | None:
+def _read_text(fs: Any, path: str) -> str | None:
     try:
         with fs.open_input_stream(path) as f:
-            found = json.loads(f.read().decode(errors="replace"))
-    except (OSError, ValueError):
+            return str(f.read().decode(errors="replace"))
+    except OSError:
+        return None
+
+
+def _read_json(fs: Any, path: str) -> dict[str, Any] | None:
+    text = _read_text(fs, path)
+    try:
+        found = json.loads(text) if text is not None else None
+    except ValueError:
         return None
     return found if isinstance(found, dict) else None
 
@@ -346,10 +354,8 @@ def segment_lines_of(d: Deployment) -> list[str]:
     text = None
     if bundle:
         try:
-            fs, base = filesystem(join(bundle, SEGMENTS))
-            with fs.open_input_stream(base) as f:
-                text = f.read().decode(errors="replace")
-        except (OSError, ValueError):
+            text = _read_text(*filesystem(join(bundle, SEGMENTS)))
+        except (OSError, ValueError):  # a location pyarrow cannot open
             text = None
     elif kept and (Path(kept) / SEGMENTS).is_file():
         text = (Path(kept) / SEGMENTS).read_text(errors="replace")

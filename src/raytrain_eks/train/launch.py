@@ -358,6 +358,8 @@ def _train_in(
         resume_from=resume_from,
         bundle=bundle,
     )
+    if attempt is not None:  # its workers as counted on the cluster (training.num_workers 0: every GPU)
+        attempt.world_size = run.num_workers
     heard, error = _trained(run, say=say, progress=progress, bundle=bundle, trained=trained)
     return _finished(
         run, heard, error, t_start=t_start, say=say, price=price, unpriced=unpriced, bundle=bundle, attempt=attempt
