@@ -29,7 +29,7 @@ from raytrain_eks.deploy import commands as deploy_commands
 from raytrain_eks.eks.replace import instance_of, replace_instance
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.probe import PairsReport, ProbeNode, ProbeSpec, build_report
-from raytrain_eks.folders import NODE_CHECKS_ENV, keep_node_checks
+from raytrain_eks.folders import NODE_CHECKS, NODE_CHECKS_ENV, keep_node_checks
 from raytrain_eks.health import parsers
 from raytrain_eks.health.node import Expectation, Finding, NodeHealth, check_node
 from raytrain_eks.health.pairs import PairFigure, judge_pairs
@@ -360,10 +360,9 @@ def test_submit_gate_refuses_a_slow_pair_and_keeps_the_checks_in_the_run_folder(
     kept = json.loads(handed.read_text())
     assert kept["ok"] is True and [n["node"] for n in kept["nodes"]] == nodes
     assert [(p["nodes"], p["busbw_gbps"]) for p in kept["pairs"]["pairs"]] == [(nodes, 35.0)]
-    run_dir = ready.ray.tmp / "run"
-    run_dir.mkdir()  # the job's run folder (run_training makes it, then keeps the checks)
+    run_dir = ready.ray.tmp / "run"  # the job's run folder, as its driver names it
     assert keep_node_checks(run_dir, {NODE_CHECKS_ENV: str(handed)})
-    assert json.loads((run_dir / checks.HEALTH_FILE).read_text()) == kept
+    assert json.loads((run_dir / NODE_CHECKS).read_text()) == kept
     assert not keep_node_checks(run_dir, {})  # a job submitted without the gate keeps none
 
 

@@ -19,6 +19,7 @@ from rich.table import Table
 from raytrain_eks.errors import UserError
 from raytrain_eks.evaluation import harness
 from raytrain_eks.evaluation import run as evaluation
+from raytrain_eks.folders import EVAL_RESULTS
 from raytrain_eks.options import AddressOpt, VerboseOpt
 
 
@@ -121,4 +122,4 @@ def _into_bundle(run_dir: Path, out: Console) -> None:
         raise UserError(f"{config} is not valid YAML: {exc}", hint="It is the run's own; restore it.") from None
     storage = ((settings or {}).get("training") or {}).get("storage_path")
     if storage:
-        out.print(f"run bundle: {put_run_file(run_dir, storage, evaluation.EVAL_FILE)}")
+        out.print(f"run bundle: {put_run_file(run_dir, storage, EVAL_RESULTS)}")

@@ -19,6 +19,8 @@ from pathlib import Path
 # report's health section and the run bundle read.
 NODE_CHECKS_ENV = "RAYTRAIN_EKS_NODE_CHECKS"
 NODE_CHECKS = "health/check.json"
+# A run's benchmark scores (``raytrain-eks eval``, ``train --eval-tasks``), in its run folder and so in its bundle.
+EVAL_RESULTS = "eval.json"
 
 
 def new_folder(root: Path, stem: str, *, create: bool = True) -> Path:

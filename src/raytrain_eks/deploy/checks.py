@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from raytrain_eks.errors import UserError
 from raytrain_eks.fabric.probe import ProbeSpec
-from raytrain_eks.folders import NODE_CHECKS, NODE_CHECKS_ENV
+from raytrain_eks.folders import NODE_CHECKS_ENV
 from raytrain_eks.health.node import Expectation, NodeHealth, check_node, table
 from raytrain_eks.health.pairs import MIN_BANDWIDTH_FRACTION, PairCheck, PairFigure, judge_pairs
 from raytrain_eks.instances import INSTANCE_TYPES
@@ -302,8 +302,6 @@ def before_job(
     )
 
 
-#: Where a run folder keeps the checks of the nodes it ran on (the report's health section reads it).
-HEALTH_FILE = NODE_CHECKS
 # Writes stdin to the file named by its argument, making its folder: run by the head pod's python3.
 _WRITE = (
     "import os, sys; os.makedirs(os.path.dirname(sys.argv[1]), exist_ok=True); "
@@ -314,8 +312,8 @@ _WRITE = (
 def hand_over_health(d: Deployment, head: Pod, health: ClusterHealth) -> dict[str, str]:
     """Leave the gate's checks in the head pod for the job about to start, and return the job's environment that
     names them (:data:`~raytrain_eks.folders.NODE_CHECKS_ENV`): its driver keeps them in the run folder
-    (:data:`HEALTH_FILE`) before it trains, so its report and bundle have them. Empty (said) when they cannot be
-    written."""
+    (:data:`~raytrain_eks.folders.NODE_CHECKS`) before it trains, so its report and bundle have them. Empty
+    (said) when they cannot be written."""
     path = f"/tmp/raytrain-eks/node-checks-{secrets.token_hex(4)}.json"
     argv = [m.IMAGE_PYTHON, "-c", _WRITE, path]
     res = d.kube.exec(

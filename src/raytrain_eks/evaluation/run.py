@@ -23,8 +23,8 @@ from typing import Any
 from raytrain_eks.errors import UserError
 from raytrain_eks.evaluation import harness
 from raytrain_eks.evaluation.harness import TaskInfo, TaskResult
+from raytrain_eks.folders import EVAL_RESULTS
 
-EVAL_FILE = "eval.json"  # a run's evaluation results, in its run folder (and so in its bundle)
 RUN_MODEL = "model"  # a run's export folder (train.launch writes RUN_DIR/model)
 # Files that make a folder a run folder: what every run writes first.
 RUN_MARKS = ("config.yaml", "metrics.jsonl", "run.json")
@@ -49,9 +49,9 @@ def resolve_target(path: Path) -> EvalTarget:
             f"{path} is not a folder", hint="Give a run folder (runs/...) or a Hugging Face model folder to evaluate."
         )
     if (path / MODEL_CONFIG).is_file():
-        return EvalTarget(model_dir=path, results_file=path / EVAL_FILE)
+        return EvalTarget(model_dir=path, results_file=path / EVAL_RESULTS)
     if (path / RUN_MODEL / MODEL_CONFIG).is_file():
-        return EvalTarget(model_dir=path / RUN_MODEL, results_file=path / EVAL_FILE, run_dir=path)
+        return EvalTarget(model_dir=path / RUN_MODEL, results_file=path / EVAL_RESULTS, run_dir=path)
     if (path / ADAPTER_CONFIG).is_file():
         raise UserError(
             f"{path} holds LoRA adapters alone, not a model",

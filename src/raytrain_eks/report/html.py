@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_eks.errors import RunFolderError
+from raytrain_eks.folders import EVAL_RESULTS, NODE_CHECKS
 from raytrain_eks.report.plots import FIGURES, RANK_STEPS_TITLE, draw_curves, draw_rank_steps
 
 REPORT_FILE = "report.html"
@@ -258,9 +259,6 @@ def _watch(runs: list[Run]) -> str:
     return f"<h3>Stragglers and watchdog</h3><ul>{''.join(items)}</ul>" if items else ""
 
 
-_CHECK = "health/check.json"  # `raytrain-eks check --json` of the run's nodes (deploy/checks.py: ClusterHealth)
-
-
 def _node_checks(check: dict[str, Any]) -> str:
     """One row per check of each node: the node, its verdict, the check and its evidence."""
     marks = {True: "ok", False: "FAIL", None: "not checked"}
@@ -310,7 +308,7 @@ def _health(runs: list[Run], rank_chart: str) -> str:
     times (the straggler chart) and the stragglers and watchdog's finding; nothing when a run has none of them."""
     parts = []
     for run in runs:
-        check = _json_object(run.path / _CHECK)
+        check = _json_object(run.path / NODE_CHECKS)
         if not check:
             continue
         verdict = "every GPU node passed" if check.get("ok") else f"failing: {', '.join(check.get('bad_nodes') or [])}"
@@ -326,15 +324,12 @@ def _health(runs: list[Run], rank_chart: str) -> str:
     return f"<h2>Cluster health</h2>{''.join(parts)}{rank_chart}{watch}"
 
 
-_EVAL = "eval.json"  # the run's benchmark results (raytrain_eks.evaluation: `train --eval-tasks`, `eval RUN`)
-
-
 def _evaluation(runs: list[Run]) -> str:
     """The lm-eval results of each run that has an ``eval.json``: task, metric, value ± stderr, examples; nothing
     when none has."""
     rows = []
     for run in runs:
-        for task, found in (_json_object(run.path / _EVAL).get("tasks") or {}).items():
+        for task, found in (_json_object(run.path / EVAL_RESULTS).get("tasks") or {}).items():
             for metric, figures in (found.get("metrics") or {}).items():
                 stderr = figures.get("stderr")
                 spread = "" if stderr is None else f" ± {_num(stderr, '{:.4f}')}"

@@ -12,7 +12,8 @@ the start; :class:`RunBundle` adds the rest of the run folder, as the run goes:
   steps), ``train.log`` (the driver's lines), ``error.log``, ``nccl/rank*.log`` and ``rank_steps.jsonl`` when they
   changed;
 - at the end, everything else of the run folder: the export ``model/``, ``summary.json``, ``samples.jsonl``,
-  ``eval.json`` (:data:`EVAL_RESULTS`, ``train --eval-tasks``), ``report.html``, ``plots/``, ``tensorboard/``;
+  ``eval.json`` (:data:`~raytrain_eks.folders.EVAL_RESULTS`, ``train --eval-tasks``), ``report.html``,
+  ``plots/``, ``tensorboard/``;
   after a failure, what the run folder holds then (``error.log`` with every failed rank's traceback among it;
   ``watchdog/``, every rank's stack, when the watchdog ended a hung run).
 - ``logs/NODE/`` (:data:`WORKER_LOGS`): the output of the run's Ray worker processes (the training ranks among them)
@@ -47,9 +48,6 @@ from raytrain_eks.train.checkpoint import RAY_DIR, storage_root
 from raytrain_eks.train.storage import filesystem, is_remote, join
 
 RUN_STATE = "run.json"
-# The run's benchmark results (raytrain_eks.evaluation): written before the end by `train --eval-tasks`, or later
-# by `raytrain-eks eval RUN`, which puts it into a finished run's bundle (put_run_file).
-EVAL_RESULTS = "eval.json"
 DRIVER_LOG = "train.log"
 METRICS = "metrics.jsonl"
 ERROR_LOG = "error.log"
