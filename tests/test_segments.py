@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import boto3
 
 from raytrain_eks.deploy.results import segment_lines_of
+from raytrain_eks.folders import new_folder
 from raytrain_eks.report.segments import (
     FAILED,
     FINISHED,
@@ -102,8 +103,7 @@ def test_a_line_cut_short_is_left_out_and_the_capacity_comes_from_the_deployment
 
 def test_status_reads_the_segments_from_the_runs_bundle_in_s3(tmp_path: Path, moto_url: str, aws_env: str):
     boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="runs-bucket")
-    run_dir = tmp_path / "20261207-100003-qwen"
-    run_dir.mkdir()
+    run_dir = new_folder(tmp_path, "20261207-100003-qwen")  # as train names and makes a run folder
     bundle = RunBundle.start(run_dir, "s3://runs-bucket/runs", total_steps=12, lines=[], warn=print, every_s=60)
     assert bundle is not None
     append_segment(run_dir, segment_of(_summary(), started="2026-12-07T10:00:03Z", capacity="spot", world_size=2))
@@ -114,8 +114,7 @@ def test_status_reads_the_segments_from_the_runs_bundle_in_s3(tmp_path: Path, mo
     assert lines[0] == f"Run {run_dir.name}:"
     assert lines[1].startswith("  segment 1: steps 0-12, 2 workers on 2 nodes (spot)") and "finished" in lines[1]
     # a resume on another machine continues the same file: the bundle's lines come back into a new run folder
-    elsewhere = tmp_path / "other" / run_dir.name
-    elsewhere.mkdir(parents=True)
+    elsewhere = new_folder(tmp_path / "other", run_dir.name)
     again = RunBundle.start(elsewhere, "s3://runs-bucket/runs", total_steps=12, lines=[], warn=print, every_s=60)
     assert again is not None
     again.close()

@@ -13,7 +13,6 @@ the report. Example::
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -241,12 +240,6 @@ def last_logged_step(run_dir: Path) -> int | None:
         if isinstance(step, int):
             last = step if last is None else max(last, step)
     return last
-
-
-def checkpoint_step(path: str) -> int | None:
-    """The step of a checkpoint folder by its name (``.../checkpoint_00000040`` -> 40), else ``None``."""
-    match = re.search(r"checkpoint_(\d+)/*$", path)
-    return int(match.group(1)) if match else None
 
 
 def failed_cost(

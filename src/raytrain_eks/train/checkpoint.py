@@ -342,6 +342,12 @@ def _download_share(location: str, into: Path, state: STATE_DICT_TYPE, rank: int
     return read, sum(sizes.values())
 
 
+def checkpoint_step(path: str) -> int | None:
+    """The step of a checkpoint folder by its name (``.../checkpoint_00000040`` -> 40), else ``None``."""
+    match = _NAME.match(path.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
 def list_checkpoints(root: str | Path) -> list[tuple[int, str, bool]]:
     """(step, location, complete) for every ``checkpoint_*`` folder under ``root`` (a path or URI), oldest first."""
     from pyarrow import fs as pafs

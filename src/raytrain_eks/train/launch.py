@@ -36,7 +36,7 @@ from raytrain_eks.ray_session import (
     worker_host_addresses,
     worker_hosts,
 )
-from raytrain_eks.report.segments import SegmentStart, append_segment, capacity_of, checkpoint_step, failed_cost
+from raytrain_eks.report.segments import SegmentStart, append_segment, capacity_of, failed_cost
 from raytrain_eks.train.bundle import RunBundle, bundle_note
 from raytrain_eks.train.collect import DONE, Collected, Progress, collect
 from raytrain_eks.train.preemption import PREEMPTED, Notice, keep_global_batch, preempted_line
@@ -175,7 +175,12 @@ def run_training(
     """
     import ray
 
-    from raytrain_eks.train.checkpoint import check_compatible, resolve_checkpoint, write_storage_config
+    from raytrain_eks.train.checkpoint import (
+        check_compatible,
+        checkpoint_step,
+        resolve_checkpoint,
+        write_storage_config,
+    )
     from raytrain_eks.train.data.sources import list_data_files
     from raytrain_eks.train.lora import check_lora
     from raytrain_eks.train.loss import check_loss_kernel
