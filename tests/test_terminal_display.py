@@ -48,9 +48,9 @@ def terminal(tmp_path):
     socket = f"raytrain-eks-test-{os.getpid()}"
 
     def tmux(*args: str) -> str:
-        return subprocess.run(
-            [TMUX, "-L", socket, "-f", "/dev/null", *args], check=True, capture_output=True, text=True
-        ).stdout
+        done = subprocess.run([TMUX, "-L", socket, "-f", "/dev/null", *args], capture_output=True, text=True)
+        assert done.returncode == 0, f"tmux {args[0]} exited {done.returncode}: {done.stderr.strip()}"  # tmux's why
+        return done.stdout
 
     tmux("new-session", "-d", "-s", "t", "-x", "150", "-y", "60", "-c", str(tmp_path), "sleep", "900")
     tmux("set-option", "-g", "remain-on-exit", "on")
